@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Launch titanrush training: ./run_train.sh [--config FILE] [--section.key value ...]
+#   NGPU      processes per node (default: visible GPUs, or 1 without a GPU)
+#   NNODES    nodes (default 1); with NNODES > 1 also NODE_RANK and RDZV_ENDPOINT (host:port) or
+#             MASTER_ADDR / MASTER_PORT, for torchrun's c10d rendezvous
+set -euo pipefail
+cd "$(dirname "$0")"
+PYTHON=${PYTHON:-python3}
+
+for arg in "$@"; do
+  if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then exec "$PYTHON" -m titanrush.train --help; fi
+done
+
+if [ -z "${NGPU:-}" ]; then
+  NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 1)" 2>/dev/null || echo 1)
+fi
+NNODES=${NNODES:-1}
+
+if [ "$NGPU" = "1" ] && [ "$NNODES" = "1" ]; then
+  # One process: no launcher needed, and config errors exit with status 2 directly.
+  exec "$PYTHON" -m titanrush.train "$@"
+fi
+
+# Several processes: validate the config once first, so that a typo exits 2 before any launch.
+WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titanrush.train --check "$@" >/dev/null
+
+if [ "$NNODES" = "1" ]; then
+  exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" -m titanrush.train "$@"
+fi
+ENDPOINT=${RDZV_ENDPOINT:-${MASTER_ADDR:?set RDZV_ENDPOINT or MASTER_ADDR}:${MASTER_PORT:-29500}}
+exec "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --node_rank="${NODE_RANK:?set NODE_RANK}" \
+  --nproc_per_node="$NGPU" --rdzv_backend=c10d --rdzv_endpoint="$ENDPOINT" --rdzv_id="${RDZV_ID:-titanrush}" \
+  -m titanrush.train "$@"

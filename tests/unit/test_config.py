@@ -1,0 +1,170 @@
+"""Config loading: precedence, extends, override syntax and every error path."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from titanrush import config
+from titanrush.config import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+def test_defaults_are_the_debug_job():
+    cfg = config.load()
+    assert cfg.model.flavor == "debug"
+    assert cfg.data.dataset == "embedded"
+    assert cfg.training.steps > 0
+
+
+def test_precedence_defaults_toml_cli(tmp_path):
+    f = write(tmp_path / "a.toml", "[training]\nsteps = 7\nseq_len = 128\n")
+    cfg = config.load(str(f), ["--training.seq_len", "64"])
+    assert cfg.training.steps == 7  # TOML over default
+    assert cfg.training.seq_len == 64  # command line over TOML
+    assert cfg.training.local_batch_size == config.Training().local_batch_size  # default kept
+
+
+def test_override_forms(tmp_path):
+    cfg = config.load(
+        None,
+        [
+            "--compile.enable",
+            "--no-metrics.tensorboard",
+            "--training.max_norm=0.5",
+            "--checkpoint.enable=true",
+            "--float8.filter_fqns",
+            "output,w2",
+            "--parallelism.pp_layers_per_stage=2,2",
+        ],
+    )
+    assert cfg.compile.enable is True
+    assert cfg.metrics.tensorboard is False
+    assert cfg.training.max_norm == 0.5
+    assert cfg.checkpoint.enable is True
+    assert cfg.float8.filter_fqns == ["output", "w2"]
+    assert cfg.parallelism.pp_layers_per_stage == [2, 2]
+
+
+def test_bool_flag_followed_by_another_flag():
+    cfg = config.load(None, ["--compile.enable", "--training.steps", "3"])
+    assert cfg.compile.enable is True and cfg.training.steps == 3
+
+
+def test_extends_relative_and_chained(tmp_path):
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    write(tmp_path / "base.toml", "[training]\nsteps = 11\nseq_len = 100\n[model]\nflavor = '1B'\n")
+    write(sub / "mid.toml", 'extends = "../base.toml"\n[training]\nseq_len = 200\n')
+    leaf = write(sub / "leaf.toml", 'extends = "mid.toml"\n[optimizer]\nlr = 0.5\n')
+    cfg = config.load(str(leaf))
+    assert (cfg.training.steps, cfg.training.seq_len, cfg.model.flavor, cfg.optimizer.lr) == (
+        11,
+        200,
+        "1B",
+        0.5,
+    )
+
+
+def test_extends_cycle_is_an_error(tmp_path):
+    write(tmp_path / "a.toml", 'extends = "b.toml"\n')
+    write(tmp_path / "b.toml", 'extends = "a.toml"\n')
+    with pytest.raises(ConfigError, match="extends itself"):
+        config.load(str(tmp_path / "a.toml"))
+
+
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        (["--training.step", "3"], "unknown config key training.step; did you mean training.steps"),
+        (["--trainig.steps", "3"], r"unknown config section \[trainig\]; did you mean \[training\]"),
+        (["--training.lr", "3"], "did you mean optimizer.lr"),
+        (["--training.steps", "many"], "training.steps must be an integer"),
+        (["--training.steps", "0"], "training.steps must be > 0"),
+        (["--training.steps", "-3"], "training.steps must be > 0"),
+        (["--training.precision", "fp16"], "training.precision = 'fp16' is not one of fp32, bf16"),
+        (["--compile.enable=maybe"], "compile.enable must be true or false"),
+        (["--no-training.steps"], "only applies to true/false keys"),
+        (["--training.seq_len"], "needs a value"),
+        (["steps=3"], "overrides look like --section.key value"),
+        (["--activation_checkpoint.selective", "some"], "use 'op' or a positive integer"),
+        (["--parallelism.dp_shard", "0"], "parallelism.dp_shard must be -1 or >= 1"),
+    ],
+)
+def test_cli_errors(args, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        config.load(None, args)
+
+
+def test_toml_errors(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        config.load(str(tmp_path / "missing.toml"))
+    bad_type = write(tmp_path / "t.toml", '[training]\nsteps = "ten"\n')
+    with pytest.raises(ConfigError, match="training.steps must be an integer"):
+        config.load(str(bad_type))
+    unknown = write(tmp_path / "u.toml", "[trainer]\nsteps = 3\n")
+    with pytest.raises(ConfigError, match=r"did you mean \[training\]"):
+        config.load(str(unknown))
+    broken = write(tmp_path / "b.toml", "[training\nsteps = 3\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        config.load(str(broken))
+
+
+def test_help_lists_every_key_with_doc():
+    text = config.help_text()
+    import dataclasses
+
+    for section, cls in config.sections().items():
+        for f in dataclasses.fields(cls):
+            assert f"--{section}.{f.name} " in text
+    # every field has a docstring: no empty help line follows a key
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if line.strip().startswith("--"):
+            assert lines[i + 1].strip(), f"no docstring for {line.strip()}"
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = config.load(None, ["--training.steps", "9", "--float8.filter_fqns", "a,b", "--job.name", 'we"ird'])
+    path = write(tmp_path / "resolved.toml", config.to_toml(cfg))
+    again = config.load(str(path))
+    assert again == cfg
+
+
+def run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "titanrush.train", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--training.stepz", "3"], "did you mean training.steps"),
+        (["--config", "no/such/file.toml"], "not found"),
+        (["--training.seq_len", "4096"], "exceeds the debug model's maximum"),
+        (["--model.flavor", "8b"], "did you mean '8B'"),
+        (["--model.vocab_size", "1000"], "does not cover the tokenizer"),
+    ],
+)
+def test_cli_exit_status_2_with_one_line(args, fragment, tmp_path):
+    res = run_cli("--job.dump_folder", str(tmp_path), *args)
+    assert res.returncode == 2, res.stderr
+    err_lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(err_lines) == 1 and fragment in err_lines[0], res.stderr
+    assert not any(tmp_path.iterdir()), "nothing may be written on a config error"
+
+
+def test_help_exits_zero():
+    res = run_cli("--help")
+    assert res.returncode == 0
+    assert "--training.seq_len" in res.stdout and "--parallelism.tp" in res.stdout

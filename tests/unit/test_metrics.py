@@ -1,0 +1,80 @@
+"""FLOPs, the peak table, MFU's honesty, and the metrics sinks."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from titanrush.metrics import MetricsLogger, Throughput, flops_per_token, matmul_params, peak_tflops
+from titanrush.models.llama import Llama, model_args
+
+
+def test_flops_per_token_for_8b_by_hand():
+    args = model_args("8B")
+    with torch.device("meta"):
+        model = Llama(args)
+    n = matmul_params(model)
+    # By hand: per layer 4096*(4096 + 2*1024 + 4096) attention + 3*4096*14336 MLP; plus the output.
+    per_layer = 4096 * (4096 + 1024 + 1024 + 4096) + 3 * 4096 * 14336
+    assert n == 32 * per_layer + 128256 * 4096
+    seq = 8192
+    assert flops_per_token(args, n, seq) == 6 * n + 12 * 32 * 32 * 128 * seq
+
+
+def test_tied_output_projection_is_counted():
+    with torch.device("meta"):
+        tied = Llama(model_args("1B"))
+        untied = Llama(model_args("1B", tie_embeddings=False))
+    assert matmul_params(tied) == matmul_params(untied)
+
+
+@pytest.mark.parametrize(
+    "name, precision, expect",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.0),
+        ("NVIDIA H100 PCIe", "bf16", 756.0),
+        ("NVIDIA H100 NVL", "bf16", 835.0),
+        ("NVIDIA H200", "bf16", 989.0),
+        ("NVIDIA H200 NVL", "bf16", 835.0),
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+        ("NVIDIA A100-SXM4-80GB", "fp32", 19.5),
+        ("NVIDIA B200", "bf16", 2250.0),
+        ("NVIDIA L40S", "bf16", 362.0),
+        ("NVIDIA GH200 480GB", "bf16", 989.0),
+        ("Some Future GPU 9000", "bf16", None),
+        ("NVIDIA A100-SXM4-80GB", "fp8", None),  # no float8 on A100: no guess
+    ],
+)
+def test_peak_table(name, precision, expect):
+    assert peak_tflops(name, precision) == expect
+
+
+def test_throughput_has_no_mfu_without_a_peak():
+    t = Throughput(flops_per_token=1e9, peak=None)
+    t.add(1000, 0.0)
+    out = t.read()
+    assert out["mfu"] is None and out["tflops"] > 0
+    t2 = Throughput(flops_per_token=1e9, peak=100.0)
+    t2.add(1000, 0.0)
+    out2 = t2.read()
+    assert out2["mfu"] == pytest.approx(100 * out2["tflops"] / 100.0)
+
+
+def test_metrics_logger_writes_jsonl_console_and_tensorboard(tmp_path, caplog):
+    log = MetricsLogger(tmp_path, enabled=True, tensorboard=True, rank=0)
+    with caplog.at_level(logging.INFO, logger="titanrush"):
+        logging.getLogger("titanrush").propagate = True
+        log.log(3, {"loss": 2.5, "mfu": None, "tps": 1234.0})
+    log.close()
+    rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+    assert rec == {"step": 3, "loss": 2.5, "mfu": None, "tps": 1234.0}
+    assert "loss 2.5000" in caplog.text and "mfu" not in caplog.text
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == {"loss", "tps"}
+    assert acc.Scalars("loss")[0].value == pytest.approx(2.5)

@@ -1,0 +1,184 @@
+"""The native Llama: parameter counts, RoPE, attention, initialization, losses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from titanrush.models.llama import FLAVORS, Llama, model_args
+from titanrush.models.llama.loss import chunked_cross_entropy, cross_entropy
+from titanrush.models.llama.model import apply_rope, rope_cache, rope_frequencies
+
+
+def count(flavor: str, **over) -> int:
+    with torch.device("meta"):
+        model = Llama(model_args(flavor, **over))
+    return sum(p.numel() for p in model.parameters())
+
+
+# Published sizes (Meta's model cards / config.json arithmetic), in billions, to the precision published.
+@pytest.mark.parametrize(
+    "flavor, published, digits",
+    [("1B", 1.24, 2), ("3B", 3.21, 2), ("8B", 8.03, 2), ("70B", 70.6, 1), ("405B", 405.9, 1)],
+)
+def test_parameter_counts_match_published(flavor, published, digits):
+    assert round(count(flavor) / 1e9, digits) == published
+
+
+def test_8b_shapes_match_the_reference_layout():
+    a = FLAVORS["8B"]
+    with torch.device("meta"):
+        m = Llama(a)
+    assert m.layers["0"].feed_forward.w1.weight.shape == (14336, 4096)
+    assert m.layers["0"].attention.wk.weight.shape == (8 * 128, 4096)
+    assert m.output.weight.shape == (128256, 4096)
+    assert len(m.layers) == 32
+
+
+def test_tied_embeddings_share_one_tensor():
+    with torch.device("meta"):
+        m = Llama(FLAVORS["1B"])
+    assert m.output.weight is m.tok_embeddings.weight
+    assert count("1B", tie_embeddings=False) - count("1B") == 128256 * 2048
+
+
+def test_rope_matches_complex_rotation():
+    args = model_args("debug")
+    T, D = 16, args.head_dim
+    x = torch.randn(2, T, 3, D)
+    freqs = rope_frequencies(args)
+    # Direct formula: pair (x[2i], x[2i+1]) as a complex number times exp(i * pos * freq_i).
+    xc = torch.view_as_complex(x.reshape(2, T, 3, D // 2, 2))
+    pos = torch.arange(T, dtype=torch.float32)
+    rot = torch.polar(torch.ones(T, D // 2), torch.outer(pos, freqs))
+    expect = torch.view_as_real(xc * rot[None, :, None, :]).reshape(2, T, 3, D)
+    torch.testing.assert_close(apply_rope(x, rope_cache(args, T)), expect, atol=1e-5, rtol=1e-5)
+
+
+def test_rope_position_ids_select_rows():
+    args = model_args("debug")
+    rope = rope_cache(args, 32)
+    x = torch.randn(1, 4, 2, args.head_dim)
+    pos = torch.tensor([[5, 6, 0, 1]])
+    out = apply_rope(x, rope[pos])
+    torch.testing.assert_close(out[:, :2], apply_rope(x[:, :2], rope[5:7]))
+    torch.testing.assert_close(out[:, 2:], apply_rope(x[:, 2:], rope[0:2]))
+
+
+def test_llama31_rope_scaling_formula():
+    args = model_args("8B")
+    scaled = rope_frequencies(args).double()
+    base = 1.0 / (args.rope_theta ** (torch.arange(0, args.head_dim, 2, dtype=torch.float64) / args.head_dim))
+    for f, s in zip(base.tolist(), scaled.tolist()):
+        wavelen = 2 * math.pi / f
+        if wavelen < 8192 / 4:
+            want = f
+        elif wavelen > 8192 / 1:
+            want = f / 8
+        else:
+            smooth = (8192 / wavelen - 1) / (4 - 1)
+            want = (1 - smooth) * f / 8 + smooth * f
+        assert s == pytest.approx(want, rel=1e-6)
+    assert scaled[0] == pytest.approx(1.0)  # highest frequency untouched
+    assert scaled[-1] == pytest.approx(base[-1].item() / 8, rel=1e-6)  # lowest scaled by 8
+
+
+def test_ffn_hidden_follows_multiplier_and_multiple_of():
+    assert FLAVORS["8B"].ffn_hidden == 14336
+    assert FLAVORS["70B"].ffn_hidden == 28672
+    assert FLAVORS["1B"].ffn_hidden == 8192
+
+
+def build(seed: int = 0, **over) -> Llama:
+    with torch.device("meta"):
+        m = Llama(model_args("debug", **over))
+    m.to_empty(device="cpu")
+    m.init_weights(seed=seed)
+    return m
+
+
+def test_same_seed_same_weights_and_meta_equals_eager():
+    a, b, c = build(1), build(1), build(2)
+    for (n, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(p, q), n
+        if p.dim() > 1:
+            assert not torch.equal(p, r), n
+    eager = Llama(model_args("debug"))
+    eager.init_weights(seed=1)
+    for p, q in zip(a.parameters(), eager.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_every_parameter_is_initialized():
+    m = build(3)
+    inits = m.param_inits()
+    assert set(inits) == {n for n, _ in m.named_parameters()}
+    assert torch.isfinite(torch.cat([p.flatten() for p in m.parameters()])).all()
+
+
+def test_causality_future_tokens_do_not_change_past_logits():
+    m = build(0)
+    x = torch.randint(0, 8192, (1, 32))
+    y = x.clone()
+    y[0, 20:] = torch.randint(0, 8192, (12,))
+    with torch.no_grad():
+        torch.testing.assert_close(m(x)[:, :20], m(y)[:, :20])
+
+
+def loss_and_grads(model: Llama, x, labels, chunked: bool = False):
+    model.zero_grad()
+    if chunked:
+        loss = model(x, labels=labels)
+    else:
+        loss = cross_entropy(model(x), labels)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_math_backend_matches_sdpa_in_loss_and_gradients():
+    x = torch.randint(0, 8192, (2, 64))
+    labels = torch.randint(0, 8192, (2, 64))
+    l1, g1 = loss_and_grads(build(0, attn_backend="sdpa"), x, labels)
+    l2, g2 = loss_and_grads(build(0, attn_backend="math"), x, labels)
+    torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_flex_forward_matches_sdpa_on_cpu_and_respects_documents():
+    x = torch.randint(0, 8192, (2, 128))
+    sdpa, flex = build(0, attn_backend="sdpa"), build(0, attn_backend="flex")
+    with torch.no_grad():
+        torch.testing.assert_close(flex(x), sdpa(x), rtol=1e-4, atol=1e-4)
+        # Two documents: the second one's logits equal those of the document alone, with positions restarted.
+        docs = torch.cat([torch.zeros(2, 50), torch.ones(2, 78)], dim=1).int()
+        pos = torch.cat([torch.arange(50), torch.arange(78)]).expand(2, -1)
+        both = flex(x, position_ids=pos, document_ids=docs)
+        alone = sdpa(x[:, 50:])
+        torch.testing.assert_close(both[:, 50:], alone, rtol=1e-4, atol=1e-4)
+
+
+def test_chunked_loss_matches_plain_loss_and_gradients():
+    x = torch.randint(0, 8192, (2, 64))
+    labels = torch.randint(0, 8192, (2, 64))
+    l1, g1 = loss_and_grads(build(0), x, labels)
+    l2, g2 = loss_and_grads(build(0, loss_chunk_size=48), x, labels, chunked=True)  # uneven last chunk
+    torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-6)
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_chunked_cross_entropy_function_equals_f_cross_entropy():
+    h = torch.randn(3, 10, 16, requires_grad=True)
+    w = torch.randn(50, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (3, 10))
+    ref = F.cross_entropy((h @ w.t()).flatten(0, 1), labels.flatten())
+    got = chunked_cross_entropy(h, w, labels, chunk_size=7)
+    torch.testing.assert_close(got, ref)
+    gh, gw = torch.autograd.grad(got, (h, w))
+    rh, rw = torch.autograd.grad(ref, (h, w))
+    torch.testing.assert_close(gh, rh)
+    torch.testing.assert_close(gw, rw)

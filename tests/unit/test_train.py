@@ -1,0 +1,111 @@
+"""End-to-end runs of the trainer on the debug model (CPU)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from titanrush import config
+from titanrush.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+REQUIRED_KEYS = {
+    "step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "mem_active_gib", "mem_reserved_gib",
+    "data_wait_pct",
+}  # fmt: skip
+
+
+def small(tmp_path: Path, name: str, *extra: str) -> list[str]:
+    return [
+        "--job.dump_folder", str(tmp_path), "--job.name", name, "--training.seq_len", "64",
+        "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--training.deterministic",
+        "--lr_scheduler.warmup_steps", "2", *extra,
+    ]  # fmt: skip
+
+
+def run_inprocess(args: list[str]) -> list[float]:
+    trainer = Trainer(config.load(None, args))
+    try:
+        return trainer.train()
+    finally:
+        trainer.close()
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_debug_run_learns_and_writes_every_sink(tmp_path):
+    """The README's main command, shortened: the loss falls and all three sinks parse."""
+    res = subprocess.run(
+        [str(ROOT / "run_train.sh"),
+         *small(tmp_path, "e2e", "--training.steps", "25", "--metrics.log_freq", "5")],
+        capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "NGPU": "1"},
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    run_dir = tmp_path / "e2e"
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 5, 10, 15, 20, 25]
+    for r in rows:
+        assert set(r) >= REQUIRED_KEYS
+        assert r["mfu"] is None  # CPU: no peak, no MFU
+        assert r["tps"] > 0 and r["tflops"] > 0 and math.isfinite(r["loss"])
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]
+    assert "MFU is not reported on CPU" in res.stderr
+    assert (run_dir / "config.toml").exists()
+    resolved = config.load(str(run_dir / "config.toml"))
+    assert resolved.training.steps == 25
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    assert {"loss", "grad_norm", "lr", "tps"} <= set(acc.Tags()["scalars"])
+    assert len(acc.Scalars("loss")) == len(rows)
+
+
+def test_gradient_accumulation_equals_one_larger_batch(tmp_path):
+    one = run_inprocess(small(tmp_path, "one", "--training.steps", "4", "--training.local_batch_size", "4"))
+    acc = run_inprocess(
+        small(tmp_path, "acc", "--training.steps", "4", "--training.local_batch_size", "2",
+              "--training.global_batch_size", "4")
+    )  # fmt: skip
+    assert len(one) == len(acc) == 4
+    for a, b in zip(one, acc):
+        assert a == pytest.approx(b, rel=1e-5)
+    g_one = [r["grad_norm"] for r in read_metrics(tmp_path / "one")]
+    g_acc = [r["grad_norm"] for r in read_metrics(tmp_path / "acc")]
+    assert g_one == pytest.approx(g_acc, rel=1e-4)
+
+
+def test_same_seed_repeats_the_run_bitwise(tmp_path):
+    a = run_inprocess(small(tmp_path, "a", "--training.steps", "3"))
+    b = run_inprocess(small(tmp_path, "b", "--training.steps", "3"))
+    c = run_inprocess(small(tmp_path, "c", "--training.steps", "3", "--training.seed", "7"))
+    assert a == b
+    assert a != c
+
+
+def test_global_batch_not_a_multiple_is_an_error(tmp_path):
+    with pytest.raises(config.ConfigError, match="must be a multiple of local_batch_size"):
+        Trainer(config.load(None, small(tmp_path, "bad", "--training.global_batch_size", "6")))
+
+
+def test_validation_logs_loss_and_perplexity(tmp_path):
+    run_inprocess(small(tmp_path, "val", "--training.steps", "4", "--validation.freq", "2",
+                        "--validation.steps", "2"))  # fmt: skip
+    rows = [r for r in read_metrics(tmp_path / "val") if "val_loss" in r]
+    assert [r["step"] for r in rows] == [2, 4]
+    for r in rows:
+        assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]), rel=1e-6)
+
+
+def test_bf16_and_chunked_loss_run(tmp_path):
+    losses = run_inprocess(
+        small(tmp_path, "bf16", "--training.steps", "3", "--training.precision", "bf16", "--training.loss",
+              "chunked", "--training.loss_chunk_size", "100")
+    )  # fmt: skip
+    assert all(math.isfinite(x) for x in losses)

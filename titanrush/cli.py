@@ -1,0 +1,31 @@
+"""The `titanrush` console script: `titanrush <command> [args]`."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command -> (module with main(argv) -> int, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("titanrush.train", "train a model (single process; ./run_train.sh launches several)"),
+    "prepare": ("titanrush.data.prepare", "tokenize text files into binary shards"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: titanrush <command> [args]\n\ncommands:")
+        for name, (_, text) in COMMANDS.items():
+            print(f"  {name:<10} {text}")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"titanrush: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return module.main(rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

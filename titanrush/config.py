@@ -1,0 +1,568 @@
+"""The job configuration: one dataclass per TOML section, loaded from defaults < TOML < command line.
+
+Every field carries a docstring (the string literal under it); `help_text()` reads them from this
+file's source so that `--help` prints every key with its default and its meaning.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - only where tomllib is missing
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """Bad user input in the config: the message names the key and the fix."""
+
+
+@dataclass
+class Job:
+    dump_folder: str = "./outputs"
+    """Folder under which each run gets its own folder `<dump_folder>/<name>`."""
+    name: str = "debug"
+    """Name of this run; its files go to `<dump_folder>/<name>`."""
+    description: str = "debug model on the embedded corpus"
+    """Free text, printed at start-up."""
+    overwrite: bool = True
+    """Reuse an existing run folder (metrics.jsonl is appended to). False refuses a folder that exists."""
+
+
+@dataclass
+class Model:
+    flavor: str = "debug"
+    """Model size: debug, 1B, 3B, 8B, 70B, 405B (Llama 3.x shapes)."""
+    attn_backend: Literal["sdpa", "cudnn", "flash", "flex", "math"] = "sdpa"
+    """Attention kernel: sdpa (PyTorch picks), cudnn, flash (flash-attn package), flex (block-causal
+    FlexAttention over document boundaries), math (the unfused baseline)."""
+    vocab_size: int = 0
+    """Override the flavor's vocabulary size (0 keeps the flavor's). Must cover the tokenizer's."""
+    tie_embeddings: Literal["flavor", "tied", "untied"] = "flavor"
+    """Share the input embedding with the output projection: `flavor` keeps the flavor's choice."""
+
+
+@dataclass
+class Training:
+    steps: int = 40
+    """Number of optimizer steps."""
+    local_batch_size: int = 8
+    """Sequences per micro-batch on each data-parallel rank."""
+    global_batch_size: int = -1
+    """Sequences per optimizer step over all data-parallel ranks; -1 = local_batch_size x dp degree.
+    A multiple of that product turns on gradient accumulation."""
+    seq_len: int = 256
+    """Tokens per sequence; at most the flavor's max_seq_len."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """fp32, or bf16 mixed precision (bf16 compute, fp32 master weights and gradient reduction)."""
+    max_norm: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 42
+    """Seed for weights and data order; the same seed gives the same weights."""
+    deterministic: bool = False
+    """Use deterministic algorithms (slower; for bitwise-reproducible tests)."""
+    loss: Literal["plain", "chunked"] = "plain"
+    """Cross-entropy: plain (full fp32 logits) or chunked (over token chunks, never all logits at once)."""
+    loss_chunk_size: int = 4096
+    """Tokens per chunk when training.loss = chunked."""
+    gc_freq: int = 50
+    """Run Python's garbage collector every N steps (it is disabled in between); 0 leaves it automatic."""
+
+
+@dataclass
+class Optimizer:
+    name: Literal["adamw", "adamw8bit", "adamw4bit"] = "adamw"
+    """adamw (torch), adamw8bit / adamw4bit (torchao low-bit optimizer states)."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    beta1: float = 0.9
+    """Adam beta1."""
+    beta2: float = 0.95
+    """Adam beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    weight_decay: float = 0.1
+    """Decoupled weight decay."""
+    implementation: Literal["fused", "foreach", "for-loop"] = "fused"
+    """AdamW kernel: fused (one kernel), foreach (multi-tensor), for-loop (one tensor at a time)."""
+
+
+@dataclass
+class LRScheduler:
+    warmup_steps: int = 5
+    """Linear warmup from ~0 to optimizer.lr over this many steps."""
+    decay: Literal["linear", "cosine", "wsd"] = "linear"
+    """After warmup: linear or cosine decay to the minimum, or wsd (warmup-stable-decay)."""
+    decay_ratio: float = 0.2
+    """wsd only: the share of the steps after warmup spent decaying (the rest stays at the peak)."""
+    min_lr_factor: float = 0.1
+    """The final learning rate as a fraction of optimizer.lr."""
+
+
+@dataclass
+class Metrics:
+    log_freq: int = 5
+    """Log every N steps (and the first and last step)."""
+    tensorboard: bool = True
+    """Write TensorBoard events under `<run folder>/tb/`."""
+    peak_tflops: float = 0.0
+    """Peak TFLOP/s per device for MFU. 0 looks the device up in the built-in GPU table; an unknown
+    device (or CPU) then gets no MFU."""
+    all_ranks: bool = False
+    """Every rank writes its own metrics (rank0 only by default)."""
+
+
+@dataclass
+class Parallelism:
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP when dp_shard is 1, HSDP when both are above 1)."""
+    dp_shard: int = -1
+    """FSDP2 shard degree; -1 takes whatever the other degrees leave of the world size."""
+    tp: int = 1
+    """Tensor-parallel degree (with sequence parallel on the norms)."""
+    pp: int = 1
+    """Pipeline-parallel degree."""
+    cp: int = 1
+    """Context-parallel degree (the sequence split over ranks; needs CUDA)."""
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    """always = ZeRO-3, never = ZeRO-2 (keep gathered params until backward), default = always except
+    the last block."""
+    fsdp_cpu_offload: bool = False
+    """Keep FSDP parameters, gradients and optimizer states on the CPU."""
+    sequence_parallel: bool = True
+    """With tp > 1: shard the norms' activations over the sequence."""
+    loss_parallel: bool = True
+    """With tp > 1: compute the loss on the vocabulary-sharded logits."""
+    async_tp: bool = False
+    """With tp > 1 and compile on GPU: overlap TP communication with matmuls (symmetric memory)."""
+    pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"] = (
+        "1F1B"
+    )
+    """Pipeline schedule from torch.distributed.pipelining."""
+    pp_microbatches: int = 0
+    """Micro-batches per local batch for pipelining; 0 = the number of stages."""
+    pp_stages_per_rank: int = 0
+    """Virtual stages per rank; 0 = 1 for single-stage schedules, 2 for interleaved ones."""
+    pp_layers_per_stage: list[int] = field(default_factory=list)
+    """Explicit split: layers in each stage (empty = automatic balancing)."""
+    cp_rotate_method: Literal["allgather", "alltoall"] = "allgather"
+    """How context parallel exchanges K/V shards."""
+
+
+@dataclass
+class Compile:
+    enable: bool = False
+    """torch.compile each transformer block (and the loss)."""
+    fullgraph: bool = True
+    """Compile each block as one graph (an error if it breaks)."""
+
+
+@dataclass
+class ActivationCheckpoint:
+    mode: Literal["none", "full", "selective"] = "none"
+    """none, full (recompute every block), or selective (see `selective`)."""
+    selective: str = "op"
+    """selective mode: `op` (keep matmul and attention outputs, recompute the rest) or an integer N
+    (checkpoint every N-th block)."""
+
+
+@dataclass
+class Float8:
+    enable: bool = False
+    """Train the linear layers in float8 through torchao."""
+    recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """Float8 scaling recipe."""
+    emulate: bool = False
+    """Use torchao's emulation (CPU tests, GPUs without float8)."""
+    fsdp_float8_all_gather: bool = True
+    """tensorwise + FSDP: all-gather weights in float8 with precomputed scales."""
+    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    """Linear layers (by name fragment) kept in bf16; small or misaligned ones are skipped anyway."""
+
+
+@dataclass
+class Checkpoint:
+    enable: bool = False
+    """Save checkpoints during training and resume from the newest complete one."""
+    interval: int = 500
+    """Save every N steps (and at the last step)."""
+    folder: str = "checkpoint"
+    """Checkpoint folder, relative to the run folder."""
+    keep_latest_k: int = 0
+    """Keep only the newest K complete checkpoints (0 keeps all)."""
+    async_mode: Literal["disabled", "async", "async_pinned"] = "disabled"
+    """Save in the background: async, or async with pinned memory staging."""
+    load_path: str = ""
+    """Start from this checkpoint folder instead of the run's own."""
+    load_model_only: bool = False
+    """With load_path: load only the model weights (a new run from pretrained weights)."""
+    last_save_model_only: bool = False
+    """The final save holds only the model, in export_dtype."""
+    export_dtype: Literal["float32", "bfloat16"] = "float32"
+    """dtype of a model-only final save."""
+
+
+@dataclass
+class Data:
+    dataset: Literal["embedded", "files", "synthetic", "shards", "hf"] = "embedded"
+    """embedded (Python standard library sources), files, synthetic, shards (pre-tokenized), hf."""
+    path: str = ""
+    """files: a path or glob; shards: the folder `titanrush prepare` wrote; hf: the dataset name."""
+    tokenizer: str = "default"
+    """`default` (the shipped BPE) or the path of a tiktoken rank file (e.g. Llama 3 tokenizer.model)."""
+    text_field: str = "text"
+    """Field holding the text in .jsonl / .parquet files and hf datasets."""
+    num_workers: int = 0
+    """Loader worker processes (0 loads in the training process)."""
+    pin_memory: bool = True
+    """Pin host batches for faster copies to the GPU."""
+    prefetch_factor: int = 2
+    """Batches each worker prepares ahead."""
+    shuffle: bool = True
+    """Shuffle the train split's document order each epoch (seeded by training.seed); validation keeps
+    the sorted order."""
+    cache_dir: str = "~/.cache/titanrush"
+    """Where the tokenized embedded / files corpora are cached, keyed by the tokenizer and the file list
+    ("" = no cache; an unwritable folder only costs re-tokenizing at start-up)."""
+
+
+@dataclass
+class Validation:
+    freq: int = 0
+    """Validate every N steps (0 = never)."""
+    steps: int = 4
+    """Batches of the held-out split per validation."""
+
+
+@dataclass
+class Profiling:
+    enable: bool = False
+    """Record torch.profiler traces."""
+    freq: int = 100
+    """Trace one window every N steps."""
+    active_steps: int = 2
+    """Steps traced in each window (after one warm-up step)."""
+    memory_snapshot: bool = False
+    """Dump a CUDA memory snapshot after the first traced window."""
+    all_ranks: bool = False
+    """Trace every rank (rank 0 only by default)."""
+
+
+@dataclass
+class JobConfig:
+    job: Job = field(default_factory=Job)
+    model: Model = field(default_factory=Model)
+    training: Training = field(default_factory=Training)
+    optimizer: Optimizer = field(default_factory=Optimizer)
+    lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
+    metrics: Metrics = field(default_factory=Metrics)
+    parallelism: Parallelism = field(default_factory=Parallelism)
+    compile: Compile = field(default_factory=Compile)
+    activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
+    float8: Float8 = field(default_factory=Float8)
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    data: Data = field(default_factory=Data)
+    validation: Validation = field(default_factory=Validation)
+    profiling: Profiling = field(default_factory=Profiling)
+
+
+# ----------------------------------------------------------------------------------------------
+# Introspection
+
+
+def sections() -> dict[str, type]:
+    """Section name -> dataclass type."""
+    hints = typing.get_type_hints(JobConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(JobConfig)}
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _docstrings(cls: type) -> dict[str, str]:
+    """Attribute docstrings of a dataclass, read from the source."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr):
+            if isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def help_text() -> str:
+    """Every key with its type, default and docstring."""
+    lines = ["Config keys (set in TOML or as --section.key value):", ""]
+    for name, cls in sections().items():
+        lines.append(f"[{name}]")
+        docs = _docstrings(cls)
+        types_ = _field_types(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            lines.append(f"  --{name}.{f.name} ({_type_name(types_[f.name])}, default {default!r})")
+            lines.append(f"      {docs.get(f.name, '')}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _type_name(tp: Any) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "|".join(str(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is list:
+        return f"list[{typing.get_args(tp)[0].__name__}]"
+    return getattr(tp, "__name__", str(tp))
+
+
+# ----------------------------------------------------------------------------------------------
+# Coercion
+
+
+def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
+    """Convert a TOML or command-line value to the field's type, or raise ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+            near = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise ConfigError(f"{key} = {value!r} is not one of {', '.join(map(str, choices))}{near}")
+        return value
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if from_cli and isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list of {item_tp.__name__}, got {value!r}")
+        return [_coerce(key, item_tp, v, from_cli) for v in value]
+    if origin in (typing.Union, types.UnionType):
+        raise AssertionError(f"unsupported config type {tp}")
+    if tp is bool:
+        if from_cli and isinstance(value, str):
+            low = value.lower()
+            if low in ("true", "1", "yes", "on"):
+                return True
+            if low in ("false", "0", "no", "off"):
+                return False
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if from_cli and isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if from_cli and isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{key} must be a string, got {value!r}")
+    raise AssertionError(f"unsupported config type {tp}")
+
+
+def _lookup(section: str, key: str | None) -> tuple[type, str]:
+    """Check that section (and key) exist, suggesting the nearest valid name when not."""
+    secs = sections()
+    if section not in secs:
+        near = difflib.get_close_matches(section, list(secs), n=1)
+        hint = f"; did you mean [{near[0]}]?" if near else f"; sections are {', '.join(secs)}"
+        raise ConfigError(f"unknown config section [{section}]{hint}")
+    cls = secs[section]
+    if key is None:
+        return cls, ""
+    names = [f.name for f in dataclasses.fields(cls)]
+    if key not in names:
+        elsewhere = [f"{s}.{key}" for s, c in secs.items() if key in {f.name for f in dataclasses.fields(c)}]
+        near = difflib.get_close_matches(key, names, n=1)
+        if elsewhere:  # the right key in the wrong section
+            hint = f"; did you mean {elsewhere[0]}?"
+        elif near:
+            hint = f"; did you mean {section}.{near[0]}?"
+        else:
+            full = [f"{s}.{f.name}" for s, c in secs.items() for f in dataclasses.fields(c)]
+            near = difflib.get_close_matches(f"{section}.{key}", full, n=1)
+            hint = f"; did you mean {near[0]}?" if near else "; run with --help to list the keys"
+        raise ConfigError(f"unknown config key {section}.{key}{hint}")
+    return cls, key
+
+
+def _set(cfg: JobConfig, section: str, key: str, value: Any, from_cli: bool) -> None:
+    cls, _ = _lookup(section, key)
+    tp = _field_types(cls)[key]
+    setattr(getattr(cfg, section), key, _coerce(f"{section}.{key}", tp, value, from_cli))
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def read_toml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, dict[str, Any]]:
+    """Read a TOML config, following `extends = "other.toml"` (relative to the file) first."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} not found; pass an existing file to --config")
+    resolved = path.resolve()
+    if resolved in _seen:
+        raise ConfigError(f"config file {str(path)!r} extends itself (through {_seen[-1].name})")
+    try:
+        data = tomllib.loads(path.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    base: dict[str, dict[str, Any]] = {}
+    parent = data.pop("extends", None)
+    if parent is not None:
+        if not isinstance(parent, str):
+            raise ConfigError(f"{path}: extends must be a file name string, got {parent!r}")
+        base = read_toml(path.parent / parent, _seen + (resolved,))
+    for section, values in data.items():
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
+        base.setdefault(section, {}).update(values)
+    return base
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
+    """`--section.key value`, `--section.key=value`, `--section.key` (true), `--no-section.key`."""
+    out: list[tuple[str, str, Any]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key value")
+        name, eq, value = arg[2:].partition("=")
+        negate = name.startswith("no-")
+        if negate:
+            name = name[3:]
+        section, _, key = name.partition(".")
+        cls, key = _lookup(section, key)
+        is_bool = _field_types(cls)[key] is bool
+        if negate:
+            if not is_bool or eq:
+                raise ConfigError(f"--no-{section}.{key} only applies to true/false keys without a value")
+            out.append((section, key, False))
+        elif eq:
+            out.append((section, key, value))
+        elif is_bool and (i + 1 >= len(args) or args[i + 1].startswith("--")):
+            out.append((section, key, True))
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"--{section}.{key} needs a value")
+            out.append((section, key, args[i + 1]))
+            i += 1
+        i += 1
+    return out
+
+
+def load(config_path: str | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Build the job config: dataclass defaults, then the TOML file, then command-line overrides."""
+    cfg = JobConfig()
+    if config_path:
+        for section, values in read_toml(config_path).items():
+            _lookup(section, None)
+            for key, value in values.items():
+                _set(cfg, section, key, value, from_cli=False)
+    for section, key, value in parse_overrides(overrides or []):
+        _set(cfg, section, key, value, from_cli=True)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: JobConfig) -> None:
+    """Checks that need no model or devices (the trainer checks the rest before building)."""
+    t = cfg.training
+    positive = {
+        "training.steps": t.steps,
+        "training.local_batch_size": t.local_batch_size,
+        "training.seq_len": t.seq_len,
+        "training.loss_chunk_size": t.loss_chunk_size,
+        "metrics.log_freq": cfg.metrics.log_freq,
+        "checkpoint.interval": cfg.checkpoint.interval,
+        "validation.steps": cfg.validation.steps,
+        "parallelism.dp_replicate": cfg.parallelism.dp_replicate,
+        "parallelism.tp": cfg.parallelism.tp,
+        "parallelism.pp": cfg.parallelism.pp,
+        "parallelism.cp": cfg.parallelism.cp,
+        "profiling.freq": cfg.profiling.freq,
+        "profiling.active_steps": cfg.profiling.active_steps,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"{key} must be > 0, got {value}")
+    non_negative = {
+        "training.max_norm": t.max_norm,
+        "training.gc_freq": t.gc_freq,
+        "lr_scheduler.warmup_steps": cfg.lr_scheduler.warmup_steps,
+        "checkpoint.keep_latest_k": cfg.checkpoint.keep_latest_k,
+        "validation.freq": cfg.validation.freq,
+        "data.num_workers": cfg.data.num_workers,
+        "metrics.peak_tflops": cfg.metrics.peak_tflops,
+        "model.vocab_size": cfg.model.vocab_size,
+        "parallelism.pp_microbatches": cfg.parallelism.pp_microbatches,
+        "parallelism.pp_stages_per_rank": cfg.parallelism.pp_stages_per_rank,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise ConfigError(f"{key} must be >= 0, got {value}")
+    if cfg.parallelism.dp_shard == 0 or cfg.parallelism.dp_shard < -1:
+        raise ConfigError(f"parallelism.dp_shard must be -1 or >= 1, got {cfg.parallelism.dp_shard}")
+    if t.global_batch_size != -1 and t.global_batch_size <= 0:
+        raise ConfigError(f"training.global_batch_size must be -1 or > 0, got {t.global_batch_size}")
+    if not cfg.optimizer.lr > 0.0:
+        raise ConfigError(f"optimizer.lr must be > 0, got {cfg.optimizer.lr}")
+    if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:
+        raise ConfigError("lr_scheduler.min_lr_factor must be in [0, 1]")
+    if not 0.0 <= cfg.lr_scheduler.decay_ratio <= 1.0:
+        raise ConfigError("lr_scheduler.decay_ratio must be in [0, 1]")
+    sel = cfg.activation_checkpoint.selective
+    if sel != "op" and not (sel.isdigit() and int(sel) > 0):
+        raise ConfigError(
+            f"activation_checkpoint.selective = {sel!r}: use 'op' or a positive integer N (every N-th block)"
+        )
+
+
+def to_toml(cfg: JobConfig) -> str:
+    """The resolved config as TOML text (written to the run folder)."""
+    lines: list[str] = []
+    for name in sections():
+        lines.append(f"[{name}]")
+        for key, value in dataclasses.asdict(getattr(cfg, name)).items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise AssertionError(f"cannot write {value!r} as TOML")

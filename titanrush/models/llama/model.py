@@ -1,0 +1,233 @@
+"""A native Llama 3 in plain PyTorch: RMSNorm, RoPE with Llama 3.1 scaling, GQA, SwiGLU.
+
+Built on the meta device, materialized with `to_empty`, then `init_weights()`. Module names follow
+Meta's checkpoints (`tok_embeddings`, `layers.<i>.attention.wq`, ...), which the TP plans, FSDP units,
+activation checkpointing and checkpoint conversion key on. `tok_embeddings`, `norm` and `output` may be
+None so that a pipeline stage can drop them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from titanrush.models.init import init_parameters
+from titanrush.models.llama.attention import attention, build_mask
+from titanrush.models.llama.loss import chunked_cross_entropy
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int | None = None
+    vocab_size: int = 8192
+    multiple_of: int = 64
+    ffn_dim_multiplier: float | None = None
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    rope_scaling: bool = False
+    rope_scale_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+    attn_backend: str = "sdpa"
+    loss_chunk_size: int = 0  # > 0: forward(labels=...) returns the chunked cross-entropy loss
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_hidden(self) -> int:
+        hidden = int(2 * 4 * self.dim / 3)
+        if self.ffn_dim_multiplier is not None:
+            hidden = int(self.ffn_dim_multiplier * hidden)
+        return self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+
+def rope_frequencies(args: ModelArgs) -> torch.Tensor:
+    """Inverse frequencies (head_dim/2,), with Llama 3.1's long-context scaling when enabled."""
+    d = args.head_dim
+    freqs = 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64)[: d // 2] / d))
+    if not args.rope_scaling:
+        return freqs.float()
+    low_wavelen = args.rope_original_max_len / args.rope_low_freq_factor
+    high_wavelen = args.rope_original_max_len / args.rope_high_freq_factor
+    wavelen = 2 * math.pi / freqs
+    scaled = freqs / args.rope_scale_factor
+    # Between the two wavelengths, blend the scaled and unscaled frequency smoothly.
+    smooth = (args.rope_original_max_len / wavelen - args.rope_low_freq_factor) / (
+        args.rope_high_freq_factor - args.rope_low_freq_factor
+    )
+    blended = (1 - smooth) * scaled + smooth * freqs
+    out = torch.where(wavelen < high_wavelen, freqs, torch.where(wavelen > low_wavelen, scaled, blended))
+    return out.float()
+
+
+def rope_cache(args: ModelArgs, length: int) -> torch.Tensor:
+    """cos and sin of position x frequency: (length, head_dim/2, 2)."""
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), rope_frequencies(args))
+    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """Rotate consecutive pairs (x[2i], x[2i+1]) of x (B, T, H, D) by rope (T or B x T, D/2, 2)."""
+    xp = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
+    if rope.dim() == 3:  # one table for the batch: (T, D/2, 2)
+        rope = rope[None, :, None]
+    else:  # per-sequence positions: (B, T, D/2, 2)
+        rope = rope[:, :, None]
+    cos, sin = rope[..., 0], rope[..., 1]
+    x0, x1 = xp[..., 0], xp[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.head_dim = args.head_dim
+        self.n_rep = args.n_heads // args.kv_heads
+        self.backend = args.attn_backend
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: object = None) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds only its share of the heads.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim)  # (B, T, H, D)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim)  # (B, T, Hkv, D)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = attention(q, k, v, backend=self.backend, n_rep=self.n_rep, mask=mask)
+        return self.wo(out.reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # SwiGLU
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, layer_id: int, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args.dim, args.ffn_hidden)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        # Deeper blocks start with smaller output projections (keeps the residual stream's scale).
+        self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: object = None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(i, args) for i in range(args.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Twice the training length, so that evaluation may run longer sequences.
+        self.register_buffer("rope", rope_cache(args, 2 * args.max_seq_len), persistent=False)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """tokens (B, T) ids, or (B, T, dim) hidden states on a later pipeline stage.
+
+        Returns logits (B, T, vocab), the hidden states when this stage has no output layer, or, with
+        labels and a chunked loss configured, the mean cross-entropy.
+        """
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        seq = h.shape[1]
+        rope = self.rope[:seq] if position_ids is None else self.rope[position_ids]
+        mask = build_mask(self.args.attn_backend, document_ids, seq, self.args.n_heads)
+        for layer in self.layers.values():
+            h = layer(h, rope, mask)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is None:
+            return h
+        if labels is not None and self.args.loss_chunk_size > 0:
+            return chunked_cross_entropy(h, self.output.weight, labels, self.args.loss_chunk_size)
+        return self.output(h)
+
+    def param_inits(self) -> dict[str, Callable[[torch.Tensor, torch.Generator], None]]:
+        """Parameter name -> how to initialize that (full, unsharded) tensor from a generator."""
+
+        def normal(std: float, trunc: float | None = None) -> Callable[[torch.Tensor, torch.Generator], None]:
+            if trunc is None:
+                return lambda t, g: nn.init.normal_(t, std=std, generator=g)
+            return lambda t, g: nn.init.trunc_normal_(t, std=std, a=-trunc, b=trunc, generator=g)
+
+        ones = lambda t, g: nn.init.ones_(t)  # noqa: E731
+        inits: dict[str, Callable[[torch.Tensor, torch.Generator], None]] = {}
+        if self.tok_embeddings is not None:
+            # A tied table is also the output projection: keep its logits small at the start.
+            inits["tok_embeddings.weight"] = normal(0.02 if self.args.tie_embeddings else 1.0)
+        for i, layer in self.layers.items():
+            p, std = f"layers.{i}.", layer.init_std
+            for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1"):
+                inits[f"{p}{name}.weight"] = normal(0.02, 2.0)
+            for name in ("attention.wo", "feed_forward.w2", "feed_forward.w3"):
+                inits[f"{p}{name}.weight"] = normal(std, 2.0)
+            inits[f"{p}attention_norm.weight"] = ones
+            inits[f"{p}ffn_norm.weight"] = ones
+        if self.norm is not None:
+            inits["norm.weight"] = ones
+        if self.output is not None and not self.args.tie_embeddings:
+            final_std = self.args.dim**-0.5
+            inits["output.weight"] = normal(final_std, 3 * final_std)
+        return inits
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0, buffer_device: torch.device | None = None) -> None:
+        """Initialize every parameter and buffer in place (after `to_empty`).
+
+        Each parameter draws from its own generator seeded by (seed, name) over its full shape, so the
+        weights are the same whatever the mesh shards them over.
+        """
+        device = buffer_device or self.rope.device
+        self.rope = rope_cache(self.args, 2 * self.args.max_seq_len).to(device)
+        init_parameters(self, self.param_inits(), seed)

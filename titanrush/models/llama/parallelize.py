@@ -1,0 +1,207 @@
+"""The ONE place that fixes the order of parallelisms for the Llama, and its tensor-parallel plan.
+
+Order: float8 -> TP -> CP -> AC -> compile -> FSDP/HSDP or DDP, because
+- float8 swaps `nn.Linear` for float8 linears, which the TP styles and FSDP then shard as they are;
+- TP rewrites parameters into DTensors on the `tp` mesh, which FSDP then shards again over `dp` (2-D);
+- CP patches attention inside the blocks, before they are wrapped;
+- AC wraps each block, and compile then traces the checkpointed block (so the recomputation is
+  compiled too);
+- FSDP/DDP go last: their hooks wrap the outermost block modules (outside the compiled graphs), and
+  FSDP must see the final parameters (after TP) to shard them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+from titanrush.config import ActivationCheckpoint, Compile, ConfigError, Float8, Parallelism
+from titanrush.parallel.activation_checkpoint import apply_ac
+from titanrush.parallel.compile import apply_compile
+from titanrush.parallel.ddp import apply_ddp
+from titanrush.parallel.fsdp import apply_fsdp
+from titanrush.parallel.parallel_dims import ParallelDims
+from titanrush.parallel.tensor_parallel import apply_tp_plan, enable_async_tp
+
+
+def parallelize_llama(
+    model: nn.Module,
+    dims: ParallelDims,
+    mesh: DeviceMesh | None,
+    *,
+    parallelism: Parallelism,
+    compile: Compile,
+    ac: ActivationCheckpoint,
+    float8: Float8,
+    precision: str,
+) -> nn.Module:
+    """Apply float8, TP, CP, AC, compile and FSDP/HSDP or DDP to a Llama, in that order, in place.
+
+    Runs on the meta-device model, before `to_empty` and `init_weights`.
+
+    Args:
+        model: The Llama, on the meta device.
+        dims: The validated parallel degrees.
+        mesh: The job's mesh, or None for a single process (then only AC and compile apply).
+        parallelism: The `[parallelism]` section.
+        compile: The `[compile]` section.
+        ac: The `[activation_checkpoint]` section.
+        float8: The `[float8]` section.
+        precision: `fp32`, or `bf16` (FSDP then all-gathers bf16 parameters and reduces in fp32).
+
+    Returns:
+        The same model, changed in place.
+
+    Raises:
+        ConfigError: A combination this version does not support (named in the message).
+    """
+    _check_supported(model, dims, mesh, parallelism=parallelism, float8=float8)
+    # 1. float8: the hook point. Float8 training swaps the linears here, before TP and FSDP see them.
+
+    # 2. Tensor parallel (with sequence parallel and loss parallel).
+    if mesh is not None and dims.tp > 1:
+        apply_llama_tp(
+            model,
+            mesh["tp"],
+            sequence_parallel=parallelism.sequence_parallel,
+            loss_parallel=parallelism.loss_parallel,
+        )
+        if parallelism.async_tp:
+            enable_async_tp(mesh["tp"], compiled=compile.enable)
+
+    # 3. Context parallel: the hook point (rejected above while cp > 1).
+
+    # 4-5. Activation checkpointing, then compile (which traces the checkpointed blocks).
+    apply_ac(model, mode=ac.mode, selective=ac.selective)
+    if compile.enable:
+        apply_compile(model, fullgraph=compile.fullgraph)
+
+    # 6. Data parallel: FSDP (or HSDP on a 2-D mesh), else plain DDP.
+    if mesh is not None and dims.fsdp_enabled:
+        dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
+        apply_fsdp(
+            model,
+            dp_mesh,
+            param_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
+            reduce_dtype=torch.float32,
+            reshard_after_forward=parallelism.fsdp_reshard_after_forward,
+            cpu_offload=parallelism.fsdp_cpu_offload,
+        )
+    elif mesh is not None and dims.ddp_enabled:
+        apply_ddp(model, mesh["dp_replicate"])
+    return model
+
+
+def _check_supported(
+    model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, *, parallelism: Parallelism, float8: Float8
+) -> None:
+    """Reject what this version cannot do yet, before anything is changed."""
+    if float8.enable:
+        raise ConfigError("float8.enable: float8 arrives with issue 6; set float8.enable = false for now")
+    if dims.pp > 1:
+        raise ConfigError(
+            "parallelism.pp > 1: pipeline parallel is not implemented yet; set parallelism.pp = 1"
+        )
+    if dims.cp > 1:
+        raise ConfigError(
+            "parallelism.cp > 1: context parallel is not implemented yet; set parallelism.cp = 1"
+        )
+    if mesh is not None and dims.tp > 1 and getattr(model.args, "loss_chunk_size", 0) > 0:
+        raise ConfigError(
+            "training.loss = chunked does not compose with parallelism.tp > 1; use training.loss = plain "
+            "(with parallelism.loss_parallel the logits are already sharded over the vocabulary)"
+        )
+    if mesh is not None and dims.ddp_enabled and dims.tp > 1:
+        raise ConfigError(
+            "DDP (dp_replicate > 1 with dp_shard = 1) does not compose with tensor parallel; set "
+            "parallelism.dp_shard > 1 (FSDP, or HSDP with dp_replicate) together with tp"
+        )
+    if parallelism.fsdp_cpu_offload and not (mesh is not None and dims.fsdp_enabled):
+        raise ConfigError("parallelism.fsdp_cpu_offload needs FSDP: parallelism.dp_shard > 1")
+
+
+def llama_tp_plan(
+    *, sequence_parallel: bool, loss_parallel: bool
+) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
+    """The Llama TP plan: (plan for the top-level modules, plan for each transformer block).
+
+    Column-wise wq/wk/wv/w1/w3 (each rank computes its heads and FFN units), row-wise wo/w2. Under
+    sequence parallel the residual stream between blocks is a DTensor sharded over the sequence
+    (Shard(1)): the norms run on their shard (`SequenceParallel`), attention and the FFN all-gather
+    their input (`PrepareModuleInput`), wo and w2 reduce-scatter their output back to Shard(1). The
+    residual stream stays a DTensor (not a local tensor) so that the model's `h.shape[1]` is the
+    global sequence length when it slices the RoPE table; the block inputs arrive as DTensors
+    with their placement stated. The RoPE table (and the attention mask) pass through as plain
+    replicated tensors: attention sees the whole sequence after the all-gather.
+    """
+    seq = Shard(1)
+    top: dict[str, ParallelStyle] = {
+        # The table is split over the vocabulary; each rank looks up its ids and the sum over ranks is
+        # reduce-scattered over the sequence (SP) or all-reduced.
+        "tok_embeddings": RowwiseParallel(
+            input_layouts=Replicate(),
+            output_layouts=seq if sequence_parallel else Replicate(),
+            use_local_output=not sequence_parallel,
+        ),
+        "output": ColwiseParallel(
+            input_layouts=seq if sequence_parallel else Replicate(),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        ),
+    }
+    block: dict[str, ParallelStyle] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    if sequence_parallel:
+        top["norm"] = SequenceParallel()
+        block.update(
+            {
+                "attention_norm": SequenceParallel(),
+                # forward(x, rope, mask): gather x over the sequence, pass rope and mask through.
+                "attention": PrepareModuleInput(
+                    input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "attention.wo": RowwiseParallel(output_layouts=seq, use_local_output=False),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(seq,), desired_input_layouts=(Replicate(),)
+                ),
+                "feed_forward.w2": RowwiseParallel(output_layouts=seq, use_local_output=False),
+            }
+        )
+    else:
+        block.update({"attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()})
+    return top, block
+
+
+def apply_llama_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool
+) -> None:
+    """Shard the Llama over `tp_mesh` with `llama_tp_plan`, in place (on the meta device is fine).
+
+    A tied embedding table stays one parameter: both the embedding (row-wise over the vocabulary) and
+    the output projection (column-wise, i.e. over the vocabulary too) shard it as Shard(0), so after
+    the plan the output takes the embedding's DTensor again.
+    """
+    emb, out = model.tok_embeddings, model.output
+    tied = emb is not None and out is not None and emb.weight is out.weight
+    top, block_plan = llama_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    apply_tp_plan(model, tp_mesh, top)
+    for block in model.layers.values():
+        apply_tp_plan(block, tp_mesh, block_plan)
+    if tied:
+        assert model.output.weight.placements == model.tok_embeddings.weight.placements
+        model.output.weight = model.tok_embeddings.weight

@@ -1,0 +1,36 @@
+"""Plain data parallel (DDP) through the composable `replicate`, for dp_replicate > 1 with dp_shard = 1."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed._composable.replicate import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from titanrush.config import ConfigError
+
+
+def apply_ddp(model: nn.Module, mesh: DeviceMesh, *, bucket_cap_mb: int = 100) -> None:
+    """Replicate `model` over the 1-D data-parallel `mesh`, in place: gradients are all-reduced (averaged)
+    in buckets during backward, overlapping communication with the rest of backward.
+
+    DDP is set up lazily at the first forward, so this may run on the meta device, before `to_empty`
+    and `init_weights`; every rank then initializes the same weights and DDP's broadcast from rank 0
+    changes nothing.
+
+    Args:
+        model: A model whose parameters are plain tensors (DDP does not compose with tensor parallel).
+        mesh: The 1-D `dp_replicate` mesh.
+        bucket_cap_mb: Gradient bucket size: larger buckets mean fewer, bigger all-reduces.
+
+    Raises:
+        ConfigError: The model is already tensor-parallel, or the mesh is not 1-D.
+    """
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise ConfigError(
+            "DDP (dp_replicate > 1 with dp_shard = 1) does not compose with tensor parallel; use "
+            "parallelism.dp_shard > 1 (FSDP, or HSDP with dp_replicate) together with tp instead"
+        )
+    if mesh.ndim != 1:
+        raise ConfigError(f"DDP takes a 1-D data-parallel mesh, got {mesh.ndim} dimensions")
+    replicate(model, device_mesh=mesh, bucket_cap_mb=bucket_cap_mb)

@@ -1,0 +1,106 @@
+"""FSDP2 (`fully_shard`) per transformer block, with mixed precision, CPU offload and explicit prefetch.
+
+Units, in execution order: `tok_embeddings`, each block of `layers`, then `[norm, output]` together,
+and the root (whatever is left: the tied embedding table, buffers). Each unit all-gathers its parameters
+before its forward, frees them after (unless told to keep them), all-gathers again in backward and
+reduce-scatters the gradients. A 2-D mesh (dp_replicate x dp_shard) gives HSDP: parameters are sharded
+within each replica group and gradients are also all-reduced across the groups.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+from titanrush.config import ConfigError
+
+ReshardPolicy = Literal["default", "always", "never"]
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: ReshardPolicy = "default",
+    cpu_offload: bool = False,
+) -> None:
+    """Shard `model` with FSDP2 over `mesh`, in place.
+
+    Args:
+        model: A Llama-shaped model: `tok_embeddings`, `layers` (ModuleDict), `norm`, `output`; any of
+            the first, third and fourth may be None (pipeline stages). May already be tensor-parallel
+            (its parameters DTensors on a `tp` mesh of the same root mesh).
+        mesh: The data-parallel mesh: 1-D (`dp_shard_cp`) for FSDP, 2-D (`dp_replicate`, `dp_shard_cp`)
+            for HSDP.
+        param_dtype: dtype of the all-gathered parameters, i.e. of the compute (bf16 for mixed precision).
+            The sharded master weights and the optimizer stay in their own dtype (fp32).
+        reduce_dtype: dtype of the gradient reduce-scatter / all-reduce (fp32 keeps the sum exact enough).
+        reshard_after_forward: `always` frees every unit's gathered parameters after its forward (ZeRO-3,
+            least memory); `never` keeps them until backward (ZeRO-2 like, no second all-gather);
+            `default` frees them except for the units backward needs first: the last block and
+            `[norm, output]`, whose all-gathers backward would otherwise wait on right away.
+        cpu_offload: Keep the sharded parameters, gradients and optimizer states in host memory; each
+            unit is copied to the device for its all-gather (and its gradients back after the
+            reduce-scatter). The optimizer step then runs on the CPU.
+
+    Raises:
+        ConfigError: An unknown `reshard_after_forward`.
+    """
+    if reshard_after_forward not in ("default", "always", "never"):
+        raise ConfigError(
+            f"parallelism.fsdp_reshard_after_forward = {reshard_after_forward!r}: "
+            "use default, always or never"
+        )
+    common: dict = {
+        "mesh": mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+    }
+    if cpu_offload:
+        common["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    never = reshard_after_forward == "never"
+    always = reshard_after_forward == "always"
+
+    emb, norm, out = model.tok_embeddings, model.norm, model.output
+    # A tied table is one parameter in two modules: both must then live in the same unit (the root).
+    tied = emb is not None and out is not None and emb.weight is out.weight
+    units: list[nn.Module] = []  # the first module of each unit, in forward order
+    if emb is not None and not tied:
+        fully_shard(emb, reshard_after_forward=not never, **common)
+        units.append(emb)
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        last = i == len(blocks) - 1
+        fully_shard(block, reshard_after_forward=always or (not never and not last), **common)
+        units.append(block)
+    if out is not None and not tied:
+        head = [m for m in (norm, out) if m is not None]
+        fully_shard(head, reshard_after_forward=always, **common)
+        units.append(head[0])
+    # The root gathers what no unit claimed; FSDP never frees the root after forward.
+    fully_shard(model, **common)
+    _set_prefetch(model, units)
+
+
+def _set_prefetch(root: nn.Module, units: list[nn.Module]) -> None:
+    """Explicit prefetch, one unit ahead in forward and one behind in backward.
+
+    Implicit forward prefetch only happens when the CPU runs ahead of the GPU: each all-gather is issued
+    when the unit's forward starts. Asking unit i to start unit i+1's all-gather when it starts its own
+    forward overlaps that communication with unit i's compute even when the CPU is the bottleneck,
+    for the price of one more unit's gathered parameters held at a time. Backward mirrors it (which is
+    also FSDP's implicit backward behaviour, made explicit so it follows the same unit list).
+    """
+    if not units:
+        return
+    assert isinstance(root, FSDPModule)
+    root.set_modules_to_forward_prefetch([units[0]])
+    for cur, nxt in zip(units[:-1], units[1:]):
+        assert isinstance(cur, FSDPModule) and isinstance(nxt, FSDPModule)
+        cur.set_modules_to_forward_prefetch([nxt])
+        nxt.set_modules_to_backward_prefetch([cur])

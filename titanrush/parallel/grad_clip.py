@@ -1,0 +1,69 @@
+"""Gradient clipping by the true global norm over DTensor shards and pipeline stages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+
+
+@torch.no_grad()
+def clip_grad_norm_(
+    params: Iterable[torch.nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None = None
+) -> torch.Tensor:
+    """Scale gradients so that their global L2 norm is at most max_norm (0 = no clipping); return the norm.
+
+    Sharded gradients (FSDP, TP) contribute their shard's squares and are summed over their mesh by
+    DTensor; with pipeline parallelism each stage holds different parameters, so the squares are
+    also summed over the pipeline ranks. Every rank returns the same total.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    # Sum the local squares of gradients that share a mesh and placements, then reduce each group once
+    # over the mesh dimensions it is sharded (or partial) on.
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    plain: list[torch.Tensor] = []
+    for g in grads:
+        if isinstance(g, DTensor):
+            if any(p.is_partial() for p in g.placements):  # pending sums: settle them first
+                g = g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
+            groups.setdefault((g.device_mesh, tuple(g.placements)), []).append(g.to_local())
+        else:
+            plain.append(g)
+    total_sq = torch.zeros((), dtype=torch.float32, device=_first_local_device(grads))
+    for (mesh, placements), locals_ in groups.items():
+        sq = _sum_sq(locals_).to(total_sq.device)
+        for dim, placement in enumerate(placements):
+            if not placement.is_replicate():
+                dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+        total_sq = total_sq + sq
+    if plain:
+        total_sq = total_sq + _sum_sq(plain).to(total_sq.device)
+    if pp_mesh is not None and pp_mesh.size() > 1:
+        total_sq = total_sq.to(_mesh_device(pp_mesh))
+        dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
+    total = total_sq.sqrt()
+    if max_norm > 0 and grads:
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+        torch._foreach_mul_(locals_, coef.to(locals_[0].device))
+    return total
+
+
+def _sum_sq(tensors: list[torch.Tensor]) -> torch.Tensor:
+    norms = torch._foreach_norm(tensors, 2.0)
+    return torch.stack([n.float() for n in norms]).square().sum()
+
+
+def _first_local_device(grads: list[torch.Tensor]) -> torch.device:
+    for g in grads:
+        return g.to_local().device if isinstance(g, DTensor) else g.device
+    return torch.device("cpu")
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, torch.accelerator.current_device_index())

@@ -1,0 +1,82 @@
+"""Tensor parallel helpers: applying a plan, loss parallel, async TP.
+
+The plan itself (which module is column-wise, row-wise, sequence-parallel) belongs to the model: see
+`titanrush/models/llama/parallelize.py`. Terms:
+- column-wise linear: the weight's output features are split over the TP ranks; a replicated input
+  gives each rank its slice of the output features (heads, FFN hidden units). No communication.
+- row-wise linear: the input features are split; each rank's product is a partial sum, reduced over
+  the ranks (all-reduce, or reduce-scatter over the sequence under sequence parallel).
+- sequence parallel: between a row-wise and the next column-wise layer the activations are sharded
+  over the sequence, so the norms and residual adds run on 1/tp of the tokens; the all-reduce becomes a
+  reduce-scatter plus an all-gather (same volume, less memory and compute).
+- loss parallel: the output projection keeps its logits sharded over the vocabulary and the
+  cross-entropy is computed on the shards (never all-gathering the (tokens, vocab) logits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
+
+from titanrush.config import ConfigError
+
+
+def loss_parallel_context(
+    mesh: DeviceMesh | None, dims: Any, parallelism: Any
+) -> contextlib.AbstractContextManager:
+    """torch's `loss_parallel()` when the output projection is vocabulary-sharded, else a no-op.
+
+    Args:
+        mesh: The job's mesh (None for a single process).
+        dims: The ParallelDims (its `tp` degree is read).
+        parallelism: The `[parallelism]` config section (its `loss_parallel` flag is read).
+    """
+    if mesh is not None and dims.tp > 1 and parallelism.loss_parallel:
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
+def apply_tp_plan(module: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:
+    """`parallelize_module` over the entries of `plan` whose submodule exists (is not None), in place.
+
+    Pipeline stages drop `tok_embeddings`, `norm` or `output` (set to None); their plan entries are
+    skipped instead of failing.
+    """
+    present = {name: style for name, style in plan.items() if _get(module, name) is not None}
+    if present:
+        parallelize_module(module, tp_mesh, present)
+
+
+def _get(module: nn.Module, name: str) -> nn.Module | None:
+    for part in name.split("."):
+        module = getattr(module, part, None)
+        if module is None:
+            return None
+    return module
+
+
+def enable_async_tp(tp_mesh: DeviceMesh, *, compiled: bool) -> None:
+    """Turn on asynchronous TP: inductor splits each all-gather -> matmul and matmul -> reduce-scatter
+    pair into chunks that overlap communication with compute, through symmetric memory.
+
+    Only compiled code is rewritten, and symmetric memory needs CUDA (NVLink) devices.
+
+    Raises:
+        ConfigError: Without compile, or not on CUDA.
+    """
+    if not compiled:
+        raise ConfigError("parallelism.async_tp needs compile.enable = true (inductor does the rewrite)")
+    if tp_mesh.device_type != "cuda" or not torch.cuda.is_available():
+        raise ConfigError("parallelism.async_tp needs CUDA devices (symmetric memory); turn it off on CPU")
+    import torch._inductor.config as inductor_config
+    from torch.distributed import _symmetric_memory
+
+    inductor_config._micro_pipeline_tp = True
+    enable = getattr(_symmetric_memory, "enable_symm_mem_for_group", None)
+    if enable is not None:  # newer torch enables symmetric memory per group on demand
+        enable(tp_mesh.get_group().group_name)

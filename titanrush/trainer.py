@@ -1,0 +1,389 @@
+"""The trainer: builds everything from the config in one documented order, then runs the loop.
+
+Build order (each step only sees the values it needs):
+ 1. distributed init, device, ParallelDims (validated) and the DeviceMesh
+ 2. tokenizer, model arguments (validated against the tokenizer, seq_len and the mesh)
+ 3. the model on the meta device -> parallelize_llama (float8 -> TP -> CP -> AC -> compile -> FSDP/DDP)
+    -> to_empty on the device -> init_weights(seed), identical whatever the mesh
+ 4. optimizer and LR schedule; data loaders; checkpoint manager (resumes if a checkpoint exists)
+ 5. metrics (console, metrics.jsonl, TensorBoard) and the loop
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import math
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from titanrush import config as cfgmod
+from titanrush.config import ConfigError, JobConfig
+from titanrush.data import build_dataloader, build_tokenizer
+from titanrush.metrics import (
+    MemoryMonitor,
+    MetricsLogger,
+    Throughput,
+    flops_per_token,
+    matmul_params,
+    peak_tflops,
+)
+from titanrush.models.llama import FLAVORS, Llama, ModelArgs, model_args
+from titanrush.models.llama.loss import cross_entropy
+from titanrush.models.llama.parallelize import parallelize_llama
+from titanrush.optim import build_lr_scheduler, build_optimizer
+from titanrush.parallel.grad_clip import clip_grad_norm_
+from titanrush.parallel.parallel_dims import ParallelDims
+from titanrush.parallel.tensor_parallel import loss_parallel_context
+
+logger = logging.getLogger("titanrush")
+
+
+def resolve_model_args(cfg: JobConfig, tokenizer_words: int) -> ModelArgs:
+    """The flavor's arguments with the config's overrides; every mismatch is a ConfigError."""
+    m, t = cfg.model, cfg.training
+    if m.flavor not in FLAVORS:
+        import difflib
+
+        lower = {f.lower(): f for f in FLAVORS}
+        near = [lower[m.flavor.lower()]] if m.flavor.lower() in lower else []
+        near = near or difflib.get_close_matches(m.flavor, list(FLAVORS), n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ConfigError(f"model.flavor = {m.flavor!r} is not one of {', '.join(FLAVORS)}{hint}")
+    over: dict[str, Any] = {"attn_backend": m.attn_backend}
+    if m.vocab_size:
+        over["vocab_size"] = m.vocab_size
+    if m.tie_embeddings != "flavor":
+        over["tie_embeddings"] = m.tie_embeddings == "tied"
+    if t.loss == "chunked":
+        over["loss_chunk_size"] = t.loss_chunk_size
+    args = model_args(m.flavor, **over)
+    if args.vocab_size < tokenizer_words:
+        raise ConfigError(
+            f"model vocabulary ({args.vocab_size}) does not cover the tokenizer's {tokenizer_words} tokens; "
+            f"set model.vocab_size >= {tokenizer_words} or use a tokenizer that fits"
+        )
+    if t.seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"training.seq_len = {t.seq_len} exceeds the {m.flavor} model's maximum of {args.max_seq_len}"
+        )
+    return args
+
+
+def check_config(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, ModelArgs, int]:
+    """Every check that needs no allocation: mesh degrees, model fit, batch arithmetic.
+
+    Returns the parallel dims, the model arguments and the gradient accumulation steps.
+    """
+    p = cfg.parallelism
+    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, world_size)
+    tokenizer = build_tokenizer(cfg.data.tokenizer)
+    args = resolve_model_args(cfg, tokenizer.n_words)
+    dims.check_model(
+        n_heads=args.n_heads, n_kv_heads=args.kv_heads, n_layers=args.n_layers, seq_len=cfg.training.seq_len
+    )
+    t = cfg.training
+    per_step = t.local_batch_size * dims.dp
+    gbs = per_step if t.global_batch_size == -1 else t.global_batch_size
+    if gbs % per_step:
+        raise ConfigError(
+            f"training.global_batch_size = {gbs} must be a multiple of local_batch_size x dp = "
+            f"{t.local_batch_size} x {dims.dp} = {per_step}"
+        )
+    _reject_unfinished(cfg)
+    if cfg.float8.enable and cfg.training.precision != "bf16":
+        raise ConfigError("float8.enable needs training.precision = 'bf16'")
+    if cfg.compile.enable is False and p.async_tp:
+        raise ConfigError("parallelism.async_tp needs compile.enable = true")
+    return dims, args, gbs // per_step
+
+
+# Options whose config keys exist but whose implementation has not landed yet: refuse them loudly rather
+# than ignore them. Each entry goes when its feature lands.
+_UNFINISHED: dict[str, str] = {
+    "checkpoint.enable": "checkpointing",
+    "profiling.enable": "profiling",
+}
+
+
+def _reject_unfinished(cfg: JobConfig) -> None:
+    for key, feature in _UNFINISHED.items():
+        section, name = key.split(".")
+        if getattr(getattr(cfg, section), name):
+            raise ConfigError(f"{key}: {feature} is not implemented in this version of titanrush yet")
+
+
+class Trainer:
+    """Owns the model, optimizer, data and metrics of one run."""
+
+    def __init__(self, cfg: JobConfig) -> None:
+        self.cfg = cfg
+        # 1. Distributed init and mesh.
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.dims, self.model_args, self.accum = check_config(cfg, self.world_size)
+        if torch.cuda.is_available():
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        if self.world_size > 1 and not dist.is_initialized():
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, device_id=self.device if backend == "nccl" else None)
+        self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
+        self.run_dir = self._prepare_run_dir()
+        _set_determinism(cfg.training)
+        dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None and self.dims.dp > 1 else 0
+
+        # 2-3. Model: meta -> parallelize -> materialize -> init.
+        self.tokenizer = build_tokenizer(cfg.data.tokenizer)
+        with torch.device("meta"):
+            model = Llama(self.model_args)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.flops_per_token = flops_per_token(self.model_args, matmul_params(model), cfg.training.seq_len)
+        model = parallelize_llama(
+            model,
+            self.dims,
+            self.mesh,
+            parallelism=cfg.parallelism,
+            compile=cfg.compile,
+            ac=cfg.activation_checkpoint,
+            float8=cfg.float8,
+            precision=cfg.training.precision,
+        )
+        model.to_empty(device=self.device)
+        model.init_weights(seed=cfg.training.seed, buffer_device=self.device)
+        model.train()
+        self.model = model
+        self.autocast = (
+            cfg.training.precision == "bf16" and not self.dims.fsdp_enabled
+        )  # FSDP casts through its MixedPrecisionPolicy
+
+        # 4. Optimizer, schedule, data.
+        o = cfg.optimizer
+        self.optimizer = build_optimizer(
+            model.parameters(),
+            name=o.name,
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            implementation=o.implementation,
+        )
+        s = cfg.lr_scheduler
+        self.scheduler = build_lr_scheduler(
+            self.optimizer,
+            warmup_steps=s.warmup_steps,
+            total_steps=cfg.training.steps,
+            decay=s.decay,
+            decay_ratio=s.decay_ratio,
+            min_lr_factor=s.min_lr_factor,
+        )
+        loader_args = dict(
+            tokenizer=self.tokenizer,
+            seq_len=cfg.training.seq_len,
+            local_batch_size=cfg.training.local_batch_size,
+            dp_rank=dp_rank,
+            dp_degree=self.dims.dp,
+            seed=cfg.training.seed,
+            vocab_size=self.model_args.vocab_size,
+        )
+        self.train_loader = build_dataloader(cfg.data, split="train", **loader_args)
+        self.val_loader_args = loader_args
+        self.step = 0
+
+        # 5. Metrics.
+        self.metrics = MetricsLogger(
+            self.run_dir,
+            enabled=self.rank == 0 or cfg.metrics.all_ranks,
+            tensorboard=cfg.metrics.tensorboard,
+            rank=self.rank,
+        )
+        self.memory = MemoryMonitor(self.device)
+        self.peak = self._peak_tflops()
+        # Each token is counted once per data-parallel replica, spread over the GPUs of that replica.
+        self.tokens_per_gpu_step = (
+            cfg.training.local_batch_size
+            * cfg.training.seq_len
+            * self.accum
+            / self.dims.non_data_parallel_size
+        )
+        self._log_header()
+
+    # ------------------------------------------------------------------------------------------
+    def _prepare_run_dir(self) -> Path:
+        run_dir = Path(self.cfg.job.dump_folder) / self.cfg.job.name
+        if self.rank == 0:
+            if run_dir.exists() and not self.cfg.job.overwrite:
+                raise ConfigError(
+                    f"run folder {run_dir} exists and job.overwrite = false; choose another job.name"
+                )
+            run_dir.mkdir(parents=True, exist_ok=True)
+            (run_dir / "config.toml").write_text(cfgmod.to_toml(self.cfg))
+        if dist.is_initialized():
+            dist.barrier()
+        return run_dir
+
+    def _peak_tflops(self) -> float | None:
+        if self.cfg.metrics.peak_tflops > 0:
+            return self.cfg.metrics.peak_tflops
+        if self.device.type != "cuda":
+            logger.warning("MFU is not reported on CPU; set metrics.peak_tflops to report one")
+            return None
+        name = torch.cuda.get_device_name(self.device)
+        precision = "bf16" if self.cfg.float8.enable else self.cfg.training.precision
+        peak = peak_tflops(name, precision)
+        if peak is None:
+            logger.warning(
+                f"GPU {name!r} is not in titanrush's peak table: MFU is not reported; set "
+                f"metrics.peak_tflops to this GPU's dense {precision} TFLOP/s"
+            )
+        elif self.cfg.float8.enable:
+            logger.info(f"float8: MFU is against the bf16 peak ({peak:.0f} TFLOP/s); TFLOP/s is exact")
+        return peak
+
+    def _log_header(self) -> None:
+        a, t = self.model_args, self.cfg.training
+        logger.info(
+            f"titanrush: {self.cfg.model.flavor} ({self.n_params / 1e6:,.1f}M params, {a.n_layers} layers, "
+            f"dim {a.dim}) on {self.world_size} x {self.device.type}; "
+            f"mesh dp_replicate={self.dims.dp_replicate} "
+            f"dp_shard={self.dims.dp_shard} cp={self.dims.cp} tp={self.dims.tp} pp={self.dims.pp}"
+        )
+        logger.info(
+            f"batch: local {t.local_batch_size} x seq {t.seq_len}, accumulation {self.accum}, "
+            f"global {t.local_batch_size * self.dims.dp * self.accum}; "
+            f"{self.flops_per_token / 1e9:.3f} GFLOP/token; "
+            f"run folder {self.run_dir}"
+        )
+
+    # ------------------------------------------------------------------------------------------
+    def _forward_backward(self, batch: Any) -> torch.Tensor:
+        """Loss of one micro-batch (divided by the accumulation steps), with backward done."""
+        ctx = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if self.autocast
+            else contextlib.nullcontext()
+        )
+        chunked = self.model_args.loss_chunk_size > 0
+        with ctx, loss_parallel_context(self.mesh, self.dims, self.cfg.parallelism):
+            if chunked:
+                loss = self.model(batch.input_ids, labels=batch.labels)
+            else:
+                loss = cross_entropy(self.model(batch.input_ids), batch.labels)
+            loss = loss / self.accum
+            loss.backward()
+        return loss.detach()
+
+    def train_step(self, data_iter: Iterator[Any]) -> tuple[torch.Tensor, torch.Tensor, float]:
+        """One optimizer step over `accum` micro-batches; returns (loss, grad norm, data wait seconds)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        total = torch.zeros((), device=self.device)
+        data_wait = 0.0
+        for _ in range(self.accum):
+            t0 = time.perf_counter()
+            batch = next(data_iter).to(self.device, non_blocking=True)
+            data_wait += time.perf_counter() - t0
+            total += self._forward_backward(batch)
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        return total, grad_norm, data_wait
+
+    def _global_mean(self, value: torch.Tensor) -> float:
+        """Average over the data-parallel (and context-parallel) ranks; the same on every rank."""
+        if self.mesh is None or self.dims.dp * self.dims.cp == 1:
+            return value.item()
+        value = value.detach().float().clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh["dp_cp"].get_group())
+        return value.item() / (self.dims.dp * self.dims.cp)
+
+    def train(self) -> list[float]:
+        """Run the loop to training.steps; return the losses of the logged steps."""
+        t = self.cfg.training
+        if t.gc_freq > 0:
+            gc.disable()
+            gc.collect()
+        data_iter = iter(self.train_loader)
+        throughput = Throughput(self.flops_per_token, self.peak)
+        logged: list[float] = []
+        while self.step < t.steps:
+            self.step += 1
+            if t.gc_freq > 0 and self.step % t.gc_freq == 0:
+                gc.collect(1)
+            loss, grad_norm, data_wait = self.train_step(data_iter)
+            throughput.add(self.tokens_per_gpu_step, data_wait)
+            if self._should_log(self.step):
+                loss_value = self._global_mean(loss)
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(f"loss is {loss_value} at step {self.step}")
+                logged.append(loss_value)
+                mem = self.memory.read_and_reset()
+                record = {
+                    "loss": loss_value,
+                    "grad_norm": grad_norm.item(),
+                    "lr": self.scheduler.get_last_lr()[0],
+                    **throughput.read(),
+                    "mem_active_gib": mem.active_gib,
+                    "mem_reserved_gib": mem.reserved_gib,
+                    "mem_active_pct": mem.active_pct,
+                    "mem_reserved_pct": mem.reserved_pct,
+                }
+                self.metrics.log(self.step, record)
+                throughput.reset()
+            if self.cfg.validation.freq and self.step % self.cfg.validation.freq == 0:
+                self.validate()
+        if t.gc_freq > 0:
+            gc.enable()
+        return logged
+
+    def _should_log(self, step: int) -> bool:
+        return step == 1 or step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean loss over validation.steps batches of the held-out split (same batches every time)."""
+        self.model.eval()
+        loader = build_dataloader(self.cfg.data, split="validation", **self.val_loader_args)
+        total = torch.zeros((), device=self.device)
+        n = 0
+        ctx = (
+            torch.autocast(self.device.type, dtype=torch.bfloat16)
+            if self.autocast
+            else contextlib.nullcontext()
+        )
+        for batch in loader:
+            if n >= self.cfg.validation.steps:
+                break
+            batch = batch.to(self.device)
+            with ctx, loss_parallel_context(self.mesh, self.dims, self.cfg.parallelism):
+                total += cross_entropy(self.model(batch.input_ids), batch.labels).detach()
+            n += 1
+        self.model.train()
+        loss = self._global_mean(total / max(n, 1))
+        self.metrics.log(self.step, {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))})
+        return loss
+
+    def close(self) -> None:
+        self.metrics.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _set_determinism(t: cfgmod.Training) -> None:
+    torch.manual_seed(t.seed)
+    if t.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    # fp32 runs are measured against the fp32 peak, so keep TF32 tensor cores off for them.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
