@@ -31,6 +31,9 @@ def environment() -> dict[str, str]:
     env = {"torch": torch.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d")}
     env["device"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
     env["gpus"] = str(torch.cuda.device_count())
+    if os.environ.get("TITANRUSH_COMMIT"):  # set by the caller where the checkout has no .git
+        env["commit"] = os.environ["TITANRUSH_COMMIT"]
+        return env
     try:
         env["commit"] = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True

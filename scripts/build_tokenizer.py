@@ -47,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    lines = [f"{base64.b64encode(tok).decode()} {rank}\n" for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])]
+    lines = [
+        f"{base64.b64encode(tok).decode()} {rank}\n"
+        for tok, rank in sorted(ranks.items(), key=lambda kv: kv[1])
+    ]
     args.output.write_text("".join(lines))
     print(f"wrote {args.output} ({args.output.stat().st_size / 1e3:.0f} kB)")
 
@@ -55,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     sample = "\n".join(texts[:50])
     ids = tok.encode(sample, bos=True, eos=True)
     assert tok.decode(ids[1:-1]) == sample, "round trip failed"
-    print(f"vocabulary {tok.n_words}; {len(sample.encode()) / (len(ids) - 2):.2f} bytes per token on a sample")
+    print(
+        f"vocabulary {tok.n_words}; {len(sample.encode()) / (len(ids) - 2):.2f} bytes per token on a sample"
+    )
     return 0
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from titanrush import config as cfgmod
 from titanrush.config import ConfigError, JobConfig
@@ -281,7 +282,8 @@ class Trainer:
                 loss = cross_entropy(self.model(batch.input_ids), batch.labels)
             loss = loss / self.accum
             loss.backward()
-        return loss.detach()
+        # Under loss parallel the loss is a replicated DTensor: its local value is the loss.
+        return loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
 
     def train_step(self, data_iter: Iterator[Any]) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over `accum` micro-batches; returns (loss, grad norm, data wait seconds)."""
@@ -365,7 +367,8 @@ class Trainer:
                 break
             batch = batch.to(self.device)
             with ctx, loss_parallel_context(self.mesh, self.dims, self.cfg.parallelism):
-                total += cross_entropy(self.model(batch.input_ids), batch.labels).detach()
+                loss = cross_entropy(self.model(batch.input_ids), batch.labels).detach()
+                total += loss.to_local() if isinstance(loss, DTensor) else loss
             n += 1
         self.model.train()
         loss = self._global_mean(total / max(n, 1))

@@ -42,6 +42,12 @@ def test_tied_embeddings_share_one_tensor():
     with torch.device("meta"):
         m = Llama(FLAVORS["1B"])
     assert m.output.weight is m.tok_embeddings.weight
+    with torch.device("meta"):
+        small = Llama(model_args("debug", tie_embeddings=True))
+    small.to_empty(device="cpu")
+    small.init_weights(seed=0)  # materialized and initialized: still one tensor
+    assert small.output.weight is small.tok_embeddings.weight
+    assert len(list(small.parameters())) == len(list(small.named_parameters()))
     assert count("1B", tie_embeddings=False) - count("1B") == 128256 * 2048
 
 

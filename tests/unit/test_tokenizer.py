@@ -34,7 +34,9 @@ def write_ranks(path: Path, tokens: list[bytes]) -> Path:
 
 def llama3_sized_tokens() -> list[bytes]:
     """128000 unique tokens (all 256 single bytes first), the size of Llama 3's rank table."""
-    return [bytes([i]) for i in range(256)] + [i.to_bytes(3, "big") for i in range(1 << 16, (1 << 16) + 127744)]
+    return [bytes([i]) for i in range(256)] + [
+        i.to_bytes(3, "big") for i in range(1 << 16, (1 << 16) + 127744)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,12 @@ def test_default_vocabulary_layout(tok: Tokenizer) -> None:
     specials = special_tokens()
     assert len(specials) == len(set(specials)) == 256
     # Llama 3 layout: the specials follow the ranks in this order.
-    for offset, name in [(0, "<|begin_of_text|>"), (1, "<|end_of_text|>"), (9, "<|eot_id|>"), (10, "<|python_tag|>")]:
+    for offset, name in [
+        (0, "<|begin_of_text|>"),
+        (1, "<|end_of_text|>"),
+        (9, "<|eot_id|>"),
+        (10, "<|python_tag|>"),
+    ]:
         assert tok.encoding.encode_single_token(name) == 7936 + offset
     assert tok.encoding.encode_single_token("<|reserved_special_token_2|>") == 7936 + 11
     assert tok.encoding.encode_single_token("<|reserved_special_token_246|>") == 8191

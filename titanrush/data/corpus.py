@@ -63,11 +63,15 @@ class TokenCorpus:
     def __getstate__(self) -> dict:
         # Loader workers started with spawn get the shard paths, not copies of the shards.
         state = self.__dict__.copy()
-        state["arrays"] = [(n, a.dtype.str) if isinstance(a, np.memmap) else a for n, a in zip(self.names, self.arrays)]
+        state["arrays"] = [
+            (n, a.dtype.str) if isinstance(a, np.memmap) else a for n, a in zip(self.names, self.arrays)
+        ]
         return state
 
     def __setstate__(self, state: dict) -> None:
-        state["arrays"] = [np.memmap(a[0], dtype=a[1], mode="r") if isinstance(a, tuple) else a for a in state["arrays"]]
+        state["arrays"] = [
+            np.memmap(a[0], dtype=a[1], mode="r") if isinstance(a, tuple) else a for a in state["arrays"]
+        ]
         self.__dict__.update(state)
 
 
@@ -75,7 +79,9 @@ class TokenCorpus:
 # From text
 
 
-def tokenize_documents(docs: Iterable[Document], tokenizer: Tokenizer, chunk_chars: int = 1 << 25) -> TokenCorpus:
+def tokenize_documents(
+    docs: Iterable[Document], tokenizer: Tokenizer, chunk_chars: int = 1 << 25
+) -> TokenCorpus:
     """Tokenize documents (in chunks of about `chunk_chars`, with tiktoken's threads) into a corpus."""
     dtype = token_dtype(tokenizer.n_words)
     parts: list[np.ndarray] = []
@@ -168,7 +174,9 @@ def _write_cache(path: Path, key: str, corpus: TokenCorpus) -> None:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     except OSError as e:
-        logger.warning("cannot write the token cache %s (%s); set data.cache_dir to a writable folder", path, e)
+        logger.warning(
+            "cannot write the token cache %s (%s); set data.cache_dir to a writable folder", path, e
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,20 +202,24 @@ def load_shards(path: str, split: str, tokenizer: Tokenizer, vocab_size: int | N
         assert index["version"] == SHARD_VERSION, f"version {index['version']} (expected {SHARD_VERSION})"
         dtype = np.dtype(index["dtype"])
         assert dtype in (np.uint16, np.uint32), f"dtype {dtype} is not uint16 or uint32"
-        assert index["vocab_size"] <= np.iinfo(dtype).max + 1, f"vocab {index['vocab_size']} overflows {dtype}"
+        assert index["vocab_size"] <= np.iinfo(dtype).max + 1, (
+            f"vocab {index['vocab_size']} overflows {dtype}"
+        )
         shards = index["splits"][split]["shards"]
         bos_id = int(index["bos_id"])
     except (ValueError, KeyError, TypeError, AssertionError, UnicodeDecodeError) as e:
         raise ConfigError(f"{index_path}: corrupt shard index ({e}); {fix}") from None
     if index["tokenizer_hash"] != tokenizer.hash:
         raise ConfigError(
-            f"{index_path}: the shards were tokenized with data.tokenizer = {index['tokenizer']!r}, not "
-            f"{tokenizer.spec!r} (a different rank file); set data.tokenizer to the shards' tokenizer or {fix}"
+            f"{index_path}: the shards were tokenized with data.tokenizer = {index['tokenizer']!r}, "
+            f"not {tokenizer.spec!r} (a different rank file); set data.tokenizer to the shards' "
+            f"tokenizer or {fix}"
         )
     if vocab_size is not None and index["vocab_size"] > vocab_size:
         raise ConfigError(
-            f"{index_path}: the shards' vocabulary ({index['vocab_size']} ids, {dtype}) does not fit the "
-            f"model's vocab_size {vocab_size}; raise model.vocab_size or re-run prepare with a smaller tokenizer"
+            f"{index_path}: the shards' vocabulary ({index['vocab_size']} ids, {dtype}) does not fit "
+            f"the model's vocab_size {vocab_size}; raise model.vocab_size or re-run prepare with a "
+            "smaller tokenizer"
         )
     arrays, names, doc_arrays, doc_starts, doc_lens = [], [], [], [], []
     for i, shard in enumerate(shards):
@@ -226,11 +238,18 @@ def load_shards(path: str, split: str, tokenizer: Tokenizer, vocab_size: int | N
     if not arrays or sum(len(d) for d in doc_lens) == 0:
         raise ConfigError(f"{index_path}: the {split} split holds no documents; {fix} from more data")
     return TokenCorpus(
-        arrays, np.concatenate(doc_arrays), np.concatenate(doc_starts), np.concatenate(doc_lens), names, bos_id
+        arrays,
+        np.concatenate(doc_arrays),
+        np.concatenate(doc_starts),
+        np.concatenate(doc_lens),
+        names,
+        bos_id,
     )
 
 
-def _open_shard(file: Path, offsets_file: Path, n_tokens: int, dtype: np.dtype, fix: str) -> tuple[np.ndarray, np.ndarray]:
+def _open_shard(
+    file: Path, offsets_file: Path, n_tokens: int, dtype: np.dtype, fix: str
+) -> tuple[np.ndarray, np.ndarray]:
     if not file.is_file() or not offsets_file.is_file():
         missing = file if not file.is_file() else offsets_file
         raise ConfigError(f"{missing}: shard file missing; {fix}")
@@ -243,7 +262,13 @@ def _open_shard(file: Path, offsets_file: Path, n_tokens: int, dtype: np.dtype, 
         offsets = np.load(offsets_file, allow_pickle=False).astype(np.int64)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{offsets_file}: unreadable document offsets ({e}); {fix}") from None
-    if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != n_tokens or np.any(np.diff(offsets) <= 0):
+    if (
+        offsets.ndim != 1
+        or len(offsets) < 1
+        or offsets[0] != 0
+        or offsets[-1] != n_tokens
+        or np.any(np.diff(offsets) <= 0)
+    ):
         raise ConfigError(f"{offsets_file}: document offsets do not match {file.name}; {fix}")
     arr = np.memmap(file, dtype=dtype, mode="r") if n_tokens else np.empty(0, dtype)
     return arr, offsets
@@ -260,7 +285,9 @@ class TokenStream:
     `shuffle` is off), so position p of the stream is a pure function of (corpus, seed, p).
     """
 
-    def __init__(self, corpus: TokenCorpus, *, seed: int, shuffle: bool, vocab_limit: int | None = None) -> None:
+    def __init__(
+        self, corpus: TokenCorpus, *, seed: int, shuffle: bool, vocab_limit: int | None = None
+    ) -> None:
         self.corpus = corpus
         self.seed = seed
         self.shuffle = shuffle

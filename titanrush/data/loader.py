@@ -149,7 +149,9 @@ def stream_windows(
             return
 
 
-def rank_batches(windows: Iterator[np.ndarray], layout: RankLayout, start: int, bos_id: int) -> Iterator[Batch]:
+def rank_batches(
+    windows: Iterator[np.ndarray], layout: RankLayout, start: int, bos_id: int
+) -> Iterator[Batch]:
     """This rank's micro-batches start, start+1, ... from sequential windows; a round of D x B windows
     counts only once complete, so every rank yields the same number of batches."""
     b, r = layout.local_batch_size, layout.dp_rank
@@ -222,14 +224,16 @@ class DataLoader:
         for key in ("dataset", "path", "split", "seed", "seq_len"):
             if state.get(key) != self._identity[key]:
                 raise ConfigError(
-                    f"the checkpoint's data loader has {key} = {state.get(key)!r}, this run {self._identity[key]!r}: "
-                    "resuming would not continue the same data; keep the setting or start a new run"
+                    f"the checkpoint's data loader has {key} = {state.get(key)!r}, this run "
+                    f"{self._identity[key]!r}: resuming would not continue the same data; keep the "
+                    "setting or start a new run"
                 )
         j, rest = divmod(int(state["windows"]), self.layout.windows_per_round)
         if rest:
             raise ConfigError(
-                f"the checkpoint stopped after {state['windows']} windows, not a multiple of this mesh's "
-                f"{self.layout.windows_per_round} (local batch x dp degree); choose a batch layout that divides it"
+                f"the checkpoint stopped after {state['windows']} windows, not a multiple of this "
+                f"mesh's {self.layout.windows_per_round} (local batch x dp degree); choose a batch "
+                "layout that divides it"
             )
         self._next = j
         self._generation += 1
@@ -269,8 +273,14 @@ def build_dataloader(
     """
     sources.check_split(split)
     if seq_len <= 0 or local_batch_size <= 0 or not 0 <= dp_rank < dp_degree:
-        raise ValueError(f"bad layout: seq_len={seq_len}, local_batch_size={local_batch_size}, dp {dp_rank}/{dp_degree}")
-    if vocab_size is not None and cfg.dataset != "shards" and tokenizer.n_words > vocab_size:
+        raise ValueError(
+            f"bad layout: seq_len={seq_len}, local_batch_size={local_batch_size}, dp {dp_rank}/{dp_degree}"
+        )
+    if (
+        vocab_size is not None
+        and cfg.dataset not in ("shards", "synthetic")
+        and tokenizer.n_words > vocab_size
+    ):
         raise ConfigError(
             f"the tokenizer {tokenizer.spec!r} has {tokenizer.n_words} ids but the model's vocab_size is "
             f"{vocab_size}; set model.vocab_size >= {tokenizer.n_words} or use a smaller tokenizer"
@@ -286,7 +296,7 @@ def build_dataloader(
         sources.hf_documents(cfg.path, cfg.text_field, split)  # fail now on a missing package or dataset
 
         def open_stream(start: int) -> Iterator[Batch]:
-            docs = lambda: sources.hf_documents(cfg.path, cfg.text_field, split)  # noqa: E731
+            docs = lambda: sources.hf_documents(cfg.path, cfg.text_field, split)
             windows = stream_windows(docs, tokenizer, seq_len, cycle=not finite)
             return rank_batches(windows, layout, start, tokenizer.bos_id)
 
@@ -302,14 +312,16 @@ def build_dataloader(
         stream = TokenStream(corpus, seed=seed, shuffle=cfg.shuffle and not finite, vocab_limit=limit)
         dataset = TokenWindows(stream, layout)
         n_windows = (corpus.n_tokens - 1) // seq_len
-        logger.info("data %s/%s: %d documents, %d tokens", cfg.dataset, split, len(corpus.doc_len), corpus.n_tokens)
+        logger.info(
+            "data %s/%s: %d documents, %d tokens", cfg.dataset, split, len(corpus.doc_len), corpus.n_tokens
+        )
 
     num_batches = n_windows // layout.windows_per_round if finite else None
     if num_batches == 0:
         raise ConfigError(
-            f"the validation split of data.dataset = {cfg.dataset!r} holds {n_windows} windows of {seq_len} tokens, "
-            f"fewer than one round of {layout.windows_per_round} (local batch x dp degree); lower the batch or "
-            "seq_len, add data, or set validation.freq = 0"
+            f"the validation split of data.dataset = {cfg.dataset!r} holds {n_windows} windows of "
+            f"{seq_len} tokens, fewer than one round of {layout.windows_per_round} (local batch x dp "
+            "degree); lower the batch or seq_len, add data, or set validation.freq = 0"
         )
     pin = cfg.pin_memory and torch.cuda.is_available()
 
@@ -338,18 +350,24 @@ def _corpus(cfg: Data, tokenizer: Tokenizer, split: str, vocab_size: int | None)
         files = sources.embedded_files(split)
         key = cache_key(tokenizer, f"embedded|{split}", files)
         label = f"embedded corpus ({split})"
-        docs = lambda: sources.embedded_documents(split, files)  # noqa: E731
+        docs = lambda: sources.embedded_documents(split, files)
     elif cfg.dataset == "files":
         root, files = sources.find_files(cfg.path)
         key = cache_key(tokenizer, f"files|{root.resolve()}|{cfg.text_field}|{split}", files)
         label = f"data.path = {cfg.path!r} ({split})"
-        docs = lambda: sources.file_documents(cfg.path, cfg.text_field, split)  # noqa: E731
+        docs = lambda: sources.file_documents(cfg.path, cfg.text_field, split)
     else:
-        raise ConfigError(f"data.dataset = {cfg.dataset!r} is not one of embedded, files, synthetic, shards, hf")
-    corpus = cached_corpus(key, cfg.cache_dir, lambda: tokenize_documents(docs(), tokenizer), tokenizer, label)
-    if corpus.n_tokens == 0:
         raise ConfigError(
-            f"{label}: no text in the {split} split (about 1% of documents are held out for validation); "
-            "add documents or point data.path at a larger corpus"
+            f"data.dataset = {cfg.dataset!r} is not one of embedded, files, synthetic, shards, hf"
         )
-    return corpus
+
+    def build() -> TokenCorpus:
+        corpus = tokenize_documents(docs(), tokenizer)
+        if corpus.n_tokens == 0:  # raised before anything is cached
+            raise ConfigError(
+                f"{label}: no text in the {split} split (about 1% of documents are held out for validation); "
+                "add documents or point data.path at a larger corpus"
+            )
+        return corpus
+
+    return cached_corpus(key, cfg.cache_dir, build, tokenizer, label)

@@ -42,7 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="titanrush prepare", description=__doc__.split("\n")[0])
     parser.add_argument("--input", required=True, help="a file, folder or glob of .txt/.jsonl/.parquet files")
     parser.add_argument("--output", required=True, help="folder to write the shards and index.json to")
-    parser.add_argument("--tokenizer", default="default", help="'default' or a tiktoken rank file (data.tokenizer)")
+    parser.add_argument(
+        "--tokenizer", default="default", help="'default' or a tiktoken rank file (data.tokenizer)"
+    )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes")
     parser.add_argument("--text-field", default="text", help="field with the text in .jsonl/.parquet")
     parser.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file (about)")
@@ -65,10 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - start
     splits = index["splits"]
     n_tokens = sum(s["tokens"] for s in splits.values())
+    n_docs = sum(s["documents"] for s in splits.values())
     print(
-        f"wrote {args.output}: {n_tokens:,} tokens ({index['dtype']}), "
-        f"{sum(s['documents'] for s in splits.values()):,} documents, validation {splits['validation']['tokens']:,} "
-        f"tokens; {elapsed:.1f}s, {n_tokens / max(elapsed, 1e-9):,.0f} tokens/s"
+        f"wrote {args.output}: {n_tokens:,} tokens ({index['dtype']}) in {n_docs:,} documents "
+        f"(validation: {splits['validation']['tokens']:,} tokens); {elapsed:.1f}s, "
+        f"{n_tokens / max(elapsed, 1e-9):,.0f} tokens/s"
     )
     return 0
 
@@ -97,9 +100,13 @@ def prepare(
     out = Path(output).expanduser()
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         if not overwrite:
-            raise ConfigError(f"--output {out} exists and is not empty; choose a new folder or pass --overwrite")
+            raise ConfigError(
+                f"--output {out} exists and is not empty; choose a new folder or pass --overwrite"
+            )
         if not (out / INDEX_FILE).is_file():
-            raise ConfigError(f"--output {out} is not a shard folder (no {INDEX_FILE}); refusing to overwrite it")
+            raise ConfigError(
+                f"--output {out} is not a shard folder (no {INDEX_FILE}); refusing to overwrite it"
+            )
     items: list[WorkItem] = []
     for path in files:
         ranges = jsonl_chunks(path, jsonl_chunk_bytes) if path.suffix == ".jsonl" else [(0, None)]
@@ -127,7 +134,13 @@ def prepare(
 
 
 def _write_shards(
-    folder: Path, items: list[WorkItem], files: list[Path], tokenizer: Tokenizer, workers: int, shard_tokens: int, progress: bool
+    folder: Path,
+    items: list[WorkItem],
+    files: list[Path],
+    tokenizer: Tokenizer,
+    workers: int,
+    shard_tokens: int,
+    progress: bool,
 ) -> dict[str, Any]:
     dtype = token_dtype(tokenizer.n_words)
     writers = {s: _ShardWriter(folder, s, dtype, shard_tokens) for s in SPLITS}
@@ -135,7 +148,9 @@ def _write_shards(
     bar = _Progress(total_bytes, enabled=progress)
     n_workers = min(workers, len(items))
     if n_workers > 1:
-        ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+        ctx = multiprocessing.get_context(
+            "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        )
         pool = ctx.Pool(n_workers)
         results = pool.imap(_tokenize_item, items)  # in input order: output independent of --workers
     else:
@@ -180,7 +195,11 @@ def _tokenize_item(item: WorkItem) -> tuple[int, dict[str, tuple[np.ndarray, np.
         texts[split_of(doc.key)].append(doc.text)
     n_bytes = (hi if hi is not None else path.stat().st_size) - lo
     dtype = token_dtype(tok.n_words)
-    out = {s: frame(tok.encode_arrays(t, num_threads=1), tok.bos_id, tok.eos_id, dtype) for s, t in texts.items() if t}
+    out = {
+        s: frame(tok.encode_arrays(t, num_threads=1), tok.bos_id, tok.eos_id, dtype)
+        for s, t in texts.items()
+        if t
+    }
     return n_bytes, out
 
 
@@ -190,7 +209,7 @@ class _ShardWriter:
     def __init__(self, folder: Path, split: str, dtype: np.dtype, shard_tokens: int) -> None:
         self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
         self.shards: list[dict[str, Any]] = []
-        self._file: Any = None
+        self._name = ""
         self._offsets: list[int] = [0]
         self._max_id = -1
 
@@ -211,18 +230,16 @@ class _ShardWriter:
                 self._roll()
 
     def _write(self, tokens: np.ndarray, lens: np.ndarray) -> None:
-        if self._file is None:
+        if not self._name:
             self._name = f"{self.split}_{len(self.shards):05d}"
-            self._file = open(self.folder / f"{self._name}.bin", "wb")
-        self._file.write(tokens.astype(self.dtype, copy=False).tobytes())
+        with open(self.folder / f"{self._name}.bin", "ab") as f:
+            f.write(tokens.astype(self.dtype, copy=False).tobytes())
         self._offsets.extend((self._offsets[-1] + np.cumsum(lens)).tolist())
         self._max_id = max(self._max_id, int(tokens.max()))
 
     def _roll(self) -> None:
-        if self._file is None:
+        if not self._name:
             return
-        self._file.close()
-        self._file = None
         np.save(self.folder / f"{self._name}.docs.npy", np.asarray(self._offsets, np.int64))
         self.shards.append(
             {
@@ -233,7 +250,7 @@ class _ShardWriter:
                 "max_token_id": self._max_id,
             }
         )
-        self._offsets, self._max_id = [0], -1
+        self._name, self._offsets, self._max_id = "", [0], -1
 
     def close(self) -> dict[str, Any]:
         """Finish the last shard; the split's entry for the index."""

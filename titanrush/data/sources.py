@@ -116,7 +116,9 @@ def find_files(pattern: str, key: str = "data.path") -> tuple[Path, list[Path]]:
     else:
         raise ConfigError(f"{key} = {pattern!r}: no such file or folder; check the path")
     if not files:
-        raise ConfigError(f"{key} = {pattern!r} matches no {', '.join(SUFFIXES)} files; check the path or glob")
+        raise ConfigError(
+            f"{key} = {pattern!r} matches no {', '.join(SUFFIXES)} files; check the path or glob"
+        )
     return root, sorted(files, key=lambda p: p.as_posix())
 
 
@@ -273,7 +275,9 @@ def _hf_rows(stream: Iterable[dict], name: str, text_field: str, split: str) -> 
     for i, row in enumerate(stream):
         text = row.get(text_field)
         if not isinstance(text, str):
-            raise ConfigError(f"data.path = {name!r}: rows have no string field {text_field!r}; set data.text_field")
+            raise ConfigError(
+                f"data.path = {name!r}: rows have no string field {text_field!r}; set data.text_field"
+            )
         key = f"{name}:{i}"
         if text and split_of(key) == split:
             yield Document(key, text)

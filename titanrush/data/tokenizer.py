@@ -91,7 +91,9 @@ class Tokenizer:
         ids = self.encoding.encode_ordinary(text)
         return self._frame(ids, bos, eos)
 
-    def encode_batch(self, texts: Sequence[str], *, bos: bool, eos: bool, num_threads: int = 8) -> list[list[int]]:
+    def encode_batch(
+        self, texts: Sequence[str], *, bos: bool, eos: bool, num_threads: int = 8
+    ) -> list[list[int]]:
         """`encode` over many texts with tiktoken's multi-threaded batch encoder."""
         batch = self.encoding.encode_ordinary_batch(list(texts), num_threads=num_threads)
         return [self._frame(ids, bos, eos) for ids in batch]
@@ -139,20 +141,25 @@ def load_ranks(path: Path) -> tuple[dict[bytes, int], str]:
         raise ConfigError(f"tokenizer file {str(path)!r} not found; {fix}") from None
     except OSError as e:
         raise ConfigError(f"tokenizer file {str(path)!r} cannot be read ({e.strerror}); {fix}") from None
-    ranks: dict[bytes, int] = {}
-    lineno = 0
     try:
         lines = raw.decode("ascii").splitlines()
-        for lineno, line in enumerate(lines, 1):
-            if line:
-                token, rank = line.split()
-                ranks[base64.b64decode(token, validate=True)] = int(rank)
-    except (UnicodeDecodeError, ValueError, binascii.Error):
-        where = f" at line {lineno}" if lineno else ""
+    except UnicodeDecodeError:
         raise ConfigError(
-            f"tokenizer file {str(path)!r} is not a tiktoken rank file (bad entry{where}; expected "
-            f"'<base64 token> <rank>' per line; SentencePiece models are not supported); {fix}"
+            f"tokenizer file {str(path)!r} is not a tiktoken rank file (it is not text; SentencePiece "
+            f"models are not supported); {fix}"
         ) from None
+    ranks: dict[bytes, int] = {}
+    for lineno, line in enumerate(lines, 1):
+        if not line:
+            continue
+        try:
+            token, rank = line.split()
+            ranks[base64.b64decode(token, validate=True)] = int(rank)
+        except (ValueError, binascii.Error):
+            raise ConfigError(
+                f"tokenizer file {str(path)!r} is not a tiktoken rank file (bad entry at line {lineno}; "
+                f"expected '<base64 token> <rank>'); {fix}"
+            ) from None
     if not ranks:
         raise ConfigError(f"tokenizer file {str(path)!r} is empty; {fix}")
     problem = _check_ranks(ranks, n_lines=sum(1 for line in lines if line))

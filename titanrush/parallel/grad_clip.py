@@ -53,7 +53,12 @@ def clip_grad_norm_(
 
 
 def _sum_sq(tensors: list[torch.Tensor]) -> torch.Tensor:
-    norms = torch._foreach_norm(tensors, 2.0)
+    # The CPU kernel accumulates fp32 norms with a relative error near 1e-4 on million-element tensors
+    # (enough to tell a sharded norm from an unsharded one); accumulate in fp64 there.
+    if tensors[0].device.type == "cpu":
+        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float64)
+    else:
+        norms = torch._foreach_norm(tensors, 2.0)
     return torch.stack([n.float() for n in norms]).square().sum()
 
 

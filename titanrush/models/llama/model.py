@@ -230,4 +230,7 @@ class Llama(nn.Module):
         """
         device = buffer_device or self.rope.device
         self.rope = rope_cache(self.args, 2 * self.args.max_seq_len).to(device)
+        if self.args.tie_embeddings and self.output is not None and self.tok_embeddings is not None:
+            # `to_empty` gives each module its own new tensor, which unties shared weights: tie again.
+            self.output.weight = self.tok_embeddings.weight
         init_parameters(self, self.param_inits(), seed)

@@ -1,0 +1,548 @@
+"""The data layer: batches, document boundaries, mesh invariance, resumption, datasets, bad input."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import itertools
+import json
+import pickle
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from titanrush.config import ConfigError, Data
+from titanrush.data import Batch, DataLoader, Tokenizer, build_dataloader, build_tokenizer, sources
+from titanrush.data.corpus import TokenStream, tokenize_documents
+from titanrush.data.loader import RankLayout, TokenWindows, rank_batches, stream_windows
+from titanrush.data.prepare import main as prepare_main
+
+T, B = 32, 4
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "the",
+    "a",
+    "of",
+    "data",
+    "token",
+    "x1",
+    "(",
+    ")",
+    "=",
+    "\n",
+    "    ",
+]
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return build_tokenizer("default")
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def make_text(rng: random.Random, n_words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n_words))
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """400 .jsonl documents in two files and 6 .txt documents, of 3 to 300 words."""
+    root = tmp_path_factory.mktemp("corpus")
+    rng = random.Random(1234)
+    (root / "sub").mkdir()
+    for name in ("a.jsonl", "sub/b.jsonl"):
+        lines = [json.dumps({"text": make_text(rng, rng.randint(3, 300)), "id": i}) for i in range(200)]
+        (root / name).write_text("\n".join(lines) + "\n")
+    for i in range(6):
+        (root / f"doc{i}.txt").write_text(make_text(rng, rng.randint(3, 300)))
+    (root / "ignored.csv").write_text("not,read\n")
+    return root
+
+
+def cfg(tmp_path: Path, **kw: object) -> Data:
+    return Data(**{"cache_dir": str(tmp_path / "cache"), **kw})  # type: ignore[arg-type]
+
+
+def loader(
+    data: Data, tok: Tokenizer, *, seq_len: int = T, b: int = B, rank: int = 0, degree: int = 1, **kw: object
+) -> DataLoader:
+    return build_dataloader(
+        data, tokenizer=tok, seq_len=seq_len, local_batch_size=b, dp_rank=rank, dp_degree=degree, **kw
+    )  # type: ignore[arg-type]
+
+
+def take(dl: DataLoader, n: int) -> list[Batch]:
+    return list(itertools.islice(iter(dl), n))
+
+
+def assert_same(a: list[Batch], b: list[Batch]) -> None:
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        for name in ("input_ids", "labels", "position_ids", "document_ids"):
+            assert torch.equal(getattr(x, name), getattr(y, name)), name
+
+
+def framed(tok: Tokenizer, texts: list[str]) -> list[int]:
+    return [i for t in texts for i in tok.encode(t, bos=True, eos=True)]
+
+
+def split_texts(root: Path, split: str) -> list[str]:
+    """Documents of `split` under root, read independently of the loader (sorted files, file order)."""
+    texts = []
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".txt", ".jsonl")):
+        rel = path.relative_to(root).as_posix()
+        if path.suffix == ".txt":
+            if sources.split_of(rel) == split:
+                texts.append(path.read_text())
+            continue
+        offset = 0
+        for line in path.read_bytes().splitlines(keepends=True):
+            if sources.split_of(f"{rel}:{offset}") == split:
+                texts.append(json.loads(line)["text"])
+            offset += len(line)
+    return texts
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches and documents
+
+
+def test_batch_fields_and_shifted_labels(tmp_path: Path, tok: Tokenizer, corpus_dir: Path) -> None:
+    batches = take(loader(cfg(tmp_path, dataset="files", path=str(corpus_dir)), tok), 6)
+    for batch in batches:
+        assert batch.input_ids.shape == batch.labels.shape == batch.position_ids.shape == (B, T)
+        assert batch.document_ids.shape == (B, T)
+        assert batch.input_ids.dtype == batch.labels.dtype == batch.position_ids.dtype == torch.int64
+        assert batch.document_ids.dtype == torch.int32
+        assert torch.equal(batch.labels[:, :-1], batch.input_ids[:, 1:])
+        assert torch.equal(batch.labels[:-1, -1], batch.input_ids[1:, 0])  # windows are contiguous
+    for prev, nxt in zip(batches, batches[1:]):
+        assert prev.labels[-1, -1] == nxt.input_ids[0, 0]
+    moved = batches[0].to("cpu", non_blocking=True)
+    assert isinstance(moved, Batch) and torch.equal(moved.input_ids, batches[0].input_ids)
+
+
+def test_document_boundaries(tmp_path: Path, tok: Tokenizer, corpus_dir: Path) -> None:
+    batches = take(loader(cfg(tmp_path, dataset="files", path=str(corpus_dir)), tok), 60)
+    starts_seen = 0
+    for batch in batches:
+        for row in range(B):
+            ids = batch.input_ids[row].tolist()
+            pos, doc = [], []
+            for t, token in enumerate(ids):
+                new_doc = t > 0 and token == tok.bos_id
+                pos.append(0 if t == 0 or new_doc else pos[-1] + 1)
+                doc.append(0 if t == 0 else doc[-1] + new_doc)
+                starts_seen += new_doc
+            assert batch.position_ids[row].tolist() == pos
+            assert batch.document_ids[row].tolist() == doc
+        eos = batch.input_ids == tok.eos_id
+        assert torch.all(batch.labels[eos] == tok.bos_id)  # documents are joined as ... EOS BOS ...
+    assert starts_seen > 10  # the corpus has short documents, so windows hold several
+
+
+def test_stream_is_the_documents_in_order(tmp_path: Path, tok: Tokenizer, corpus_dir: Path) -> None:
+    expected = framed(tok, split_texts(corpus_dir, "train"))
+    data = cfg(tmp_path, dataset="files", path=str(corpus_dir), shuffle=False)
+    n = len(expected) // (B * T) + 3  # past the end of the first epoch
+    got = torch.cat([b.input_ids.reshape(-1) for b in take(loader(data, tok), n)]).tolist()
+    assert got == (expected + expected)[: len(got)]
+
+
+def test_shuffled_epochs_are_permutations(tmp_path: Path, tok: Tokenizer, corpus_dir: Path) -> None:
+    texts = split_texts(corpus_dir, "train")
+    corpus = tokenize_documents([sources.Document(str(i), t) for i, t in enumerate(texts)], tok)
+    n = corpus.n_tokens
+
+    def epoch_docs(seed: int, epoch: int) -> list[tuple[int, ...]]:
+        tokens = TokenStream(corpus, seed=seed, shuffle=True).read(epoch * n, n).tolist()
+        docs, cur = [], []
+        for token in tokens:
+            if token == tok.bos_id and cur:
+                docs.append(tuple(cur))
+                cur = []
+            cur.append(token)
+        return docs + [tuple(cur)]
+
+    plain = [tuple(tok.encode(t, bos=True, eos=True)) for t in texts]
+    e0, e1 = epoch_docs(7, 0), epoch_docs(7, 1)
+    assert sorted(e0) == sorted(e1) == sorted(plain)
+    assert e0 != e1 and e0 != plain
+    assert epoch_docs(7, 0) == e0 and epoch_docs(8, 0) != e0
+
+
+# ----------------------------------------------------------------------------------------------
+# Mesh invariance and resumption
+
+
+def global_steps(
+    data: Data, tok: Tokenizer, degree: int, b: int, accum: int, steps: int
+) -> list[torch.Tensor]:
+    """Per optimizer step, the sequences of all ranks' micro-batches, in (micro-batch, rank) order."""
+    its = [iter(loader(data, tok, b=b, rank=r, degree=degree)) for r in range(degree)]
+    out = []
+    for _ in range(steps):
+        micro = [[next(it).input_ids for it in its] for _ in range(accum)]
+        out.append(torch.cat([x for round_ in micro for x in round_]))
+    return out
+
+
+@pytest.mark.parametrize("dataset", ["files", "synthetic"])
+def test_global_batch_is_mesh_invariant(
+    tmp_path: Path, tok: Tokenizer, corpus_dir: Path, dataset: str
+) -> None:
+    data = cfg(tmp_path, dataset=dataset, path=str(corpus_dir))
+    reference = global_steps(data, tok, degree=1, b=8, accum=1, steps=5)
+    for degree, b, accum in [(2, 4, 1), (4, 2, 1), (2, 2, 2), (1, 2, 4), (8, 1, 1)]:
+        got = global_steps(data, tok, degree, b, accum, steps=5)
+        for ref, step in zip(reference, got):
+            assert torch.equal(ref, step), (degree, b, accum)  # same windows: none twice, none dropped
+
+
+def test_loader_workers_yield_the_same_batches(tmp_path: Path, tok: Tokenizer, corpus_dir: Path) -> None:
+    plain = cfg(tmp_path, dataset="files", path=str(corpus_dir))
+    workers = cfg(tmp_path, dataset="files", path=str(corpus_dir), num_workers=2, prefetch_factor=3)
+    for rank in range(2):
+        assert_same(
+            take(loader(plain, tok, rank=rank, degree=2), 7),
+            take(loader(workers, tok, rank=rank, degree=2), 7),
+        )
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_resume_continues_exactly(tmp_path: Path, tok: Tokenizer, corpus_dir: Path, num_workers: int) -> None:
+    data = cfg(tmp_path, dataset="files", path=str(corpus_dir), num_workers=num_workers)
+    first = loader(data, tok, rank=1, degree=2)
+    it = iter(first)
+    for _ in range(5):
+        next(it)
+    state = first.state_dict()
+    expected = [next(it) for _ in range(4)]
+    state = pickle.loads(pickle.dumps(json.loads(json.dumps(state))))  # plain values
+    resumed = loader(data, tok, rank=1, degree=2)
+    resumed.load_state_dict(state)
+    assert_same(take(resumed, 4), expected)
+
+
+def test_resume_on_another_mesh(tmp_path: Path, tok: Tokenizer, corpus_dir: Path) -> None:
+    data = cfg(tmp_path, dataset="files", path=str(corpus_dir))
+    ranks = [loader(data, tok, b=2, rank=r, degree=2) for r in range(2)]
+    its = [iter(dl) for dl in ranks]
+    for _ in range(3):
+        for it in its:
+            next(it)
+    state = ranks[0].state_dict()
+    expected = torch.cat([next(it).input_ids for it in its])
+    single = loader(data, tok, b=4)
+    single.load_state_dict(state)
+    assert torch.equal(next(iter(single)).input_ids, expected)
+    with pytest.raises(ConfigError, match="multiple"):
+        loader(data, tok, b=8).load_state_dict(state)  # 12 windows: not whole rounds of 8
+    with pytest.raises(ConfigError, match="seq_len"):
+        loader(data, tok, seq_len=T * 2, b=4).load_state_dict(state)
+
+
+def test_load_state_redirects_a_running_iterator(tmp_path: Path, tok: Tokenizer, corpus_dir: Path) -> None:
+    dl = loader(cfg(tmp_path, dataset="files", path=str(corpus_dir)), tok)
+    it = iter(dl)
+    first = next(it)
+    state = dl.state_dict()
+    second = next(it)
+    next(it)
+    dl.load_state_dict(state)
+    assert_same([next(it)], [second])
+    dl.load_state_dict({**state, "windows": 0, "next_batch": 0})
+    assert_same([next(it)], [first])
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation split
+
+
+def test_validation_is_finite_fixed_and_held_out(tmp_path: Path, tok: Tokenizer, corpus_dir: Path) -> None:
+    data = cfg(tmp_path, dataset="files", path=str(corpus_dir), num_workers=1)
+    val = [loader(data, tok, b=1, rank=r, degree=2, split="validation") for r in range(2)]
+    passes = [list(val[0]), list(val[0])]
+    assert len(passes[0]) == len(val[0]) == len(list(val[1])) > 0
+    assert_same(passes[0], passes[1])
+    held_out = framed(tok, split_texts(corpus_dir, "validation"))
+    rank0_rows = torch.cat([b.input_ids.reshape(-1) for b in passes[0]]).tolist()
+    assert rank0_rows[:T] == held_out[:T]  # rank 0 starts at window 0 of the held-out documents
+    train_texts = set(split_texts(corpus_dir, "train"))
+    assert not train_texts & set(split_texts(corpus_dir, "validation"))
+    with pytest.raises(ConfigError, match="validation.freq"):
+        loader(data, tok, seq_len=4096, split="validation")
+
+
+def test_split_hash_holds_out_about_one_percent() -> None:
+    keys = [f"dir{i % 7}/file{i}.py" for i in range(20000)]
+    share = sum(sources.split_of(k) == "validation" for k in keys) / len(keys)
+    assert 0.005 < share < 0.02
+
+
+# ----------------------------------------------------------------------------------------------
+# The embedded corpus (the real one) and the cache
+
+
+def test_embedded_corpus(tmp_path: Path, tok: Tokenizer) -> None:
+    data = cfg(tmp_path)
+    assert data.dataset == "embedded"
+    start = time.perf_counter()
+    batch = next(iter(loader(data, tok, seq_len=256, b=8, vocab_size=8192)))
+    assert time.perf_counter() - start < 20
+    text = tok.decode(batch.input_ids.reshape(-1).tolist())
+    assert "def " in text or "import " in text or "class " in text
+    train, val = sources.embedded_files("train"), sources.embedded_files("validation")
+    assert val and not set(train) & set(val)
+    assert not any("site-packages" in p.parts or "dist-packages" in p.parts for p in train + val)
+    assert 0.003 < len(val) / (len(train) + len(val)) < 0.03
+    assert len(loader(data, tok, seq_len=256, b=8, split="validation")) > 0
+    cached = list((tmp_path / "cache").glob("*.npz"))
+    assert len(cached) == 2  # train and validation
+    start = time.perf_counter()
+    again = next(iter(loader(data, tok, seq_len=256, b=8, vocab_size=8192)))
+    assert time.perf_counter() - start < 2
+    assert_same([again], [batch])
+
+
+def test_cache_stale_corrupt_and_unwritable(tmp_path: Path, tok: Tokenizer) -> None:
+    root = tmp_path / "c"
+    root.mkdir()
+    (root / "a.txt").write_text("first version of the text " * 20)
+    data = cfg(tmp_path, dataset="files", path=str(root), shuffle=False)
+    before = take(loader(data, tok), 1)[0].input_ids
+    (root / "a.txt").write_text("second, longer version of the text " * 20)
+    after = take(loader(data, tok), 1)[0].input_ids
+    assert after[0, : len(tok.encode("second", bos=True, eos=False))].tolist() == tok.encode(
+        "second", bos=True, eos=False
+    )
+    assert not torch.equal(before, after)
+    for f in (tmp_path / "cache").glob("*.npz"):
+        f.write_bytes(b"garbage")
+    assert torch.equal(take(loader(data, tok), 1)[0].input_ids, after)
+    (tmp_path / "file").write_text("")
+    blocked = cfg(
+        tmp_path, dataset="files", path=str(root), shuffle=False, cache_dir=str(tmp_path / "file" / "sub")
+    )
+    assert torch.equal(take(loader(blocked, tok), 1)[0].input_ids, after)
+    nocache = Data(dataset="files", path=str(root), shuffle=False, cache_dir="")
+    assert torch.equal(take(loader(nocache, tok), 1)[0].input_ids, after)
+
+
+# ----------------------------------------------------------------------------------------------
+# files dataset and bad input
+
+
+def test_files_path_forms_and_text_field(tmp_path: Path, tok: Tokenizer, corpus_dir: Path) -> None:
+    by_dir = take(loader(cfg(tmp_path, dataset="files", path=str(corpus_dir)), tok), 3)
+    by_glob = take(loader(cfg(tmp_path, dataset="files", path=f"{corpus_dir}/**/*"), tok), 3)
+    assert_same(by_dir, by_glob)
+    root = tmp_path / "field"
+    root.mkdir()
+    texts = [make_text(random.Random(i), 40) for i in range(30)]
+    (root / "x.jsonl").write_text("".join(json.dumps({"body": t}) + "\n" for t in texts))
+    data = cfg(tmp_path, dataset="files", path=str(root / "x.jsonl"), text_field="body", shuffle=False)
+    expected = framed(tok, split_texts_field(root, texts))
+    assert take(loader(data, tok), 1)[0].input_ids.reshape(-1).tolist() == expected[: B * T]
+
+
+def split_texts_field(root: Path, texts: list[str]) -> list[str]:
+    offsets = np.cumsum([0] + [len((json.dumps({"body": t}) + "\n").encode()) for t in texts])
+    return [t for t, o in zip(texts, offsets) if sources.split_of(f"x.jsonl:{o}") == "train"]
+
+
+def bad_corpus(root: Path, kind: str) -> tuple[str, str]:
+    """(data.path, the file the error must name) for one kind of bad input."""
+    root.mkdir()
+    (root / "good.txt").write_text("fine text " * 50)
+    if kind == "missing":
+        return str(root / "nope"), str(root / "nope")
+    if kind == "empty":
+        empty = root / "empty"
+        empty.mkdir()
+        (empty / "e.txt").write_text("")
+        return str(empty), str(empty)
+    bad = {
+        "latin1": ("bad.txt", "caf\xe9 au lait".encode("latin-1")),
+        "binary": ("bin.txt", b"\x00\x01\x02 not text"),
+        "json": ("bad.jsonl", b'{"text": "ok"}\n{not json\n'),
+        "field": ("nofield.jsonl", b'{"content": "no text field"}\n'),
+        "parquet": ("t.parquet", b"PAR1 not really"),
+    }[kind]
+    (root / bad[0]).write_bytes(bad[1])
+    return str(root), str(root / bad[0])
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "latin1", "binary", "json", "field", "parquet"])
+def test_bad_files_input(tmp_path: Path, tok: Tokenizer, kind: str) -> None:
+    path, culprit = bad_corpus(tmp_path / "data", kind)
+    data = cfg(tmp_path, dataset="files", path=path)
+    with pytest.raises(ConfigError) as e:
+        take(loader(data, tok), 1)
+    assert culprit in str(e.value)
+    if kind == "parquet" and not _has("pyarrow"):
+        assert "pip install pyarrow" in str(e.value)
+    assert not list((tmp_path / "cache").glob("*.npz"))  # nothing written
+    assert prepare_main(["--input", path, "--output", str(tmp_path / "out"), "--workers", "2"]) == 2
+    assert not (tmp_path / "out").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_vocab_too_small_for_tokenizer(tmp_path: Path, tok: Tokenizer, corpus_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="vocab_size"):
+        loader(cfg(tmp_path, dataset="files", path=str(corpus_dir)), tok, vocab_size=tok.n_words - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# synthetic and hf
+
+
+def test_synthetic(tmp_path: Path, tok: Tokenizer) -> None:
+    data = cfg(tmp_path, dataset="synthetic")
+    batches = take(loader(data, tok, vocab_size=1000), 4)
+    ids = torch.stack([b.input_ids for b in batches])
+    assert ids.max() < 1000 and len(torch.unique(ids)) > 300  # 512 draws from 1000 ids
+    assert all(torch.equal(b.position_ids, torch.arange(T).expand(B, T)) for b in batches)
+    assert all(not b.document_ids.any() for b in batches)
+    assert_same(batches, take(loader(data, tok, vocab_size=1000), 4))
+    assert not torch.equal(
+        batches[0].input_ids, take(loader(data, tok, vocab_size=1000, seed=1), 1)[0].input_ids
+    )
+    val = loader(data, tok, split="validation")
+    assert 0 < len(val) < 10**6
+    assert not torch.equal(next(iter(val)).input_ids, batches[0].input_ids)
+
+
+@pytest.mark.skipif(_has("datasets"), reason="the datasets package is installed here")
+def test_hf_without_datasets_package(tmp_path: Path, tok: Tokenizer) -> None:
+    with pytest.raises(ConfigError, match="pip install datasets"):
+        loader(cfg(tmp_path, dataset="hf", path="allenai/c4"), tok)
+
+
+def test_streaming_windows_match_random_access(tok: Tokenizer, corpus_dir: Path) -> None:
+    docs = [sources.Document(str(i), t) for i, t in enumerate(split_texts(corpus_dir, "train"))]
+    corpus = tokenize_documents(docs, tok)
+    for rank in range(2):
+        layout = RankLayout(T, 2, rank, 2)
+        windows = TokenWindows(TokenStream(corpus, seed=0, shuffle=False), layout)
+        expected = [windows[j] for j in range(3, 12)]  # 9 micro-batches, crossing the epoch end
+        streamed = rank_batches(stream_windows(lambda: iter(docs), tok, T, cycle=True), layout, 3, tok.bos_id)
+        assert_same(list(itertools.islice(streamed, 9)), expected)
+
+
+# ----------------------------------------------------------------------------------------------
+# shards and prepare
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory: pytest.TempPathFactory, corpus_dir: Path) -> Path:
+    out = tmp_path_factory.mktemp("shards") / "out"
+    assert prepare_main(["--input", str(corpus_dir), "--output", str(out), "--workers", "1"]) == 0
+    return out
+
+
+def test_prepare_output(
+    tmp_path: Path, shards: Path, corpus_dir: Path, tok: Tokenizer, capsys: pytest.CaptureFixture
+) -> None:
+    index = json.loads((shards / "index.json").read_text())
+    assert (
+        index["dtype"] == "uint16" and index["vocab_size"] == tok.n_words and index["tokenizer"] == "default"
+    )
+    train = index["splits"]["train"]
+    assert train["tokens"] == len(framed(tok, split_texts(corpus_dir, "train")))
+    offsets = np.load(shards / train["shards"][0]["offsets"])
+    assert len(offsets) == train["documents"] + 1
+    tokens = np.fromfile(shards / train["shards"][0]["file"], dtype=np.uint16)
+    assert (tokens[offsets[:-1]] == tok.bos_id).all() and (tokens[offsets[1:] - 1] == tok.eos_id).all()
+    # More workers, smaller jsonl chunks and shards: the same tokens.
+    out = tmp_path / "par"
+    args = ["--input", str(corpus_dir), "--output", str(out), "--workers", "2", "--shard-tokens", "5000"]
+    capsys.readouterr()
+    assert prepare_main(args) == 0
+    assert "tokens/s" in capsys.readouterr().out
+    index2 = json.loads((out / "index.json").read_text())
+    assert len(index2["splits"]["train"]["shards"]) > 1
+    joined = np.concatenate(
+        [np.fromfile(out / s["file"], np.uint16) for s in index2["splits"]["train"]["shards"]]
+    )
+    assert np.array_equal(joined, tokens)
+    assert prepare_main(args) == 2  # the output exists
+    assert prepare_main(args + ["--overwrite"]) == 0
+
+
+def test_shards_match_files_dataset(tmp_path: Path, shards: Path, corpus_dir: Path, tok: Tokenizer) -> None:
+    for split, n in [("train", 12), ("validation", 2)]:
+        from_files = take(
+            loader(cfg(tmp_path, dataset="files", path=str(corpus_dir)), tok, b=1, split=split), n
+        )
+        from_shards = take(
+            loader(cfg(tmp_path, dataset="shards", path=str(shards)), tok, b=1, split=split), n
+        )
+        assert_same(from_files, from_shards)
+
+
+def test_bad_shards(tmp_path: Path, shards: Path, tok: Tokenizer) -> None:
+    def load(path: Path, vocab_size: int | None = 8192, t: Tokenizer = tok) -> None:
+        take(loader(cfg(tmp_path, dataset="shards", path=str(path)), t, vocab_size=vocab_size), 200)
+
+    with pytest.raises(ConfigError, match="titanrush prepare"):
+        load(tmp_path / "none")
+    with pytest.raises(ConfigError, match="vocab_size") as e:
+        load(shards, vocab_size=1000)
+    assert "index.json" in str(e.value)
+    for damage in ("truncate", "big_id", "index"):
+        bad = tmp_path / damage
+        bad.mkdir()
+        for f in shards.iterdir():
+            (bad / f.name).write_bytes(f.read_bytes())
+        shard = bad / "train_00000.bin"
+        culprit = shard
+        if damage == "truncate":
+            shard.write_bytes(shard.read_bytes()[:-3])
+        elif damage == "big_id":
+            tokens = np.fromfile(shard, np.uint16)
+            tokens[100] = 9000
+            tokens.tofile(shard)
+        else:
+            culprit = bad / "index.json"
+            culprit.write_text("{not json")
+        with pytest.raises(ConfigError) as e:
+            load(bad)
+        assert str(culprit) in str(e.value)
+
+
+def write_big_tokenizer(path: Path) -> Path:
+    """A rank file of Llama 3's size (128000 ranks): ids do not fit uint16."""
+    tokens = [bytes([i]) for i in range(256)] + [
+        i.to_bytes(3, "big") for i in range(1 << 16, (1 << 16) + 127744)
+    ]
+    path.write_text("".join(f"{base64.b64encode(t).decode()} {i}\n" for i, t in enumerate(tokens)))
+    return path
+
+
+def test_uint32_shards_and_tokenizer_mismatch(tmp_path: Path, corpus_dir: Path, tok: Tokenizer) -> None:
+    big = write_big_tokenizer(tmp_path / "tokenizer.model")
+    out = tmp_path / "big"
+    assert (
+        prepare_main(["--input", str(corpus_dir / "doc0.txt"), "--output", str(out), "--tokenizer", str(big)])
+        == 0
+    )
+    index = json.loads((out / "index.json").read_text())
+    assert index["dtype"] == "uint32" and index["vocab_size"] == 128256
+    big_tok = build_tokenizer(str(big))
+    with pytest.raises(ConfigError, match="vocab_size"):
+        take(loader(cfg(tmp_path, dataset="shards", path=str(out)), big_tok, vocab_size=8192), 1)
+    with pytest.raises(ConfigError, match="tokenized with"):
+        take(loader(cfg(tmp_path, dataset="shards", path=str(out)), tok, vocab_size=128256), 1)
+    batch = take(loader(cfg(tmp_path, dataset="shards", path=str(out)), big_tok, vocab_size=128256), 1)[0]
+    assert batch.input_ids[0, 0] == big_tok.bos_id
