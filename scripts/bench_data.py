@@ -33,7 +33,9 @@ from titanrush.data.sources import embedded_documents
 def loader_rate(data: Data, tok: Tokenizer, seq_len: int, batch: int, seconds: float) -> tuple[float, float]:
     """(seconds to the first batch, tokens/s over the next `seconds`)."""
     start = time.perf_counter()
-    it = iter(build_dataloader(data, tokenizer=tok, seq_len=seq_len, local_batch_size=batch, vocab_size=tok.n_words))
+    it = iter(
+        build_dataloader(data, tokenizer=tok, seq_len=seq_len, local_batch_size=batch, vocab_size=tok.n_words)
+    )
     next(it)
     first = time.perf_counter() - start
     n, start = 0, time.perf_counter()
@@ -49,7 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="prepare processes and loader workers")
     args = parser.parse_args(argv)
     rows: list[tuple[str, str]] = []
-    print(f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs", file=sys.stderr)
+    print(
+        f"python {platform.python_version()}, torch {torch.__version__}, {os.cpu_count()} CPUs",
+        file=sys.stderr,
+    )
 
     tok = build_tokenizer("default")
     texts = [d.text for split in ("train", "validation") for d in embedded_documents(split)]
@@ -69,22 +74,36 @@ def main(argv: list[str] | None = None) -> int:
         for workers in sorted({1, args.workers}):
             start = time.perf_counter()
             with contextlib.redirect_stderr(io.StringIO()):
-                index = prepare(str(src), f"{tmp}/shards{workers}", workers=workers, jsonl_chunk_bytes=4 << 20)
+                index = prepare(
+                    str(src), f"{tmp}/shards{workers}", workers=workers, jsonl_chunk_bytes=4 << 20
+                )
             elapsed = time.perf_counter() - start
             n = sum(s["tokens"] for s in index["splits"].values())
-            rows.append((f"prepare, {workers} worker(s)", f"{n / elapsed / 1e6:.2f}M tokens/s ({n / 1e6:.1f}M tokens)"))
+            rows.append(
+                (
+                    f"prepare, {workers} worker(s)",
+                    f"{n / elapsed / 1e6:.2f}M tokens/s ({n / 1e6:.1f}M tokens)",
+                )
+            )
 
         shards = f"{tmp}/shards{args.workers}"
         for seq_len, batch in [(256, 8), (2048, 8), (8192, 1)]:
             for workers in (0, args.workers):
                 data = Data(dataset="shards", path=shards, num_workers=workers)
                 _, rate = loader_rate(data, tok, seq_len, batch, args.seconds)
-                rows.append((f"loader shards T={seq_len} B={batch} workers={workers}", f"{rate / 1e6:.1f}M tokens/s"))
+                rows.append(
+                    (f"loader shards T={seq_len} B={batch} workers={workers}", f"{rate / 1e6:.1f}M tokens/s")
+                )
 
         cache = f"{tmp}/cache"
         for label, cache_dir in [("cold, no cache", ""), ("cache written", cache), ("cache hit", cache)]:
             first, rate = loader_rate(Data(cache_dir=cache_dir), tok, 2048, 8, args.seconds)
-            rows.append((f"loader embedded T=2048 B=8 ({label})", f"first batch {first:.2f}s, {rate / 1e6:.1f}M tokens/s"))
+            rows.append(
+                (
+                    f"loader embedded T=2048 B=8 ({label})",
+                    f"first batch {first:.2f}s, {rate / 1e6:.1f}M tokens/s",
+                )
+            )
         for workers in (0, args.workers):
             data = Data(cache_dir=cache, num_workers=workers)
             _, rate = loader_rate(data, tok, 256, 8, args.seconds)

@@ -9,6 +9,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("titanrush.train", "train a model (single process; ./run_train.sh launches several)"),
     "prepare": ("titanrush.data.prepare", "tokenize text files into binary shards"),
+    "convert": ("titanrush.tools.convert", "convert checkpoints to/from Hugging Face Llama folders and .pt"),
 }
 
 

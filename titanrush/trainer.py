@@ -12,6 +12,7 @@ Build order (each step only sees the values it needs):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import logging
 import math
@@ -26,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titanrush import config as cfgmod
+from titanrush.checkpoint import CheckpointManager
 from titanrush.config import ConfigError, JobConfig
 from titanrush.data import build_dataloader, build_tokenizer
 from titanrush.metrics import (
@@ -109,7 +111,6 @@ def check_config(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, ModelAr
 # Options whose config keys exist but whose implementation has not landed yet: refuse them loudly rather
 # than ignore them. Each entry goes when its feature lands.
 _UNFINISHED: dict[str, str] = {
-    "checkpoint.enable": "checkpointing",
     "profiling.enable": "profiling",
 }
 
@@ -199,7 +200,21 @@ class Trainer:
         )
         self.train_loader = build_dataloader(cfg.data, split="train", **loader_args)
         self.val_loader_args = loader_args
-        self.step = 0
+        ck = cfg.checkpoint
+        self.checkpointer = CheckpointManager(
+            self.run_dir / ck.folder,
+            enable=ck.enable,
+            interval=ck.interval,
+            keep_latest_k=ck.keep_latest_k,
+            async_mode=ck.async_mode,
+            model_parts=[model],
+            optimizers=[self.optimizer],
+            lr_scheduler=self.scheduler,
+            dataloader=self.train_loader,
+            info={"flavor": cfg.model.flavor, "model_args": dataclasses.asdict(self.model_args)},
+            rank=self.rank,
+        )
+        self.step = self.checkpointer.resume(load_path=ck.load_path, model_only=ck.load_model_only)
 
         # 5. Metrics.
         self.metrics = MetricsLogger(
@@ -296,6 +311,7 @@ class Trainer:
             data_wait += time.perf_counter() - t0
             total += self._forward_backward(batch)
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+        self.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
         self.optimizer.step()
         self.scheduler.step()
         return total, grad_norm, data_wait
@@ -308,16 +324,18 @@ class Trainer:
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh["dp_cp"].get_group())
         return value.item() / (self.dims.dp * self.dims.cp)
 
-    def train(self) -> list[float]:
-        """Run the loop to training.steps; return the losses of the logged steps."""
+    def train(self, stop_at: int | None = None) -> list[float]:
+        """Run the loop to training.steps (or to step `stop_at`, as if the job were cut off there);
+        return the losses of the logged steps."""
         t = self.cfg.training
+        last = t.steps if stop_at is None else min(stop_at, t.steps)
         if t.gc_freq > 0:
             gc.disable()
             gc.collect()
         data_iter = iter(self.train_loader)
         throughput = Throughput(self.flops_per_token, self.peak)
         logged: list[float] = []
-        while self.step < t.steps:
+        while self.step < last:
             self.step += 1
             if t.gc_freq > 0 and self.step % t.gc_freq == 0:
                 gc.collect(1)
@@ -332,7 +350,7 @@ class Trainer:
                 record = {
                     "loss": loss_value,
                     "grad_norm": grad_norm.item(),
-                    "lr": self.scheduler.get_last_lr()[0],
+                    "lr": self.lr,
                     **throughput.read(),
                     "mem_active_gib": mem.active_gib,
                     "mem_reserved_gib": mem.reserved_gib,
@@ -343,6 +361,13 @@ class Trainer:
                 throughput.reset()
             if self.cfg.validation.freq and self.step % self.cfg.validation.freq == 0:
                 self.validate()
+            ck = self.cfg.checkpoint
+            self.checkpointer.maybe_save(
+                self.step,
+                last=self.step == t.steps,
+                model_only=ck.last_save_model_only,
+                dtype=getattr(torch, ck.export_dtype),
+            )
         if t.gc_freq > 0:
             gc.enable()
         return logged
@@ -376,6 +401,7 @@ class Trainer:
         return loss
 
     def close(self) -> None:
+        self.checkpointer.close()
         self.metrics.close()
         if dist.is_initialized():
             dist.destroy_process_group()

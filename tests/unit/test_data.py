@@ -17,8 +17,8 @@ import torch
 
 from titanrush.config import ConfigError, Data
 from titanrush.data import Batch, DataLoader, Tokenizer, build_dataloader, build_tokenizer, sources
-from titanrush.data.corpus import TokenStream, tokenize_documents
-from titanrush.data.loader import RankLayout, TokenWindows, rank_batches, stream_windows
+from titanrush.data.corpus import TokenStream, load_shards, tokenize_documents
+from titanrush.data.loader import RankLayout, TokenWindows, make_batch, rank_batches, stream_windows
 from titanrush.data.prepare import main as prepare_main
 
 T, B = 32, 4
@@ -435,7 +435,9 @@ def test_streaming_windows_match_random_access(tok: Tokenizer, corpus_dir: Path)
     for rank in range(2):
         layout = RankLayout(T, 2, rank, 2)
         windows = TokenWindows(TokenStream(corpus, seed=0, shuffle=False), layout)
-        expected = [windows[j] for j in range(3, 12)]  # 9 micro-batches, crossing the epoch end
+        expected = [
+            make_batch(windows[j], tok.bos_id) for j in range(3, 12)
+        ]  # 9 micro-batches, crossing the epoch end
         streamed = rank_batches(stream_windows(lambda: iter(docs), tok, T, cycle=True), layout, 3, tok.bos_id)
         assert_same(list(itertools.islice(streamed, 9)), expected)
 
@@ -546,3 +548,12 @@ def test_uint32_shards_and_tokenizer_mismatch(tmp_path: Path, corpus_dir: Path, 
         take(loader(cfg(tmp_path, dataset="shards", path=str(out)), tok, vocab_size=128256), 1)
     batch = take(loader(cfg(tmp_path, dataset="shards", path=str(out)), big_tok, vocab_size=128256), 1)[0]
     assert batch.input_ids[0, 0] == big_tok.bos_id
+
+
+def test_shard_corpus_pickles_by_path(shards: Path, tok: Tokenizer) -> None:
+    corpus = load_shards(str(shards), "train", tok, 8192)
+    blob = pickle.dumps(corpus)
+    assert len(blob) < corpus.n_tokens  # the shards travel as paths (spawned workers), not as data
+    again = pickle.loads(blob)
+    stream, copy = TokenStream(corpus, seed=3, shuffle=True), TokenStream(again, seed=3, shuffle=True)
+    assert np.array_equal(stream.read(123, 5000), copy.read(123, 5000))

@@ -74,10 +74,10 @@ def make_batch(windows: np.ndarray, bos_id: int) -> Batch:
     arange = np.arange(t, dtype=np.int64)
     last_start = np.maximum.accumulate(np.where(starts, arange, 0), axis=1)
     return Batch(
-        input_ids=torch.from_numpy(np.ascontiguousarray(inputs, dtype=np.int64)),
-        labels=torch.from_numpy(np.ascontiguousarray(labels, dtype=np.int64)),
+        input_ids=torch.from_numpy(np.array(inputs, dtype=np.int64)),  # copies: windows may be read-only
+        labels=torch.from_numpy(np.array(labels, dtype=np.int64)),
         position_ids=torch.from_numpy(arange - last_start),
-        document_ids=torch.from_numpy((np.cumsum(starts, axis=1, dtype=np.int32) - 1).astype(np.int32)),
+        document_ids=torch.from_numpy(np.cumsum(starts, axis=1, dtype=np.int32) - 1),
     )
 
 
@@ -101,33 +101,36 @@ class RankLayout:
 
 
 class TokenWindows(torch.utils.data.Dataset):
-    """Micro-batch j of one rank, read from a random-access token stream."""
+    """The (B, T + 1) token windows of one rank's micro-batch j, read from a random-access stream.
+
+    Datasets return raw windows, and the loader makes the Batch: from worker processes one small
+    array travels through a pipe instead of four tensors through shared memory.
+    """
 
     def __init__(self, stream: TokenStream, layout: RankLayout) -> None:
         self.stream = stream
         self.layout = layout
 
-    def __getitem__(self, j: int) -> Batch:
+    def __getitem__(self, j: int) -> np.ndarray:
         t, b = self.layout.seq_len, self.layout.local_batch_size
         tokens = self.stream.read(self.layout.first_window(j) * t, b * t + 1)
-        windows = np.lib.stride_tricks.as_strided(tokens, (b, t + 1), (t * 8, 8))  # overlapping by 1
-        return make_batch(windows, self.stream.corpus.bos_id)
+        return np.lib.stride_tricks.sliding_window_view(tokens, t + 1)[::t]  # rows overlap by one token
 
 
 class SyntheticWindows(torch.utils.data.Dataset):
-    """Micro-batch j of one rank, of random ids; window w is drawn from the seed (seed, split, w)."""
+    """Windows of one rank's micro-batch j, of random ids; window w is drawn from (seed, split, w)."""
 
-    def __init__(self, layout: RankLayout, *, seed: int, split: str, high: int, bos_id: int) -> None:
-        self.layout, self.seed, self.high, self.bos_id = layout, seed, high, bos_id
+    def __init__(self, layout: RankLayout, *, seed: int, split: str, high: int) -> None:
+        self.layout, self.seed, self.high = layout, seed, high
         self.split_tag = sources.SPLITS.index(split)
 
-    def __getitem__(self, j: int) -> Batch:
+    def __getitem__(self, j: int) -> np.ndarray:
         first, t = self.layout.first_window(j), self.layout.seq_len
         rows = [
             np.random.default_rng([self.seed, self.split_tag, w]).integers(0, self.high, t + 1)
             for w in range(first, first + self.layout.local_batch_size)
         ]
-        return make_batch(np.stack(rows), self.bos_id)
+        return np.stack(rows)
 
 
 def stream_windows(
@@ -206,7 +209,9 @@ class DataLoader:
                 self._next += 1
                 yield batch
             else:
-                raise AssertionError("the train stream ended")
+                raise ConfigError(
+                    f"data.dataset = {self._identity['dataset']!r}: the stream holds no documents"
+                )
             del batches  # shuts down worker processes before new ones start
 
     def state_dict(self) -> dict[str, Any]:
@@ -221,7 +226,11 @@ class DataLoader:
             ConfigError: the state comes from another dataset, split, seed or seq_len, or its
                 position is not a whole number of this mesh's rounds (B x D windows).
         """
-        for key in ("dataset", "path", "split", "seed", "seq_len"):
+        if state.get("path") != self._identity["path"]:
+            logger.warning(
+                "resuming the data stream of %r from %r (moved?)", state.get("path"), self._identity["path"]
+            )
+        for key in ("dataset", "split", "seed", "seq_len"):
             if state.get(key) != self._identity[key]:
                 raise ConfigError(
                     f"the checkpoint's data loader has {key} = {state.get(key)!r}, this run "
@@ -289,6 +298,7 @@ def build_dataloader(
     identity = {"dataset": cfg.dataset, "path": cfg.path, "split": split, "seed": seed, "seq_len": seq_len}
     identity |= {"dp_rank": dp_rank, "dp_degree": dp_degree, "local_batch_size": local_batch_size}
     finite = split == "validation"
+    pin = cfg.pin_memory and torch.cuda.is_available()
 
     if cfg.dataset == "hf":
         if cfg.num_workers:
@@ -298,13 +308,14 @@ def build_dataloader(
         def open_stream(start: int) -> Iterator[Batch]:
             docs = lambda: sources.hf_documents(cfg.path, cfg.text_field, split)
             windows = stream_windows(docs, tokenizer, seq_len, cycle=not finite)
-            return rank_batches(windows, layout, start, tokenizer.bos_id)
+            batches = rank_batches(windows, layout, start, tokenizer.bos_id)
+            return (b.pin_memory() if pin else b for b in batches)
 
         return DataLoader(open_stream, layout=layout, num_batches=None, identity=identity)
 
     if cfg.dataset == "synthetic":
         high = min(tokenizer.n_ranks, vocab_size or tokenizer.n_ranks)  # ordinary ids only: no BOS inside
-        dataset = SyntheticWindows(layout, seed=seed, split=split, high=high, bos_id=tokenizer.bos_id)
+        dataset = SyntheticWindows(layout, seed=seed, split=split, high=high)
         n_windows = SYNTHETIC_VALIDATION_WINDOWS
     else:
         corpus = _corpus(cfg, tokenizer, split, vocab_size)
@@ -323,23 +334,31 @@ def build_dataloader(
             f"{seq_len} tokens, fewer than one round of {layout.windows_per_round} (local batch x dp "
             "degree); lower the batch or seq_len, add data, or set validation.freq = 0"
         )
-    pin = cfg.pin_memory and torch.cuda.is_available()
+
+    def to_batch(windows: np.ndarray) -> Batch:
+        batch = make_batch(windows, tokenizer.bos_id)
+        return batch.pin_memory() if pin else batch
 
     def open_batches(start: int) -> Iterator[Batch]:
         indices = range(start, num_batches) if num_batches is not None else itertools.count(start)
         if cfg.num_workers == 0:
-            return (dataset[j].pin_memory() if pin else dataset[j] for j in indices)
-        loader = torch.utils.data.DataLoader(
+            return (to_batch(dataset[j]) for j in indices)
+        workers = torch.utils.data.DataLoader(
             dataset,
             batch_size=None,
             sampler=indices,
             num_workers=cfg.num_workers,
-            pin_memory=pin,
+            collate_fn=_as_is,
             prefetch_factor=cfg.prefetch_factor,
         )
-        return iter(loader)
+        return (to_batch(windows) for windows in workers)
 
     return DataLoader(open_batches, layout=layout, num_batches=num_batches, identity=identity)
+
+
+def _as_is(windows: np.ndarray) -> np.ndarray:
+    """Keep worker results as numpy (torch would turn them into shared-memory tensors)."""
+    return windows
 
 
 def _corpus(cfg: Data, tokenizer: Tokenizer, split: str, vocab_size: int | None) -> TokenCorpus:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
 
 from titanrush.config import ConfigError
@@ -39,6 +40,32 @@ def loss_parallel_context(
     if mesh is not None and dims.tp > 1 and parallelism.loss_parallel:
         return loss_parallel()
     return contextlib.nullcontext()
+
+
+class ReplicateParallel(ParallelStyle):
+    """Replicate a module's parameters over the TP mesh; it computes on a replicated (plain) input.
+
+    For the modules that TP does not split when sequence parallel is off (the norms): their parameters
+    become replicated DTensors like every other parameter, so the optimizer sees one kind of tensor
+    (fused and foreach kernels refuse a mix of DTensors and plain tensors) and the gradient-norm
+    reduction counts them once. Input and output stay plain local tensors for the caller.
+    """
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, input_fn=_replicated_input, output_fn=_local_output)
+
+
+def _replicated_input(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+    return tuple(
+        DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        else x
+        for x in inputs
+    )
+
+
+def _local_output(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
+    return output.to_local() if isinstance(output, DTensor) else output
 
 
 def apply_tp_plan(module: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:

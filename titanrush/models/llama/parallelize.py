@@ -30,7 +30,7 @@ from titanrush.parallel.compile import apply_compile
 from titanrush.parallel.ddp import apply_ddp
 from titanrush.parallel.fsdp import apply_fsdp
 from titanrush.parallel.parallel_dims import ParallelDims
-from titanrush.parallel.tensor_parallel import apply_tp_plan, enable_async_tp
+from titanrush.parallel.tensor_parallel import ReplicateParallel, apply_tp_plan, enable_async_tp
 
 
 def parallelize_llama(
@@ -183,7 +183,15 @@ def llama_tp_plan(
             }
         )
     else:
-        block.update({"attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()})
+        top["norm"] = ReplicateParallel()
+        block.update(
+            {
+                "attention_norm": ReplicateParallel(),
+                "attention.wo": RowwiseParallel(),
+                "ffn_norm": ReplicateParallel(),
+                "feed_forward.w2": RowwiseParallel(),
+            }
+        )
     return top, block
 
 

@@ -1,0 +1,157 @@
+"""Checkpoints on CPU: exact resume, pruning, crash safety, bad checkpoints, weights-only starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from titanrush import config
+from titanrush.config import ConfigError
+from titanrush.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def args(tmp: Path, name: str, steps: int, *extra: str) -> list[str]:
+    return [
+        "--job.dump_folder", str(tmp), "--job.name", name, "--training.steps", str(steps),
+        "--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+        "--training.deterministic", "--lr_scheduler.warmup_steps", "2", *extra,
+    ]  # fmt: skip
+
+
+def train(argv: list[str], stop_at: int | None = None) -> None:
+    trainer = Trainer(config.load(None, argv))
+    try:
+        trainer.train(stop_at)
+    finally:
+        trainer.close()
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+CKPT = ("--checkpoint.enable", "--checkpoint.interval", "3")
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_pinned"])
+def test_resumed_run_repeats_the_uninterrupted_losses_bitwise(tmp_path, mode):
+    train(args(tmp_path, "full", 6))
+    train(
+        args(tmp_path, "split", 6, *CKPT, "--checkpoint.async_mode", mode), stop_at=3
+    )  # cut off after step 3
+    train(args(tmp_path, "split", 6, *CKPT, "--checkpoint.async_mode", mode))  # resumes at step 3
+    full, split = losses(tmp_path / "full"), losses(tmp_path / "split")
+    assert [split[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)]
+    saved = sorted(p.name for p in (tmp_path / "split" / "checkpoint").iterdir())
+    assert saved == ["step-3", "step-6"]
+
+
+def test_keep_latest_k_prunes_old_but_never_the_newest(tmp_path):
+    train(
+        args(
+            tmp_path,
+            "k",
+            7,
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "2",
+            "--checkpoint.keep_latest_k",
+            "2",
+        )
+    )
+    names = sorted(p.name for p in (tmp_path / "k" / "checkpoint").iterdir())
+    assert names == ["step-6", "step-7"]
+
+
+def test_incomplete_tmp_checkpoint_is_ignored(tmp_path):
+    train(args(tmp_path, "t", 6, *CKPT), stop_at=3)
+    ck = tmp_path / "t" / "checkpoint"
+    (ck / "step-5.tmp").mkdir()  # what a run killed mid-save leaves
+    trainer = Trainer(config.load(None, args(tmp_path, "t", 6, *CKPT)))
+    assert trainer.step == 3
+    trainer.close()
+
+
+def test_other_flavor_is_a_clear_error_and_nothing_is_touched(tmp_path):
+    train(args(tmp_path, "a", 3, *CKPT))
+    ck = tmp_path / "a" / "checkpoint" / "step-3"
+    before = sorted((p.name, p.stat().st_size) for p in ck.iterdir())
+    bad = args(tmp_path, "b", 3, "--checkpoint.load_path", str(ck), "--model.vocab_size", "9000")
+    with pytest.raises(
+        ConfigError, match=r"tok_embeddings.weight has shape \(8192, 256\) there, \(9000, 256\) here"
+    ):
+        Trainer(config.load(None, bad))
+    assert sorted((p.name, p.stat().st_size) for p in ck.iterdir()) == before
+
+
+def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
+    train(args(tmp_path, "c", 6, *CKPT), stop_at=3)
+    ck = tmp_path / "c" / "checkpoint" / "step-3"
+    data = next(ck.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:1000])  # truncated
+    with pytest.raises(ConfigError, match="is corrupt"):
+        Trainer(config.load(None, args(tmp_path, "c", 6, *CKPT)))
+    assert data.exists() and (ck / ".metadata").exists()
+    (ck / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(ConfigError, match="incomplete or corrupt"):
+        Trainer(config.load(None, args(tmp_path, "d", 3, "--checkpoint.load_path", str(ck))))
+
+
+def test_missing_load_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        Trainer(config.load(None, args(tmp_path, "m", 3, "--checkpoint.load_path", str(tmp_path / "nope"))))
+
+
+def test_weights_only_start_from_a_model_only_export(tmp_path):
+    train(args(tmp_path, "src", 8, "--checkpoint.enable", "--checkpoint.interval", "100",
+               "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16"))  # fmt: skip
+    final = tmp_path / "src" / "checkpoint" / "step-8"
+    info = json.loads((final / "titanrush.json").read_text())
+    assert info["model_only"] is True and info["dtype"] == "bfloat16"
+    with pytest.raises(ConfigError, match="holds only model weights"):
+        Trainer(config.load(None, args(tmp_path, "x", 2, "--checkpoint.load_path", str(final))))
+    trainer = Trainer(config.load(None, args(tmp_path, "dst", 2, "--checkpoint.load_path", str(final),
+                                             "--checkpoint.load_model_only")))  # fmt: skip
+    assert trainer.step == 0  # a new run: step, optimizer and data start fresh
+    trainer.train()
+    trainer.close()
+    fresh = losses(tmp_path / "src")
+    assert losses(tmp_path / "dst")[1] < fresh[1] - 1.0  # starts from the trained weights
+
+
+def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
+    """Kill a real training process while it writes a large checkpoint; the earlier one stays usable."""
+    # A wide vocabulary makes each save take long enough (about 0.5 GB) to be caught in the act.
+    big = ("--model.vocab_size", "120000", "--checkpoint.enable", "--checkpoint.interval", "2")
+    cmd = [sys.executable, "-m", "titanrush.train", *args(tmp_path, "kill", 10, *big)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ck = tmp_path / "kill" / "checkpoint"
+    deadline = time.time() + 300
+    try:
+        while time.time() < deadline:  # wait until step-2 is complete and step-4 is being written
+            if (ck / "step-2").exists() and (ck / "step-4.tmp").exists():
+                break
+            if proc.poll() is not None:
+                pytest.fail(f"training ended early: {proc.stderr.read().decode()[-2000:]}")
+            time.sleep(0.005)
+        else:
+            pytest.fail("never saw the second save in progress")
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait()
+    assert not (ck / "step-4").exists()
+    trainer = Trainer(config.load(None, args(tmp_path, "kill", 5, *big)))
+    assert trainer.step == 2
+    trainer.train()
+    trainer.close()
+    assert (ck / "step-4").exists() and (ck / "step-5").exists()

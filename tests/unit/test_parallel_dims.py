@@ -1,0 +1,112 @@
+"""ParallelDims: degree resolution and validation, model checks, and the mesh (built on a fake process group)."""
+
+from __future__ import annotations
+
+import pytest
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from titanrush.config import ConfigError
+from titanrush.parallel.parallel_dims import ParallelDims
+
+
+def dims(world: int, *, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1):
+    return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, world_size=world)
+
+
+@pytest.fixture
+def fake_world():
+    """A fake process group of `world` ranks in this one process (this process is rank `rank`)."""
+
+    def init(world: int, rank: int = 0) -> None:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    "world, given, shard",
+    [
+        (1, {}, 1),
+        (8, {}, 8),
+        (8, {"tp": 2}, 4),
+        (8, {"dp_replicate": 2, "tp": 2}, 2),
+        (16, {"pp": 2, "cp": 2, "tp": 2}, 2),
+    ],
+)
+def test_dp_shard_minus_one_takes_what_is_left(world, given, shard):
+    d = dims(world, **given)
+    assert d.dp_shard == shard
+    assert d.dp_replicate * d.dp_shard * d.cp * d.tp * d.pp == world
+
+
+def test_degrees_that_do_not_multiply_to_the_world_size_name_every_degree():
+    with pytest.raises(ConfigError, match=r"dp_replicate\(1\) x dp_shard\(2\) x cp\(1\) x tp\(2\) x pp\(1\) = 4"):
+        dims(8, dp_shard=2, tp=2)
+    with pytest.raises(ConfigError, match="dp_shard = -1"):
+        dims(8, dp_shard=2, tp=2)
+
+
+def test_degrees_that_do_not_divide_the_world_size():
+    with pytest.raises(ConfigError, match="do not divide the world size 6"):
+        dims(6, tp=4)
+
+
+@pytest.mark.parametrize("key", ["dp_replicate", "cp", "tp", "pp"])
+def test_degrees_below_one_are_refused(key):
+    with pytest.raises(ConfigError, match=f"parallelism.{key} must be >= 1"):
+        dims(4, **{key: 0})
+
+
+def test_dp_shard_zero_is_refused():
+    with pytest.raises(ConfigError, match="dp_shard must be -1 or >= 1"):
+        dims(4, dp_shard=0)
+
+
+def test_derived_degrees():
+    d = dims(16, dp_replicate=2, tp=2, pp=2)
+    assert (d.dp_shard, d.dp, d.non_data_parallel_size) == (2, 4, 4)
+    assert d.fsdp_enabled and not d.ddp_enabled
+    ddp = dims(4, dp_replicate=4)
+    assert ddp.dp_shard == 1 and ddp.ddp_enabled and not ddp.fsdp_enabled
+    tp_only = dims(2, tp=2)
+    assert tp_only.dp == 1 and not tp_only.fsdp_enabled and not tp_only.ddp_enabled
+    assert dims(2, dp_shard=1, cp=2).fsdp_enabled  # FSDP shards over dp_shard x cp
+
+
+def test_model_checks_name_the_fix():
+    with pytest.raises(ConfigError, match="tp = 3 must divide the attention heads .*choose tp among 1, 2, 4"):
+        dims(3, tp=3).check_model(n_heads=8, n_kv_heads=4, n_layers=4, seq_len=64)
+    with pytest.raises(ConfigError, match="pp = 8 exceeds the model's 4 layers"):
+        dims(8, pp=8).check_model(n_heads=8, n_kv_heads=4, n_layers=4, seq_len=64)
+    with pytest.raises(ConfigError, match="divisible by tp = 4"):
+        dims(4, tp=4).check_model(n_heads=8, n_kv_heads=4, n_layers=4, seq_len=66)
+    with pytest.raises(ConfigError, match="2 x cp"):
+        dims(2, cp=2).check_model(n_heads=8, n_kv_heads=4, n_layers=4, seq_len=66)
+    dims(4, tp=2).check_model(n_heads=8, n_kv_heads=4, n_layers=4, seq_len=64)  # fits
+
+
+def test_mesh_dims_order_and_flattened_views(fake_world):
+    fake_world(16)
+    d = dims(16, dp_replicate=2, tp=2, pp=2)
+    mesh = d.build_mesh("cpu")
+    assert mesh.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    assert tuple(mesh.shape) == (2, 2, 2, 1, 2)
+    assert mesh["dp"].size() == 4  # dp_replicate x dp_shard: data loading
+    assert mesh["dp_shard_cp"].size() == 2  # FSDP's shard dimension
+    assert mesh["dp_cp"].size() == 4  # loss and gradient-norm reduction
+    assert d.mesh is mesh
+    # TP innermost (neighbouring ranks, the fastest links), PP outermost.
+    assert mesh["tp"].mesh.tolist() == [0, 1]
+    assert mesh["pp"].mesh.tolist() == [0, 8]
+    assert mesh["dp_replicate", "dp_shard_cp"].mesh.tolist() == [[0, 2], [4, 6]]
+
+
+def test_mesh_of_a_later_rank(fake_world):
+    fake_world(8, rank=5)
+    mesh = dims(8, tp=2).build_mesh("cpu")
+    assert mesh["tp"].mesh.tolist() == [4, 5]
+    assert mesh["dp"].mesh.tolist() == [1, 3, 5, 7]
+    assert mesh["dp"].get_local_rank() == 2

@@ -1,0 +1,63 @@
+"""`titanrush convert`: checkpoints to and from Hugging Face Llama folders, and to a single `.pt` file.
+
+    titanrush convert --to-hf CKPT_DIR OUT_DIR [--dtype bf16|fp32|fp16]
+    titanrush convert --to-pt CKPT_DIR OUT.pt [--dtype fp32|bf16|fp16]
+    titanrush convert --from-hf HF_DIR OUT_CKPT_DIR
+
+Exit status: 0 on success, 2 on bad input (a missing folder, a non-Llama config, missing tensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from titanrush import hf
+from titanrush.config import ConfigError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (one of --to-hf, --to-pt, --from-hf)."""
+    p = argparse.ArgumentParser(
+        prog="titanrush convert",
+        description="Convert checkpoints: titanrush DCP <-> Hugging Face Llama (safetensors), DCP -> .pt.",
+    )
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--to-hf", nargs=2, metavar=("CKPT_DIR", "OUT_DIR"), help="export an HF Llama folder")
+    mode.add_argument("--to-pt", nargs=2, metavar=("CKPT_DIR", "OUT_PT"), help="export one .pt state dict")
+    mode.add_argument("--from-hf", nargs=2, metavar=("HF_DIR", "OUT_CKPT_DIR"), help="import an HF Llama")
+    p.add_argument(
+        "--dtype", choices=sorted(hf.DTYPES), help="export dtype (default: bf16 for HF, fp32 for .pt)"
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one conversion; return the exit status."""
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        if ns.from_hf and ns.dtype:
+            parser.error("--dtype applies to exports; --from-hf always writes float32")
+    except SystemExit as e:  # --help or a usage error: argparse has printed it
+        return int(e.code or 0)
+    try:
+        if ns.to_hf:
+            out = hf.export_hf(*ns.to_hf, dtype=hf.DTYPES[ns.dtype or "bf16"])
+            print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'}")
+        elif ns.to_pt:
+            out = hf.export_pt(*ns.to_pt, dtype=hf.DTYPES[ns.dtype or "fp32"])
+            print(f"wrote {out}")
+        else:
+            out = hf.import_hf(*ns.from_hf)
+            print(
+                f"wrote {out}; train from it with --checkpoint.load_path {out} --checkpoint.load_model_only"
+            )
+    except ConfigError as e:
+        print(f"titanrush convert: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
