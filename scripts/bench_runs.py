@@ -58,7 +58,8 @@ def run_one(name: str, args: list[str], out: Path, ngpu: int, steps: int, warmup
     rows = [r for r in rows if "loss" in r]
     if proc.returncode != 0:
         text = (out / f"{name}.log").read_text()
-        row["status"] = "OOM" if "OutOfMemoryError" in text or "out of memory" in text else f"failed ({proc.returncode})"
+        oom = "OutOfMemoryError" in text or "out of memory" in text
+        row["status"] = "OOM" if oom else f"failed ({proc.returncode})"
     else:
         row["status"] = "ok"
     steady = [r for r in rows if r["step"] > warmup]
@@ -75,10 +76,13 @@ def run_one(name: str, args: list[str], out: Path, ngpu: int, steps: int, warmup
 
 
 def table(rows: list[dict]) -> str:
-    head = "| run | status | tokens/s/GPU | TFLOP/s | MFU | peak active GiB | reserved GiB | first step s | loss |"
+    cols = ["run", "status", "tokens/s/GPU", "TFLOP/s", "MFU", "peak active GiB", "reserved GiB", "first step s",
+            "loss"]  # fmt: skip
+    head = "| " + " | ".join(cols) + " |"
     lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
-        def f(key: str, fmt: str) -> str:
+
+        def f(key: str, fmt: str, r: dict = r) -> str:
             return fmt.format(r[key]) if r.get(key) is not None else "-"
 
         lines.append(
@@ -109,10 +113,12 @@ def main() -> int:
         with open(a.out / "results.jsonl", "a") as fh:
             fh.write(json.dumps({**row, "env": env}) + "\n")
     md = table(rows)
-    header = (f"{env['date']}, {env['gpus']} x {env['device']}, torch {env['torch']}, commit {env['commit']}, "
-              f"steps {a.steps} (means over steps > {a.warmup})")  # fmt: skip
-    (a.out / "results.md").write_text(header + "\n\n" + md + "\n\nCommands:\n\n" +
-                                      "\n".join(f"- {r['name']}: `{r['command']}`" for r in rows) + "\n")  # fmt: skip
+    header = (
+        f"{env['date']}, {env['gpus']} x {env['device']}, torch {env['torch']}, commit {env['commit']}, "
+        f"steps {a.steps} (means over steps > {a.warmup})"
+    )
+    commands = "\n".join(f"- {r['name']}: `{r['command']}`" for r in rows)
+    (a.out / "results.md").write_text(f"{header}\n\n{md}\n\nCommands:\n\n{commands}\n")
     print(header)
     print(md)
     return 0

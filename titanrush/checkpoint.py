@@ -189,16 +189,25 @@ class CheckpointManager:
         if enable and async_mode == "async_pinned":
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=torch.cuda.is_available(),
-                                                        use_shared_memory=False, use_async_staging=True,
-                                                        use_non_blocking_copy=torch.cuda.is_available()))  # fmt: skip
+            cuda = torch.cuda.is_available()
+            options = StagingOptions(
+                use_pinned_memory=cuda,
+                use_shared_memory=False,
+                use_async_staging=True,
+                use_non_blocking_copy=cuda,
+            )
+            self._stager = DefaultStager(options)
         self.last_save_blocking_s: float | None = None
 
     # --------------------------------------------------------------------------------------------
     # Loading
 
     def resume(self, *, load_path: str = "", model_only: bool = False) -> int:
-        """Load the newest complete checkpoint of this run, else `load_path`; return the step to continue from."""
+        """Load the newest complete checkpoint of this run, else `load_path`.
+
+        Returns:
+            The step to continue from (0 for a weights-only start).
+        """
         own = complete_checkpoints(self.folder) if self.enable else []
         if own:
             step, path = own[-1]
@@ -227,8 +236,10 @@ class CheckpointManager:
         try:
             dcp.load(states, checkpoint_id=str(path), no_dist=not dist.is_initialized())
         except (Exception, CheckpointException) as e:  # a data file truncated, missing or unreadable
-            raise ConfigError(f"checkpoint {path} could not be read ({type(e).__name__}: {e}); "
-                              "it is corrupt: resume from an earlier checkpoint or delete this one") from e  # fmt: skip
+            raise ConfigError(
+                f"checkpoint {path} could not be read ({type(e).__name__}: {str(e)[-300:]}); it is corrupt: "
+                "resume from an earlier checkpoint or delete this one"
+            ) from e
 
     def _check_compatible(self, path: Path, metadata: Any, saved_info: dict[str, Any]) -> None:
         """Name what differs between the checkpoint's model and this run's, before loading anything."""

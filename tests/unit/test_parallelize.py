@@ -1,0 +1,236 @@
+"""parallelize_llama on the meta device over fake process groups: placements, FSDP units, the order, errors;
+activation checkpointing on real CPU tensors (what is recomputed); compile's names.
+
+Numerical parity of every mesh with one process is in tests/parallel (real gloo processes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from titanrush.config import ActivationCheckpoint, Compile, ConfigError, Float8, Parallelism
+from titanrush.models.init import _canonical
+from titanrush.models.llama import Llama, model_args
+from titanrush.models.llama.parallelize import parallelize_llama
+from titanrush.parallel.activation_checkpoint import apply_ac
+from titanrush.parallel.compile import apply_compile
+from titanrush.parallel.parallel_dims import ParallelDims
+
+
+@pytest.fixture
+def fake_world():
+    def init(world: int) -> None:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+    yield init
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def parallel(world: int, *, flavor_over: dict | None = None, ac: str = "none", precision: str = "fp32", **par):
+    """The debug Llama on meta, parallelized over a fake world of `world` ranks."""
+    p = Parallelism(**par)
+    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, world)
+    mesh = dims.build_mesh("cpu") if world > 1 else None
+    with torch.device("meta"):
+        model = Llama(model_args("debug", **(flavor_over or {})))
+    parallelize_llama(
+        model, dims, mesh, parallelism=p, compile=Compile(), ac=ActivationCheckpoint(mode=ac),
+        float8=Float8(), precision=precision,
+    )  # fmt: skip
+    return model
+
+
+def placements(model: torch.nn.Module) -> dict[str, tuple]:
+    return {_canonical(n): tuple(p.placements) for n, p in model.named_parameters()}
+
+
+def test_tp_plan_shards_columns_rows_and_vocab(fake_world):
+    fake_world(2)
+    pl = placements(parallel(2, tp=2))
+    assert pl["tok_embeddings.weight"] == (Shard(0),)  # vocabulary
+    for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
+        assert pl[f"layers.0.{name}.weight"] == (Shard(0),), name  # column-wise: output features
+    for name in ("attention.wo", "feed_forward.w2"):
+        assert pl[f"layers.3.{name}.weight"] == (Shard(1),), name  # row-wise: input features
+    for name in ("layers.1.attention_norm.weight", "layers.1.ffn_norm.weight", "norm.weight"):
+        assert pl[name] == (Replicate(),), name
+    assert pl["output.weight"] == (Shard(0),)
+
+
+def test_tp_without_sequence_parallel_still_makes_every_parameter_a_dtensor(fake_world):
+    # The fused optimizer refuses a mix of DTensors and plain tensors.
+    fake_world(2)
+    model = parallel(2, tp=2, sequence_parallel=False, loss_parallel=False)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    assert placements(model)["norm.weight"] == (Replicate(),)
+
+
+def test_tied_embeddings_stay_one_parameter_under_tp_and_fsdp(fake_world):
+    fake_world(4)
+    model = parallel(4, tp=2, flavor_over={"tie_embeddings": True})
+    assert model.output.weight is model.tok_embeddings.weight
+    assert model.tok_embeddings.weight.placements == (Shard(0), Shard(0))
+    assert not isinstance(model.tok_embeddings, FSDPModule)  # both live in the root unit
+
+
+def test_fsdp_units_and_2d_placements(fake_world):
+    fake_world(4)
+    model = parallel(4, tp=2)
+    assert isinstance(model, FSDPModule)
+    assert isinstance(model.tok_embeddings, FSDPModule) and isinstance(model.norm, FSDPModule)
+    assert all(isinstance(b, FSDPModule) for b in model.layers.values())
+    wq = model.layers["0"].attention.wq.weight
+    assert wq.device_mesh.mesh_dim_names == ("dp_shard_cp", "tp")
+    assert wq.to_local().shape == (256 // 2 // 2, 256)
+
+
+def test_hsdp_shards_within_and_replicates_across(fake_world):
+    fake_world(4)
+    model = parallel(4, dp_replicate=2, dp_shard=2)
+    w1 = model.layers["0"].feed_forward.w1.weight
+    assert w1.device_mesh.mesh_dim_names == ("dp_replicate", "dp_shard_cp")
+    assert tuple(w1.placements) == (Replicate(), Shard(0))
+
+
+def _resharded(module: FSDPModule) -> bool:
+    # FSDP keeps no post-forward mesh for a unit that stays gathered after forward.
+    return module._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
+
+
+@pytest.mark.parametrize(
+    "policy, blocks, emb, head",
+    [
+        ("default", [True, True, True, False], True, False),
+        ("always", [True] * 4, True, True),
+        ("never", [False] * 4, False, False),
+    ],
+)
+def test_reshard_after_forward_policies(fake_world, policy, blocks, emb, head):
+    fake_world(2)
+    model = parallel(2, fsdp_reshard_after_forward=policy)
+    assert [_resharded(b) for b in model.layers.values()] == blocks
+    assert _resharded(model.tok_embeddings) == emb
+    assert _resharded(model.norm) == head
+
+
+def test_bf16_mixed_precision_reduces_in_fp32(fake_world):
+    fake_world(2)
+    model = parallel(2, precision="bf16")
+    mp = model.layers["0"]._get_fsdp_state()._mp_policy
+    assert (mp.param_dtype, mp.reduce_dtype) == (torch.bfloat16, torch.float32)
+    assert next(model.parameters()).dtype == torch.float32  # fp32 master weights
+
+
+def test_ddp_for_replicas_without_sharding(fake_world):
+    fake_world(2)
+    model = parallel(2, dp_replicate=2, dp_shard=1)
+    assert type(model).__name__ == "DDPLlama"
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_ac_then_fsdp_wrap_in_that_order(fake_world):
+    fake_world(2)
+    model = parallel(2, ac="full")
+    block = model.layers["0"]
+    assert isinstance(block, FSDPModule)  # FSDP outermost
+    assert "_checkpoint_wrapped_module" in dict(block.named_children())
+
+
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        ({"cp": 2}, "context parallel"),
+        ({"pp": 2}, "pipeline parallel"),
+        ({"dp_replicate": 2, "dp_shard": 1, "tp": 2}, "DDP .* does not compose with tensor parallel"),
+    ],
+)
+def test_unsupported_combinations_are_config_errors(fake_world, over, match):
+    fake_world(4)
+    with pytest.raises(ConfigError, match=match):
+        parallel(4, **over)
+
+
+def test_float8_chunked_tp_and_offload_errors(fake_world):
+    with pytest.raises(ConfigError, match="float8 arrives with issue 6"):
+        dims = ParallelDims(1, 1, 1, 1, 1, 1)
+        with torch.device("meta"):
+            model = Llama(model_args("debug"))
+        parallelize_llama(model, dims, None, parallelism=Parallelism(), compile=Compile(),
+                          ac=ActivationCheckpoint(), float8=Float8(enable=True), precision="bf16")  # fmt: skip
+    with pytest.raises(ConfigError, match="fsdp_cpu_offload needs FSDP"):
+        parallel(1, fsdp_cpu_offload=True)
+    fake_world(2)
+    with pytest.raises(ConfigError, match="training.loss = chunked"):
+        parallel(2, tp=2, flavor_over={"loss_chunk_size": 64})
+
+
+# ------------------------------------------------------------------------------------------------
+# Activation checkpointing and compile on one process
+
+
+class CountMM(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def backward_mms(mode: str, selective: str = "op") -> tuple[int, float, torch.Tensor]:
+    """Matmuls run during backward, the loss and one gradient of a small Llama under the given AC."""
+    torch.manual_seed(0)
+    model = Llama(model_args("debug", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, vocab_size=128))
+    model.init_weights(seed=1)
+    apply_ac(model, mode=mode, selective=selective)
+    tokens = torch.randint(0, 128, (2, 16))
+    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+    with CountMM() as counter:
+        loss.backward()
+    grad = dict((_canonical(n), p.grad) for n, p in model.named_parameters())["layers.0.attention.wq.weight"]
+    return counter.n, loss.item(), grad
+
+
+def test_ac_recomputes_what_each_mode_says():
+    base, loss, grad = backward_mms("none")
+    per_block = 7  # wq wk wv wo w1 w3 w2
+    assert base == 2 * (4 * per_block + 1)  # input and weight gradient of every linear
+    full, loss_full, grad_full = backward_mms("full")
+    every2, _, _ = backward_mms("selective", "2")
+    op, loss_op, grad_op = backward_mms("selective", "op")
+    # Full: each block's forward matmuls run again (w2, whose output backward never needs, may be skipped).
+    assert base + 4 * (per_block - 1) <= full <= base + 4 * per_block
+    assert every2 - base == (full - base) // 2  # blocks 1 and 3 of 0..3
+    assert op == base  # selective op keeps every matmul output: no matmul is recomputed
+    assert loss_full == loss_op == loss
+    torch.testing.assert_close(grad_full, grad, rtol=0, atol=0)
+    torch.testing.assert_close(grad_op, grad, rtol=0, atol=0)
+
+
+def test_ac_none_and_bad_values():
+    model = Llama(model_args("debug", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, vocab_size=128))
+    apply_ac(model, mode="none")
+    assert "_checkpoint_wrapped_module" not in dict(model.layers["0"].named_children())
+    with pytest.raises(ConfigError, match="activation_checkpoint.selective"):
+        apply_ac(model, mode="selective", selective="0")
+
+
+def test_compile_replaces_blocks_and_names_stay_loadable():
+    with torch.device("meta"):
+        model = Llama(model_args("debug"))
+    before = [n for n, _ in model.named_parameters()]
+    apply_ac(model, mode="full")
+    apply_compile(model, fullgraph=True)
+    assert type(model.layers["0"]).__name__ == "OptimizedModule"
+    after = [n for n, _ in model.named_parameters()]
+    assert after[1].startswith("layers.0._orig_mod._checkpoint_wrapped_module.")
+    assert [_canonical(n) for n in after] == before
