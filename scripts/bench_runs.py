@@ -76,7 +76,17 @@ def run_one(name: str, args: list[str], out: Path, ngpu: int, steps: int, warmup
 
 
 def table(rows: list[dict]) -> str:
-    cols = "run|status|tokens/s/GPU|TFLOP/s|MFU|peak active GiB|reserved GiB|first step s|loss".split("|")
+    cols = [
+        "run",
+        "status",
+        "tokens/s/GPU",
+        "TFLOP/s",
+        "MFU",
+        "peak active GiB",
+        "reserved GiB",
+        "first step s",
+        "loss",
+    ]
     head = "| " + " | ".join(cols) + " |"
     lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
