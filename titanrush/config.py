@@ -187,7 +187,11 @@ class Float8:
     fsdp_float8_all_gather: bool = True
     """tensorwise + FSDP: all-gather weights in float8 with precomputed scales."""
     filter_fqns: list[str] = field(default_factory=lambda: ["output"])
-    """Linear layers (by name fragment) kept in bf16; small or misaligned ones are skipped anyway."""
+    """Linear layers (by name fragment) kept in bf16; misaligned ones (a dimension not divisible by 16)
+    are kept anyway. An empty list converts the output projection too."""
+    min_size: int = 1024
+    """Linear layers with a dimension below this stay in bf16 (casting costs more than float8 saves);
+    0 converts every aligned layer."""
 
 
 @dataclass
@@ -538,6 +542,11 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError("lr_scheduler.min_lr_factor must be in [0, 1]")
     if not 0.0 <= cfg.lr_scheduler.decay_ratio <= 1.0:
         raise ConfigError("lr_scheduler.decay_ratio must be in [0, 1]")
+    if cfg.profiling.freq < cfg.profiling.active_steps + 2:
+        raise ConfigError(
+            f"profiling.freq ({cfg.profiling.freq}) must be >= profiling.active_steps + 2 (a wait step and a "
+            "warm-up step before the traced ones)"
+        )
     sel = cfg.activation_checkpoint.selective
     if sel != "op" and not (sel.isdigit() and int(sel) > 0):
         raise ConfigError(

@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,8 @@ _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
 INFO_FILE = "titanrush.json"
+# Conversion runs in one process without a process group on purpose; DCP warns about exactly that.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 # Fields that do not change the weights' layout or the function the model computes.
 _RUNTIME_FIELDS = ("attn_backend", "loss_chunk_size", "max_seq_len", "vocab_size", "tie_embeddings")
 

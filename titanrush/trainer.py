@@ -45,6 +45,7 @@ from titanrush.optim import build_lr_scheduler, build_optimizer
 from titanrush.parallel.grad_clip import clip_grad_norm_
 from titanrush.parallel.parallel_dims import ParallelDims
 from titanrush.parallel.tensor_parallel import loss_parallel_context
+from titanrush.profiling import Profiler
 
 logger = logging.getLogger("titanrush")
 
@@ -100,26 +101,11 @@ def check_config(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, ModelAr
             f"training.global_batch_size = {gbs} must be a multiple of local_batch_size x dp = "
             f"{t.local_batch_size} x {dims.dp} = {per_step}"
         )
-    _reject_unfinished(cfg)
     if cfg.float8.enable and cfg.training.precision != "bf16":
         raise ConfigError("float8.enable needs training.precision = 'bf16'")
     if cfg.compile.enable is False and p.async_tp:
         raise ConfigError("parallelism.async_tp needs compile.enable = true")
     return dims, args, gbs // per_step
-
-
-# Options whose config keys exist but whose implementation has not landed yet: refuse them loudly rather
-# than ignore them. Each entry goes when its feature lands.
-_UNFINISHED: dict[str, str] = {
-    "profiling.enable": "profiling",
-}
-
-
-def _reject_unfinished(cfg: JobConfig) -> None:
-    for key, feature in _UNFINISHED.items():
-        section, name = key.split(".")
-        if getattr(getattr(cfg, section), name):
-            raise ConfigError(f"{key}: {feature} is not implemented in this version of titanrush yet")
 
 
 class Trainer:
@@ -224,6 +210,17 @@ class Trainer:
             rank=self.rank,
         )
         self.memory = MemoryMonitor(self.device)
+        pr = cfg.profiling
+        self.profiler = Profiler(
+            self.run_dir,
+            enable=pr.enable,
+            freq=pr.freq,
+            active=pr.active_steps,
+            memory_snapshot=pr.memory_snapshot,
+            rank=self.rank,
+            all_ranks=pr.all_ranks,
+            start_step=self.step,
+        )
         self.peak = self._peak_tflops()
         # Each token is counted once per data-parallel replica, spread over the GPUs of that replica.
         self.tokens_per_gpu_step = (
@@ -340,6 +337,7 @@ class Trainer:
             if t.gc_freq > 0 and self.step % t.gc_freq == 0:
                 gc.collect(1)
             loss, grad_norm, data_wait = self.train_step(data_iter)
+            self.profiler.step()
             throughput.add(self.tokens_per_gpu_step, data_wait)
             if self._should_log(self.step):
                 loss_value = self._global_mean(loss)
@@ -401,6 +399,7 @@ class Trainer:
         return loss
 
     def close(self) -> None:
+        self.profiler.close()
         self.checkpointer.close()
         self.metrics.close()
         if dist.is_initialized():

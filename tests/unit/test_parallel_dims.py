@@ -1,4 +1,4 @@
-"""ParallelDims: degree resolution and validation, model checks, and the mesh (built on a fake process group)."""
+"""ParallelDims: degree resolution and validation, model checks, and the mesh (on a fake process group)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ def test_dp_shard_minus_one_takes_what_is_left(world, given, shard):
 
 
 def test_degrees_that_do_not_multiply_to_the_world_size_name_every_degree():
-    with pytest.raises(ConfigError, match=r"dp_replicate\(1\) x dp_shard\(2\) x cp\(1\) x tp\(2\) x pp\(1\) = 4"):
+    with pytest.raises(
+        ConfigError, match=r"dp_replicate\(1\) x dp_shard\(2\) x cp\(1\) x tp\(2\) x pp\(1\) = 4"
+    ):
         dims(8, dp_shard=2, tp=2)
     with pytest.raises(ConfigError, match="dp_shard = -1"):
         dims(8, dp_shard=2, tp=2)

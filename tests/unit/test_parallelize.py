@@ -33,7 +33,9 @@ def fake_world():
         dist.destroy_process_group()
 
 
-def parallel(world: int, *, flavor_over: dict | None = None, ac: str = "none", precision: str = "fp32", **par):
+def parallel(
+    world: int, *, flavor_over: dict | None = None, ac: str = "none", precision: str = "fp32", **par
+):
     """The debug Llama on meta, parallelized over a fake world of `world` ranks."""
     p = Parallelism(**par)
     dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, world)
@@ -76,7 +78,9 @@ def test_tied_embeddings_stay_one_parameter_under_tp_and_fsdp(fake_world):
     fake_world(4)
     model = parallel(4, tp=2, flavor_over={"tie_embeddings": True})
     assert model.output.weight is model.tok_embeddings.weight
-    assert model.tok_embeddings.weight.placements == (Shard(0), Shard(0))
+    weight = model.tok_embeddings.weight
+    assert weight.device_mesh.mesh_dim_names == ("dp_shard_cp", "tp")
+    assert weight.placements[1] == Shard(0)  # TP: the vocabulary, for the embedding and the output alike
     assert not isinstance(model.tok_embeddings, FSDPModule)  # both live in the root unit
 
 
@@ -162,8 +166,10 @@ def test_float8_chunked_tp_and_offload_errors(fake_world):
         dims = ParallelDims(1, 1, 1, 1, 1, 1)
         with torch.device("meta"):
             model = Llama(model_args("debug"))
-        parallelize_llama(model, dims, None, parallelism=Parallelism(), compile=Compile(),
-                          ac=ActivationCheckpoint(), float8=Float8(enable=True), precision="bf16")  # fmt: skip
+        parallelize_llama(
+            model, dims, None, parallelism=Parallelism(), compile=Compile(), ac=ActivationCheckpoint(),
+            float8=Float8(enable=True), precision="bf16",
+        )  # fmt: skip
     with pytest.raises(ConfigError, match="fsdp_cpu_offload needs FSDP"):
         parallel(1, fsdp_cpu_offload=True)
     fake_world(2)

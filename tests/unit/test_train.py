@@ -109,3 +109,23 @@ def test_bf16_and_chunked_loss_run(tmp_path):
               "chunked", "--training.loss_chunk_size", "100")
     )  # fmt: skip
     assert all(math.isfinite(x) for x in losses)
+
+
+def test_profiling_writes_perfetto_traces(tmp_path):
+    import gzip
+
+    run_inprocess(
+        small(tmp_path, "prof", "--training.steps", "8", "--profiling.enable", "--profiling.freq", "4",
+              "--profiling.active_steps", "2")
+    )  # fmt: skip
+    traces = sorted((tmp_path / "prof" / "profile").glob("step-*/rank0.trace.json.gz"))
+    assert [t.parent.name for t in traces] == ["step-4", "step-8"]
+    events = json.loads(gzip.decompress(traces[0].read_bytes()))["traceEvents"]
+    names = {e.get("name", "") for e in events}
+    assert any(n.startswith("ProfilerStep#") for n in names)
+    assert any("aten::mm" in n or "aten::addmm" in n for n in names)
+
+
+def test_profiling_freq_too_small_is_a_config_error():
+    with pytest.raises(config.ConfigError, match="profiling.freq"):
+        config.load(None, ["--profiling.freq", "3", "--profiling.active_steps", "2"])

@@ -1,0 +1,37 @@
+"""Every parameter's gradient under each mesh equals the single-process gradient (one torchrun job of 4).
+
+grad_probe.py builds each mesh in turn, all-gathers each gradient to its full shape and compares it
+with the unsharded model's on rank 0. The deviation of a parameter is max |g - g_ref| / max |g_ref|:
+measured at most 8.2e-7 here (fp32 sums in another order); GRAD_RTOL = 1e-5. A gradient that is
+reduced twice, missed, or summed over the wrong ranks is off by O(1).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from harness import ROOT, child_env, free_port
+
+pytestmark = pytest.mark.parallel
+
+GRAD_RTOL = 1e-5
+LOSS_RTOL = 1e-5
+
+
+def test_every_gradient_matches_on_every_mesh(tmp_path):
+    out = tmp_path / "probe.json"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=4",
+        "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        str(ROOT / "tests" / "parallel" / "grad_probe.py"), str(out),
+    ]  # fmt: skip
+    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-6000:]
+    report = json.loads(out.read_text())
+    assert set(report) >= {"fsdp4", "ddp4", "tp4", "fsdp2_tp2", "hsdp2x2"}
+    for mesh, r in report.items():
+        assert r["max_grad_dev"] <= GRAD_RTOL, (mesh, r)
+        assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * r["ref_loss"], (mesh, r)

@@ -1,0 +1,416 @@
+"""Checkpoint interchange: titanrush <-> HF Llama names, the RoPE permutation, safetensors, files, errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from titanrush import hf
+from titanrush.config import ConfigError
+from titanrush.models.llama import FLAVORS, Llama, ModelArgs, model_args
+from titanrush.models.llama.model import apply_rope, rope_cache
+from titanrush.tools import convert
+
+
+def make_model(args: ModelArgs, seed: int = 0) -> Llama:
+    """A debug-sized model with random weights; norms perturbed so that swapping two of them shows."""
+    with torch.device("meta"):
+        model = Llama(args)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    return model.eval()
+
+
+def save_checkpoint(model: Llama, folder: Path, step: int = 5, drop_tied_output: bool = False) -> Path:
+    """A trainer-style checkpoint: DCP `model.*` keys (+ an unrelated entry) and titanrush.json."""
+    path = folder / f"step-{step}"
+    sd = model.state_dict()
+    if drop_tied_output:
+        sd.pop("output.weight")
+    dcp.save({"model": sd, "train_state": {"step": step}}, checkpoint_id=str(path), no_dist=True)
+    args = dataclasses.asdict(model.args)
+    info = {"step": step, "flavor": "debug", "model_args": args, "model_only": False, "dtype": "float32"}
+    (path / "titanrush.json").write_text(json.dumps(info))
+    return path
+
+
+def assert_same_state(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("kv_heads", [4, 8], ids=["gqa", "mha"])
+def test_titanrush_to_hf_and_back_is_exact(tied, kv_heads):
+    args = model_args("debug", tie_embeddings=tied, n_kv_heads=kv_heads)
+    sd = make_model(args).state_dict()
+    hf_sd = hf.to_hf_state_dict(sd, args)
+    assert ("lm_head.weight" in hf_sd) is not tied
+    assert len(hf_sd) == 2 + 9 * args.n_layers + (not tied)
+    assert hf_sd["model.layers.1.self_attn.k_proj.weight"].shape == (kv_heads * args.head_dim, args.dim)
+    assert hf_sd["model.layers.0.mlp.gate_proj.weight"] is sd["layers.0.feed_forward.w1.weight"]
+    assert hf_sd["model.layers.0.mlp.down_proj.weight"] is sd["layers.0.feed_forward.w2.weight"]
+    assert not torch.equal(
+        hf_sd["model.layers.0.self_attn.q_proj.weight"], sd["layers.0.attention.wq.weight"]
+    )
+    back = hf.from_hf_state_dict(hf_sd, args)
+    assert_same_state(back, sd)
+    if tied:
+        assert back["output.weight"] is back["tok_embeddings.weight"]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def hf_inv_freq(cfg: dict, head_dim: int) -> torch.Tensor:
+    """HF's inverse frequencies from a config.json, llama3 scaling included (written from HF's recipe)."""
+    inv = 1.0 / cfg["rope_theta"] ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    rs = cfg["rope_scaling"]
+    if rs is None:
+        return inv
+    old = rs["original_max_position_embeddings"]
+    low_wl, high_wl = old / rs["low_freq_factor"], old / rs["high_freq_factor"]
+    wl = 2 * math.pi / inv
+    out = torch.where(wl > low_wl, inv / rs["factor"], inv)
+    smooth = (old / wl - rs["low_freq_factor"]) / (rs["high_freq_factor"] - rs["low_freq_factor"])
+    mid = (wl <= low_wl) & (wl >= high_wl)
+    return torch.where(mid, (1 - smooth) * out / rs["factor"] + smooth * out, out)
+
+
+def hf_scores(x, q_proj, k_proj, cfg, n_heads, kv_heads):
+    """q.k scores of an HF-style attention: rotate_half RoPE with cos/sin = cat(freqs, freqs)."""
+    bsz, seq, _ = x.shape
+    d = q_proj.shape[0] // n_heads
+    q = (x @ q_proj.T).view(bsz, seq, n_heads, d).transpose(1, 2)  # (B, H, T, D)
+    k = (x @ k_proj.T).view(bsz, seq, kv_heads, d).transpose(1, 2)
+    freqs = torch.outer(torch.arange(seq, dtype=torch.float64), hf_inv_freq(cfg, d))
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos().float(), emb.sin().float()  # (T, D)
+    q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+    k = k.repeat_interleave(n_heads // kv_heads, dim=1)
+    return q @ k.transpose(-1, -2)  # (B, H, T, T)
+
+
+def titanrush_scores(x, wq, wk, args):
+    bsz, seq, _ = x.shape
+    q = (x @ wq.T).view(bsz, seq, -1, args.head_dim)
+    k = (x @ wk.T).view(bsz, seq, -1, args.head_dim)
+    rope = rope_cache(args, seq)
+    q, k = apply_rope(q, rope).transpose(1, 2), apply_rope(k, rope).transpose(1, 2)
+    k = k.repeat_interleave(args.n_heads // args.kv_heads, dim=1)
+    return q @ k.transpose(-1, -2)
+
+
+@pytest.mark.parametrize("rope_scaling", [False, True], ids=["plain_rope", "llama3_rope"])
+def test_permuted_projections_give_titanrush_scores_under_hf_rope(rope_scaling):
+    args = model_args("debug", rope_scaling=rope_scaling, rope_original_max_len=64, rope_theta=10000.0)
+    sd = make_model(args).state_dict()
+    hf_sd = hf.to_hf_state_dict(sd, args)
+    cfg = json.loads(json.dumps(hf.hf_config(args)))
+    x = torch.randn(2, 48, args.dim, generator=torch.Generator().manual_seed(3))
+    wq, wk = sd["layers.2.attention.wq.weight"], sd["layers.2.attention.wk.weight"]
+    ours = titanrush_scores(x, wq, wk, args)
+    q_proj, k_proj = (
+        hf_sd["model.layers.2.self_attn.q_proj.weight"],
+        hf_sd["model.layers.2.self_attn.k_proj.weight"],
+    )
+    theirs = hf_scores(x, q_proj, k_proj, cfg, cfg["num_attention_heads"], cfg["num_key_value_heads"])
+    torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=1e-5)
+    # The check has teeth: without the permutation the scores differ.
+    unpermuted = hf_scores(x, wq, wk, cfg, args.n_heads, args.kv_heads)
+    assert (unpermuted - ours).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("name", list(FLAVORS))
+def test_hf_config_round_trips_every_flavor(name):
+    args = FLAVORS[name]
+    cfg = json.loads(json.dumps(hf.hf_config(args)))
+    assert cfg["intermediate_size"] == args.ffn_hidden and cfg["head_dim"] == args.head_dim
+    assert cfg["tie_word_embeddings"] is args.tie_embeddings
+    assert (cfg["rope_scaling"] or {}).get("rope_type") == ("llama3" if args.rope_scaling else None)
+    assert hf.args_from_hf_config(cfg) == args
+    assert hf.flavor_of(hf.args_from_hf_config(cfg)) == name
+
+
+# Meta's published config.json of Llama 3.1 8B and Llama 3.2 1B (as on the Hugging Face hub).
+LLAMA31_8B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
+    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 128256,
+}  # fmt: skip
+LLAMA32_1B = {**LLAMA31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+              "head_dim": 64, "rope_scaling": {**LLAMA31_8B["rope_scaling"], "factor": 32.0},
+              "tie_word_embeddings": True}  # fmt: skip
+
+
+# transformers >= 5 writes the RoPE settings, theta included, under rope_parameters.
+LLAMA31_8B_V5 = {k: v for k, v in LLAMA31_8B.items() if k not in ("rope_scaling", "rope_theta")}
+LLAMA31_8B_V5["rope_parameters"] = {**LLAMA31_8B["rope_scaling"], "rope_theta": 500000.0}
+
+
+@pytest.mark.parametrize(
+    "cfg, name", [(LLAMA31_8B, "8B"), (LLAMA31_8B_V5, "8B"), (LLAMA32_1B, "1B")], ids=["8B", "8B_v5", "1B"]
+)
+def test_published_configs_map_to_the_flavors(cfg, name):
+    args = hf.args_from_hf_config(cfg)
+    assert args == FLAVORS[name]
+    assert hf.flavor_of(args) == name
+
+
+@pytest.mark.parametrize("hidden", [704, 1000, 100, 4097, 2048])
+def test_any_intermediate_size_is_reproduced(hidden):
+    cfg = {**hf.hf_config(model_args("debug")), "intermediate_size": hidden}
+    args = hf.args_from_hf_config(cfg)
+    assert args.ffn_hidden == hidden
+    assert hf.flavor_of(args) == ("debug" if hidden == 704 else "custom")
+
+
+def test_safetensors_round_trip(tmp_path):
+    tensors = {
+        "w": torch.randn(3, 5), "b": torch.randn(7).bfloat16(), "h": torch.randn(2, 2).half(),
+        "ids": torch.arange(6, dtype=torch.int64).view(2, 3), "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "d": torch.randn(3, dtype=torch.float64),
+        "strided": torch.randn(4, 6)[:, ::2],
+    }  # fmt: skip
+    path = tmp_path / "x.safetensors"
+    hf.save_safetensors(tensors, path, {"format": "pt"})
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    assert n % 8 == 0 and header["__metadata__"] == {"format": "pt"}
+    assert (
+        header["b"]["dtype"] == "BF16" and header["ids"]["dtype"] == "I64" and header["scalar"]["shape"] == []
+    )
+    assert len(raw) == 8 + n + max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
+    assert_same_state(hf.load_safetensors(path), {k: v.contiguous() for k, v in tensors.items()})
+
+
+def test_safetensors_agrees_with_the_reference_package(tmp_path):
+    st = pytest.importorskip("safetensors.torch", reason="the safetensors package is not installed here")
+    from safetensors import safe_open
+
+    tensors = {
+        "a": torch.randn(4, 3),
+        "b": torch.randn(5).bfloat16(),
+        "c": torch.arange(3),
+        "d": torch.ones(2).half(),
+    }
+    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
+    hf.save_safetensors(tensors, ours, {"format": "pt", "step": "3"})
+    st.save_file(tensors, str(theirs), metadata={"format": "pt"})
+    assert_same_state(st.load_file(str(ours)), tensors)
+    assert_same_state(hf.load_safetensors(theirs), tensors)
+    with safe_open(str(ours), framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "step": "3"}
+
+
+def test_truncated_safetensors_is_a_clear_error(tmp_path):
+    path = tmp_path / "model.safetensors"
+    hf.save_safetensors({"a": torch.randn(100)}, path)
+    path.write_bytes(path.read_bytes()[:-8])
+    with pytest.raises(ConfigError, match="inconsistent offsets"):
+        hf.load_safetensors(path)
+    path.write_bytes(b"\x00" * 16)
+    with pytest.raises(ConfigError, match="not a safetensors file"):
+        hf.load_safetensors(path)
+
+
+@pytest.mark.parametrize("tied, drop", [(False, False), (True, False), (True, True)],
+                         ids=["untied", "tied", "tied_output_absent"])  # fmt: skip
+def test_export_hf_and_import_hf_through_files(tmp_path, tied, drop):
+    args = model_args("debug", tie_embeddings=tied)
+    model = make_model(args)
+    save_checkpoint(model, tmp_path / "run" / "checkpoint", step=2)
+    ckpt = save_checkpoint(model, tmp_path / "run" / "checkpoint", step=5, drop_tied_output=drop)
+    out = hf.export_hf(ckpt, tmp_path / "hf", dtype=torch.float32)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+    cfg = json.loads((out / "config.json").read_text())
+    assert (
+        cfg["torch_dtype"] == "float32"
+        and cfg["model_type"] == "llama"
+        and cfg["tie_word_embeddings"] is tied
+    )
+    assert_same_state(
+        hf.load_safetensors(out / "model.safetensors"), hf.to_hf_state_dict(model.state_dict(), args)
+    )
+
+    imported = hf.import_hf(out, tmp_path / "imported")
+    info = json.loads((imported / "titanrush.json").read_text())
+    assert (
+        info["flavor"] == "debug" and info["model_only"] and info["step"] == 0 and info["dtype"] == "float32"
+    )
+    sd, back_args, _ = hf.read_checkpoint(imported)
+    assert back_args == args
+    assert_same_state(sd, model.state_dict())
+    reloaded = Llama(back_args)
+    reloaded.load_state_dict(sd)
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded.eval()(tokens), model(tokens), atol=0, rtol=0)
+    # The checkpoint folder itself (not a step) resolves to its newest step.
+    assert hf.read_checkpoint(tmp_path / "run" / "checkpoint")[2]["step"] == 5
+
+
+def test_bf16_export_and_sharded_hf_import(tmp_path):
+    args = model_args("debug")
+    model = make_model(args)
+    out = hf.export_hf(save_checkpoint(model, tmp_path / "ck"), tmp_path / "hf")  # default dtype: bf16
+    cfg = json.loads((out / "config.json").read_text())
+    weights = hf.load_safetensors(out / "model.safetensors")
+    assert cfg["torch_dtype"] == "bfloat16" and all(v.dtype == torch.bfloat16 for v in weights.values())
+    want = {k: v.bfloat16() for k, v in hf.to_hf_state_dict(model.state_dict(), args).items()}
+    assert_same_state(weights, want)
+    # Re-shard the export the way HF does (two files + an index), then import it.
+    shard = tmp_path / "sharded"
+    shard.mkdir()
+    (shard / "config.json").write_text(json.dumps(cfg))
+    names = sorted(weights)
+    parts = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in parts.items():
+        hf.save_safetensors({k: weights[k] for k in keys}, shard / file, {"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in parts.items() for k in keys}}
+    (shard / "model.safetensors.index.json").write_text(json.dumps(index))
+    sd, _, _ = hf.read_checkpoint(hf.import_hf(shard, tmp_path / "imported"))
+    assert_same_state(sd, {k: v.bfloat16().float() for k, v in model.state_dict().items()})
+
+
+def test_export_pt_is_a_loadable_state_dict(tmp_path):
+    model = make_model(model_args("debug", tie_embeddings=True))
+    out = hf.export_pt(save_checkpoint(model, tmp_path / "ck"), tmp_path / "out" / "model.pt")
+    blob = torch.load(out, weights_only=True)
+    assert blob["step"] == 5 and blob["flavor"] == "debug"
+    fresh = Llama(ModelArgs(**blob["model_args"]))
+    fresh.load_state_dict(blob["model"])  # strict: every key, shape and the tied output
+    assert_same_state(fresh.state_dict(), model.state_dict())
+    assert [p.name for p in out.parent.iterdir()] == ["model.pt"]  # no temporary left behind
+
+
+def test_cli_round_trip(tmp_path, capsys):
+    from titanrush import cli
+
+    model = make_model(model_args("debug"))
+    ckpt = save_checkpoint(model, tmp_path / "ck")
+    assert cli.main(["convert", "--to-hf", str(ckpt), str(tmp_path / "hf"), "--dtype", "fp32"]) == 0
+    assert convert.main(["--from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    assert "load_model_only" in capsys.readouterr().out
+    assert_same_state(hf.read_checkpoint(tmp_path / "back")[0], model.state_dict())
+    assert convert.main(["--to-pt", str(ckpt), str(tmp_path / "m.pt"), "--dtype", "bf16"]) == 0
+    assert torch.load(tmp_path / "m.pt", weights_only=True)["model"]["norm.weight"].dtype == torch.bfloat16
+    assert convert.main(["--from-hf", str(tmp_path / "hf"), str(tmp_path / "x"), "--dtype", "bf16"]) == 2
+    assert convert.main([]) == 2
+    assert convert.main(["--help"]) == 0
+
+
+def test_errors_name_the_problem_and_write_nothing(tmp_path, capsys):
+    missing = tmp_path / "nope"
+    with pytest.raises(ConfigError, match="does not exist"):
+        hf.export_hf(missing, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="holds no titanrush.json"):
+        hf.export_pt(tmp_path / "empty", tmp_path / "x.pt")
+    (tmp_path / "half" / "step-3").mkdir(parents=True)
+    (tmp_path / "half" / "step-3" / "titanrush.json").write_text("{}")
+    with pytest.raises(ConfigError, match="no DCP .metadata"):
+        hf.read_checkpoint(tmp_path / "half" / "step-3")
+    assert convert.main(["--to-hf", str(missing), str(tmp_path / "out")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+    model = make_model(model_args("debug"))
+    out = hf.export_hf(save_checkpoint(model, tmp_path / "ck"), tmp_path / "hf", dtype=torch.float32)
+    cfg = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(
+        json.dumps({**cfg, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+    )
+    with pytest.raises(ConfigError, match="only Llama"):
+        hf.import_hf(out, tmp_path / "imp")
+    (out / "config.json").write_text(
+        json.dumps({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    )
+    with pytest.raises(ConfigError, match="yarn"):
+        hf.import_hf(out, tmp_path / "imp")
+    (out / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 768}))
+    with pytest.raises(
+        ConfigError, match=r"do not match config.json: .*w1.weight \(704, 256\) \(expected \(768, 256\)"
+    ):
+        hf.import_hf(out, tmp_path / "imp")
+    (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
+    with pytest.raises(ConfigError, match=r"no place for: model.layers.3"):
+        hf.import_hf(out, tmp_path / "imp")
+    (out / "config.json").write_text(json.dumps(cfg))
+    weights = hf.load_safetensors(out / "model.safetensors")
+    del weights["model.layers.3.mlp.up_proj.weight"]
+    hf.save_safetensors(weights, out / "model.safetensors", {"format": "pt"})
+    with pytest.raises(ConfigError, match=r"lack model.layers.3.mlp.up_proj.weight"):
+        hf.import_hf(out, tmp_path / "imp")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "empty", "half", "hf"]  # no output, no temp
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("x")
+    with pytest.raises(ConfigError, match="not empty"):
+        hf.import_hf(out, tmp_path / "busy")
+
+
+def test_trainer_starts_from_an_imported_checkpoint(tmp_path):
+    from titanrush import config
+    from titanrush.trainer import Trainer
+
+    model = make_model(model_args("debug"), seed=7)
+    out = hf.export_hf(save_checkpoint(model, tmp_path / "ck"), tmp_path / "hf", dtype=torch.float32)
+    imported = hf.import_hf(out, tmp_path / "imported")
+    argv = ["--job.dump_folder", str(tmp_path), "--job.name", "ft", "--training.steps", "1",
+            "--training.seq_len", "64", "--training.local_batch_size", "2",
+            "--checkpoint.load_path", str(imported), "--checkpoint.load_model_only"]  # fmt: skip
+    trainer = Trainer(config.load(None, argv))
+    try:
+        loaded = {k.replace("_orig_mod.", ""): v for k, v in trainer.model.state_dict().items()}
+        assert_same_state({k: loaded[k].detach().float() for k in model.state_dict()}, model.state_dict())
+        assert trainer.step == 0
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize(
+    "tied, rope_scaling", [(False, True), (True, False)], ids=["untied_llama3rope", "tied"]
+)
+def test_transformers_llama_gives_titanrush_logits(tmp_path, tied, rope_scaling):
+    transformers = pytest.importorskip(
+        "transformers", reason="transformers is not installed (it is on the GPU box)"
+    )
+    over = {"rope_scaling": True, "rope_original_max_len": 64} if rope_scaling else {}
+    args = model_args("debug", tie_embeddings=tied, **over)
+    model = make_model(args, seed=3)
+    out = hf.export_hf(save_checkpoint(model, tmp_path / "ck"), tmp_path / "hf", dtype=torch.float32)
+    theirs = transformers.LlamaForCausalLM.from_pretrained(str(out)).float().eval()
+    tokens = torch.randint(0, args.vocab_size, (2, 96), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(tokens)
+        torch.testing.assert_close(theirs(input_ids=tokens).logits, want, atol=1e-4, rtol=1e-4)
+    # And back: a folder written by transformers itself imports to the same model.
+    theirs.save_pretrained(str(tmp_path / "saved"))
+    sd, back_args, _ = hf.read_checkpoint(hf.import_hf(tmp_path / "saved", tmp_path / "imported"))
+    assert back_args == args
+    assert_same_state(sd, model.state_dict())
