@@ -50,13 +50,9 @@ def save_safetensors(
     for name, t in tensors.items():
         if t.dtype not in _ST_NAMES:
             raise ValueError(f"{name}: dtype {t.dtype} has no safetensors name")
-        nbytes = t.numel() * t.element_size()
-        header[name] = {
-            "dtype": _ST_NAMES[t.dtype],
-            "shape": list(t.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
+        end = offset + t.numel() * t.element_size()
+        header[name] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, end]}
+        offset = end
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data then starts 8-byte aligned
     with open(path, "wb") as f:
@@ -81,9 +77,7 @@ def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
         header.pop("__metadata__", None)
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             if info["dtype"] not in _ST_DTYPES:
-                raise ConfigError(
-                    f"{path}: tensor {name} has dtype {info['dtype']}, which titanrush cannot read"
-                )
+                raise ConfigError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
             t = torch.empty(info["shape"], dtype=_ST_DTYPES[info["dtype"]])
             start, end = info["data_offsets"]
             if end - start != t.numel() * t.element_size() or 8 + n + end > size:
@@ -109,9 +103,7 @@ def load_hf_weights(hf_dir: str | Path) -> dict[str, torch.Tensor]:
     else:
         files = [n for n in ("model.safetensors", "pytorch_model.bin") if (hf_dir / n).exists()][:1]
     if not files:
-        raise ConfigError(
-            f"{hf_dir} holds no model.safetensors(.index.json) or pytorch_model.bin(.index.json)"
-        )
+        raise ConfigError(f"{hf_dir} holds no model.safetensors(.index.json) or pytorch_model.bin")
     out: dict[str, torch.Tensor] = {}
     for name in files:
         if not (hf_dir / name).exists():
@@ -173,9 +165,7 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[
     names = _name_map(args)
     missing = [hf for _, hf, _ in names if hf not in hf_sd]
     if missing:
-        raise ConfigError(
-            f"the HF weights lack {_first(missing)}; the folder is incomplete or not this config's"
-        )
+        raise ConfigError(f"the HF weights lack {_first(missing)}; is the folder complete?")
     known = {hf for _, hf, _ in names} | {"lm_head.weight"}
     extra = [k for k in hf_sd if k not in known and not k.endswith("rotary_emb.inv_freq")]
     if extra:
@@ -223,25 +213,17 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
     """ModelArgs of an HF Llama `config.json` (the inverse of `hf_config`); ConfigError for anything else."""
     if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in cfg.get("architectures", []):
         kind = f"{cfg.get('model_type')!r} ({cfg.get('architectures')})"
-        raise ConfigError(
-            f"config.json describes a {kind} model; only Llama (LlamaForCausalLM) folders convert"
-        )
+        raise ConfigError(f"config.json describes a {kind} model; only Llama (LlamaForCausalLM) converts")
     required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     if [k for k in required if k not in cfg]:
-        raise ConfigError(
-            f"config.json lacks {[k for k in required if k not in cfg]}; it is not a complete config"
-        )
+        raise ConfigError(f"config.json lacks {[k for k in required if k not in cfg]}")
     unsupported = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
     for key, want in unsupported.items():
         if cfg.get(key, want) != want:
-            raise ConfigError(
-                f"config.json has {key} = {cfg[key]!r}; titanrush's Llama supports only {want!r}"
-            )
+            raise ConfigError(f"config.json has {key} = {cfg[key]!r}; titanrush supports only {want!r}")
     dim, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     if cfg.get("head_dim") not in (None, dim // heads):
-        raise ConfigError(
-            f"config.json has head_dim = {cfg['head_dim']} != hidden_size / num_attention_heads"
-        )
+        raise ConfigError(f"config.json has head_dim {cfg['head_dim']} != hidden_size / num_attention_heads")
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3"):
@@ -304,9 +286,7 @@ def read_checkpoint(checkpoint_dir: str | Path) -> tuple[dict[str, torch.Tensor]
             p for p in path.glob("step-*") if re.fullmatch(r"step-\d+", p.name) and (p / INFO_FILE).exists()
         ]
         if not steps:
-            raise ConfigError(
-                f"{path} holds no {INFO_FILE}: pass a .../checkpoint/step-<N> folder the trainer wrote"
-            )
+            raise ConfigError(f"{path} holds no {INFO_FILE}: pass a .../checkpoint/step-<N> folder")
         path = max(steps, key=lambda p: int(p.name[5:]))
     if not (path / ".metadata").exists():
         raise ConfigError(f"{path} has no DCP .metadata file: the save did not finish; use another step")
@@ -325,9 +305,7 @@ def read_checkpoint(checkpoint_dir: str | Path) -> tuple[dict[str, torch.Tensor]
         shapes.pop("output.weight")  # the embedding itself, whether stored or not
     missing = [k for k in shapes if f"model.{k}" not in stored]
     if missing:
-        raise ConfigError(
-            f"checkpoint {path} lacks model weights {_first(missing)}; it is not a model checkpoint"
-        )
+        raise ConfigError(f"checkpoint {path} lacks model weights {_first(missing)}")
     sd: dict[str, torch.Tensor] = {}
     for k, shape in shapes.items():
         meta = stored[f"model.{k}"]
@@ -339,9 +317,7 @@ def read_checkpoint(checkpoint_dir: str | Path) -> tuple[dict[str, torch.Tensor]
     try:
         dcp.load({"model": sd}, checkpoint_id=str(path), no_dist=True)
     except Exception as e:  # a data file that is truncated, missing or unreadable
-        raise ConfigError(
-            f"checkpoint {path} could not be read ({type(e).__name__}: {e}); it is corrupt"
-        ) from e
+        raise ConfigError(f"checkpoint {path} is corrupt ({type(e).__name__}: {e})") from e
     return _cast(sd, sd["tok_embeddings.weight"].dtype, args.tie_embeddings), args, info
 
 

@@ -374,6 +374,35 @@ def test_errors_name_the_problem_and_write_nothing(tmp_path, capsys):
         hf.import_hf(out, tmp_path / "busy")
 
 
+def trainer_weights(trainer) -> dict[str, torch.Tensor]:
+    return {k.replace("_orig_mod.", ""): v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+TRAIN = ["--training.steps", "2", "--training.seq_len", "64", "--training.local_batch_size", "2"]
+
+
+def test_trainer_written_checkpoints_export(tmp_path):
+    from titanrush import config
+    from titanrush.trainer import Trainer
+
+    argv = ["--job.dump_folder", str(tmp_path), "--job.name", "run", *TRAIN, "--checkpoint.enable",
+            "--checkpoint.interval", "1", "--checkpoint.last_save_model_only",
+            "--checkpoint.export_dtype", "bfloat16"]  # fmt: skip
+    trainer = Trainer(config.load(None, argv))
+    try:
+        trainer.train()
+        trained, args = trainer_weights(trainer), trainer.model_args
+    finally:
+        trainer.close()
+    ck = tmp_path / "run" / "checkpoint"
+    sd, _, info = hf.read_checkpoint(ck)  # the newest: step 2, model-only bf16
+    assert info["step"] == 2 and info["model_only"] and sd["norm.weight"].dtype == torch.bfloat16
+    assert_same_state(sd, {k: v.bfloat16() for k, v in trained.items()})
+    out = hf.export_hf(ck / "step-1", tmp_path / "hf", dtype=torch.float32)  # step 1: full fp32 state
+    back = hf.from_hf_state_dict(hf.load_safetensors(out / "model.safetensors"), args)
+    assert sorted(back) == sorted(trained) and not torch.equal(back["norm.weight"], trained["norm.weight"])
+
+
 def test_trainer_starts_from_an_imported_checkpoint(tmp_path):
     from titanrush import config
     from titanrush.trainer import Trainer
@@ -381,13 +410,12 @@ def test_trainer_starts_from_an_imported_checkpoint(tmp_path):
     model = make_model(model_args("debug"), seed=7)
     out = hf.export_hf(save_checkpoint(model, tmp_path / "ck"), tmp_path / "hf", dtype=torch.float32)
     imported = hf.import_hf(out, tmp_path / "imported")
-    argv = ["--job.dump_folder", str(tmp_path), "--job.name", "ft", "--training.steps", "1",
-            "--training.seq_len", "64", "--training.local_batch_size", "2",
+    argv = ["--job.dump_folder", str(tmp_path), "--job.name", "ft", *TRAIN,
             "--checkpoint.load_path", str(imported), "--checkpoint.load_model_only"]  # fmt: skip
     trainer = Trainer(config.load(None, argv))
     try:
-        loaded = {k.replace("_orig_mod.", ""): v for k, v in trainer.model.state_dict().items()}
-        assert_same_state({k: loaded[k].detach().float() for k in model.state_dict()}, model.state_dict())
+        loaded = trainer_weights(trainer)
+        assert_same_state({k: loaded[k].float() for k in model.state_dict()}, model.state_dict())
         assert trainer.step == 0
     finally:
         trainer.close()
