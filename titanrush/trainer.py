@@ -41,7 +41,9 @@ from titanrush.metrics import (
 from titanrush.models.llama import FLAVORS, Llama, ModelArgs, model_args
 from titanrush.models.llama.loss import cross_entropy
 from titanrush.models.llama.parallelize import parallelize_llama
+from titanrush.models.llama.pipeline import PipelinedLlama, pipeline_llama
 from titanrush.optim import build_lr_scheduler, build_optimizer
+from titanrush.parallel.context_parallel import context_parallel_step, set_rotate_method
 from titanrush.parallel.grad_clip import clip_grad_norm_
 from titanrush.parallel.parallel_dims import ParallelDims
 from titanrush.parallel.tensor_parallel import loss_parallel_context
@@ -101,6 +103,17 @@ def check_config(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, ModelAr
             f"training.global_batch_size = {gbs} must be a multiple of local_batch_size x dp = "
             f"{t.local_batch_size} x {dims.dp} = {per_step}"
         )
+    if p.cp > 1:
+        if not torch.cuda.is_available():
+            raise ConfigError("parallelism.cp > 1 needs CUDA GPUs (ring attention runs on SDPA's GPU kernels)")
+        if cfg.model.attn_backend not in ("sdpa", "cudnn"):
+            raise ConfigError(
+                f"parallelism.cp > 1 needs model.attn_backend = 'sdpa' or 'cudnn', not {cfg.model.attn_backend!r}"
+            )
+        if p.pp > 1:
+            raise ConfigError("parallelism.cp > 1 with parallelism.pp > 1 is not supported yet")
+    if p.pp > 1 and cfg.validation.freq:
+        raise ConfigError("validation.freq > 0 is not supported with parallelism.pp > 1 yet; set validation.freq = 0")
     if cfg.float8.enable and cfg.training.precision != "bf16":
         raise ConfigError("float8.enable needs training.precision = 'bf16'")
     if cfg.compile.enable is False and p.async_tp:
@@ -128,6 +141,8 @@ class Trainer:
             dist.init_process_group(backend, device_id=self.device if backend == "nccl" else None)
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
         self.run_dir = self._prepare_run_dir()
+        if self.dims.cp > 1:
+            set_rotate_method(cfg.parallelism.cp_rotate_method)
         _set_determinism(cfg.training)
         dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None and self.dims.dp > 1 else 0
 
@@ -137,19 +152,46 @@ class Trainer:
             model = Llama(self.model_args)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.flops_per_token = flops_per_token(self.model_args, matmul_params(model), cfg.training.seq_len)
-        model = parallelize_llama(
-            model,
-            self.dims,
-            self.mesh,
-            parallelism=cfg.parallelism,
-            compile=cfg.compile,
-            ac=cfg.activation_checkpoint,
-            float8=cfg.float8,
-            precision=cfg.training.precision,
-        )
-        model.to_empty(device=self.device)
-        model.init_weights(seed=cfg.training.seed, buffer_device=self.device)
-        model.train()
+        parallelism = cfg.parallelism
+        if self.dims.pp > 1 and parallelism.fsdp_reshard_after_forward == "default":
+            # Each micro-batch runs forward again: re-gathering the weights for each would cost more than
+            # it saves, so pipelined stages keep them gathered until backward (ZeRO-2).
+            parallelism = dataclasses.replace(parallelism, fsdp_reshard_after_forward="never")
+
+        def parallelize(module: torch.nn.Module) -> torch.nn.Module:
+            return parallelize_llama(
+                module,
+                self.dims,
+                self.mesh,
+                parallelism=parallelism,
+                compile=cfg.compile,
+                ac=cfg.activation_checkpoint,
+                float8=cfg.float8,
+                precision=cfg.training.precision,
+            )
+
+        self.pipeline: PipelinedLlama | None = None
+        if self.dims.pp > 1:
+            self.pipeline = pipeline_llama(
+                model,
+                pp_rank=self.mesh["pp"].get_local_rank(),
+                pp_mesh=self.mesh["pp"],
+                parallelism=cfg.parallelism,
+                local_batch_size=cfg.training.local_batch_size,
+                device=self.device,
+                loss_fn=self._pipeline_loss,
+                parallelize=parallelize,
+            )
+            self.model_parts = self.pipeline.parts
+            model = self.pipeline.view
+            logger.info(f"pipeline: {cfg.parallelism.pp_schedule}, layers per stage {self.pipeline.layers_per_stage}")
+        else:
+            model = parallelize(model)
+            self.model_parts = [model]
+        for part in self.model_parts:
+            part.to_empty(device=self.device)
+            part.init_weights(seed=cfg.training.seed, buffer_device=self.device)
+            part.train()
         self.model = model
         self.autocast = (
             cfg.training.precision == "bf16" and not self.dims.fsdp_enabled
@@ -193,7 +235,7 @@ class Trainer:
             interval=ck.interval,
             keep_latest_k=ck.keep_latest_k,
             async_mode=ck.async_mode,
-            model_parts=[model],
+            model_parts=[model],  # the pipeline's view holds every stage of this rank under full names
             optimizers=[self.optimizer],
             lr_scheduler=self.scheduler,
             dataloader=self.train_loader,
@@ -287,37 +329,73 @@ class Trainer:
             else contextlib.nullcontext()
         )
         chunked = self.model_args.loss_chunk_size > 0
-        with ctx, loss_parallel_context(self.mesh, self.dims, self.cfg.parallelism):
+        inputs, labels, positions = batch.input_ids, batch.labels, None
+        cp_ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
+        if self.dims.cp > 1:
+            # Positions are sharded with the tokens, so each shard's RoPE uses its tokens' true positions.
+            positions = torch.arange(inputs.shape[1], device=self.device).expand_as(inputs).contiguous()
+            cp_ctx = context_parallel_step(self.mesh["cp"], [inputs, labels, positions])
+        with cp_ctx, ctx, loss_parallel_context(self.mesh, self.dims, self.cfg.parallelism):
             if chunked:
-                loss = self.model(batch.input_ids, labels=batch.labels)
+                loss = self.model(inputs, position_ids=positions, labels=labels)
             else:
-                loss = cross_entropy(self.model(batch.input_ids), batch.labels)
+                loss = cross_entropy(self.model(inputs, position_ids=positions), labels)
             loss = loss / self.accum
             loss.backward()
         # Under loss parallel the loss is a replicated DTensor: its local value is the loss.
         return loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
+
+    def _pipeline_loss(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The last stage's loss per pipeline micro-batch, scaled so that a step's losses sum to the mean."""
+        loss = cross_entropy(pred, labels)
+        return loss / (self.pipeline.schedule._n_microbatches * self.accum)
+
+    def _pipeline_forward_backward(self, batch: Any) -> torch.Tensor:
+        """One local batch through the pipeline schedule; the loss is nonzero on the last stage only."""
+        p = self.pipeline
+        losses: list[torch.Tensor] | None = [] if p.has_last else None
+        target = batch.labels if p.has_last else None
+        with loss_parallel_context(self.mesh, self.dims, self.cfg.parallelism):
+            if p.has_first:
+                p.schedule.step(batch.input_ids, target=target, losses=losses)
+            else:
+                p.schedule.step(target=target, losses=losses)
+        if not losses:
+            return torch.zeros((), device=self.device)
+        total = torch.stack([x.detach().float() for x in losses]).sum()
+        return total.to_local() if isinstance(total, DTensor) else total
 
     def train_step(self, data_iter: Iterator[Any]) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over `accum` micro-batches; returns (loss, grad norm, data wait seconds)."""
         self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
         data_wait = 0.0
+        step_fn = self._pipeline_forward_backward if self.pipeline is not None else self._forward_backward
         for _ in range(self.accum):
             t0 = time.perf_counter()
             batch = next(data_iter).to(self.device, non_blocking=True)
             data_wait += time.perf_counter() - t0
-            total += self._forward_backward(batch)
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm)
+            total += step_fn(batch)
+        pp_mesh = self.mesh["pp"] if self.pipeline is not None else None
+        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, pp_mesh=pp_mesh)
         self.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
         self.optimizer.step()
         self.scheduler.step()
         return total, grad_norm, data_wait
 
     def _global_mean(self, value: torch.Tensor) -> float:
-        """Average over the data-parallel (and context-parallel) ranks; the same on every rank."""
-        if self.mesh is None or self.dims.dp * self.dims.cp == 1:
+        """Average over the data-parallel (and context-parallel) ranks; the same on every rank.
+
+        With pipelining only the last stage holds the loss: summing over the pipeline ranks first gives
+        every stage the true value.
+        """
+        if self.mesh is None:
             return value.item()
         value = value.detach().float().clone()
+        if self.dims.pp > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh["pp"].get_group())
+        if self.dims.dp * self.dims.cp == 1:
+            return value.item()
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh["dp_cp"].get_group())
         return value.item() / (self.dims.dp * self.dims.cp)
 

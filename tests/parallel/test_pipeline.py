@@ -1,0 +1,51 @@
+"""Pipeline parallel trains like one process, and every rank logs the true loss and grad norm.
+
+The real trainer under torchrun (gloo, CPU) against the single-process run of the same global batch
+(6 steps). Stages differ from the single process only in where the sums of the loss and of the squared
+gradients are taken (per micro-batch, per stage), so the tolerance is the parity suite's RTOL.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from harness import STEPS, run_train
+from test_parity import RTOL, assert_parity
+
+pytestmark = pytest.mark.parallel
+
+PP = {
+    # name: (processes, data-parallel degree, overrides)
+    "pp2_1f1b": (2, 1, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "1F1B"]),
+    "pp2_gpipe": (2, 1, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "GPipe"]),
+    "pp2_interleaved_1f1b": (2, 1, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B"]),
+    "pp2_zbv": (2, 1, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble"]),
+    "pp2_fsdp2_1f1b": (4, 2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "1F1B"]),
+    "pp2_fsdp2_gpipe": (4, 2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "GPipe"]),
+    "pp2_fsdp2_interleaved_1f1b": (
+        4, 2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B"],
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(PP))
+def test_pipeline_matches_single_process_on_every_rank(name, tmp_path, reference):
+    nproc, dp, overrides = PP[name]
+    rows = run_train(tmp_path, name, nproc, *overrides, "--metrics.all_ranks", dp=dp)
+    ref = reference()
+    assert_parity(rows, ref)
+    # Every rank, the first stage's included, logs the true loss and the true global grad norm.
+    for rank in range(1, nproc):
+        path = tmp_path / name / f"metrics_rank{rank}.jsonl"
+        other = [json.loads(x) for x in path.read_text().splitlines()]
+        assert [r["step"] for r in other] == list(range(1, STEPS + 1))
+        assert_parity(other, ref, RTOL)
+
+
+def test_explicit_layer_split_and_microbatches(tmp_path, reference):
+    rows = run_train(
+        tmp_path, "pp2_split", 2, "--parallelism.pp", "2", "--parallelism.pp_layers_per_stage", "1,3",
+        "--parallelism.pp_microbatches", "4", dp=1,
+    )  # fmt: skip
+    assert_parity(rows, reference())

@@ -1,0 +1,69 @@
+"""Pipeline stage planning: balanced splits, stage placement, explicit splits, pruned stages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from titanrush.config import ConfigError
+from titanrush.models.llama import Llama, model_args
+from titanrush.models.llama.pipeline import ModelView, prune_to_stage, stage_costs
+from titanrush.parallel.pipeline import balanced_split, check_explicit_split, stage_ids, stages_per_rank
+
+
+def brute_force_best(n_layers: int, n_stages: int, embed: float, out: float) -> float:
+    import itertools
+
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n_layers), n_stages - 1):
+        sizes = [b - a for a, b in zip((0, *cuts), (*cuts, n_layers))]
+        costs = [s + (embed if i == 0 else 0) + (out if i == n_stages - 1 else 0) for i, s in enumerate(sizes)]
+        best = min(best, max(costs))
+    return best
+
+
+@pytest.mark.parametrize("n_layers, n_stages, embed, out", [(8, 2, 0.0, 0.0), (32, 4, 0.8, 2.4), (16, 8, 0.3, 3.0),
+                                                            (10, 3, 2.0, 0.0), (4, 4, 0.5, 0.5)])  # fmt: skip
+def test_balanced_split_is_optimal(n_layers, n_stages, embed, out):
+    sizes = balanced_split(n_layers, n_stages, embed_cost=embed, output_cost=out)
+    assert sum(sizes) == n_layers and min(sizes) >= 1 and len(sizes) == n_stages
+    costs = [s + (embed if i == 0 else 0) + (out if i == n_stages - 1 else 0) for i, s in enumerate(sizes)]
+    assert max(costs) == pytest.approx(brute_force_best(n_layers, n_stages, embed, out))
+
+
+def test_8b_split_gives_the_ends_fewer_layers():
+    with torch.device("meta"):
+        model = Llama(model_args("8B"))
+    embed, out = stage_costs(model)
+    assert out == pytest.approx(128256 * 4096 / sum(p.numel() for p in model.layers["0"].parameters()))
+    sizes = balanced_split(32, 4, embed_cost=embed, output_cost=out)
+    assert sizes[-1] < sizes[1] and sizes[0] <= sizes[1]
+
+
+def test_stage_placement():
+    assert stages_per_rank("1F1B", 0) == 1
+    assert stages_per_rank("Interleaved1F1B", 0) == 2
+    assert stage_ids("Interleaved1F1B", 1, 4, 2) == [1, 5]
+    assert stage_ids("ZBVZeroBubble", 1, 4, 2) == [1, 6]
+    with pytest.raises(ConfigError, match="one stage per rank"):
+        stages_per_rank("GPipe", 2)
+
+
+def test_explicit_split_errors():
+    assert check_explicit_split([1, 3], 4, 2) == [1, 3]
+    for bad in ([2, 2, 0], [1, 2], [0, 4]):
+        with pytest.raises(ConfigError, match="pp_layers_per_stage"):
+            check_explicit_split(bad, 4, 2 if len(bad) == 2 else 3)
+    with pytest.raises(ConfigError, match="need at least"):
+        balanced_split(2, 4, embed_cost=0, output_cost=0)
+
+
+def test_pruned_stages_keep_full_names_and_cover_the_model():
+    with torch.device("meta"):
+        model = Llama(model_args("debug"))
+    first = prune_to_stage(model, 0, 1, first=True, last=False)
+    last = prune_to_stage(model, 1, 3, first=False, last=True)
+    assert first.output is None and first.norm is None and list(first.layers) == ["0"]
+    assert last.tok_embeddings is None and list(last.layers) == ["1", "2", "3"]
+    view = ModelView([first, last])
+    assert [n for n, _ in view.named_parameters()] == [n for n, _ in model.named_parameters()]
