@@ -10,6 +10,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("titanrush.train", "train a model (single process; ./run_train.sh launches several)"),
     "prepare": ("titanrush.data.prepare", "tokenize text files into binary shards"),
     "convert": ("titanrush.tools.convert", "convert checkpoints to/from Hugging Face Llama folders and .pt"),
+    "estimate": ("titanrush.tools.estimate", "will this config fit, and what uses the memory"),
+    "rush": ("titanrush.tools.rush", "measure what each optimization buys (ladder, dist)"),
 }
 
 

@@ -8,6 +8,7 @@ speedups) are what the unit tests exercise with fake child output.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -187,7 +189,9 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
 # Child processes
 
 
-def run_child(cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> tuple[int | None, bool]:
+def run_child(
+    cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float
+) -> tuple[int | None, bool]:
     """Run one command in its own process group, its output to `log_path`.
 
     Args:
@@ -203,7 +207,9 @@ def run_child(cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: fl
     with open(log_path, "w") as log:
         log.write("$ " + shlex.join(cmd) + "\n")
         log.flush()
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             return proc.wait(timeout=timeout_s), False
         except subprocess.TimeoutExpired:
@@ -285,90 +291,149 @@ def probe_device(timeout_s: float = 120) -> dict[str, Any]:
         )
         return json.loads(res.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, json.JSONDecodeError, IndexError) as e:
-        return {"cuda": False, "name": "unknown", "count": 0, "capability": None, "mem_gib": None,
-                "torch": "unknown", "flash_sdp": False, "cudnn_sdp": False, "flash_attn": False,
-                "torchao": False, "probe_error": str(e)}  # fmt: skip
-
-
-def _commit() -> str:
-    if os.environ.get("TITANRUSH_COMMIT"):  # set by the caller where the checkout has no .git
-        return os.environ["TITANRUSH_COMMIT"]
-    try:
-        res = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        return res.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-def _driver() -> str:
-    try:
-        res = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        return res.stdout.strip().splitlines()[0] if res.returncode == 0 and res.stdout.strip() else "n/a"
-    except (OSError, subprocess.SubprocessError):
-        return "n/a (no nvidia-smi)"
-
-
-def environment(device: dict[str, Any], command: str) -> dict[str, Any]:
-    """The environment every row and report records."""
-    import platform
-
-    return {
-        "device": device.get("name"),
-        "gpus": device.get("count", 0),
-        "capability": device.get("capability"),
-        "gpu_mem_gib": round(device["mem_gib"], 1) if device.get("mem_gib") else None,
-        "driver": _driver() if device.get("cuda") else "n/a (cpu)",
-        "cuda": device.get("cuda_version"),
-        "cudnn": device.get("cudnn"),
-        "torch": device.get("torch"),
-        "python": platform.python_version(),
-        "host": platform.node(),
-        "commit": _commit(),
-        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "command": command,
-    }
+        # Every other key reads as absent (False / None) downstream.
+        return {"cuda": False, "name": f"unknown (device probe failed: {e})", "count": 0, "torch": "unknown"}
 
 
 # ----------------------------------------------------------------------------------------------
-# Progress
+# One rung
 
 
-class Progress:
-    """One line per rung as it starts and ends: `[3/9] name ...`, with an ETA from the runs so far."""
+@dataclasses.dataclass
+class Rung:
+    """One run of a ladder.
 
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.index = 0
-        self.durations: list[float] = []
+    group: `main` (the next rungs build on it), `side` (measured, not built on), `batch` (the doubling;
+    stops at the first that does not fit), `ac` (at the batch or sequence that did not fit), `scaling`
+    (dist), `8b` (dist). status/reason: set when the rung will not run on this machine.
+    """
 
-    def start(self, name: str, what: str) -> None:
-        """A rung starts (or is recorded without running)."""
-        self.index += 1
-        print(f"[{self.index:>2}/{self.total}] {name:<16} {what}", flush=True)
+    name: str
+    adds: str
+    delta: dict[str, str]
+    group: str = "main"
+    status: str | None = None
+    reason: str = ""
+    ngpu: int = 1
+    strategy: str = ""
 
-    def end(self, name: str, row: dict[str, Any]) -> None:
-        """A rung ended: its status, figures and the estimated time left."""
-        parts = [f"[{self.index:>2}/{self.total}] {name:<16} {row['status']}"]
-        if row.get("tps") is not None:
-            parts.append(f"{row['tps']:,.0f} tok/s/GPU")
-        if row.get("mem_active_gib") is not None:
-            parts.append(f"peak {row['mem_active_gib']:.2f} GiB")
-        if row.get("reason"):
-            parts.append(f"({row['reason'][:120]})")
-        if row.get("wall_s") is not None:
-            self.durations.append(row["wall_s"])
-            parts.append(f"{row['wall_s']:.0f}s")
-            left = self.total - self.index
-            if left > 0:
-                eta = left * sum(self.durations) / len(self.durations)
-                parts.append(f"ETA {int(eta // 60)}m{int(eta % 60):02d}s (at most {left} more)")
-        print("  ".join(parts), flush=True)
 
-    def shrink(self, by: int) -> None:
-        """Fewer rungs than planned will run (the batch ladder stopped early)."""
-        self.total -= by
+@dataclasses.dataclass
+class Ctx:
+    """What every run of one rush shares."""
+
+    config: str | None
+    out: Path
+    steps: int
+    warmup: int
+    timeout: float
+    dry_run: bool
+    skip_unfit: bool
+    device: dict[str, Any]
+    launcher: str  # "python" (python -m titanrush.train) or "torchrun" (NGPU=k ./run_train.sh)
+    progress: Any  # rush_report.Progress
+    estimator: Callable[..., Any] | None = None
+    rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    env: dict[str, Any] = dataclasses.field(default_factory=dict)  # rush_report.environment()
+
+
+def to_args(settings: dict[str, str]) -> list[str]:
+    """{"training.seq_len": "64"} -> ["--training.seq_len", "64"]."""
+    return [a for key, value in settings.items() for a in (f"--{key}", value)]
+
+
+def forced(ctx: Ctx, name: str) -> dict[str, str]:
+    """What the rush sets on every child: the step count, a metrics row per step, its own run folder, and
+    nothing that would skew the timing (checkpoints, validation, profiling, TensorBoard)."""
+    return {
+        "training.steps": str(ctx.steps),
+        "training.global_batch_size": "-1",
+        "metrics.log_freq": "1",
+        "metrics.tensorboard": "false",
+        "checkpoint.enable": "false",
+        "profiling.enable": "false",
+        "validation.freq": "0",
+        "job.overwrite": "true",
+        "job.dump_folder": str(ctx.out / "runs"),
+        "job.name": name,
+    }
+
+
+def command(ctx: Ctx, rung: Rung, settings: dict[str, str]) -> tuple[list[str], str, dict[str, str]]:
+    """(argv, the command as a user would type it, extra environment) of one rung."""
+    args = (["--config", ctx.config] if ctx.config else []) + to_args({**settings, **forced(ctx, rung.name)})
+    if ctx.launcher == "python":
+        shown = shlex.join(["python", "-m", "titanrush.train", *args])
+        return [sys.executable, "-m", "titanrush.train", *args], shown, {}
+    env = {"NGPU": str(rung.ngpu), "PYTHON": sys.executable}
+    shown = f"NGPU={rung.ngpu} " + shlex.join(["./run_train.sh", *args])
+    return [str(ROOT / "run_train.sh"), *args], shown, env
+
+
+def estimate_fit(ctx: Ctx, settings: dict[str, str], ngpu: int) -> dict[str, Any]:
+    """The memory estimator's prediction for one rung: total_gib and fits, or a note saying why none."""
+    if ctx.estimator is None:
+        return {"note": "estimator not available"}
+    try:
+        from titanrush import config as cfgmod
+
+        cfg = cfgmod.load(ctx.config, to_args(settings))
+        est = ctx.estimator(cfg, ngpu, ctx.device.get("mem_gib"))
+        return {"total_gib": float(est.total_gib), "fits": bool(est.fits)}
+    except Exception as e:  # an estimate must never stop the rush (a dry run's placeholders land here)
+        return {"note": f"estimator error: {type(e).__name__}: {e}"[:200]}
+
+
+def execute(ctx: Ctx, rung: Rung, settings: dict[str, str], parent: dict[str, Any] | None) -> dict[str, Any]:
+    """Run one rung (a dry run prints its command instead) and return its row.
+
+    Args:
+        ctx: The rush.
+        rung: The rung.
+        settings: Its config overrides (the rush's forced keys are added on top).
+        parent: The row it is compared with, or None.
+
+    Returns:
+        The row: index, name, adds, group, strategy, ngpu, parent, overrides, command, estimate, status,
+        reason, and the figures of an OK run.
+    """
+    argv, shown, extra_env = command(ctx, rung, settings)
+    row: dict[str, Any] = {
+        "index": len(ctx.rows) + 1,
+        "name": rung.name,
+        "adds": rung.adds,
+        "group": rung.group,
+        "strategy": rung.strategy,
+        "ngpu": rung.ngpu,
+        "parent": parent["name"] if parent else None,
+        "overrides": settings,
+        "command": shown,
+    }
+    if rung.status:  # cannot run here: one progress line
+        row.update(status=rung.status, reason=rung.reason, estimate={})
+        ctx.progress.end(rung.name, row, started=False)
+        return row
+    ctx.progress.start(rung.name, rung.adds)
+    est = row["estimate"] = estimate_fit(ctx, settings, rung.ngpu)
+    if ctx.skip_unfit and est.get("fits") is False:
+        row.update(status=SKIPPED, reason=f"the memory estimator predicts {est['total_gib']:.1f} GiB: no fit")
+    elif ctx.dry_run:
+        fit = f" (estimate {est['total_gib']:.1f} GiB, fits: {est['fits']})" if "total_gib" in est else ""
+        print(f"        + {shlex.join(to_args(rung.delta))}{fit}\n        $ {shown}", flush=True)
+        row.update(status=PLANNED, reason="")
+        return row
+    else:
+        row.update(
+            run_training(
+                argv,
+                env=child_env(**extra_env),
+                run_dir=ctx.out / "runs" / rung.name,
+                log_path=ctx.out / "logs" / f"{rung.name}.log",
+                warmup=ctx.warmup,
+                timeout_s=ctx.timeout,
+            )
+        )
+    if row.get("tps") is not None:
+        row["tps_total"] = row["tps"] * rung.ngpu  # the trainer's tps is per GPU
+    ctx.progress.end(rung.name, row)
+    return row

@@ -1,0 +1,272 @@
+"""`titanrush rush`: the pure parts (OOM detection, figures, speedups), the ladder's sequencing on a fake
+GPU, the plans of both ladders, and a real CPU ladder (and dist, marked parallel) on the debug model."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from titanrush.tools import rush, rush_runner
+from titanrush.tools.rush_runner import FAILED, NEEDS_GPU, NOT_AVAILABLE, OK, OOM, SKIPPED, TIMEOUT
+
+ROOT = Path(__file__).resolve().parents[2]
+DEBUG = str(ROOT / "train_configs" / "debug.toml")
+SMALL = ["--training.seq_len", "64", "--training.local_batch_size", "1", "--data.dataset", "synthetic"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+TORCHRUN_OOM = """\
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "/work/titanrush/trainer.py", line 310, in train_step
+[rank0]:     total += self._forward_backward(batch)
+[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has 139.8 GiB
+E1121 05:40:00.000 torch/distributed/elastic/multiprocessing/api.py:874] failed (exitcode: 1) local_rank: 0
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+titanrush.train FAILED
+"""
+CRASH = """\
+Traceback (most recent call last):
+  File "x.py", line 1, in <module>
+RuntimeError: mat1 and mat2 shapes cannot be multiplied (64x256 and 512x256)
+"""
+
+
+def read_rows(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------------------------
+# Pure functions
+
+
+def test_oom_detection_and_classification():
+    assert rush_runner.detect_oom(TORCHRUN_OOM)
+    assert rush_runner.detect_oom("RuntimeError: CUDA error: out of memory")
+    assert rush_runner.detect_oom("RuntimeError: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate")
+    assert not rush_runner.detect_oom(CRASH)
+    status, reason = rush_runner.classify(1, TORCHRUN_OOM)
+    assert status == OOM and reason.startswith("torch.OutOfMemoryError: CUDA out of memory.")
+    assert rush_runner.classify(1, CRASH) == (FAILED, CRASH.splitlines()[-1])
+    assert rush_runner.classify(0, "step 3 loss 9.4") == (OK, "")
+    assert rush_runner.classify(None, "", timed_out=True)[0] == TIMEOUT
+    err = "titanrush: config error: float8.enable: float8 arrives with issue 6; set float8.enable = false\n"
+    assert rush_runner.classify(2, err) == (NOT_AVAILABLE, err.split("config error: ")[1].strip())
+    assert rush_runner.classify(-9, "")[0] == FAILED
+    assert rush_runner.last_error_line("") == ""
+    assert rush_runner.last_error_line("no error here\nlast line\n") == "last line"
+
+
+def test_summarize_and_speedups():
+    rows = [
+        {"step": 1, "loss": 9.0, "tps": 10.0, "tflops": 1.0, "mfu": None, "step_time": 30.0,
+         "mem_active_gib": 5.0, "mem_reserved_gib": 6.0},
+        {"step": 2, "loss": 8.0, "tps": 90.0, "tflops": 9.0, "mfu": None, "step_time": 1.2,
+         "mem_active_gib": 4.0, "mem_reserved_gib": 7.0},
+        {"step": 2, "val_loss": 8.5},
+        {"step": 3, "loss": 7.0, "tps": 100.0, "tflops": 10.0, "mfu": None, "step_time": 1.0,
+         "mem_active_gib": 4.5, "mem_reserved_gib": 6.5},
+        {"step": 4, "loss": 6.0, "tps": 120.0, "tflops": 12.0, "mfu": None, "step_time": 0.8,
+         "mem_active_gib": 4.5, "mem_reserved_gib": 6.5},
+    ]  # fmt: skip
+    s = rush_runner.summarize(rows, warmup=2)
+    assert s["steps_measured"] == 2
+    assert s["tps"] == pytest.approx(110.0) and s["tflops"] == pytest.approx(11.0)
+    assert s["step_time"] == pytest.approx(0.9)
+    assert s["mfu"] is None  # CPU: no peak, no MFU
+    assert s["mem_active_gib"] == 5.0 and s["mem_reserved_gib"] == 7.0  # peaks over all steps
+    assert s["first_step_s"] == 30.0 and s["final_loss"] == 6.0
+    assert rush_runner.speedup(350.0, 100.0) == pytest.approx(3.5)
+    assert rush_runner.speedup(None, 100.0) is None
+    assert rush_runner.speedup(1.0, 0.0) is None
+    assert rush_runner.speedup(1.0, None) is None
+
+
+def test_read_sweep_best(tmp_path):
+    path = tmp_path / "sweep.jsonl"
+    rows = [
+        {"status": "ok", "tps": 100.0, "mesh": {"dp_shard": 8}},
+        {"status": "ok", "tps": 300.0, "overrides": ["--parallelism.dp_shard", "4", "--parallelism.tp", "2"]},
+        {"status": "OOM", "tps": None, "mesh": {"dp_shard": 2}},
+    ]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    assert rush.read_sweep_best(str(path)) == {"parallelism.dp_shard": "4", "parallelism.tp": "2"}
+    path.write_text(json.dumps({"status": "OOM"}))
+    with pytest.raises(ValueError):
+        rush.read_sweep_best(str(path))
+
+
+# ----------------------------------------------------------------------------------------------
+# The ladder's sequencing on a fake H200: OOM at batch 8, float8 refused by the trainer
+
+
+FAKE_GPU = {"cuda": True, "name": "NVIDIA H200", "count": 1, "capability": [9, 0], "mem_gib": 139.8,
+            "torch": "2.11.0", "flash_sdp": True, "cudnn_sdp": True, "flash_attn": True,
+            "torchao": True}  # fmt: skip
+FAKE_TPS = {"fp32": 1000.0, "bf16": 3500.0, "fused-adamw": 3850.0, "sdpa": 6700.0, "flash-attn": 7000.0,
+            "compile": 8000.0, "batch-2": 9000.0, "batch-4": 9500.0, "ac-selective": 8000.0,
+            "ac-full": 5700.0}  # fmt: skip
+
+
+def fake_run_training(cmd: list[str], **kw: Any) -> dict[str, Any]:
+    args = dict(zip(cmd[::1], cmd[1:]))
+    name, batch = args["--job.name"], int(args["--training.local_batch_size"])
+    if args["--float8.enable"] == "true":
+        return {
+            "status": NOT_AVAILABLE,
+            "reason": "float8.enable: float8 arrives with issue 6",
+            "wall_s": 1.0,
+        }
+    if batch >= 8 and args["--activation_checkpoint.mode"] == "none":
+        return {"status": OOM, "reason": "torch.OutOfMemoryError: CUDA out of memory.", "wall_s": 1.0}
+    return {"status": OK, "reason": "", "tps": FAKE_TPS[name], "mfu": 40.0, "mem_active_gib": 10.0 * batch,
+            "mem_reserved_gib": 11.0 * batch, "first_step_s": 2.0, "wall_s": 1.0}  # fmt: skip
+
+
+def test_ladder_sequencing_on_a_fake_gpu(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(rush_runner, "probe_device", lambda: dict(FAKE_GPU))
+    monkeypatch.setattr(rush_runner, "run_training", fake_run_training)
+    out = tmp_path / "rush"
+    assert rush.main(["ladder", "--steps", "10", "--warmup", "3", "--output", str(out)]) == 0
+    rows = {r["name"]: r for r in read_rows(out)}
+    assert list(rows) == ["fp32", "bf16", "fused-adamw", "sdpa", "flash-attn", "compile", "batch-2",
+                          "batch-4", "batch-8", "ac-selective", "ac-full", "float8"]  # fmt: skip
+    assert rows["batch-8"]["status"] == OOM and rows["float8"]["status"] == NOT_AVAILABLE
+    # Each rung adds to the one before; the side rung (flash-attn) is not built on.
+    assert (
+        rows["fp32"]["overrides"]["model.flavor"] == "1B"
+        and rows["fp32"]["overrides"]["training.seq_len"] == "2048"
+    )
+    assert rows["compile"]["overrides"]["model.attn_backend"] == "sdpa"
+    assert rows["compile"]["overrides"]["optimizer.implementation"] == "fused"
+    # AC runs at the batch that did not fit; float8 builds on the largest batch that did, without AC.
+    assert rows["ac-selective"]["overrides"]["training.local_batch_size"] == "8"
+    assert rows["ac-full"]["overrides"]["activation_checkpoint.mode"] == "full"
+    assert rows["float8"]["overrides"]["training.local_batch_size"] == "4"
+    assert rows["float8"]["overrides"]["activation_checkpoint.mode"] == "none"
+    # Speedups: over the rung it builds on, and over the first.
+    assert rows["bf16"]["speedup_prev"] == pytest.approx(3.5)
+    assert rows["fused-adamw"]["speedup_prev"] == pytest.approx(1.1)
+    assert rows["flash-attn"]["parent"] == "sdpa" and rows["compile"]["parent"] == "sdpa"
+    assert rows["ac-full"]["parent"] == "batch-4"
+    assert rows["ac-full"]["speedup_prev"] == pytest.approx(5700 / 9500)
+    assert rows["batch-4"]["speedup_first"] == pytest.approx(9.5)
+    assert rows["batch-8"]["speedup_prev"] is None
+    assert rows["fp32"]["env"]["device"] == "NVIDIA H200"
+    report = (out / "report.md").read_text()
+    assert "| 9 | batch-8 |" in report and "**OOM**" in report and "estimate GiB" in report
+    for png in ("ladder_tps.png", "ladder_memory.png"):
+        assert (out / png).read_bytes()[:8] == PNG_MAGIC
+    printed = capsys.readouterr().out
+    assert "[ 1/" in printed and "ETA" in printed
+    assert "batch-16" not in printed.split("[ 9/")[1]  # the doubling stopped at the first OOM
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(out / "tb"))
+    acc.Reload()
+    assert {"ladder/tps", "ladder/mem_active_gib", "ladder/speedup_first"} <= set(acc.Tags()["scalars"])
+    assert [e.step for e in acc.Scalars("ladder/tps")] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]
+
+
+# ----------------------------------------------------------------------------------------------
+# Plans
+
+
+def test_ladder_dry_run_prints_the_plan_and_runs_nothing(tmp_path, capsys):
+    out = tmp_path / "rush"
+    assert (
+        rush.main(["ladder", "--config", DEBUG, "--steps", "3", "--dry-run", "--output", str(out), *SMALL])
+        == 0
+    )
+    printed = capsys.readouterr().out
+    for name in ("fp32", "bf16", "fused-adamw", "sdpa", "flash-attn", "compile", "batch-2", "batch-4",
+                 "ac-selective", "ac-full", "float8"):  # fmt: skip
+        assert name in printed
+    assert "python -m titanrush.train --config" in printed and "--job.name fp32" in printed
+    assert printed.count(NEEDS_GPU) == 4  # sdpa, flash-attn, compile, float8 on this CPU
+    assert not out.exists()
+
+
+def test_dist_dry_run_plan(tmp_path, capsys):
+    out = tmp_path / "rush"
+    assert (
+        rush.main(
+            ["dist", "--ngpu", "2", "--config", DEBUG, "--steps", "3", "--dry-run", "--output", str(out)]
+        )
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert not out.exists()
+    lines = printed.splitlines()
+    assert any("NGPU=2 ./run_train.sh" in line and "--job.name ddp-2" in line for line in lines)
+    assert "--parallelism.dp_replicate 2 --parallelism.dp_shard 1" in printed  # DDP
+    assert "--parallelism.dp_shard 2 --parallelism.fsdp_reshard_after_forward never" in printed  # ZeRO-2
+    assert "--parallelism.dp_shard 2 --parallelism.fsdp_reshard_after_forward always" in printed  # ZeRO-3
+    hsdp = next(line for line in lines if "hsdp-2" in line)
+    assert SKIPPED in hsdp and ">= 4 GPUs" in hsdp
+    assert "8b-fsdp-2" in printed and NOT_AVAILABLE in printed
+    plan = rush.dist_plan({"cuda": True, "count": 4}, 4, None)
+    hsdp4 = next(r for r in plan if r.name == "hsdp-4")
+    assert hsdp4.status is None and hsdp4.delta == {
+        "parallelism.dp_replicate": "2",
+        "parallelism.dp_shard": "2",
+    }
+    assert [r.name for r in plan if r.ngpu == 4][:3] == ["ddp-4", "zero2-4", "zero3-4"]
+
+
+def test_bad_override_is_a_config_error(capsys):
+    assert rush.main(["ladder", "--dry-run", "--training.seqlen", "64"]) == 2
+    assert "training.seq_len" in capsys.readouterr().err  # the suggestion
+
+
+# ----------------------------------------------------------------------------------------------
+# Real runs on CPU
+
+
+def test_cpu_ladder_end_to_end(tmp_path, capsys):
+    """The rungs CPU supports run; the others are marked; all three reports are written."""
+    out = tmp_path / "rush"
+    argv = ["ladder", "--config", DEBUG, "--steps", "3", "--max-doublings", "1", "--output", str(out), *SMALL]
+    assert rush.main(argv) == 0
+    rows = {r["name"]: r for r in read_rows(out)}
+    ran = ["fp32", "bf16", "fused-adamw", "batch-2", "ac-selective", "ac-full"]
+    for name in ran:
+        assert rows[name]["status"] == OK, (name, rows[name].get("reason"), rows[name].get("log"))
+        assert rows[name]["tps"] > 0 and rows[name]["mfu"] is None and rows[name]["first_step_s"] > 0
+    for name in ("sdpa", "flash-attn", "compile", "float8"):
+        assert rows[name]["status"] == NEEDS_GPU and rows[name]["reason"]
+    assert rows["ac-full"]["overrides"]["training.local_batch_size"] == "4"  # 2x the last batch tried
+    assert rows["bf16"]["speedup_prev"] == pytest.approx(rows["bf16"]["tps"] / rows["fp32"]["tps"])
+    report = (out / "report.md").read_text()
+    assert "| # | rung | adds | status | tokens/s |" in report and "torch " in report and "command:" in report
+    for name in ran:
+        assert f"| {name} |" in report
+    for png in ("ladder_tps.png", "ladder_memory.png"):
+        assert (out / png).read_bytes()[:8] == PNG_MAGIC
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    assert "[ 1/" in capsys.readouterr().out
+
+
+@pytest.mark.parallel
+@pytest.mark.skipif(
+    not os.environ.get("TITANRUSH_RUSH_DIST"),
+    reason="about 85 s on 2 cores: set TITANRUSH_RUSH_DIST=1 to run",
+)
+def test_cpu_dist_end_to_end(tmp_path):
+    """DDP, ZeRO-2 and ZeRO-3 on 2 gloo processes under torchrun, through ./run_train.sh."""
+    out = tmp_path / "rush"
+    argv = ["dist", "--ngpu", "2", "--config", DEBUG, "--steps", "3", "--output", str(out), *SMALL]
+    assert rush.main(argv) == 0
+    rows = {r["name"]: r for r in read_rows(out)}
+    for name in ("1gpu", "ddp-2", "zero2-2", "zero3-2"):
+        assert rows[name]["status"] == OK, (name, rows[name].get("reason"), rows[name].get("log"))
+        assert rows[name]["efficiency"] > 0
+    assert rows["hsdp-2"]["status"] == SKIPPED
+    assert rows["ddp-2"]["tps_total"] == pytest.approx(2 * rows["ddp-2"]["tps"])
+    assert (out / "dist_scaling.png").read_bytes()[:8] == PNG_MAGIC
+    assert "| FSDP ZeRO-3 | 2 | 1 x 2 | ok |" in (out / "report.md").read_text()

@@ -1,0 +1,426 @@
+"""`titanrush rush`: measure what each optimization buys on this machine, reproducibly.
+
+  titanrush rush ladder [--config FILE] [--steps S] [--warmup W] [--output DIR] [--dry-run] [overrides]
+  titanrush rush dist --ngpu N [--config FILE] [--steps S] [--output DIR] [--dry-run] [overrides]
+
+`ladder` climbs the single-GPU rungs, each adding to the last one that ran: fp32 with unfused attention
+and for-loop AdamW, bf16, fused AdamW, fused attention (SDPA; the flash-attn package as a side rung),
+torch.compile, the batch size doubled until it no longer fits, activation checkpointing (selective,
+then full) at the batch (or 2x sequence) that did not fit, and float8. `dist` compares DDP, FSDP
+ZeRO-2/ZeRO-3 and HSDP at 1, 2, 4 ... N GPUs, then the 8B with the sweep's best mesh. Every run is its
+own child process; the output folder gets results.jsonl, report.md, PNG charts and TensorBoard events
+(tb/). Overrides (`--section.key value`) apply to every run; the rungs' own settings win over them.
+Base: the 1B flavor on synthetic data, seq 2048, batch 1 (dist: batch 4, bf16, fused AdamW, SDPA,
+compile on GPU); what a --config file sets wins over the base.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+from titanrush import config as cfgmod
+from titanrush.config import ConfigError
+from titanrush.tools import rush_report as report
+from titanrush.tools import rush_runner as runner
+from titanrush.tools.rush_runner import (
+    NEEDS_GPU,
+    NOT_AVAILABLE,
+    OK,
+    OOM,
+    PLANNED,
+    SKIPPED,
+    Ctx,
+    Rung,
+    to_args,
+)
+
+LADDER_BASE = {
+    "model.flavor": "1B",
+    "data.dataset": "synthetic",
+    "training.seq_len": "2048",
+    "training.local_batch_size": "1",
+}
+DIST_BASE = {
+    **LADDER_BASE,
+    "training.local_batch_size": "4",
+    "training.precision": "bf16",
+    "optimizer.implementation": "fused",
+    "model.attn_backend": "sdpa",
+}
+# The single-GPU rungs: (name, what it adds, group, settings). The `batch` entry expands to batch-2,
+# batch-4 ...; the `ac` rungs get the batch (or sequence length) that did not fit.
+LADDER = [
+    ("fp32", "fp32, unfused attention (math), for-loop AdamW", "main",
+     "training.precision=fp32 model.attn_backend=math optimizer.implementation=for-loop compile.enable=false "
+     "activation_checkpoint.mode=none float8.enable=false"),
+    ("bf16", "bf16 mixed precision", "main", "training.precision=bf16"),
+    ("fused-adamw", "fused AdamW", "main", "optimizer.implementation=fused"),
+    ("sdpa", "fused attention (SDPA)", "main", "model.attn_backend=sdpa"),
+    ("flash-attn", "flash-attn package attention (side rung)", "side", "model.attn_backend=flash"),
+    ("compile", "torch.compile per block", "main", "compile.enable=true"),
+    ("batch", "", "batch", ""),
+    ("ac-selective", "selective (op) activation checkpointing", "ac",
+     "activation_checkpoint.mode=selective activation_checkpoint.selective=op"),
+    ("ac-full", "full activation checkpointing", "ac", "activation_checkpoint.mode=full"),
+    ("float8", "float8 linears (tensorwise)", "main", "float8.enable=true float8.recipe=tensorwise"),
+]  # fmt: skip
+# The data-parallel strategies at k GPUs: (name, strategy, settings; {k} and {half} = k // 2 filled in).
+STRATEGIES = [
+    ("ddp", "DDP", "parallelism.dp_replicate={k} parallelism.dp_shard=1"),
+    ("zero2", "FSDP ZeRO-2",
+     "parallelism.dp_replicate=1 parallelism.dp_shard={k} parallelism.fsdp_reshard_after_forward=never"),
+    ("zero3", "FSDP ZeRO-3",
+     "parallelism.dp_replicate=1 parallelism.dp_shard={k} parallelism.fsdp_reshard_after_forward=always"),
+    ("hsdp", "HSDP", "parallelism.dp_replicate=2 parallelism.dp_shard={half}"),
+]  # fmt: skip
+BATCH, SEQ = "training.local_batch_size", "training.seq_len"
+TARGET = "<first that did not fit>"  # the AC rungs' batch in a dry run
+
+
+def base_settings(config: str | None, code_base: dict[str, str], overrides: list[str]) -> dict[str, str]:
+    """The code's base, less what the TOML sets (the TOML wins), then the user's overrides."""
+    toml = cfgmod.read_toml(config) if config else {}
+    in_toml = {f"{s}.{k}" for s, values in toml.items() for k in values}
+    settings = {k: v for k, v in code_base.items() if k not in in_toml}
+    for section, key, value in cfgmod.parse_overrides(overrides):
+        settings[f"{section}.{key}"] = str(value).lower() if isinstance(value, bool) else str(value)
+    return settings
+
+
+def record(ctx: Ctx, row: dict[str, Any]) -> None:
+    """Keep a finished row; results.jsonl is rewritten after each, so a crash keeps what ran."""
+    ctx.rows.append(row)
+    if not ctx.dry_run:
+        report.write_jsonl(ctx.out / "results.jsonl", ctx.rows, ctx.env)
+
+
+# ----------------------------------------------------------------------------------------------
+# The single-GPU ladder
+
+
+def _unavailable(name: str, dev: dict[str, Any], cpu_compile: bool) -> tuple[str | None, str]:
+    """(status, reason) when rung `name` cannot run on this device, else (None, "")."""
+    gpu = bool(dev.get("cuda"))
+    cap = tuple(dev.get("capability") or (0, 0))
+    if name in ("sdpa", "flash-attn") and not gpu:
+        return NEEDS_GPU, "the fused attention kernels (flash, cuDNN) are CUDA kernels"
+    if name == "flash-attn" and not dev.get("flash_attn"):
+        return NOT_AVAILABLE, "the flash-attn package is not installed (pip install flash-attn)"
+    if name == "compile" and not gpu and not cpu_compile:
+        return NEEDS_GPU, "compiling on CPU takes minutes: pass --cpu-compile to run it"
+    if name == "float8" and not gpu:
+        return NEEDS_GPU, "float8 matmuls need a GPU with compute capability >= 8.9"
+    if name == "float8" and cap < (8, 9):
+        return NOT_AVAILABLE, f"float8 matmuls need compute capability >= 8.9 (this GPU: {cap[0]}.{cap[1]})"
+    if name == "float8" and not dev.get("torchao"):
+        return NOT_AVAILABLE, "float8 needs torchao (pip install torchao)"
+    return None, ""
+
+
+def ladder_plan(
+    dev: dict[str, Any], *, base_batch: int, max_batch: int, max_doublings: int, cpu_compile: bool
+) -> list[Rung]:
+    """The single-GPU rungs for this device; the batch rungs go up to the caps (they stop at the first
+    that does not fit)."""
+    kernels = [k for k, on in (("flash", dev.get("flash_sdp")), ("cuDNN", dev.get("cudnn_sdp"))) if on]
+    rungs = []
+    for name, adds, group, spec in LADDER:
+        if group == "batch":
+            batches = [
+                base_batch * 2**i for i in range(1, max_doublings + 1) if base_batch * 2**i <= max_batch
+            ]
+            rungs += [Rung(f"batch-{b}", f"local batch {b}", {BATCH: str(b)}, group="batch") for b in batches]
+            continue
+        if name == "sdpa" and dev.get("cuda"):
+            adds = f"fused attention (SDPA: {' / '.join(kernels) or 'no flash/cuDNN kernel here'})"
+        status, reason = _unavailable(name, dev, cpu_compile)
+        delta = dict(kv.split("=", 1) for kv in spec.split())
+        rungs.append(Rung(name, adds, delta, group=group, status=status, reason=reason))
+    return rungs
+
+
+def run_ladder(ctx: Ctx, plan: list[Rung], base: dict[str, str], ac_target: str) -> list[str]:
+    """Climb the ladder; returns notes for the report.
+
+    Each rung's settings are those of the last rung that ran plus its own (an OOM rung, and the first
+    rung whatever happened to it, still count); a rung that failed, or cannot run here, is left out
+    of what follows. Side and AC rungs are measured but not built on, so float8 builds on the largest
+    batch that fitted. Speedups are against the last rung that ran OK, and against the first.
+    """
+    chain, prev, first, target, notes = dict(base), None, None, None, []
+    kept = cfgmod.load(ctx.config, to_args(chain)).training.local_batch_size
+    for rung in plan:
+        if rung.group == "batch" and target is not None:
+            ctx.progress.shrink(1)
+            continue
+        settings = {**chain, **rung.delta}
+        if rung.group == "ac" and ac_target == "seq":
+            settings[SEQ] = str(2 * cfgmod.load(ctx.config, to_args(chain)).training.seq_len)
+            rung.adds += f" at seq {settings[SEQ]}"
+        elif rung.group == "ac":
+            settings[BATCH] = target or (TARGET if ctx.dry_run else str(2 * kept))
+            rung.adds += f" at batch {settings[BATCH]}"
+        row = execute_and_compare(ctx, rung, settings, prev, first)
+        ok = row["status"] in (OK, PLANNED)
+        # The first rung defines the baseline; an OOM main rung's change stays (the next may make it fit).
+        if (
+            rung is plan[0]
+            or (rung.group in ("main", "batch") and ok)
+            or (rung.group, row["status"]) == ("main", OOM)
+        ):
+            chain = settings
+        if rung.group in ("main", "batch") and ok:
+            prev, first = row, first or (row if row.get("tps") is not None else None)
+            kept = int(settings.get(BATCH, kept))
+        if rung.group == "batch" and not ok:
+            target = settings[BATCH]
+            notes.append(f"the batch doubling stopped at {target} ({row['status']}); batch {kept} is kept")
+    if target is None and not ctx.dry_run:
+        notes.append(f"every batch size tried fitted (the doubling is capped); AC ran at batch {2 * kept}")
+    return notes
+
+
+def execute_and_compare(
+    ctx: Ctx, rung: Rung, settings: dict[str, str], prev: dict | None, first: dict | None
+) -> dict[str, Any]:
+    """Run a ladder rung, add its speedups over `prev` and `first`, record it."""
+    row = runner.execute(ctx, rung, settings, prev)
+    row["speedup_prev"] = runner.speedup(row.get("tps"), prev.get("tps") if prev else None)
+    own = row.get("tps") if rung.group in ("main", "batch") else None  # the first measured rung: 1.00x
+    row["speedup_first"] = runner.speedup(row.get("tps"), first.get("tps") if first else own)
+    record(ctx, row)
+    return row
+
+
+# ----------------------------------------------------------------------------------------------
+# The distributed ladder
+
+
+def read_sweep_best(path: str) -> dict[str, str]:
+    """The overrides of the fastest OK run in a sweep results file (JSON lines or a JSON list).
+
+    A row names its mesh as `overrides` (a dict, or a list of `--section.key value`) or `mesh` (a dict of
+    parallelism keys), and its speed as `tps` or `tokens_per_s`.
+    """
+    text = Path(path).read_text()
+    rows = (
+        json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x]
+    )
+    speed = lambda r: r.get("tps") or r.get("tokens_per_s") or 0.0
+    ok = [r for r in rows if r.get("status", OK) == OK and speed(r) > 0]
+    if not ok:
+        raise ValueError(f"{path}: no OK row with tps")
+    best = max(ok, key=speed)
+    over = best.get("overrides") or {}
+    if isinstance(over, list):
+        over = {
+            f"{s}.{k}": str(v).lower() if isinstance(v, bool) else v
+            for s, k, v in cfgmod.parse_overrides(over)
+        }
+    mesh = {k if "." in k else f"parallelism.{k}": v for k, v in (best.get("mesh") or {}).items()}
+    if not over and not mesh:
+        raise ValueError(f"{path}: the best row names no mesh (`overrides` or `mesh`)")
+    return {str(k): str(v) for k, v in {**over, **mesh}.items()}
+
+
+def _eight_b(dev: dict[str, Any], ngpu: int, sweep_results: str | None) -> Rung:
+    """The 8B on N GPUs with FSDP and the sweep's best mesh, or why it cannot run."""
+    adds = f"8B, FSDP on {ngpu} GPUs, the sweep's best mesh"
+    rung = Rung(f"8b-fsdp-{ngpu}", adds, {"model.flavor": "8B"}, "8b", ngpu=ngpu, strategy="8B FSDP")
+    try:
+        import titanrush.tools.sweep  # noqa: F401
+    except Exception:
+        rung.status, rung.reason = NOT_AVAILABLE, "titanrush.tools.sweep is not importable (not written yet)"
+        return rung
+    if not sweep_results:
+        rung.status, rung.reason = (
+            NOT_AVAILABLE,
+            "pass --sweep-results FILE (from titanrush sweep) for the mesh",
+        )
+        return rung
+    try:
+        rung.delta.update(read_sweep_best(sweep_results))
+    except (OSError, ValueError, ConfigError) as e:
+        rung.status, rung.reason = NOT_AVAILABLE, f"sweep results unreadable: {e}"
+    if rung.status is None and not dev.get("cuda"):
+        rung.status, rung.reason = NEEDS_GPU, "the 8B does not train on CPU"
+    return rung
+
+
+def dist_plan(dev: dict[str, Any], ngpu: int, sweep_results: str | None) -> list[Rung]:
+    """The 1-GPU baseline, then DDP, ZeRO-2, ZeRO-3 and HSDP at 2, 4 ... N GPUs, then the 8B."""
+    sizes = sorted({2**i for i in range(ngpu.bit_length()) if 2**i <= ngpu} | {ngpu})
+    one = {"parallelism.dp_replicate": "1", "parallelism.dp_shard": "1"}
+    rungs = [
+        Rung("1gpu", "one GPU, no data-parallel wrapper: the baseline", one, "scaling", strategy="1 GPU")
+    ]
+    for k in sizes[1:]:
+        for short, strategy, spec in STRATEGIES:
+            delta = dict(kv.format(k=k, half=k // 2).split("=", 1) for kv in spec.split())
+            reason = ""
+            if short == "hsdp" and (k < 4 or k % 2):
+                reason = (
+                    f"HSDP needs an even count >= 4 GPUs (2 replicas x 2 shards); at {k} GPUs it is not HSDP"
+                )
+            elif dev.get("cuda") and k > (dev.get("count") or 0):
+                reason = f"only {dev.get('count')} GPUs are visible"
+            status = SKIPPED if reason else None
+            rungs.append(
+                Rung(f"{short}-{k}", f"{strategy} on {k} GPUs", delta, "scaling", status, reason, k, strategy)
+            )
+    return rungs + [_eight_b(dev, ngpu, sweep_results)]
+
+
+def run_dist(ctx: Ctx, plan: list[Rung], base: dict[str, str]) -> list[str]:
+    """Run every dist rung from the same base; efficiency = tokens/s per GPU / the 1-GPU baseline's."""
+    baseline = None
+    for rung in plan:
+        settings = {**base, **rung.delta}
+        row = runner.execute(ctx, rung, settings, baseline if rung.group == "scaling" else None)
+        row["scaling"] = rung.group == "scaling"
+        row["mesh"] = " x ".join(settings.get(f"parallelism.{k}", "-") for k in ("dp_replicate", "dp_shard"))
+        row["efficiency"] = runner.speedup(row.get("tps"), baseline.get("tps") if baseline else None)
+        if rung.name == "1gpu" and row["status"] == OK:
+            baseline, row["efficiency"] = row, 1.0
+        record(ctx, row)
+    return [
+        "mesh = dp_replicate x dp_shard; efficiency = tokens/s per GPU / the 1-GPU baseline's (weak scaling: "
+        "the same local batch at every size)"
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Split `ladder|dist ...` into the rush's own options and config overrides (`--section.key ...`)."""
+    sub = argv[0]
+    ap = argparse.ArgumentParser(
+        prog=f"titanrush rush {sub}",
+        allow_abbrev=False,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument("--config", help="TOML config: wins over the built-in base, loses to the overrides")
+    ap.add_argument("--steps", type=int, default=30, help="training steps per run")
+    ap.add_argument(
+        "--warmup", type=int, default=10, help="steps left out of the means (clamped below --steps)"
+    )
+    ap.add_argument("--output", type=Path, default=Path(f"outputs/rush/{sub}"), help="output folder")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and run nothing")
+    ap.add_argument("--skip-unfit", action="store_true", help="skip runs the memory estimator says won't fit")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is killed")
+    if sub == "ladder":
+        ap.add_argument("--max-batch", type=int, default=256, help="largest local batch the doubling tries")
+        ap.add_argument(
+            "--max-doublings", type=int, default=None, help="batch doublings (default GPU 8, CPU 2)"
+        )
+        ap.add_argument(
+            "--ac-target",
+            choices=["batch", "seq"],
+            default="batch",
+            help="AC rungs at the batch that did not fit, or at 2x seq_len with the kept batch",
+        )
+        ap.add_argument("--cpu-compile", action="store_true", help="run the compile rung on CPU too (slow)")
+    else:
+        ap.add_argument(
+            "--ngpu", type=int, required=True, help="the largest GPU count (powers of two up to it)"
+        )
+        ap.add_argument("--sweep-results", help="`titanrush sweep` results: the 8B run takes the best mesh")
+    flags = {opt: act.nargs != 0 for act in ap._actions for opt in act.option_strings}
+    own, overrides, rest = [], [], iter(argv[1:])
+    for arg in rest:
+        name = arg.split("=", 1)[0]
+        if name in flags:
+            own += [arg, next(rest, "")] if flags[name] and "=" not in arg else [arg]
+        else:
+            overrides.append(arg)
+    return ap.parse_args(own), overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`titanrush rush ladder|dist ...`: 0 when the rush ran (whatever its rungs did), 2 on bad input."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in ("ladder", "dist"):
+        print(__doc__)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    kind = argv[0]
+    args, overrides = parse(argv)
+    if args.steps < 2 or (kind == "dist" and args.ngpu < 1):
+        print("titanrush rush: --steps must be >= 2 and --ngpu >= 1", file=sys.stderr)
+        return 2
+    config = str(Path(args.config).resolve()) if args.config else None
+    dev = runner.probe_device()
+    code_base = dict(LADDER_BASE if kind == "ladder" else DIST_BASE)
+    if kind == "dist" and dev.get("cuda"):
+        code_base["compile.enable"] = "true"
+    try:
+        base = base_settings(config, code_base, overrides)
+        base_cfg = cfgmod.load(config, to_args(base))
+    except ConfigError as e:
+        print(f"titanrush rush: config error: {e}", file=sys.stderr)
+        return 2
+    warmup = min(args.warmup, args.steps - 1)
+    estimator, why_not = load_estimator()
+    notes = [why_not] if why_not else []
+    if warmup != args.warmup:
+        notes.append(f"--warmup {args.warmup} clamped to {warmup} (below --steps {args.steps})")
+    if kind == "ladder":
+        doublings = args.max_doublings if args.max_doublings is not None else (8 if dev.get("cuda") else 2)
+        plan = ladder_plan(
+            dev,
+            base_batch=base_cfg.training.local_batch_size,
+            max_batch=args.max_batch,
+            max_doublings=doublings,
+            cpu_compile=args.cpu_compile,
+        )
+        if not dev.get("cuda"):
+            notes.append(
+                f"CPU: MFU is null (no peak to divide by), peak memory is the process's peak RSS, and the "
+                f"batch doubling stops after {doublings} doublings (--max-doublings)"
+            )
+    else:
+        plan = dist_plan(dev, args.ngpu, args.sweep_results)
+    ctx = Ctx(
+        config=config,
+        out=args.output.resolve(),
+        steps=args.steps,
+        warmup=warmup,
+        timeout=args.timeout,
+        dry_run=args.dry_run,
+        skip_unfit=args.skip_unfit,
+        device=dev,
+        launcher="python" if kind == "ladder" else "torchrun",
+        progress=report.Progress(len(plan)),
+        estimator=estimator,
+    )
+    if not args.dry_run:
+        ctx.env = report.environment(dev, "titanrush rush " + shlex.join(argv))
+    what = "dry run: the plan, nothing runs" if args.dry_run else f"output {ctx.out}"
+    print(f"titanrush rush {kind} on {dev.get('name')} (torch {dev.get('torch')}): {len(plan)} runs; {what}")
+    notes += run_ladder(ctx, plan, base, args.ac_target) if kind == "ladder" else run_dist(ctx, plan, base)
+    if args.dry_run:
+        print("\n".join(f"note: {n}" for n in notes))
+        return 0
+    report.write_all(ctx.out, kind, ctx.rows, ctx.env, steps=ctx.steps, warmup=ctx.warmup, notes=notes)
+    print(f"titanrush rush: wrote {ctx.out / 'report.md'}, results.jsonl, the charts and tb/")
+    return 0
+
+
+def load_estimator() -> tuple[Any, str]:
+    """titanrush.tools.estimate.estimate, or (None, why not)."""
+    try:
+        from titanrush.tools.estimate import estimate
+    except Exception as e:  # not written yet, or broken: the rush goes on without it
+        return None, f"estimator not available ({type(e).__name__}: {e})"
+    return estimate, ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
