@@ -87,7 +87,7 @@ def tokenize_documents(
     parts: list[np.ndarray] = []
     lengths: list[np.ndarray] = []
     for chunk in _chunks(docs, chunk_chars):
-        encoded = tokenizer.encode_arrays([d.text for d in chunk])
+        encoded = tokenizer.encode_arrays([d.text for d in chunk], num_threads=min(8, os.cpu_count() or 1))
         part, lens = frame(encoded, tokenizer.bos_id, tokenizer.eos_id, dtype)
         parts.append(part)
         lengths.append(lens)

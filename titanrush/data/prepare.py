@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import multiprocessing
 import os
 import shutil
 import sys
 import time
+from collections import deque
+from collections.abc import Generator
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +39,9 @@ from titanrush.data.sources import SPLITS, find_files, jsonl_chunks, read_docume
 from titanrush.data.tokenizer import Tokenizer, build_tokenizer
 
 WorkItem = tuple[str, str, str, str, int, int | None]  # tokenizer spec, root, file, text field, byte range
+TokenizedItem = tuple[
+    int, dict[str, tuple[np.ndarray, np.ndarray]]
+]  # bytes read, split -> tokens, doc lengths
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,23 +153,14 @@ def _write_shards(
     writers = {s: _ShardWriter(folder, s, dtype, shard_tokens) for s in SPLITS}
     total_bytes = sum(p.stat().st_size for p in files)
     bar = _Progress(total_bytes, enabled=progress)
-    n_workers = min(workers, len(items))
-    if n_workers > 1:
-        ctx = multiprocessing.get_context(
-            "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-        )
-        pool = ctx.Pool(n_workers)
-        results = pool.imap(_tokenize_item, items)  # in input order: output independent of --workers
-    else:
-        pool, results = None, map(_tokenize_item, items)
+    results = _tokenize_all(items, workers)
     try:
         for n_bytes, per_split in results:
             for split, (tokens, lens) in per_split.items():
                 writers[split].add(tokens, lens)
             bar.update(n_bytes, sum(len(t) for t, _ in per_split.values()))
     finally:
-        if pool is not None:
-            pool.terminate()
+        results.close()  # on error: cancel queued items and wait for the running ones
     splits = {s: w.close() for s, w in writers.items()}
     bar.finish()
     if splits["train"]["documents"] == 0:
@@ -180,12 +178,36 @@ def _write_shards(
     }
 
 
+def _tokenize_all(items: list[WorkItem], workers: int) -> Generator[TokenizedItem, None, None]:
+    """`_tokenize_item` over `items`, in input order, in up to `workers` processes.
+
+    At most two items per worker are in flight, which bounds memory when writing is slower.
+    """
+    workers = min(workers, len(items))
+    if workers <= 1:
+        yield from map(_tokenize_item, items)
+        return
+    method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context(method)) as pool:
+        todo = iter(items)
+        pending = deque(pool.submit(_tokenize_item, item) for item in itertools.islice(todo, 2 * workers))
+        try:
+            while pending:
+                result = pending.popleft().result()
+                for item in itertools.islice(todo, 1):
+                    pending.append(pool.submit(_tokenize_item, item))
+                yield result
+        finally:
+            for future in pending:
+                future.cancel()
+
+
 @functools.lru_cache(maxsize=2)
 def _worker_tokenizer(spec: str) -> Tokenizer:
     return build_tokenizer(spec)
 
 
-def _tokenize_item(item: WorkItem) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
+def _tokenize_item(item: WorkItem) -> TokenizedItem:
     """Tokenize one file (or byte range): (bytes read, split -> (framed tokens, document lengths))."""
     spec, root, file, text_field, lo, hi = item
     tok = _worker_tokenizer(spec)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import hashlib
+import itertools
 import json
 import os
 import sysconfig
@@ -101,9 +102,9 @@ def find_files(pattern: str, key: str = "data.path") -> tuple[Path, list[Path]]:
     if not pattern:
         raise ConfigError(f"{key} is empty; set it to a file, folder or glob of {', '.join(SUFFIXES)} files")
     path = Path(pattern).expanduser()
-    if glob.has_magic(pattern):
-        prefix = Path(pattern.split("*")[0].split("?")[0].split("[")[0]).expanduser()
-        root = prefix if str(pattern).startswith(str(prefix) + os.sep) and prefix.is_dir() else prefix.parent
+    if glob.has_magic(str(path)):
+        static = list(itertools.takewhile(lambda part: not glob.has_magic(part), path.parts))
+        root = Path(*static) if static else Path(".")  # the folder above the first wildcard
         candidates = [Path(p) for p in glob.glob(str(path), recursive=True)]
         files = [p for p in candidates if p.is_file() and p.suffix in SUFFIXES]
     elif path.is_dir():
