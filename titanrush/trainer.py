@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import itertools
 import logging
 import math
 import os
@@ -228,6 +229,7 @@ class Trainer:
         )
         self.train_loader = build_dataloader(cfg.data, split="train", **loader_args)
         self.val_loader_args = loader_args
+        self._val_loader: Any = None
         ck = cfg.checkpoint
         self.checkpointer = CheckpointManager(
             self.run_dir / ck.folder,
@@ -321,13 +323,15 @@ class Trainer:
         )
 
     # ------------------------------------------------------------------------------------------
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """bf16 autocast where no FSDP mixed-precision policy does the casting."""
+        if self.autocast:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
     def _forward_backward(self, batch: Any) -> torch.Tensor:
         """Loss of one micro-batch (divided by the accumulation steps), with backward done."""
-        ctx = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16)
-            if self.autocast
-            else contextlib.nullcontext()
-        )
+        ctx = self._autocast()
         chunked = self.model_args.loss_chunk_size > 0
         inputs, labels, positions = batch.input_ids, batch.labels, None
         cp_ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
@@ -455,19 +459,13 @@ class Trainer:
     def validate(self) -> float:
         """Mean loss over validation.steps batches of the held-out split (same batches every time)."""
         self.model.eval()
-        loader = build_dataloader(self.cfg.data, split="validation", **self.val_loader_args)
+        if self._val_loader is None:  # built once: a validation pass replays the same batches
+            self._val_loader = build_dataloader(self.cfg.data, split="validation", **self.val_loader_args)
         total = torch.zeros((), device=self.device)
         n = 0
-        ctx = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16)
-            if self.autocast
-            else contextlib.nullcontext()
-        )
-        for batch in loader:
-            if n >= self.cfg.validation.steps:
-                break
+        for batch in itertools.islice(self._val_loader, self.cfg.validation.steps):
             batch = batch.to(self.device)
-            with ctx, loss_parallel_context(self.mesh, self.dims, self.cfg.parallelism):
+            with self._autocast(), loss_parallel_context(self.mesh, self.dims, self.cfg.parallelism):
                 loss = cross_entropy(self.model(batch.input_ids), batch.labels).detach()
                 total += loss.to_local() if isinstance(loss, DTensor) else loss
             n += 1
