@@ -12,6 +12,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("titanrush.tools.convert", "convert checkpoints to/from Hugging Face Llama folders and .pt"),
     "estimate": ("titanrush.tools.estimate", "will this config fit, and what uses the memory"),
     "rush": ("titanrush.tools.rush", "measure what each optimization buys (ladder, dist)"),
+    "sweep": ("titanrush.tools.sweep", "run mesh shapes (tp/pp/cp/...) and rank them"),
 }
 
 

@@ -1,0 +1,330 @@
+"""`titanrush sweep`: grid parsing, the enumeration and validation of shapes, the dry run's output, an OOM
+recorded from a fake child, and a real 2-process CPU sweep on the debug model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from titanrush.tools import rush, rush_runner, sweep
+from titanrush.tools.rush_runner import OK, OOM
+
+ROOT = Path(__file__).resolve().parents[2]
+DEBUG = str(ROOT / "train_configs" / "debug.toml")
+TINY = ["--training.seq_len", "64", "--training.local_batch_size", "2", "--data.dataset", "synthetic"]
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+FAKE_CPU = {"cuda": False, "name": "cpu", "count": 0, "torch": "2.13.0", "mem_gib": 64.0}
+
+
+def labels(shapes: list[dict[str, Any]]) -> list[str]:
+    return [sweep.label(s) for s in shapes]
+
+
+def read_rows(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture
+def fake_cpu(monkeypatch):
+    """Skip the device probe (a child process): this machine is a CPU."""
+    monkeypatch.setattr(rush_runner, "probe_device", lambda: dict(FAKE_CPU))
+
+
+# ----------------------------------------------------------------------------------------------
+# Grid
+
+
+def test_parse_grid():
+    grid = sweep.parse_grid("batch=1,2 pp=1,2  tp=1,2,4,2 ac=none,selective reshard=never")
+    assert grid == {"tp": [1, 2, 4], "pp": [1, 2], "reshard": ["never"], "ac": ["none", "selective"],
+                    "batch": [1, 2]}  # fmt: skip
+    assert list(grid) == ["tp", "pp", "reshard", "ac", "batch"]  # the canonical order, whatever the input's
+    assert sweep.default_grid(4) == "tp=1,2,4 pp=1,2,4 cp=1,2,4"
+    assert sweep.default_grid(6) == "tp=1,2,4 pp=1,2,4 cp=1,2,4"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("tq=1,2", "unknown grid dimension 'tq'; did you mean 'tp'?"),
+        ("color=red", "unknown grid dimension 'color'; dimensions: dp_replicate, dp_shard, tp"),
+        ("tp", "grid entry 'tp' must look like dim=v1,v2"),
+        ("tp=1 tp=2", "grid dimension 'tp' is given twice"),
+        ("tp=", "has no values"),
+        ("tp=0,2", "tp values must be positive integers, got '0'"),
+        ("batch=two", "batch values must be positive integers, got 'two'"),
+        ("ac=some", "ac='some' is not one of none, selective, full"),
+        ("reshard=sometimes", "is not one of always, never, default"),
+        ("   ", "the grid is empty"),
+    ],
+)
+def test_grid_errors(text, message):
+    with pytest.raises(sweep.GridError) as e:
+        sweep.parse_grid(text)
+    assert message in str(e.value)
+
+
+def test_unknown_dimension_exits_2(capsys):
+    assert sweep.main(["--config", DEBUG, "--ngpu", "4", "--grid", "tp=1,2 mp=2", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "bad --grid: unknown grid dimension 'mp'" in err and "dimensions: dp_replicate" in err
+
+
+def test_bad_input_exits_2(fake_cpu, capsys):
+    assert sweep.main(["--config", DEBUG, "--ngpu", "2", "--dry-run", "--training.seqlen", "64"]) == 2
+    assert "training.seq_len" in capsys.readouterr().err  # the config's own suggestion
+    assert sweep.main(["--config", DEBUG, "--ngpu", "2", "--assume-cuda"]) == 2
+    assert "use it with --dry-run" in capsys.readouterr().err
+    assert sweep.main(["--ngpu", "2"]) == 2  # --config is required (argparse's message)
+
+
+# ----------------------------------------------------------------------------------------------
+# Enumeration and validation (the debug flavor: 4 layers, 8 heads, 4 KV heads, seq 256)
+
+
+def test_enumeration_4_gpus():
+    valid, invalid = sweep.plan(DEBUG, {}, sweep.parse_grid("tp=1,2,4 pp=1,2"), 4)
+    assert labels(valid) == [
+        "dp_replicate=1 dp_shard=4 tp=1 pp=1 cp=1",
+        "dp_replicate=1 dp_shard=2 tp=1 pp=2 cp=1",
+        "dp_replicate=1 dp_shard=2 tp=2 pp=1 cp=1",
+        "dp_replicate=1 dp_shard=1 tp=2 pp=2 cp=1",
+        "dp_replicate=1 dp_shard=1 tp=4 pp=1 cp=1",
+    ]
+    assert [(sweep.label(s), r.split(";")[0]) for s, r in invalid] == [
+        (
+            "dp_replicate=1 dp_shard=? tp=4 pp=2 cp=1",
+            "parallelism degrees dp_replicate x cp x tp x pp = 8 do not divide the world size 4",
+        )
+    ]
+
+
+def test_enumeration_8_gpus_reports_invalid_shapes_with_reasons():
+    valid, invalid = sweep.plan(DEBUG, {}, sweep.parse_grid("tp=1,2,4,8 pp=1,2,8"), 8)
+    assert labels(valid) == [
+        "dp_replicate=1 dp_shard=8 tp=1 pp=1 cp=1",
+        "dp_replicate=1 dp_shard=4 tp=1 pp=2 cp=1",
+        "dp_replicate=1 dp_shard=4 tp=2 pp=1 cp=1",
+        "dp_replicate=1 dp_shard=2 tp=2 pp=2 cp=1",
+        "dp_replicate=1 dp_shard=2 tp=4 pp=1 cp=1",
+        "dp_replicate=1 dp_shard=1 tp=4 pp=2 cp=1",
+    ]
+    reasons = {sweep.label(s): r for s, r in invalid}
+    assert (
+        "must divide the attention heads (8) and KV heads (4)"
+        in reasons["dp_replicate=1 dp_shard=1 tp=8 pp=1 cp=1"]
+    )
+    assert "exceeds the model's 4 layers" in reasons["dp_replicate=1 dp_shard=1 tp=1 pp=8 cp=1"]
+    assert "do not divide the world size 8" in reasons["dp_replicate=1 dp_shard=? tp=8 pp=2 cp=1"]
+    assert len(valid) + len(invalid) == 4 * 3
+
+
+def test_extras_replicate_and_duplicate_runs():
+    grid = sweep.parse_grid("dp_replicate=1,2 tp=1,2 reshard=always,never")
+    valid, invalid = sweep.plan(DEBUG, {}, grid, 4)
+    assert labels(valid) == [
+        "dp_replicate=1 dp_shard=4 tp=1 pp=1 cp=1 reshard=always",
+        "dp_replicate=1 dp_shard=4 tp=1 pp=1 cp=1 reshard=never",
+        "dp_replicate=1 dp_shard=2 tp=2 pp=1 cp=1 reshard=always",
+        "dp_replicate=1 dp_shard=2 tp=2 pp=1 cp=1 reshard=never",
+        "dp_replicate=2 dp_shard=2 tp=1 pp=1 cp=1 reshard=always",
+        "dp_replicate=2 dp_shard=2 tp=1 pp=1 cp=1 reshard=never",
+        "dp_replicate=2 dp_shard=1 tp=2 pp=1 cp=1 reshard=always",
+    ]
+    # Without FSDP the reshard mode changes nothing: the second is the same run, listed with why.
+    [(shape, reason)] = invalid
+    assert sweep.label(shape) == "dp_replicate=2 dp_shard=1 tp=2 pp=1 cp=1 reshard=never"
+    assert "same run as dp_replicate=2 dp_shard=1 tp=2 pp=1 cp=1 reshard=always" in reason
+    assert sweep.settings_of(valid[-1]) == {
+        "parallelism.dp_replicate": "2", "parallelism.dp_shard": "1", "parallelism.tp": "2",
+        "parallelism.pp": "1", "parallelism.cp": "1", "parallelism.fsdp_reshard_after_forward": "always",
+    }  # fmt: skip
+
+
+def test_ac_and_batch_extras():
+    valid, invalid = sweep.plan(DEBUG, {}, sweep.parse_grid("tp=1,2 ac=none,full batch=1,2"), 2)
+    assert len(valid) == 8 and not invalid
+    assert labels(valid)[:3] == [
+        "dp_replicate=1 dp_shard=2 tp=1 pp=1 cp=1 ac=none batch=1",
+        "dp_replicate=1 dp_shard=2 tp=1 pp=1 cp=1 ac=none batch=2",
+        "dp_replicate=1 dp_shard=2 tp=1 pp=1 cp=1 ac=full batch=1",
+    ]
+    assert sweep.name(valid[2]) == "rep1-shard2-tp1-pp1-cp1-ac_full-batch1"
+    assert sweep.settings_of(valid[2])["activation_checkpoint.mode"] == "full"
+    assert sweep.settings_of(valid[2])["training.local_batch_size"] == "1"
+
+
+def test_seq_len_and_cp_validation():
+    grid, seq12 = sweep.parse_grid("tp=1,2 cp=1,2"), {"training.seq_len": "12"}
+    valid, invalid = sweep.plan(DEBUG, seq12, grid, 4)
+    assert labels(valid) == [
+        "dp_replicate=1 dp_shard=4 tp=1 pp=1 cp=1",
+        "dp_replicate=1 dp_shard=2 tp=2 pp=1 cp=1",
+    ]
+    reasons = {sweep.label(s): r for s, r in invalid}
+    # On this CPU machine the trainer refuses cp > 1; assume_cuda validates as on a GPU machine.
+    assert "cp > 1 needs CUDA" in reasons["dp_replicate=1 dp_shard=2 tp=1 pp=1 cp=2"]
+    seq_error = "training.seq_len = 12 must be divisible by 2 x cp x tp = 8"
+    assert seq_error in reasons["dp_replicate=1 dp_shard=1 tp=2 pp=1 cp=2"]
+    valid, invalid = sweep.plan(DEBUG, seq12, grid, 4, assume_cuda=True)
+    assert "dp_replicate=1 dp_shard=2 tp=1 pp=1 cp=2" in labels(valid)
+    assert [r for _, r in invalid] == [reasons["dp_replicate=1 dp_shard=1 tp=2 pp=1 cp=2"]]
+
+
+# ----------------------------------------------------------------------------------------------
+# Dry run
+
+
+def test_dry_run_prints_exactly_the_valid_shapes(fake_cpu, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    argv = ["--config", DEBUG, "--ngpu", "4", "--grid", "tp=1,2,4 pp=1,2", "--dry-run", "--output", str(out)]
+    assert sweep.main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out == (
+        "dp_replicate=1 dp_shard=4 tp=1 pp=1 cp=1\n"
+        "dp_replicate=1 dp_shard=2 tp=1 pp=2 cp=1\n"
+        "dp_replicate=1 dp_shard=2 tp=2 pp=1 cp=1\n"
+        "dp_replicate=1 dp_shard=1 tp=2 pp=2 cp=1\n"
+        "dp_replicate=1 dp_shard=1 tp=4 pp=1 cp=1\n"
+    )
+    assert "invalid: dp_replicate=1 dp_shard=? tp=4 pp=2 cp=1: parallelism degrees" in captured.err
+    assert "5 valid shapes, 1 invalid" in captured.err
+    assert not out.exists()
+
+    argv = [
+        "--config",
+        DEBUG,
+        "--ngpu",
+        "2",
+        "--grid",
+        "tp=2 reshard=never ac=selective batch=2",
+        "--dry-run",
+    ]
+    assert sweep.main(argv) == 0
+    assert (
+        capsys.readouterr().out
+        == "dp_replicate=1 dp_shard=1 tp=2 pp=1 cp=1 reshard=never ac=selective batch=2\n"
+    )
+
+
+def test_dry_run_with_no_valid_shape_exits_1(fake_cpu, capsys):
+    assert sweep.main(["--config", DEBUG, "--ngpu", "8", "--grid", "tp=8", "--dry-run"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "must divide the attention heads" in captured.err
+
+
+# ----------------------------------------------------------------------------------------------
+# A fake OOM: recorded as such, and the sweep goes on
+
+
+def fake_child(cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: float) -> tuple[int, bool]:
+    """tp=2 runs out of memory; the others write a metrics.jsonl as the trainer does."""
+    args = dict(zip(cmd, cmd[1:]))
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    if args["--parallelism.tp"] == "2":
+        log_path.write_text(
+            "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+        )
+        return 1, False
+    run_dir = Path(args["--job.dump_folder"]) / args["--job.name"]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    rows = [{"step": s, "loss": 9.0, "tps": 1000.0 * s, "tflops": 1.0, "mfu": 40.0, "mem_active_gib": 3.0,
+             "mem_reserved_gib": 4.0, "step_time": 0.5} for s in (1, 2, 3)]  # fmt: skip
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    log_path.write_text("step 3 loss 9.0\n")
+    return 0, False
+
+
+def test_fake_oom_is_recorded_and_the_sweep_goes_on(fake_cpu, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(rush_runner, "run_child", fake_child)
+    out = tmp_path / "sweep"
+    argv = ["--config", DEBUG, "--ngpu", "2", "--grid", "tp=2,1,4", "--steps", "3", "--warmup", "1",
+            "--output", str(out), *TINY]  # fmt: skip
+    assert sweep.main(argv) == 0
+    rows = {r["shape"]: r for r in read_rows(out)}
+    ok, oom = (
+        rows["dp_replicate=1 dp_shard=2 tp=1 pp=1 cp=1"],
+        rows["dp_replicate=1 dp_shard=1 tp=2 pp=1 cp=1"],
+    )
+    assert oom["status"] == OOM and oom["reason"].startswith("torch.OutOfMemoryError")
+    assert ok["status"] == OK and ok["tps"] == pytest.approx(2500.0) and ok["mfu"] == 40.0
+    assert ok["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1, "cp": 1}
+    assert ok["overrides"]["parallelism.dp_shard"] == "2" and "training.seq_len" not in ok["overrides"]
+    assert ok["base_overrides"] == TINY and "NGPU=2 ./run_train.sh" in ok["command"]
+    assert "--training.seq_len 64" in ok["command"] and ok["env"]["device"] == "cpu"
+    bad = rows["dp_replicate=1 dp_shard=? tp=4 pp=1 cp=1"]
+    assert bad["status"] == sweep.INVALID and "do not divide the world size 2" in bad["reason"]
+    # rush dist takes the fastest OK shape's mesh, without the sweep's own overrides.
+    assert rush.read_sweep_best(str(out / "results.jsonl")) == {
+        "parallelism.dp_replicate": "1", "parallelism.dp_shard": "2", "parallelism.tp": "1",
+        "parallelism.pp": "1", "parallelism.cp": "1",
+    }  # fmt: skip
+    md = (out / "results.md").read_text()
+    assert md.index("| 1 | `dp_replicate=1 dp_shard=2 tp=1") < md.index(
+        "| - | `dp_replicate=1 dp_shard=1 tp=2"
+    )
+    assert "**OOM**" in md and "do not divide the world size 2" in md
+    printed = capsys.readouterr().out
+    assert "[1/2] dp_replicate=1 dp_shard=1 tp=2 pp=1 cp=1 ... OOM (torch.OutOfMemoryError" in printed
+    assert "[2/2] dp_replicate=1 dp_shard=2 tp=1 pp=1 cp=1 ... ok 2,500 tok/s/GPU, MFU 40.0%" in printed
+
+
+# ----------------------------------------------------------------------------------------------
+# A real sweep: 2 gloo processes under torchrun, FSDP2 and TP2 on the debug model
+
+
+@pytest.mark.parallel
+def test_cpu_sweep_end_to_end(tmp_path):
+    out = tmp_path / "sweep"
+    argv = ["--config", DEBUG, "--ngpu", "2", "--grid", "tp=1,2", "--steps", "3", "--warmup", "1",
+            "--output", str(out), *TINY]  # fmt: skip
+    assert sweep.main(argv) == 0
+    rows = read_rows(out)
+    assert [r["shape"] for r in rows] == [
+        "dp_replicate=1 dp_shard=2 tp=1 pp=1 cp=1",
+        "dp_replicate=1 dp_shard=1 tp=2 pp=1 cp=1",
+    ]
+    for r in rows:
+        assert r["status"] == OK, (r["shape"], r.get("reason"), r.get("log"))
+        assert r["tps"] > 0 and r["mem_active_gib"] > 0 and r["tps_total"] == pytest.approx(2 * r["tps"])
+    best = max(rows, key=lambda r: r["tps"])
+    assert rush.read_sweep_best(str(out / "results.jsonl"))["parallelism.tp"] == str(best["tp"])
+    assert "| 1 | `" + best["shape"] + "` | ok |" in (out / "results.md").read_text()
+    assert (out / "sweep.png").read_bytes()[:8] == PNG_MAGIC
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    runs = sorted(p for p in (out / "tb").iterdir() if p.is_dir())
+    assert [p.name for p in runs] == sorted(r["name"] for r in rows)
+    acc = EventAccumulator(str(runs[0]))
+    acc.Reload()
+    assert "sweep/tps" in acc.Tags()["scalars"]
+
+
+def test_dry_run_flags_and_skips_what_the_estimator_says_will_not_fit(fake_cpu, monkeypatch, capsys):
+    class Est:
+        def __init__(self, cfg: Any) -> None:
+            self.total_gib = 100.0 / cfg.parallelism.tp
+            self.fits = self.total_gib <= 60.0
+
+    monkeypatch.setattr(sweep, "load_estimator", lambda: (lambda cfg, ngpu, mem, trace: Est(cfg), ""))
+    argv = ["--config", DEBUG, "--ngpu", "2", "--grid", "tp=1,2", "--dry-run", "--gpu-mem", "60"]
+    assert sweep.main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines() == [
+        "dp_replicate=1 dp_shard=2 tp=1 pp=1 cp=1",
+        "dp_replicate=1 dp_shard=1 tp=2 pp=1 cp=1",
+    ]
+    assert (
+        "estimate: dp_replicate=1 dp_shard=2 tp=1 pp=1 cp=1: 100.0 GiB > 60.0 GiB: may not fit"
+        in captured.err
+    )
+    assert sweep.main([*argv, "--skip-unfit"]) == 0
+    captured = capsys.readouterr()
+    assert (
+        captured.out == "dp_replicate=1 dp_shard=1 tp=2 pp=1 cp=1\n"
+        and "skipped (--skip-unfit)" in captured.err
+    )
