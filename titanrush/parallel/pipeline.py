@@ -57,7 +57,9 @@ def balanced_split(n_layers: int, n_stages: int, *, embed_cost: float, output_co
     (in block units: the output projection of a large vocabulary costs about a block or more).
     """
     if n_layers < n_stages:
-        raise ConfigError(f"{n_stages} pipeline stages need at least {n_stages} layers, the model has {n_layers}")
+        raise ConfigError(
+            f"{n_stages} pipeline stages need at least {n_stages} layers, the model has {n_layers}"
+        )
 
     def cost(stage: int, layers: int) -> float:
         extra = (embed_cost if stage == 0 else 0.0) + (output_cost if stage == n_stages - 1 else 0.0)
@@ -109,7 +111,8 @@ def build_schedule(
     group = pp_mesh.get_group()
     stages = [PipelineStage(m, i, n_stages, device, group=group) for m, i in zip(modules, ids)]
     if schedule in SINGLE_STAGE:
-        sched = SINGLE_STAGE[schedule](stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+        cls, arg = SINGLE_STAGE[schedule], stages[0]
     else:
-        sched = MULTI_STAGE[schedule](stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+        cls, arg = MULTI_STAGE[schedule], stages
+    sched = cls(arg, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
     return sched, stages

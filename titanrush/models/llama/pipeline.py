@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from titanrush.config import ConfigError, Parallelism
+from titanrush.config import Parallelism
 from titanrush.models.llama.model import Llama
 from titanrush.parallel.pipeline import (
     balanced_split,
@@ -87,14 +87,12 @@ def pipeline_llama(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     parallelize: Callable[[nn.Module], nn.Module],
 ) -> PipelinedLlama:
-    """Split the meta model into this rank's stages, parallelize each, and build the schedule."""
-    if model.args.tie_embeddings:
-        raise ConfigError(
-            "parallelism.pp > 1 cannot tie the embedding (first stage) to the output projection (last stage); "
-            "set model.tie_embeddings = 'untied'"
-        )
-    if model.args.loss_chunk_size > 0:
-        raise ConfigError("training.loss = chunked does not compose with parallelism.pp > 1; use 'plain'")
+    """Split the meta model into this rank's stages, parallelize each, and build the schedule.
+
+    The combinations it cannot build (tied embeddings, a chunked loss, a batch the micro-batches do not
+    divide) are rejected by the trainer's `check_config` before this runs.
+    """
+    assert not model.args.tie_embeddings and model.args.loss_chunk_size == 0
     pp, schedule = parallelism.pp, parallelism.pp_schedule
     per_rank = stages_per_rank(schedule, parallelism.pp_stages_per_rank)
     n_stages = pp * per_rank
@@ -105,13 +103,7 @@ def pipeline_llama(
         embed_cost, output_cost = stage_costs(model)
         sizes = balanced_split(n_layers, n_stages, embed_cost=embed_cost, output_cost=output_cost)
     microbatches = parallelism.pp_microbatches or n_stages
-    if local_batch_size % microbatches:
-        raise ConfigError(
-            f"training.local_batch_size = {local_batch_size} must be divisible by the pipeline's "
-            f"{microbatches} micro-batches (parallelism.pp_microbatches)"
-        )
-    if microbatches < pp:
-        raise ConfigError(f"parallelism.pp_microbatches = {microbatches} must be >= pp = {pp} to fill the pipeline")
+    assert local_batch_size % microbatches == 0 and microbatches >= pp
     ids = stage_ids(schedule, pp_rank, pp, per_rank)
     starts = [sum(sizes[:i]) for i in range(n_stages)]
     parts = [
