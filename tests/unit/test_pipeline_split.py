@@ -11,14 +11,18 @@ from titanrush.models.llama.pipeline import ModelView, prune_to_stage, stage_cos
 from titanrush.parallel.pipeline import balanced_split, check_explicit_split, stage_ids, stages_per_rank
 
 
+def stage_cost(sizes: list[int], embed: float, out: float) -> list[float]:
+    last = len(sizes) - 1
+    return [s + (embed if i == 0 else 0) + (out if i == last else 0) for i, s in enumerate(sizes)]
+
+
 def brute_force_best(n_layers: int, n_stages: int, embed: float, out: float) -> float:
     import itertools
 
     best = float("inf")
     for cuts in itertools.combinations(range(1, n_layers), n_stages - 1):
         sizes = [b - a for a, b in zip((0, *cuts), (*cuts, n_layers))]
-        costs = [s + (embed if i == 0 else 0) + (out if i == n_stages - 1 else 0) for i, s in enumerate(sizes)]
-        best = min(best, max(costs))
+        best = min(best, max(stage_cost(sizes, embed, out)))
     return best
 
 
@@ -27,8 +31,7 @@ def brute_force_best(n_layers: int, n_stages: int, embed: float, out: float) -> 
 def test_balanced_split_is_optimal(n_layers, n_stages, embed, out):
     sizes = balanced_split(n_layers, n_stages, embed_cost=embed, output_cost=out)
     assert sum(sizes) == n_layers and min(sizes) >= 1 and len(sizes) == n_stages
-    costs = [s + (embed if i == 0 else 0) + (out if i == n_stages - 1 else 0) for i, s in enumerate(sizes)]
-    assert max(costs) == pytest.approx(brute_force_best(n_layers, n_stages, embed, out))
+    assert max(stage_cost(sizes, embed, out)) == pytest.approx(brute_force_best(n_layers, n_stages, embed, out))
 
 
 def test_8b_split_gives_the_ends_fewer_layers():
