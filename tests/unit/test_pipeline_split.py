@@ -26,12 +26,15 @@ def brute_force_best(n_layers: int, n_stages: int, embed: float, out: float) -> 
     return best
 
 
-@pytest.mark.parametrize("n_layers, n_stages, embed, out", [(8, 2, 0.0, 0.0), (32, 4, 0.8, 2.4), (16, 8, 0.3, 3.0),
-                                                            (10, 3, 2.0, 0.0), (4, 4, 0.5, 0.5)])  # fmt: skip
+CASES = [(8, 2, 0.0, 0.0), (32, 4, 0.8, 2.4), (16, 8, 0.3, 3.0), (10, 3, 2.0, 0.0), (4, 4, 0.5, 0.5)]
+
+
+@pytest.mark.parametrize("n_layers, n_stages, embed, out", CASES)
 def test_balanced_split_is_optimal(n_layers, n_stages, embed, out):
     sizes = balanced_split(n_layers, n_stages, embed_cost=embed, output_cost=out)
     assert sum(sizes) == n_layers and min(sizes) >= 1 and len(sizes) == n_stages
-    assert max(stage_cost(sizes, embed, out)) == pytest.approx(brute_force_best(n_layers, n_stages, embed, out))
+    best = brute_force_best(n_layers, n_stages, embed, out)
+    assert max(stage_cost(sizes, embed, out)) == pytest.approx(best)
 
 
 def test_8b_split_gives_the_ends_fewer_layers():
