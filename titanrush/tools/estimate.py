@@ -1,0 +1,438 @@
+"""`titanrush estimate`: will this config fit on the GPUs, and what uses the memory.
+
+    titanrush estimate --config FILE [--ngpu N] [--gpu-mem GiB] [--json] [--no-trace] [--section.key v ...]
+
+Two methods check each other: the analytic model (`memory_model`) counts every tensor of a step from the
+shapes and the parallel layout; the trace (`memory_trace`) runs one real step of the rank's local model on
+fake tensors and follows the live bytes. Where they disagree by more than 10% on the part the trace runs,
+the report says so. `estimate()` is the function the sweep and the rush call to skip shapes that will not
+fit. Exit status: 0, or 2 on a config error (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+
+from titanrush import config as cfgmod
+from titanrush.config import ConfigError, JobConfig
+from titanrush.data import build_tokenizer
+from titanrush.models.llama import ModelArgs
+from titanrush.parallel.parallel_dims import ParallelDims
+from titanrush.tools import memory_model as mm
+
+USAGE = """usage: titanrush estimate --config FILE [--ngpu N] [--gpu-mem GiB] [--json] [--no-trace]
+                          [--section.key value ...]
+
+Per-GPU memory of one training step of the config (the trainer's --section.key overrides apply):
+parameters, gradients, optimizer states, activations, logits, FSDP buffers, and whether it fits.
+  --ngpu N       GPUs of the job (default: NGPU, else the visible GPUs, else 1; as run_train.sh)
+  --gpu-mem GiB  memory per GPU (default: the CUDA device's, else 80 GiB)
+  --json         print one JSON object instead of the table
+  --no-trace     skip the fake-tensor trace (the analytic model alone; instant)
+"""
+GIB = mm.GIB
+CUDA_CONTEXT_GIB = 0.75  # CUDA context, kernels and cuBLAS workspace: outside PyTorch's allocator
+NCCL_GIB = 0.5  # NCCL communicators' buffers with more than one GPU
+TOLERANCE = 0.10  # the analytic model and the trace should agree within this on the traced part
+
+
+@dataclass
+class Estimate:
+    """Per-GPU memory of one training step, in GiB, on the rank that peaks highest.
+
+    The `*_gib` components are sizes (gradients: all of them; activations: saved at the end of forward,
+    for all micro-batches in flight); `at_peak` is what each takes at the peak moment, which sums to
+    `peak_allocated_gib` (comparable with torch.cuda.max_memory_allocated). `total_gib` adds allocator
+    slack and the CUDA context and is what must fit in `gpu_mem_gib`.
+    """
+
+    flavor: str
+    n_params: int
+    ngpu: int
+    mesh: str
+    local_batch_size: int
+    seq_len: int
+    precision: str
+    params_gib: float
+    master_weights_gib: float
+    grads_gib: float
+    optimizer_gib: float
+    activations_gib: float
+    logits_gib: float
+    fsdp_buffers_gib: float
+    ddp_buckets_gib: float
+    float8_gib: float
+    transient_gib: float
+    buffers_gib: float
+    peak_allocated_gib: float
+    allocator_slack_gib: float
+    cuda_context_gib: float
+    total_gib: float
+    gpu_mem_gib: float
+    fits: bool
+    max_local_batch_size: int
+    peak_phase: str
+    peak_rank: int
+    at_peak: dict[str, float]
+    details: dict[str, str] = field(default_factory=dict)
+    trace_peak_allocated_gib: float | None = None
+    trace_total_gib: float | None = None
+    trace_vs_analytic_pct: float | None = None
+    not_traced: list[str] = field(default_factory=list)
+    warning: str | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def build_setup(cfg: JobConfig, ngpu: int) -> tuple[mm.Setup, str, int, str]:
+    """The memory model's inputs from the job config (validated as the trainer validates it).
+
+    Returns the setup, a one-line description of the mesh, the model's parameter count, and a note when
+    the trainer refuses the config on this machine only (see `_check`).
+    """
+    dims, args, accum, refused = _check(cfg, ngpu)
+    p, t, f8 = cfg.parallelism, cfg.training, cfg.float8
+    shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
+    s = mm.Setup(
+        args=args,
+        local_batch=t.local_batch_size,
+        seq_len=t.seq_len,
+        precision=t.precision,
+        accum=accum,
+        fsdp_shard=shard,
+        ddp=dims.ddp_enabled,
+        tp=dims.tp,
+        cp=dims.cp,
+        pp=dims.pp,
+        sequence_parallel=p.sequence_parallel,
+        loss_parallel=p.loss_parallel,
+        reshard=p.fsdp_reshard_after_forward,
+        cpu_offload=p.fsdp_cpu_offload,
+        pp_schedule=p.pp_schedule,
+        pp_microbatches=p.pp_microbatches,
+        pp_stages_per_rank=p.pp_stages_per_rank,
+        pp_layers_per_stage=tuple(p.pp_layers_per_stage),
+        ac_mode=cfg.activation_checkpoint.mode,
+        ac_selective=cfg.activation_checkpoint.selective,
+        compile=cfg.compile.enable,
+        float8=f8.enable,
+        float8_all_gather=f8.enable and f8.recipe == "tensorwise" and f8.fsdp_float8_all_gather and shard > 1,
+        loss=t.loss,
+        loss_chunk=t.loss_chunk_size,
+        optimizer=cfg.optimizer.name,
+        optimizer_impl=cfg.optimizer.implementation,
+        max_norm=t.max_norm,
+    )
+    mesh = " ".join(
+        f"{name}={deg}"
+        for name, deg in (
+            ("dp_replicate", dims.dp_replicate),
+            ("dp_shard", dims.dp_shard),
+            ("cp", dims.cp),
+            ("tp", dims.tp),
+            ("pp", dims.pp),
+        )
+        if deg > 1
+    )
+    whole = mm.RankPlan(0, list(range(args.n_layers)), embedding=True, head=True, in_flight=1.0, microbatch=1)
+    n_params = sum(d0 * d1 for _, (d0, d1), _ in mm.param_shapes(dataclasses.replace(s, tp=1), whole))
+    return s, mesh or "single device", n_params, refused
+
+
+def _check(cfg: JobConfig, ngpu: int) -> tuple[ParallelDims, ModelArgs, int, str]:
+    """The trainer's checks (so that errors read the same), and a note when only this machine fails them.
+
+    Some of the trainer's checks are about the machine it runs on (context parallel needs CUDA). Without a
+    GPU here, a refusal is re-checked with the checks that do not depend on the machine; if those pass,
+    the estimate goes on (for the GPU machine) and the trainer's message becomes a note.
+    """
+    import torch
+
+    from titanrush.trainer import check_config, resolve_model_args
+
+    try:
+        dims, args, accum = check_config(cfg, ngpu)
+        return dims, args, accum, ""
+    except ConfigError as e:
+        if torch.cuda.is_available():
+            raise
+        refused = str(e)
+    p, t = cfg.parallelism, cfg.training
+    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, ngpu)
+    args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer).n_words)
+    dims.check_model(
+        n_heads=args.n_heads, n_kv_heads=args.kv_heads, n_layers=args.n_layers, seq_len=t.seq_len
+    )
+    per_step = t.local_batch_size * dims.dp
+    gbs = per_step if t.global_batch_size == -1 else t.global_batch_size
+    if gbs % per_step:
+        raise ConfigError(f"training.global_batch_size = {gbs} must be a multiple of local_batch_size x dp")
+    return dims, args, gbs // per_step, f"the trainer refuses this config on this machine: {refused}"
+
+
+def default_gpu_mem() -> tuple[float, list[str]]:
+    """The CUDA device's memory in GiB, or 80 GiB (with a note saying so) without one."""
+    import torch
+
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return props.total_memory / GIB, [f"GPU memory: {props.name}, {props.total_memory / GIB:.1f} GiB"]
+    return 80.0, ["no CUDA device here: assuming 80 GiB per GPU (pass --gpu-mem for another GPU)"]
+
+
+def _context_bytes(ngpu: int) -> int:
+    return int((CUDA_CONTEXT_GIB + (NCCL_GIB if ngpu > 1 else 0.0)) * GIB)
+
+
+def slack(s: mm.Setup, b: mm.Breakdown) -> int:
+    """Caching-allocator slack (reserved minus allocated at the peak): a heuristic fitted to nine H200 runs
+    (docs/estimator.md): 5% of the peak, 10% more with collectives (their streams keep their own blocks),
+    8% more with fully checkpointed blocks (recomputation churns block-sized temporaries)."""
+    frac = 0.05
+    if s.fsdp or s.ddp or s.tp > 1 or s.pp > 1 or s.cp > 1:
+        frac += 0.10
+    if s.ac_mode == "full" or (s.ac_mode == "selective" and s.ac_selective != "op"):
+        frac += 0.08
+    return int(frac * b.peak)
+
+
+def _total(s: mm.Setup, b: mm.Breakdown, context: int) -> int:
+    return b.peak + slack(s, b) + context
+
+
+def max_local_batch(s: mm.Setup, limit: float, context: int, cap: int = 1 << 16) -> int:
+    """The largest local batch size (a multiple of the pipeline micro-batches) whose analytic total fits
+    within `limit` bytes; 0 if none does."""
+    step = s.microbatches if s.pp > 1 else 1
+
+    def fits(k: int) -> bool:
+        sk = dataclasses.replace(s, local_batch=k * step)
+        return _total(sk, mm.analyze(sk), context) <= limit
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi * step <= cap and fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step
+
+
+def estimate(cfg: JobConfig, ngpu: int, gpu_mem_gib: float | None = None, *, trace: bool = True) -> Estimate:
+    """Per-GPU memory of one training step of `cfg` on `ngpu` GPUs, and whether it fits.
+
+    Args:
+        cfg: The job config (as `titanrush.config.load` returns it).
+        ngpu: The number of GPUs (the world size).
+        gpu_mem_gib: Memory per GPU; None: the CUDA device's, or 80 GiB without one.
+        trace: Also trace one step on fake tensors (seconds for 8B) to check the analytic model.
+
+    Returns:
+        The estimate; `fits` says whether `total_gib` fits in `gpu_mem_gib`.
+
+    Raises:
+        ConfigError: The config is invalid for this number of GPUs (the trainer would refuse it too).
+    """
+    if ngpu < 1:
+        raise ConfigError(f"--ngpu must be >= 1, got {ngpu}")
+    s, mesh, n_params, refused = build_setup(cfg, ngpu)
+    notes: list[str] = [refused] if refused else []
+    if gpu_mem_gib is None:
+        gpu_mem_gib, more = default_gpu_mem()
+        notes += more
+    if gpu_mem_gib <= 0:
+        raise ConfigError(f"--gpu-mem must be > 0 GiB, got {gpu_mem_gib}")
+    b = mm.analyze(s)
+    context = _context_bytes(ngpu)
+    extra = slack(s, b)
+    total = b.peak + extra + context
+    est = Estimate(
+        flavor=cfg.model.flavor,
+        n_params=n_params,
+        ngpu=ngpu,
+        mesh=mesh,
+        local_batch_size=s.local_batch,
+        seq_len=s.seq_len,
+        precision=s.precision,
+        **{f"{k}_gib": b.sizes[k] / GIB for k in mm.COMPONENTS},
+        peak_allocated_gib=b.peak / GIB,
+        allocator_slack_gib=extra / GIB,
+        cuda_context_gib=context / GIB,
+        total_gib=total / GIB,
+        gpu_mem_gib=gpu_mem_gib,
+        fits=total <= gpu_mem_gib * GIB,
+        max_local_batch_size=max_local_batch(s, gpu_mem_gib * GIB, context),
+        peak_phase=b.peak_phase,
+        peak_rank=b.rank,
+        at_peak={k: v / GIB for k, v in b.at_peak.items()},
+        details={k: _describe(s, k) for k in mm.COMPONENTS if _describe(s, k)},
+        notes=notes,
+    )
+    if est.fits and total > 0.95 * gpu_mem_gib * GIB:
+        notes.append("within 5% of the GPU's memory: fragmentation may still run it out of memory")
+    if trace:
+        _add_trace(est, s, b, extra + context)
+    return est
+
+
+def _add_trace(est: Estimate, s: mm.Setup, b: mm.Breakdown, extra: int) -> None:
+    """Trace the step, compare with the analytic model on the same scope, record both."""
+    from titanrush.tools import memory_trace
+
+    est.not_traced = memory_trace.not_traced(s)
+    try:
+        tr = memory_trace.trace(s)
+    except Exception as e:  # the trace is a check: report its failure, keep the analytic answer
+        est.notes.append(f"trace failed ({type(e).__name__}: {e}); the analytic model stands alone")
+        return
+    same_scope = mm.analyze(s, as_traced=True)
+    err = (same_scope.peak - tr.peak) / max(tr.peak, 1)
+    est.trace_vs_analytic_pct = 100 * err
+    # What the trace does not run (FSDP buffers, compile, sequence parallel ...) comes from the model.
+    traced_alloc = tr.peak + (b.peak - same_scope.peak)
+    est.trace_peak_allocated_gib = traced_alloc / GIB
+    est.trace_total_gib = (traced_alloc + extra) / GIB
+    if abs(err) > TOLERANCE:
+        est.warning = (
+            f"the analytic model and the trace disagree by {100 * err:+.0f}% on the traced part "
+            f"({same_scope.peak / GIB:.2f} vs {tr.peak / GIB:.2f} GiB at {tr.peak_phase}): check both"
+        )
+
+
+LABELS = {
+    "params": "parameters",
+    "master_weights": "master weights (fp32)",
+    "grads": "gradients",
+    "optimizer": "optimizer states",
+    "activations": "activations (saved)",
+    "logits": "logits / loss",
+    "fsdp_buffers": "FSDP all-gather + reduce-scatter",
+    "ddp_buckets": "DDP gradient buckets",
+    "float8": "float8 casts",
+    "transient": "temporaries (backward, optimizer)",
+    "buffers": "buffers (RoPE table)",
+}
+
+
+def _describe(s: mm.Setup, key: str) -> str:
+    states = ("params", "master_weights", "grads", "optimizer")
+    shard = f", 1/{s.fsdp_shard} (FSDP)" if s.fsdp and key in states else ""
+    if key == "params":
+        if s.precision == "fp32":
+            return "fp32" + shard
+        return "bf16 copies, autocast" if s.autocast else "bf16: in the FSDP buffers"
+    if key == "grads":
+        return "fp32" + shard
+    if key == "optimizer":
+        kind = {"adamw": "AdamW, 2 x fp32", "adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}[s.optimizer]
+        return kind + shard
+    if key == "master_weights":
+        return "bf16 compute" + shard
+    if key == "activations":
+        ac = s.ac_mode if s.ac_mode != "selective" else f"selective {s.ac_selective}"
+        return f"AC {ac}" + (", compiled" if s.compile else "")
+    if key == "logits":
+        return f"{s.loss}" + (f" ({s.loss_chunk} tokens)" if s.loss == "chunked" else ", fp32")
+    return ""
+
+
+def format_report(est: Estimate) -> str:
+    """The human-readable table."""
+    lines = [
+        f"titanrush estimate: {est.flavor} ({est.n_params / 1e9:.2f}B params) on {est.ngpu} GPU(s), "
+        f"{est.mesh}; local batch {est.local_batch_size} x seq {est.seq_len}, {est.precision}",
+        f"{'per-GPU memory, GiB (pipeline rank ' + str(est.peak_rank) + ')':<54} {'size':>8} {'at peak':>8}",
+    ]
+    for key in mm.COMPONENTS:
+        size, peak = getattr(est, f"{key}_gib"), est.at_peak.get(key, 0.0)
+        if size == 0 and peak == 0:
+            continue
+        desc = est.details.get(key, "")
+        label = f"{LABELS[key]}" + (f" [{desc}]" if desc else "")
+        lines.append(f"  {label:<52} {size:8.2f} {peak:8.2f}")
+    lines += [
+        f"  {'= peak allocated (at ' + est.peak_phase + ')':<52} {'':8} {est.peak_allocated_gib:8.2f}",
+        f"  {'+ allocator slack (heuristic)':<52} {'':8} {est.allocator_slack_gib:8.2f}",
+        f"  {'+ CUDA context' + (' and NCCL' if est.ngpu > 1 else ''):<52} {'':8} "
+        f"{est.cuda_context_gib:8.2f}",
+        f"  {'= total':<52} {'':8} {est.total_gib:8.2f}   of {est.gpu_mem_gib:.1f} GiB: "
+        + ("fits" if est.fits else "does NOT fit"),
+        f"largest local batch size that fits: {est.max_local_batch_size or 'none (not even 1)'}",
+    ]
+    if est.trace_peak_allocated_gib is not None:
+        lines.append(
+            f"trace (one step on fake tensors): peak allocated {est.trace_peak_allocated_gib:.2f} GiB, total "
+            f"{est.trace_total_gib:.2f} GiB; analytic vs trace on the traced part: "
+            f"{est.trace_vs_analytic_pct:+.1f}%"
+        )
+    if est.not_traced:
+        lines.append("not traced (analytic only): " + "; ".join(est.not_traced))
+    if est.warning:
+        lines.append(f"WARNING: {est.warning}")
+    lines += [f"note: {n}" for n in est.notes]
+    return "\n".join(lines)
+
+
+def _split(argv: list[str]) -> tuple[dict, list[str]]:
+    """Pull the estimator's own flags out of argv; the rest goes to the config loader."""
+    opts: dict = {"ngpu": None, "gpu_mem": None, "json": False, "trace": True}
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg.partition("=")
+        if name in ("--ngpu", "--gpu-mem"):
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ConfigError(f"{name} needs a value")
+                value, i = argv[i + 1], i + 1
+            try:
+                opts[name[2:].replace("-", "_")] = int(value) if name == "--ngpu" else float(value)
+            except ValueError:
+                raise ConfigError(f"{name} must be a number, got {value!r}") from None
+        elif arg == "--json":
+            opts["json"] = True
+        elif arg == "--no-trace":
+            opts["trace"] = False
+        else:
+            rest.append(arg)
+        i += 1
+    return opts, rest
+
+
+def _default_ngpu() -> int:
+    if os.environ.get("NGPU"):
+        return int(os.environ["NGPU"])
+    import torch
+
+    return torch.cuda.device_count() or 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the estimate; print the table or JSON; return the exit status."""
+    from titanrush.train import split_args
+
+    argv = sys.argv[1:] if argv is None else argv
+    if "-h" in argv or "--help" in argv:
+        print(USAGE)
+        return 0
+    try:
+        opts, rest = _split(argv)
+        path, _, overrides = split_args(rest)
+        cfg = cfgmod.load(path, overrides)
+        ngpu = opts["ngpu"] if opts["ngpu"] is not None else _default_ngpu()
+        est = estimate(cfg, ngpu, opts["gpu_mem"], trace=opts["trace"])
+    except ConfigError as e:
+        print(f"titanrush estimate: config error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(dataclasses.asdict(est), indent=2) if opts["json"] else format_report(est))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,495 @@
+"""Analytic per-GPU memory model of one titanrush training step: states, activations, buffers, the peak.
+
+Every tensor is counted from the model's shapes and the parallel layout (TP shards the heads, the FFN and
+the vocabulary; FSDP shards each parameter's first dimension; PP gives each rank its layers and keeps
+several micro-batches in flight; CP splits the sequence). The peak is the largest of the moments of a
+step where memory can peak (the last block's forward, the end of forward with the loss, the loss's and
+the output layer's backward, the backward of the first and of the last block, the embedding's backward,
+the optimizer step), each a dict component -> bytes, so the breakdown shown is the one at the peak.
+docs/estimator.md derives the formulas. `as_traced=True` evaluates the model as `memory_trace` runs it
+(eager, no sequence parallel, no FSDP buffers), so that the two methods are compared like for like.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from titanrush.models.llama.model import ModelArgs
+
+GIB = 1024**3
+LOWBIT = {"adamw8bit": (1.0, 256, 256), "adamw4bit": (0.5, 128, 16)}  # code bytes, block size, qmap size
+LOWBIT_MIN_NUMEL = 4096  # torchao (after bitsandbytes) keeps smaller tensors' states in fp32
+INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+COMPONENTS = (
+    "params", "master_weights", "grads", "optimizer", "activations", "logits", "fsdp_buffers",
+    "ddp_buckets", "float8", "transient", "buffers",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Setup:
+    """The plain values the memory model needs (estimate.py builds it from the job config)."""
+
+    args: ModelArgs
+    local_batch: int
+    seq_len: int
+    precision: str = "fp32"
+    accum: int = 1
+    fsdp_shard: int = 1  # FSDP shard degree: dp_shard x cp (1: no FSDP)
+    ddp: bool = False
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    reshard: str = "default"
+    cpu_offload: bool = False
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int = 0
+    pp_stages_per_rank: int = 0
+    pp_layers_per_stage: tuple[int, ...] = ()
+    ac_mode: str = "none"
+    ac_selective: str = "op"
+    compile: bool = False
+    float8: bool = False
+    float8_all_gather: bool = False
+    loss: str = "plain"
+    loss_chunk: int = 4096
+    optimizer: str = "adamw"
+    optimizer_impl: str = "fused"
+    max_norm: float = 1.0
+
+    @property
+    def fsdp(self) -> bool:
+        return self.fsdp_shard > 1
+
+    @property
+    def c(self) -> int:
+        """Bytes per element of the compute dtype (matmul outputs, attention)."""
+        return 2 if self.precision == "bf16" else 4
+
+    @property
+    def autocast(self) -> bool:
+        """bf16 without FSDP runs under autocast: fp32 weights cast per matmul, fp32 residual stream."""
+        return self.precision == "bf16" and not self.fsdp
+
+    @property
+    def r(self) -> int:
+        """Bytes per element of the residual stream (bf16 only when FSDP gathers bf16 weights)."""
+        return 2 if self.precision == "bf16" and self.fsdp else 4
+
+    @property
+    def stages_per_rank(self) -> int:
+        if self.pp == 1:
+            return 1
+        return self.pp_stages_per_rank or (2 if self.pp_schedule in INTERLEAVED else 1)
+
+    @property
+    def microbatches(self) -> int:
+        if self.pp == 1:
+            return 1
+        return self.pp_microbatches or self.pp * self.stages_per_rank
+
+
+@dataclass
+class RankPlan:
+    """What one pipeline rank holds and how many micro-batches' activations it keeps at once."""
+
+    rank: int
+    layers: list[int]
+    embedding: bool
+    head: bool
+    in_flight: float  # micro-batches' worth of activations alive at the peak
+    microbatch: int  # sequences per micro-batch
+
+
+@dataclass
+class Breakdown:
+    """The model's answer for one rank: component sizes, the moments of the step, and the peak."""
+
+    rank: int
+    sizes: dict[str, int]
+    moments: dict[str, dict[str, int]]
+    peak_phase: str = ""
+    peak: int = 0
+
+    @property
+    def at_peak(self) -> dict[str, int]:
+        return self.moments[self.peak_phase]
+
+
+def rank_plans(s: Setup) -> list[RankPlan]:
+    """Layers, embedding/head and micro-batches in flight of every pipeline rank."""
+    n_layers, pp, v = s.args.n_layers, s.pp, s.stages_per_rank
+    n_stages = pp * v
+    if s.pp_layers_per_stage:
+        counts = list(s.pp_layers_per_stage)
+    else:
+        counts = [n_layers // n_stages + (1 if i < n_layers % n_stages else 0) for i in range(n_stages)]
+    starts = [sum(counts[:i]) for i in range(n_stages)]
+    m = s.microbatches
+    plans = []
+    for rank in range(pp):
+        if s.pp_schedule == "ZBVZeroBubble":  # V shape: rank r holds stages r and 2pp-1-r
+            stages = [rank, n_stages - 1 - rank]
+        else:
+            stages = [rank + j * pp for j in range(v)]
+        layers = [i for st in stages for i in range(starts[st], starts[st] + counts[st])]
+        if pp == 1:
+            in_flight = 1.0
+        elif s.pp_schedule == "GPipe":
+            in_flight = float(m)
+        elif v == 1:  # 1F1B: rank r runs pp - r forwards before its first backward
+            in_flight = float(min(m, pp - rank))
+        else:  # interleaved: (v-1)pp + 2(pp-1-r) + 1 chunk forwards of 1/v of the rank's layers each
+            in_flight = min(m * v, (v - 1) * pp + 2 * (pp - 1 - rank) + 1) / v
+        plans.append(
+            RankPlan(
+                rank=rank,
+                layers=layers,
+                embedding=0 in stages,
+                head=n_stages - 1 in stages,
+                in_flight=in_flight,
+                microbatch=max(s.local_batch // m, 1),
+            )
+        )
+    return plans
+
+
+def param_shapes(s: Setup, plan: RankPlan) -> list[tuple[str, tuple[int, int], bool]]:
+    """(name, TP-local shape (dim0, rest), is a linear weight) of every parameter on the rank."""
+    a, tp = s.args, s.tp
+    d, hq, hkv = a.dim, a.n_heads // tp * a.head_dim, a.kv_heads // tp * a.head_dim
+    f, vocab = math.ceil(a.ffn_hidden / tp), math.ceil(a.vocab_size / tp)
+    out: list[tuple[str, tuple[int, int], bool]] = []
+    if plan.embedding:
+        out.append(("tok_embeddings", (vocab, d), False))
+    block = {"wq": (hq, d), "wk": (hkv, d), "wv": (hkv, d), "wo": (d, hq), "w1": (f, d), "w3": (f, d),
+             "w2": (d, f)}  # fmt: skip
+    for i in plan.layers:
+        out += [(f"layers.{i}.{name}", shape, True) for name, shape in block.items()]
+        out += [(f"layers.{i}.{name}", (d, 1), False) for name in ("attention_norm", "ffn_norm")]
+    if plan.head:
+        out.append(("norm", (d, 1), False))
+        if not (a.tie_embeddings and plan.embedding):
+            out.append(("output", (vocab, d), True))
+    return out
+
+
+def shard_numel(shape: tuple[int, int], n: int) -> int:
+    """Elements of one FSDP shard: dim 0 split into n parts, padded to equal size."""
+    return math.ceil(shape[0] / n) * shape[1]
+
+
+def optimizer_bytes(numel: int, name: str) -> int:
+    """AdamW's two states for one (local) parameter: fp32, or torchao's block-quantized codes + scales."""
+    if name in LOWBIT:
+        code, block, qmap = LOWBIT[name]
+        if numel >= LOWBIT_MIN_NUMEL and numel % block == 0:
+            return 2 * (int(numel * code) + numel // block * 4 + qmap * 4) + 4
+    return 2 * 4 * numel + 4
+
+
+def states(s: Setup, plan: RankPlan) -> dict[str, int]:
+    """Per-GPU bytes of parameters, master weights, gradients, optimizer states and buffers."""
+    shapes = param_shapes(s, plan)
+    n = s.fsdp_shard if s.fsdp else 1
+    local = [shard_numel(shape, n) for _, shape, _ in shapes]
+    stored = 4 * sum(local)  # parameters are fp32 in both precisions (bf16 runs keep fp32 masters)
+    on_gpu = 0 if s.cpu_offload else 1
+    # autocast caches a bf16 copy of every matmul weight (a tied table: for the output) for fwd and bwd
+    tied = s.args.tie_embeddings and plan.embedding and plan.head
+    matmul = sum(d0 * d1 for name, (d0, d1), lin in shapes if lin or (tied and name == "tok_embeddings"))
+    compute_copies = 2 * matmul if s.autocast else 0
+    return {
+        "params": compute_copies if s.precision == "bf16" else stored * on_gpu,
+        "master_weights": stored * on_gpu if s.precision == "bf16" else 0,
+        "grads": stored * on_gpu,
+        "optimizer": sum(optimizer_bytes(x, s.optimizer) for x in local) * on_gpu,
+        "buffers": 2 * s.args.max_seq_len * s.args.head_dim * 4,  # the fp32 RoPE table of 2 x max_seq_len
+    }
+
+
+def _sp(s: Setup, n: int, as_traced: bool) -> int:
+    """Local tokens of the norms and the residual stream: 1/tp of the sequence under sequence parallel."""
+    return n // s.tp if s.tp > 1 and s.sequence_parallel and not as_traced else n
+
+
+def layer_mode(s: Setup, position: int, *, as_traced: bool) -> str:
+    """How the block at this position of the rank is checkpointed: none, full, op (selective) or compiled."""
+    plain = "none" if as_traced or not s.compile else "compiled"
+    if s.ac_mode == "full":
+        return "full"
+    if s.ac_mode == "selective":
+        if s.ac_selective == "op":
+            return "op"
+        return "full" if (position + 1) % int(s.ac_selective) == 0 else plain
+    return plain
+
+
+def block_saved(s: Setup, n: int, batch: int, mode: str, *, as_traced: bool = False) -> dict[str, int]:
+    """Bytes autograd (or the checkpoint) keeps for one block's backward, by tensor, for n local tokens."""
+    a, tp, c, r = s.args, s.tp, s.c, s.r
+    d, dh, hq, hkv = a.dim, a.head_dim, a.n_heads // tp, a.kv_heads // tp
+    f, n_sp, seq = math.ceil(a.ffn_hidden / tp), _sp(s, n, as_traced), n // batch
+    lse = 4 * batch * hq * seq  # fp32 logsumexp of the fused attention kernels
+    if mode == "full":
+        return {"block input": r * n_sp * d}
+    if mode == "op":  # selective: the outputs of matmuls and attention are kept, the rest recomputed
+        out = {
+            "block input": r * n_sp * d, "wq out": c * n * hq * dh, "wk out": c * n * hkv * dh,
+            "wv out": c * n * hkv * dh, "attention out": c * n * hq * dh, "logsumexp": lse,
+            "wo out": c * n * d, "w1 out": c * n * f, "w3 out": c * n * f, "w2 out": c * n * d,
+        }  # fmt: skip
+        if tp > 1 and s.sequence_parallel and not as_traced:
+            out["reduce-scatter outs"] = 2 * c * n_sp * d
+        if s.compile and not as_traced:  # measured on H200: compiled, one fewer (n, dim) output is kept
+            del out["w2 out"]
+        return out
+    # SDPA takes K/V repeated to the query heads (GQA); flash-attn and flex read the KV heads directly.
+    kv = hq if a.attn_backend in ("sdpa", "cudnn", "math") or as_traced else hkv
+    if mode == "compiled":  # what inductor's partitioner kept for a compiled 1B block on H200 (exactly so
+        return {  # under FSDP's bf16, about 5% less under autocast): the eager set less silu, norms fused
+            "block input": r * n_sp * d, "norm outputs": 2 * c * n * d, "q roped": c * n * hq * dh,
+            "k, v": 2 * c * n * kv * dh, "attention out": c * n * hq * dh, "logsumexp": lse,
+            "residual": r * n_sp * d, "w1 out, w3 out, gate": 3 * c * n * f,
+        }  # fmt: skip
+    # Eager, no checkpointing: what each op saves (see docs/estimator.md for the list).
+    norm = 4 * n_sp * d + 4 * n_sp  # RMSNorm keeps its fp32 input and the fp32 1/rms
+    # The matmul inputs: autocast casts them once per matmul (wq, wk, wv; w1, w3), each cast kept.
+    out = {
+        "attention_norm in": norm, "attention in": (6 if s.autocast else r) * n * d,
+        "q roped": c * n * hq * dh, "k roped": c * n * kv * dh, "v": c * n * kv * dh,
+        "attention out": c * n * hq * dh, "logsumexp": lse,
+        "ffn_norm in": norm, "ffn in": (4 if s.autocast else r) * n * d,
+        "w1 out": c * n * f, "silu out": c * n * f, "w3 out": c * n * f, "gate": c * n * f,
+    }  # fmt: skip
+    if a.attn_backend == "math":  # the (T, T) scores: fp32 softmax output, its bf16 copy, the mask
+        out["scores"] = (4 + (c if c == 2 else 0)) * batch * hq * seq * seq + seq * seq
+        del out["logsumexp"]
+    return out
+
+
+def block_working_set(s: Setup, n: int, batch: int, mode: str, *, backward: bool, as_traced: bool) -> int:
+    """Bytes of one block's tensors alive at its peak, besides the other blocks' saved tensors.
+
+    Backward: what the block's backward holds when the FFN's input gradients are computed (its saved or
+    recomputed tensors, dp/ds/db less the freed gate, the incoming residual gradient); with selective
+    checkpointing the cached matmul outputs that backward does not need are already released. Forward
+    (checkpointed blocks): the FFN's live intermediates, which a checkpointed block does not keep.
+    """
+    a, tp, c, r = s.args, s.tp, s.c, s.r
+    f, n_sp, seq = math.ceil(a.ffn_hidden / tp), _sp(s, n, as_traced), n // batch
+    held = 0 if r == 4 else r * n_sp * a.dim  # a bf16 block input is held beside the norm's fp32 copy
+    scores = 8 * batch * (a.n_heads // tp) * seq * seq if a.attn_backend == "math" else 0  # fp32 (T, T)
+    if backward:
+        saved = block_saved(s, n, batch, "compiled" if mode == "compiled" else "none", as_traced=as_traced)
+        return (
+            sum(saved.values()) + (held if mode in ("full", "op") else 0) + 2 * c * n * f + r * n_sp * a.dim
+        )
+    casts = 4 * n * a.dim if s.autocast else 0  # the FFN input's two bf16 casts
+    if mode == "full":  # silu output, w3 output and gate; the FFN input and the mid-block residual
+        return 3 * c * n * f + 2 * r * n_sp * a.dim + casts + scores
+    if mode == "op":  # w1 and w3 outputs are cached (saved); silu output and gate are not
+        return 2 * c * n * f + r * n_sp * a.dim + casts + scores
+    return c * n * a.dim + r * n_sp * a.dim + scores  # the w2 output and the residual sum
+
+
+LOSS_KEYS = ("saved", "log_softmax", "forward", "backward", "rows", "vocab")
+
+
+def loss_bytes(s: Setup, n: int, *, as_traced: bool) -> dict[str, int]:
+    """Saved tensors of the final norm and output layer, and the loss's forward and backward peaks."""
+    a, tp, c, r = s.args, s.tp, s.c, s.r
+    n_sp = _sp(s, n, as_traced)
+    vocab = math.ceil(a.vocab_size / tp) if tp > 1 and (s.loss_parallel or as_traced) else a.vocab_size
+    chunked = s.loss == "chunked"
+    rows = min(n, s.loss_chunk) if chunked else n
+    head_in = (2 if s.autocast and not chunked else r) * n * a.dim
+    return {
+        "saved": 4 * n_sp * a.dim + 4 * n_sp + head_in,
+        "log_softmax": 0 if chunked else 4 * rows * vocab,  # kept per micro-batch until its backward
+        # logits in the compute dtype (a chunk's are freed once cast), their fp32 copy, the log-softmax
+        "forward": rows * vocab * (8 if c == 4 or chunked else c + 8),
+        # log-softmax output + the gradients of nll_loss and log_softmax, all (rows, V) fp32; chunked: the
+        # full-size gradient of the hidden states that the chunks' gradients are summed into
+        "backward": 12 * rows * vocab + (r * n * a.dim if chunked else 0),
+        "rows": rows,
+        "vocab": vocab,
+    }
+
+
+def _units(s: Setup, plan: RankPlan) -> tuple[list[list[tuple[int, bool, str]]], list[tuple[int, bool, str]]]:
+    """FSDP units of the rank in forward order (embedding, blocks, head) and the root's parameters, each
+    parameter as (TP-local numel, is a linear weight, name)."""
+    shapes = param_shapes(s, plan)
+    by_unit: dict[str, list[tuple[int, bool, str]]] = {}
+    tied = s.args.tie_embeddings and plan.embedding and plan.head
+    for name, (d0, d1), linear in shapes:
+        if name.startswith("layers."):
+            key = name.rsplit(".", 1)[0]
+        elif name == "tok_embeddings":
+            key = "root" if tied else "emb"
+        else:
+            key = "head"
+        by_unit.setdefault(key, []).append((d0 * d1, linear, name))
+    root = by_unit.pop("root", [])
+    order = (["emb"] if "emb" in by_unit else []) + [f"layers.{i}" for i in plan.layers]
+    order += ["head"] if "head" in by_unit else []
+    return [by_unit[k] for k in order], root
+
+
+def fsdp_buffers(s: Setup, plan: RankPlan) -> dict[str, int]:
+    """Per moment: FSDP's unsharded parameters (the unit in use and the one prefetched), unsharded gradients
+    and fp32 reduce-scatter inputs (the unit's, and the previous unit's, still in flight)."""
+    units, root = _units(s, plan)
+    pc = 2 if s.precision == "bf16" else 4
+
+    def unit(i: int, kind: str) -> int:
+        if i < 0 or i >= len(units):
+            return 0
+        if kind == "gather":
+            f8 = s.float8_all_gather
+            return sum(x * (1 if f8 and lin and name != "output" else pc) for x, lin, name in units[i])
+        per = {"reduce": pc + 4, "in flight": 4}[kind]  # grads + reduce-scatter input; previous input
+        return per * sum(x for x, _, _ in units[i])
+
+    root_all = 2 * pc * sum(x for x, _, _ in root)  # never resharded; its unsharded gradient accumulates
+    first = 1 if plan.embedding and units and units[0][0][2] == "tok_embeddings" else 0
+    head = len(units) - 1 if plan.head and units and units[-1][-1][2] in ("norm", "output") else len(units)
+    blk = head - 1  # the rank's last block
+    every = sum(unit(i, "gather") for i in range(len(units)))
+
+    def gathered(*idx: int) -> int:  # reshard_after_forward = never keeps every unit until its backward
+        return root_all + (every if s.reshard == "never" else sum(unit(i, "gather") for i in idx))
+
+    kept = () if s.reshard == "always" else (head, blk)  # default: the last block and the head stay
+    return {
+        "last block forward": gathered(blk, head),
+        "forward end": gathered(*kept),
+        "loss backward": gathered(head, blk),
+        "output backward": gathered(head, blk) + unit(head, "reduce"),
+        "first block backward": gathered(blk, blk - 1) + unit(blk, "reduce") + unit(head, "in flight"),
+        "last block backward": gathered(first, first - 1)
+        + unit(first, "reduce")
+        + unit(first + 1, "in flight"),
+        "embedding backward": gathered(0) + unit(0, "reduce") + unit(1, "in flight"),
+    }
+
+
+def analyze_rank(s: Setup, plan: RankPlan, *, as_traced: bool = False) -> Breakdown:
+    """Every moment of the step on one pipeline rank, and its peak."""
+    a, st, b, k = s.args, states(s, plan), plan.microbatch, plan.in_flight
+    n = b * s.seq_len // s.cp  # tokens of one micro-batch on this rank
+    modes = [layer_mode(s, i, as_traced=as_traced) for i in range(len(plan.layers))] or ["full"]
+    saved = [sum(block_saved(s, n, b, m, as_traced=as_traced).values()) for m in modes]
+    bwd_ws = [block_working_set(s, n, b, m, backward=True, as_traced=as_traced) for m in modes]
+    fwd_ws = block_working_set(s, n, b, modes[-1], backward=False, as_traced=as_traced)
+    if not plan.layers:  # a stage without blocks
+        saved, bwd_ws, fwd_ws = [0], [0], 0
+    loss = loss_bytes(s, n, as_traced=as_traced) if plan.head else dict.fromkeys(LOSS_KEYS, 0)
+    a_blocks, a_emb = k * sum(saved), k * 8 * n * plan.embedding  # the token ids for the embedding's backward
+    a_head = k * loss["saved"] + (k - 1) * loss["log_softmax"]  # other micro-batches' losses too
+    shard = s.fsdp_shard if s.fsdp else 1
+    g_full = st["grads"]
+    vocab = 4 * math.ceil(loss["vocab"] * a.dim / shard)  # the output projection's gradient (tied or not)
+    head_g = vocab + 4 * a.dim * plan.head
+    emb_g = 4 * math.ceil(math.ceil(a.vocab_size / s.tp) * a.dim / shard) if plan.embedding else 0
+    emb_g = 0 if plan.head and a.tie_embeddings else emb_g
+    w2 = a.dim * math.ceil(a.ffn_hidden / s.tp)  # the largest block weight
+    w2_grad = 0 if s.fsdp and not as_traced else 4 * math.ceil(w2 / shard)
+    # Weight-gradient conversions: autocast's bf16 gradient before its fp32 copy; as traced under FSDP, one
+    # tensor's unsharded gradient before it is sharded (FSDP's buffers stand for it otherwise).
+    conv = 2 if s.autocast else (6 if s.precision == "bf16" else 4) if s.fsdp and as_traced else 0
+    f8 = 0  # float8 casts of the largest linear's input, output gradient and weight
+    if s.float8 and not as_traced:
+        f8 = n * (math.ceil(a.ffn_hidden / s.tp) + a.dim) + 2 * w2
+    fsdp = fsdp_buffers(s, plan) if s.fsdp and not as_traced else {}
+    steady = s.accum > 1 or s.microbatches > 1  # earlier micro-batches' gradients are alive throughout
+    base = {key: st[key] for key in ("params", "master_weights", "optimizer", "buffers")}
+    base["ddp_buckets"] = g_full if s.ddp and not as_traced else 0
+    copies, recast = _autocast_copies(s, plan, modes, as_traced=as_traced)
+    moments: dict[str, dict[str, int]] = {}
+
+    def add(name: str, grads: int = 0, **parts: float) -> None:
+        m = {**base, **parts, "fsdp_buffers": fsdp.get(name, 0), "grads": g_full if steady else grads}
+        if s.autocast:
+            m["params"] = copies[name]
+        moments[name] = {key: int(m.get(key, 0)) for key in COMPONENTS}
+
+    add("last block forward", activations=a_blocks + a_emb, transient=fwd_ws)
+    add("forward end", activations=a_blocks + a_emb + a_head, logits=loss["forward"])
+    if plan.head:
+        everything = a_blocks + a_emb + a_head
+        if s.loss == "chunked" and not as_traced:  # measured on H200: the first chunk's backward peaks, with
+            # the chunk's bf16 logits still alive (or, in later chunks, the output weight's gradient)
+            dw = (2 if s.fsdp and s.precision == "bf16" else 4) * loss["vocab"] * a.dim
+            chunk_extra = max(dw, 2 * loss["rows"] * loss["vocab"] if s.c == 2 else 0)
+            add("loss backward", activations=everything, logits=loss["backward"] + chunk_extra)
+        else:
+            chunk_g = head_g if s.loss == "chunked" else 0
+            add("loss backward", chunk_g, activations=everything, logits=loss["backward"])
+        logits_grad = s.c * loss["rows"] * loss["vocab"]
+        add(
+            "output backward", head_g, activations=everything, logits=logits_grad, transient=conv * vocab // 4
+        )
+    add("first block backward", head_g + w2_grad, activations=a_blocks - saved[-1] + a_emb, float8=f8,
+        transient=bwd_ws[-1] + conv * w2 + recast[-1])  # fmt: skip
+    add("last block backward", g_full - emb_g, activations=(k - 1) * sum(saved) + a_emb, float8=f8,
+        transient=bwd_ws[0] + conv * w2 + recast[0])  # fmt: skip
+    if plan.embedding:  # the table's gradient arrives last, with all the others
+        # As traced under FSDP: the table's unsharded gradient (and its fp32 cast) before it is sharded.
+        table = 0 if s.autocast else conv * emb_g // 4 * shard
+        add("embedding backward", g_full - (emb_g if table else 0), activations=a_emb, transient=table)
+    numels = [shard_numel(shape, shard) for _, shape, _ in param_shapes(s, plan)]
+    opt_tmp = 0  # foreach: a sqrt(exp_avg_sq) for every tensor at once; for-loop: two for one tensor
+    if s.optimizer == "adamw" and s.optimizer_impl != "fused":
+        opt_tmp = 4 * sum(numels) if s.optimizer_impl == "foreach" else 8 * max(numels)
+    add("optimizer step", g_full, transient=opt_tmp, params=0 if s.autocast else st["params"])
+    peak_phase = max(moments, key=lambda m: sum(moments[m].values()))
+    sizes = {key: max(m[key] for m in moments.values()) for key in COMPONENTS}
+    sizes.update(params=st["params"], grads=g_full, activations=int(a_blocks + a_emb + a_head))
+    return Breakdown(plan.rank, sizes, moments, peak_phase, sum(moments[peak_phase].values()))
+
+
+def _autocast_copies(
+    s: Setup, plan: RankPlan, modes: list[str], *, as_traced: bool
+) -> tuple[dict[str, int], list[int]]:
+    """autocast's bf16 weight copies at each moment, and each block's re-cast in its recomputation.
+
+    autocast caches the copy of each weight it casts until the outermost autocast exits. On CUDA,
+    backward runs on another thread, where the first checkpoint recomputation (a chunk of the chunked loss,
+    or a checkpointed block) leaves autocast at nesting 0 and clears that cache (measured on H200); from
+    then on only copies that autograd saved (blocks that are not checkpointed, the output layer until its
+    backward) stay, and a recomputed block casts its weights again. Compiled blocks cast inside the graph:
+    no cache. A CPU trace runs backward on the calling thread, where the cache survives (`as_traced`).
+    """
+    shapes = param_shapes(s, plan)
+    blocks = sum(d0 * d1 for name, (d0, d1), lin in shapes if lin and name.startswith("layers."))
+    block = 2 * blocks // max(len(plan.layers), 1)
+    out = 2 * sum(d0 * d1 for name, (d0, d1), _ in shapes if name == "output")
+    if s.args.tie_embeddings and plan.embedding and plan.head:
+        out += 2 * shapes[0][1][0] * shapes[0][1][1]
+    ckpt = [m in ("full", "op") for m in modes] if plan.layers else []
+    cached = 0 if s.compile and not as_traced else block * sum(ckpt)
+    kept = block * (len(ckpt) - sum(ckpt))  # saved by autograd
+    order = ["last block forward", "forward end", "loss backward", "output backward", "first block backward",
+             "last block backward", "embedding backward"]  # fmt: skip
+    if as_traced:
+        cleared = len(order)
+    elif s.loss == "chunked" and plan.head:
+        cleared = order.index("loss backward")
+    else:
+        cleared = order.index("first block backward") if any(ckpt) else len(order)
+    copies = {"optimizer step": 0}
+    for i, name in enumerate(order):
+        with_out = name in ("forward end", "loss backward", "output backward") or (as_traced and i > 0)
+        copies[name] = (cached if i < cleared else 0) + kept + (out if with_out else 0)
+    again = not as_traced and (cleared < len(order) or s.compile)
+    return copies, [block if c and again else 0 for c in ckpt] or [0]
+
+
+def analyze(s: Setup, *, as_traced: bool = False) -> Breakdown:
+    """The rank whose peak is largest (with PP, ranks hold different layers and micro-batches)."""
+    return max((analyze_rank(s, p, as_traced=as_traced) for p in rank_plans(s)), key=lambda b: b.peak)
