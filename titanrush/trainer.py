@@ -45,6 +45,7 @@ from titanrush.models.llama.parallelize import parallelize_llama
 from titanrush.models.llama.pipeline import PipelinedLlama, pipeline_llama
 from titanrush.optim import build_lr_scheduler, build_optimizer
 from titanrush.parallel.context_parallel import context_parallel_step, set_rotate_method
+from titanrush.parallel.float8 import precompute_float8_scales
 from titanrush.parallel.grad_clip import clip_grad_norm_
 from titanrush.parallel.parallel_dims import ParallelDims
 from titanrush.parallel.pipeline import check_explicit_split, stages_per_rank
@@ -234,11 +235,18 @@ class Trainer:
         else:
             model = parallelize(model)
             self.model_parts = [model]
+        # FSDP's CPU offload keeps the sharded parameters in host memory (buffers stay on the device).
+        param_device = torch.device("cpu") if cfg.parallelism.fsdp_cpu_offload else self.device
         for part in self.model_parts:
-            part.to_empty(device=self.device)
+            part.to_empty(device=param_device)
             part.init_weights(seed=cfg.training.seed, buffer_device=self.device)
             part.train()
         self.model = model
+        f8 = cfg.float8
+        # FSDP's float8 all-gather needs every weight's scale computed once after each optimizer step.
+        self.float8_precompute = (
+            f8.enable and f8.recipe == "tensorwise" and f8.fsdp_float8_all_gather and self.dims.fsdp_enabled
+        )
         self.autocast = (
             cfg.training.precision == "bf16" and not self.dims.fsdp_enabled
         )  # FSDP casts through its MixedPrecisionPolicy
@@ -429,6 +437,8 @@ class Trainer:
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, pp_mesh=pp_mesh)
         self.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
         self.optimizer.step()
+        if self.float8_precompute:
+            precompute_float8_scales(self.model)
         self.scheduler.step()
         return total, grad_norm, data_wait
 

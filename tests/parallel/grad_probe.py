@@ -10,6 +10,7 @@ gradient's largest entry, plus the two losses.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -100,6 +101,7 @@ def main(out_path: str) -> None:
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)
     dist.destroy_process_group()
+    gc.collect()  # free the meshes' process groups before interpreter shutdown (gloo may abort there)
 
 
 if __name__ == "__main__":

@@ -77,10 +77,17 @@ def run_train(dump: Path, name: str, nproc: int, *overrides: str, dp: int | None
                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "titanrush.train",
                *args]  # fmt: skip
     res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout[-2000:]}\n{res.stderr[-6000:]}"
+    assert res.returncode == 0, failure(cmd, res.stdout + res.stderr)
     rows = read_metrics(dump / name)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), rows
     return rows
+
+
+def failure(cmd: list[str], log: str) -> str:
+    """The command, the lines that name the error (whichever rank hit it first), and the log's tail."""
+    keys = ("Error", "error:", "terminate", "what()", "Assertion", "Traceback", "Signal")
+    hits = [line for line in log.splitlines() if any(k in line for k in keys)]
+    return "\n".join([" ".join(cmd), "--- error lines:", *hits[:60], "--- tail:", log[-4000:]])
 
 
 def max_rel_dev(rows: list[dict], ref: list[dict], key: str) -> float:

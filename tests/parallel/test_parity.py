@@ -40,6 +40,8 @@ MESHES = {
     ),
     "fsdp2_tp2": (4, 2, ["--parallelism.tp", "2"]),
     "hsdp2x2": (4, 4, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2"]),
+    # Sequence-parallel activations cross the pipeline stage boundary as plain local shards.
+    "pp2_tp2": (4, 1, ["--parallelism.pp", "2", "--parallelism.tp", "2"]),
     "fsdp2_reshard_always": (2, 2, ["--parallelism.fsdp_reshard_after_forward", "always"]),
     "fsdp2_reshard_never_cpu_offload": (
         2, 2, ["--parallelism.fsdp_reshard_after_forward", "never", "--parallelism.fsdp_cpu_offload"],

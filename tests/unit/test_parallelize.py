@@ -95,6 +95,13 @@ def test_fsdp_units_and_2d_placements(fake_world):
     assert wq.to_local().shape == (256 // 2 // 2, 256)
 
 
+def test_fsdp_shards_over_dp_shard_and_cp_together(fake_world):
+    # The cp ranks hold the same weights: FSDP shards them over dp_shard x cp.
+    fake_world(4)
+    w1 = parallel(4, dp_shard=2, cp=2).layers["0"].feed_forward.w1.weight
+    assert w1.device_mesh.mesh_dim_names == ("dp_shard_cp",) and w1.device_mesh.size() == 4
+
+
 def test_hsdp_shards_within_and_replicates_across(fake_world):
     fake_world(4)
     model = parallel(4, dp_replicate=2, dp_shard=2)
@@ -150,8 +157,6 @@ def test_ac_then_fsdp_wrap_in_that_order(fake_world):
 @pytest.mark.parametrize(
     "over, match",
     [
-        ({"cp": 2}, "context parallel"),
-        ({"pp": 2}, "pipeline parallel"),
         ({"dp_replicate": 2, "dp_shard": 1, "tp": 2}, "DDP .* does not compose with tensor parallel"),
     ],
 )

@@ -34,11 +34,13 @@ def clip_grad_norm_(
             plain.append(g)
     total_sq = torch.zeros((), dtype=torch.float32, device=_first_local_device(grads))
     for (mesh, placements), locals_ in groups.items():
-        sq = _sum_sq(locals_).to(total_sq.device)
+        # Reduce on the mesh's device: with FSDP's CPU offload the gradients live on the host, but an
+        # NCCL group only takes CUDA tensors.
+        sq = _sum_sq(locals_).to(_mesh_device(mesh))
         for dim, placement in enumerate(placements):
             if not placement.is_replicate():
                 dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
-        total_sq = total_sq + sq
+        total_sq = total_sq + sq.to(total_sq.device)
     if plain:
         total_sq = total_sq + _sum_sq(plain).to(total_sq.device)
     if pp_mesh is not None and pp_mesh.size() > 1:

@@ -22,7 +22,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ParallelStyle, loss_parallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ParallelStyle,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 from titanrush.config import ConfigError
 
@@ -66,6 +71,25 @@ def _replicated_input(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMe
 
 def _local_output(module: nn.Module, output: Any, mesh: DeviceMesh) -> Any:
     return output.to_local() if isinstance(output, DTensor) else output
+
+
+class SyncRowwiseParallel(RowwiseParallel):
+    """`RowwiseParallel` whose output reduction has completed when the module returns.
+
+    The stock style redistributes its partial output asynchronously and hands on an
+    AsyncCollectiveTensor. When that tensor enters a compiled block from eager code (the embedding
+    feeding block 0 under per-block compile), torch 2.13 routes the gradient back to the collective
+    with the global shape and without its DTensor wrapper, and backward fails. Nothing runs between the
+    embedding and block 0 anyway, so waiting here costs no overlap.
+    """
+
+    @staticmethod
+    def _prepare_output_fn(
+        output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: DTensor, device_mesh: DeviceMesh
+    ) -> Any:
+        if outputs.placements != output_layouts:
+            outputs = outputs.redistribute(placements=output_layouts, async_op=False)
+        return outputs.to_local() if use_local_output else outputs
 
 
 def apply_tp_plan(module: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:

@@ -119,6 +119,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: object = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
+        if rope.dim() == 3:  # the model's whole table: this sequence's positions
+            rope = rope[:seq]
         # -1 heads: under tensor parallel each rank holds only its share of the heads.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)  # (B, T, H, D)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)  # (B, T, Hkv, D)
@@ -181,7 +183,9 @@ class Llama(nn.Module):
         """
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = h.shape[1]
-        rope = self.rope[:seq] if position_ids is None else self.rope[position_ids]
+        # The whole table: each attention slices it to the sequence it sees. Under sequence parallel the
+        # hidden states between blocks hold 1/tp of the sequence and attention all of it.
+        rope = self.rope if position_ids is None else self.rope[position_ids]
         mask = build_mask(self.args.attn_backend, document_ids, seq, self.args.n_heads)
         for layer in self.layers.values():
             h = layer(h, rope, mask)

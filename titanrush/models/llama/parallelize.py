@@ -3,7 +3,8 @@
 Order: float8 -> TP -> CP -> AC -> compile -> FSDP/HSDP or DDP, because
 - float8 swaps `nn.Linear` for float8 linears, which the TP styles and FSDP then shard as they are;
 - TP rewrites parameters into DTensors on the `tp` mesh, which FSDP then shards again over `dp` (2-D);
-- CP patches attention inside the blocks, before they are wrapped;
+- CP is applied per step by the trainer (sequence-sharded batch, ring attention in SDPA), so here it
+  only has its place in the order: any module change it needed would go before the blocks are wrapped;
 - AC wraps each block, and compile then traces the checkpointed block (so the recomputation is
   compiled too);
 - FSDP/DDP go last: their hooks wrap the outermost block modules (outside the compiled graphs), and
@@ -28,9 +29,15 @@ from titanrush.config import ActivationCheckpoint, Compile, ConfigError, Float8,
 from titanrush.parallel.activation_checkpoint import apply_ac
 from titanrush.parallel.compile import apply_compile
 from titanrush.parallel.ddp import apply_ddp
+from titanrush.parallel.float8 import apply_float8
 from titanrush.parallel.fsdp import apply_fsdp
 from titanrush.parallel.parallel_dims import ParallelDims
-from titanrush.parallel.tensor_parallel import ReplicateParallel, apply_tp_plan, enable_async_tp
+from titanrush.parallel.tensor_parallel import (
+    ReplicateParallel,
+    SyncRowwiseParallel,
+    apply_tp_plan,
+    enable_async_tp,
+)
 
 
 def parallelize_llama(
@@ -65,7 +72,19 @@ def parallelize_llama(
         ConfigError: A combination this version does not support (named in the message).
     """
     _check_supported(model, dims, mesh, parallelism=parallelism, float8=float8)
-    # 1. float8: the hook point. Float8 training swaps the linears here, before TP and FSDP see them.
+    # 1. float8: swap the linears before TP and FSDP see them.
+    float8_tp = False
+    if float8.enable:
+        apply_float8(
+            model,
+            recipe=float8.recipe,
+            emulate=float8.emulate,
+            fsdp_float8_all_gather=float8.fsdp_float8_all_gather and dims.fsdp_enabled,
+            filter_fqns=float8.filter_fqns,
+            min_size=float8.min_size,
+        )
+        # torchao's float8 TP styles cast before the all-gather (tensorwise scaling only).
+        float8_tp = float8.recipe == "tensorwise"
 
     # 2. Tensor parallel (with sequence parallel and loss parallel).
     if mesh is not None and dims.tp > 1:
@@ -74,11 +93,14 @@ def parallelize_llama(
             mesh["tp"],
             sequence_parallel=parallelism.sequence_parallel,
             loss_parallel=parallelism.loss_parallel,
+            float8=float8_tp,
         )
         if parallelism.async_tp:
             enable_async_tp(mesh["tp"], compiled=compile.enable)
 
-    # 3. Context parallel: the hook point (rejected above while cp > 1).
+    # 3. Context parallel: nothing changes in the modules. The trainer's context_parallel_step shards each
+    #    batch over `cp` and swaps SDPA for ring attention during the step; FSDP below shards the weights
+    #    over dp_shard x cp, since the cp ranks hold the same weights.
 
     # 4-5. Activation checkpointing, then compile (which traces the checkpointed blocks).
     apply_ac(model, mode=ac.mode, selective=ac.selective)
@@ -104,17 +126,8 @@ def parallelize_llama(
 def _check_supported(
     model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, *, parallelism: Parallelism, float8: Float8
 ) -> None:
-    """Reject what this version cannot do yet, before anything is changed."""
-    if float8.enable:
-        raise ConfigError("float8.enable: float8 arrives with issue 6; set float8.enable = false for now")
-    if dims.pp > 1:
-        raise ConfigError(
-            "parallelism.pp > 1: pipeline parallel is not implemented yet; set parallelism.pp = 1"
-        )
-    if dims.cp > 1:
-        raise ConfigError(
-            "parallelism.cp > 1: context parallel is not implemented yet; set parallelism.cp = 1"
-        )
+    """Reject what this version cannot do yet, before anything is changed (the trainer's check_config
+    rejects most combinations earlier; these guard direct callers)."""
     if mesh is not None and dims.tp > 1 and getattr(model.args, "loss_chunk_size", 0) > 0:
         raise ConfigError(
             "training.loss = chunked does not compose with parallelism.tp > 1; use training.loss = plain "
@@ -130,27 +143,24 @@ def _check_supported(
 
 
 def llama_tp_plan(
-    *, sequence_parallel: bool, loss_parallel: bool
+    *, sequence_parallel: bool, loss_parallel: bool, float8: bool = False
 ) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
     """The Llama TP plan: (plan for the top-level modules, plan for each transformer block).
 
     Column-wise wq/wk/wv/w1/w3 (each rank computes its heads and FFN units), row-wise wo/w2. Under
-    sequence parallel the residual stream between blocks is a DTensor sharded over the sequence
-    (Shard(1)): the norms run on their shard (`SequenceParallel`), attention and the FFN all-gather
-    their input (`PrepareModuleInput`), wo and w2 reduce-scatter their output back to Shard(1). The
-    residual stream stays a DTensor (not a local tensor) so that the model's `h.shape[1]` is the
-    global sequence length when it slices the RoPE table; the block inputs arrive as DTensors
-    with their placement stated. The RoPE table (and the attention mask) pass through as plain
-    replicated tensors: attention sees the whole sequence after the all-gather.
+    sequence parallel the residual stream between blocks holds this rank's 1/tp of the sequence, as a
+    plain local tensor (B, T/tp, dim) (so that pipeline stages send plain tensors): the norms run on
+    their shard (`SequenceParallel`), attention and the FFN all-gather their input
+    (`PrepareModuleInput`), wo and w2 reduce-scatter their output back to the sequence shard. The RoPE
+    table and the attention mask pass through untouched: attention sees the whole sequence after the
+    all-gather and slices the table to it.
     """
     seq = Shard(1)
     top: dict[str, ParallelStyle] = {
         # The table is split over the vocabulary; each rank looks up its ids and the sum over ranks is
         # reduce-scattered over the sequence (SP) or all-reduced.
-        "tok_embeddings": RowwiseParallel(
-            input_layouts=Replicate(),
-            output_layouts=seq if sequence_parallel else Replicate(),
-            use_local_output=not sequence_parallel,
+        "tok_embeddings": SyncRowwiseParallel(
+            input_layouts=Replicate(), output_layouts=seq if sequence_parallel else Replicate()
         ),
         "output": ColwiseParallel(
             input_layouts=seq if sequence_parallel else Replicate(),
@@ -158,12 +168,21 @@ def llama_tp_plan(
             use_local_output=not loss_parallel,
         ),
     }
+    col, row, prepare = ColwiseParallel, RowwiseParallel, PrepareModuleInput
+    if float8:  # the blocks' linears are Float8Linear: shard and all-gather in float8
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        col, row, prepare = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
     block: dict[str, ParallelStyle] = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
+        "attention.wq": col(),
+        "attention.wk": col(),
+        "attention.wv": col(),
+        "feed_forward.w1": col(),
+        "feed_forward.w3": col(),
     }
     if sequence_parallel:
         top["norm"] = SequenceParallel()
@@ -171,15 +190,13 @@ def llama_tp_plan(
             {
                 "attention_norm": SequenceParallel(),
                 # forward(x, rope, mask): gather x over the sequence, pass rope and mask through.
-                "attention": PrepareModuleInput(
+                "attention": prepare(
                     input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
                 ),
-                "attention.wo": RowwiseParallel(output_layouts=seq, use_local_output=False),
+                "attention.wo": row(output_layouts=seq),
                 "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(seq,), desired_input_layouts=(Replicate(),)
-                ),
-                "feed_forward.w2": RowwiseParallel(output_layouts=seq, use_local_output=False),
+                "feed_forward": prepare(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w2": row(output_layouts=seq),
             }
         )
     else:
@@ -187,16 +204,21 @@ def llama_tp_plan(
         block.update(
             {
                 "attention_norm": ReplicateParallel(),
-                "attention.wo": RowwiseParallel(),
+                "attention.wo": row(),
                 "ffn_norm": ReplicateParallel(),
-                "feed_forward.w2": RowwiseParallel(),
+                "feed_forward.w2": row(),
             }
         )
     return top, block
 
 
 def apply_llama_tp(
-    model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, loss_parallel: bool
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    float8: bool = False,
 ) -> None:
     """Shard the Llama over `tp_mesh` with `llama_tp_plan`, in place (on the meta device is fine).
 
@@ -206,7 +228,9 @@ def apply_llama_tp(
     """
     emb, out = model.tok_embeddings, model.output
     tied = emb is not None and out is not None and emb.weight is out.weight
-    top, block_plan = llama_tp_plan(sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    top, block_plan = llama_tp_plan(
+        sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, float8=float8
+    )
     apply_tp_plan(model, tp_mesh, top)
     for block in model.layers.values():
         apply_tp_plan(block, tp_mesh, block_plan)

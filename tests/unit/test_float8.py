@@ -1,0 +1,99 @@
+"""Float8 through torchao on CPU (emulated): which linears convert, the errors, and training."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from titanrush import config
+from titanrush.config import ConfigError
+from titanrush.models.llama import Llama, model_args
+from titanrush.trainer import Trainer
+
+pytest.importorskip("torchao", reason="float8 is torchao's; it is a project dependency (pip install -e .)")
+
+from titanrush.parallel.float8 import apply_float8  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def meta_model(**over) -> Llama:
+    with torch.device("meta"):
+        return Llama(model_args("debug", **over))
+
+
+def test_filter_size_and_alignment_rules():
+    model = meta_model(vocab_size=8200)  # output 8200 x 256: filtered by name anyway
+    names = apply_float8(model, recipe="tensorwise", emulate=True, fsdp_float8_all_gather=False,
+                         filter_fqns=["output"], min_size=0)  # fmt: skip
+    assert "layers.0.attention.wq" in names and "layers.3.feed_forward.w2" in names
+    assert "output" not in names
+    assert type(model.output) is torch.nn.Linear
+    # The default minimum size keeps the debug model's 256-wide layers in bf16.
+    assert apply_float8(meta_model(), recipe="tensorwise", emulate=True, fsdp_float8_all_gather=False,
+                        filter_fqns=["output"], min_size=1024) == []  # fmt: skip
+    # An empty filter converts the output projection too; a misaligned one never converts.
+    assert "output" in apply_float8(meta_model(), recipe="rowwise", emulate=True, fsdp_float8_all_gather=False,
+                                    filter_fqns=[], min_size=0)  # fmt: skip
+    odd = meta_model(vocab_size=8193)
+    assert "output" not in apply_float8(odd, recipe="tensorwise", emulate=True, fsdp_float8_all_gather=False,
+                                        filter_fqns=[], min_size=0)  # fmt: skip
+
+
+def test_float8_without_float8_hardware_or_emulation_is_a_clear_error():
+    with pytest.raises(ConfigError, match="float8.emulate = true"):
+        apply_float8(meta_model(), recipe="tensorwise", emulate=False, fsdp_float8_all_gather=False,
+                     filter_fqns=[], min_size=0)  # fmt: skip
+
+
+def args(tmp: Path, name: str, *extra: str) -> list[str]:
+    return ["--job.dump_folder", str(tmp), "--job.name", name, "--training.steps", "4", "--training.seq_len", "64",
+            "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--training.precision", "bf16",
+            "--training.deterministic", *extra]  # fmt: skip
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_emulated_float8_training_tracks_bf16(tmp_path, recipe):
+    for name, extra in (("bf16", ()), (recipe, ("--float8.enable", "--float8.emulate", "--float8.min_size", "0",
+                                                "--float8.recipe", recipe))):  # fmt: skip
+        trainer = Trainer(config.load(None, args(tmp_path, name, *extra)))
+        trainer.train()
+        trainer.close()
+    ref, f8 = losses(tmp_path / "bf16"), losses(tmp_path / recipe)
+    assert f8[0] == pytest.approx(ref[0], rel=1e-2)  # same weights, float8 rounding only
+    assert f8[-1] < f8[0] - 0.5  # and it trains
+
+
+def test_float8_needs_bf16(tmp_path):
+    with pytest.raises(ConfigError, match="float8.enable needs training.precision = 'bf16'"):
+        Trainer(config.load(None, args(tmp_path, "x", "--training.precision", "fp32", "--float8.enable")))
+
+
+def test_fsdp2_float8_all_gather_matches_one_process(tmp_path):
+    """FSDP's float8 all-gather with precomputed scales (gloo, 2 ranks) trains like one process."""
+    f8 = (
+        "--float8.enable",
+        "--float8.emulate",
+        "--float8.min_size",
+        "0",
+        "--training.global_batch_size",
+        "4",
+    )
+    one = args(tmp_path, "one", *f8)
+    two = args(tmp_path, "two", *f8, "--training.local_batch_size", "2")
+    subprocess.run([sys.executable, "-m", "titanrush.train", *one], cwd=ROOT, check=True, capture_output=True)
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                          "-m", "titanrush.train", *two], cwd=ROOT, env=env, capture_output=True, text=True)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert b == pytest.approx(a, rel=2e-3)  # bf16 compute: reduction order moves the last bits
