@@ -18,7 +18,6 @@
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 #SBATCH --gpus-per-node=8
-#SBATCH --cpus-per-task=64
 #SBATCH --exclusive
 #SBATCH --output=slurm-%x-%j.out
 set -euo pipefail

@@ -33,5 +33,6 @@ def test_every_gradient_matches_on_every_mesh(tmp_path):
     report = json.loads(out.read_text())
     assert set(report) >= {"fsdp4", "ddp4", "tp4", "fsdp2_tp2", "hsdp2x2"}
     for mesh, r in report.items():
+        print(f"\ngradients {mesh}: max deviation {r['max_grad_dev']:.1e} ({r['worst']})")
         assert r["max_grad_dev"] <= GRAD_RTOL, (mesh, r)
         assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * r["ref_loss"], (mesh, r)

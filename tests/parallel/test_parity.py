@@ -22,9 +22,11 @@ pytestmark = pytest.mark.parallel
 RTOL = 1e-5
 
 
-def assert_parity(rows: list[dict], ref: list[dict], rtol: float = RTOL) -> None:
-    for key in ("loss", "grad_norm"):
-        dev = max_rel_dev(rows, ref, key)
+def assert_parity(rows: list[dict], ref: list[dict], rtol: float = RTOL, name: str = "") -> None:
+    devs = {key: max_rel_dev(rows, ref, key) for key in ("loss", "grad_norm")}
+    if name:  # shown with pytest -s: the figures of docs/parallelism.md
+        print(f"\nparity {name}: loss {devs['loss']:.1e} grad_norm {devs['grad_norm']:.1e}")
+    for key, dev in devs.items():
         assert dev <= rtol, (key, dev, [r[key] for r in rows], [r[key] for r in ref])
     assert ref[-1]["loss"] < ref[0]["loss"]  # it trains
 
@@ -53,7 +55,7 @@ MESHES = {
 def test_mesh_matches_single_process(name, tmp_path, reference):
     nproc, dp, overrides = MESHES[name]
     rows = run_train(tmp_path, name, nproc, *overrides, dp=dp)
-    assert_parity(rows, reference())
+    assert_parity(rows, reference(), name=name)
 
 
 AC = {
@@ -66,7 +68,7 @@ AC = {
 @pytest.mark.parametrize("name", list(AC))
 def test_activation_checkpointing_changes_nothing(name, tmp_path, reference):
     rows = run_train(tmp_path, name, 1, *AC[name])
-    assert_parity(rows, reference())
+    assert_parity(rows, reference(), name=f"ac_{name}")
 
 
 COMPILED = {
@@ -81,7 +83,7 @@ COMPILED = {
 def test_compile_changes_nothing_beyond_rounding(name, tmp_path, reference):
     nproc, dp, overrides = COMPILED[name]
     rows = run_train(tmp_path, f"compile_{name}", nproc, "--compile.enable", *overrides, dp=dp)
-    assert_parity(rows, reference())
+    assert_parity(rows, reference(), name=f"compile_{name}")
 
 
 def test_fsdp_bf16_mixed_precision_trains_like_single_process_bf16(tmp_path, reference):

@@ -23,8 +23,9 @@ PP = {
     "pp2_zbv": (2, 1, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble"]),
     "pp2_fsdp2_1f1b": (4, 2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "1F1B"]),
     "pp2_fsdp2_gpipe": (4, 2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "GPipe"]),
-    "pp2_fsdp2_interleaved_1f1b": (
-        4, 2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B"],
+    "pp2_fsdp2_interleaved_1f1b": (  # a local batch of 2: one micro-batch per stage pair
+        4, 2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B",
+               "--parallelism.pp_microbatches", "2"],
     ),
 }  # fmt: skip
 

@@ -166,15 +166,7 @@ def test_unsupported_combinations_are_config_errors(fake_world, over, match):
         parallel(4, **over)
 
 
-def test_float8_chunked_tp_and_offload_errors(fake_world):
-    with pytest.raises(ConfigError, match="float8 arrives with issue 6"):
-        dims = ParallelDims(1, 1, 1, 1, 1, 1)
-        with torch.device("meta"):
-            model = Llama(model_args("debug"))
-        parallelize_llama(
-            model, dims, None, parallelism=Parallelism(), compile=Compile(), ac=ActivationCheckpoint(),
-            float8=Float8(enable=True), precision="bf16",
-        )  # fmt: skip
+def test_chunked_loss_with_tp_and_offload_without_fsdp_are_config_errors(fake_world):
     with pytest.raises(ConfigError, match="fsdp_cpu_offload needs FSDP"):
         parallel(1, fsdp_cpu_offload=True)
     fake_world(2)
