@@ -435,7 +435,7 @@ class Trainer:
             total += step_fn(batch)
         pp_mesh = self.mesh["pp"] if self.pipeline is not None else None
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, pp_mesh=pp_mesh)
-        self.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
+        self.lr = float(self.optimizer.param_groups[0]["lr"])  # this step's rate (a tensor for some optimizers)
         self.optimizer.step()
         if self.float8_precompute:
             precompute_float8_scales(self.model)

@@ -68,3 +68,25 @@ def test_adamw_implementations_agree(impl):
 def test_unknown_decay_is_a_config_error():
     with pytest.raises(ConfigError, match="lr_scheduler.decay"):
         lr_factor(10, decay="step", **KW)
+
+
+@pytest.mark.parametrize("name, rtol", [("adamw8bit", 0.05), ("adamw4bit", 0.15)])
+def test_low_bit_adamw_tracks_fp32_adamw(name, rtol):
+    """torchao's quantized optimizer states: the first updates stay close to fp32 AdamW's."""
+    pytest.importorskip("torchao", reason="low-bit AdamW is torchao's (a project dependency)")
+    torch.manual_seed(0)
+    ref_w = torch.randn(256, 256)  # torchao quantizes states of tensors with >= 4096 elements
+    grads = [torch.randn(256, 256) for _ in range(3)]
+
+    def run(opt_name: str) -> torch.Tensor:
+        w = torch.nn.Parameter(ref_w.clone())
+        opt = build_optimizer([w], name=opt_name, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
+                              implementation="for-loop")  # fmt: skip
+        for g in grads:
+            w.grad = g.clone()
+            opt.step()
+        return (w.detach() - ref_w)  # the total update
+
+    ref, got = run("adamw"), run(name)
+    assert (got - ref).norm() / ref.norm() < rtol
+    assert (got - ref).norm() > 0  # states really are quantized
