@@ -40,6 +40,7 @@ from titanrush.metrics import (
     peak_tflops,
 )
 from titanrush.models.llama import FLAVORS, Llama, ModelArgs, model_args
+from titanrush.models.llama.attention import flash_attn_func
 from titanrush.models.llama.loss import cross_entropy
 from titanrush.models.llama.parallelize import parallelize_llama
 from titanrush.models.llama.pipeline import PipelinedLlama, pipeline_llama
@@ -119,6 +120,7 @@ def check_config(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, ModelAr
         if p.pp > 1:
             raise ConfigError("parallelism.cp > 1 with parallelism.pp > 1 is not supported yet")
     _check_combinations(cfg, dims, args)
+    _check_attention(cfg.model.attn_backend)
     if p.pp > 1 and cfg.validation.freq:
         raise ConfigError(
             "validation.freq > 0 is not supported with parallelism.pp > 1 yet; set validation.freq = 0"
@@ -128,6 +130,22 @@ def check_config(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, ModelAr
     if cfg.compile.enable is False and p.async_tp:
         raise ConfigError("parallelism.async_tp needs compile.enable = true")
     return dims, args, gbs // per_step
+
+
+def _check_attention(backend: str) -> None:
+    """The attention backend can run here: its package imports, its kernels exist on this device."""
+    if backend == "flash":
+        try:
+            flash_attn_func()
+        except ImportError as e:
+            raise ConfigError(str(e)) from None
+    if backend in ("flex", "cudnn") and not torch.cuda.is_available():
+        why = (
+            "FlexAttention has no backward on CPU" if backend == "flex" else "cuDNN attention is a GPU kernel"
+        )
+        raise ConfigError(
+            f"model.attn_backend = {backend!r} needs a CUDA GPU for training ({why}); use 'sdpa'"
+        )
 
 
 def _check_combinations(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
@@ -242,6 +260,11 @@ class Trainer:
             part.init_weights(seed=cfg.training.seed, buffer_device=self.device)
             part.train()
         self.model = model
+        # The loss (log-softmax over the vocabulary in fp32) fuses well; under loss parallel it works on
+        # DTensors, which stay eager.
+        loss_parallel = self.dims.tp > 1 and cfg.parallelism.loss_parallel
+        compile_loss = cfg.compile.enable and not loss_parallel
+        self.loss_fn = torch.compile(cross_entropy) if compile_loss else cross_entropy
         f8 = cfg.float8
         # FSDP's float8 all-gather needs every weight's scale computed once after each optimizer step.
         self.float8_precompute = (
@@ -382,11 +405,19 @@ class Trainer:
             return torch.autocast(self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _document_inputs(self, batch: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(position_ids, document_ids) for the model: with flex attention, block-causal attention within
+        each document and positions restarting at each document start; else plain causal attention."""
+        if self.model_args.attn_backend == "flex":
+            return batch.position_ids, batch.document_ids
+        return None, None
+
     def _forward_backward(self, batch: Any) -> torch.Tensor:
         """Loss of one micro-batch (divided by the accumulation steps), with backward done."""
         ctx = self._autocast()
         chunked = self.model_args.loss_chunk_size > 0
-        inputs, labels, positions = batch.input_ids, batch.labels, None
+        inputs, labels = batch.input_ids, batch.labels
+        positions, docs = self._document_inputs(batch)
         cp_ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
         if self.dims.cp > 1:
             # Positions are sharded with the tokens, so each shard's RoPE uses its tokens' true positions.
@@ -394,9 +425,9 @@ class Trainer:
             cp_ctx = context_parallel_step(self.mesh["cp"], [inputs, labels, positions])
         with cp_ctx, ctx, loss_parallel_context(self.mesh, self.dims, self.cfg.parallelism):
             if chunked:
-                loss = self.model(inputs, position_ids=positions, labels=labels)
+                loss = self.model(inputs, position_ids=positions, document_ids=docs, labels=labels)
             else:
-                loss = cross_entropy(self.model(inputs, position_ids=positions), labels)
+                loss = self.loss_fn(self.model(inputs, position_ids=positions, document_ids=docs), labels)
             loss = loss / self.accum
             loss.backward()
         # Under loss parallel the loss is a replicated DTensor: its local value is the loss.
@@ -404,7 +435,7 @@ class Trainer:
 
     def _pipeline_loss(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's loss per pipeline micro-batch, scaled so that a step's losses sum to the mean."""
-        loss = cross_entropy(pred, labels)
+        loss = self.loss_fn(pred, labels)
         return loss / (self.pipeline.schedule._n_microbatches * self.accum)
 
     def _pipeline_forward_backward(self, batch: Any) -> torch.Tensor:
@@ -435,7 +466,9 @@ class Trainer:
             total += step_fn(batch)
         pp_mesh = self.mesh["pp"] if self.pipeline is not None else None
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, pp_mesh=pp_mesh)
-        self.lr = float(self.optimizer.param_groups[0]["lr"])  # this step's rate (a tensor for some optimizers)
+        self.lr = float(
+            self.optimizer.param_groups[0]["lr"]
+        )  # this step's rate (a tensor for some optimizers)
         self.optimizer.step()
         if self.float8_precompute:
             precompute_float8_scales(self.model)
@@ -521,7 +554,9 @@ class Trainer:
         for batch in itertools.islice(self._val_loader, self.cfg.validation.steps):
             batch = batch.to(self.device)
             with self._autocast(), loss_parallel_context(self.mesh, self.dims, self.cfg.parallelism):
-                loss = cross_entropy(self.model(batch.input_ids), batch.labels).detach()
+                positions, docs = self._document_inputs(batch)
+                logits = self.model(batch.input_ids, position_ids=positions, document_ids=docs)
+                loss = self.loss_fn(logits, batch.labels).detach()
                 total += loss.to_local() if isinstance(loss, DTensor) else loss
             n += 1
         self.model.train()

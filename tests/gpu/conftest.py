@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 
+HERE = Path(__file__).parent
+
+
 def pytest_collection_modifyitems(config, items):
+    # This hook sees the whole session's items: touch only the ones under tests/gpu.
     for item in items:
+        if HERE not in Path(str(item.fspath)).parents:
+            continue
         item.add_marker(pytest.mark.gpu)
         if not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (run tests/gpu on the GPU machine)"))

@@ -168,3 +168,17 @@ def test_help_exits_zero():
     res = run_cli("--help")
     assert res.returncode == 0
     assert "--training.seq_len" in res.stdout and "--parallelism.tp" in res.stdout
+
+
+@pytest.mark.parametrize(
+    "backend, fragment",
+    [("flash", "needs the flash-attn package"), ("flex", "FlexAttention has no backward on CPU"),
+     ("cudnn", "cuDNN attention is a GPU kernel")],
+)  # fmt: skip
+def test_attention_backend_that_cannot_run_here_is_a_config_error(backend, fragment, tmp_path):
+    import importlib.util
+
+    if backend == "flash" and importlib.util.find_spec("flash_attn"):
+        pytest.skip("flash-attn is installed here")
+    res = run_cli("--job.dump_folder", str(tmp_path), "--model.attn_backend", backend)
+    assert res.returncode == 2 and fragment in res.stderr, res.stderr

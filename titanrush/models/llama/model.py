@@ -186,7 +186,9 @@ class Llama(nn.Module):
         # The whole table: each attention slices it to the sequence it sees. Under sequence parallel the
         # hidden states between blocks hold 1/tp of the sequence and attention all of it.
         rope = self.rope if position_ids is None else self.rope[position_ids]
-        mask = build_mask(self.args.attn_backend, document_ids, seq, self.args.n_heads)
+        # The mask spans the whole sequence (under sequence parallel h holds only a shard of it).
+        mask_len = document_ids.shape[1] if document_ids is not None else seq
+        mask = build_mask(self.args.attn_backend, document_ids, mask_len, self.args.n_heads)
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         if self.norm is not None:
