@@ -7,7 +7,6 @@ from pathlib import Path
 import pytest
 import torch
 
-
 HERE = Path(__file__).parent
 
 

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(tmp: Path, name: str, nproc: int, *extra: str) -> list[dict]:
-    args = ["--job.dump_folder", str(tmp), "--job.name", name, "--training.steps", "6", "--training.seq_len", "512",
+    args = ["--job.dump_folder", str(tmp), "--job.name", name, "--training.steps", "6",
+            "--training.seq_len", "512",
             "--training.global_batch_size", "4", "--training.precision", "fp32", "--metrics.log_freq", "1",
             "--lr_scheduler.warmup_steps", "2", "--model.attn_backend", "sdpa", *extra]  # fmt: skip
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}

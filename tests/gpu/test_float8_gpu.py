@@ -8,7 +8,7 @@ import torch
 from titanrush.models.llama import Llama, model_args
 from titanrush.models.llama.loss import cross_entropy
 
-torchao = pytest.importorskip("torchao", reason="float8 needs torchao (carried as a wheel to the GPU machine)")
+torchao = pytest.importorskip("torchao", reason="float8 needs torchao (carried as a wheel to the GPU box)")
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])

@@ -38,8 +38,9 @@ def test_filter_size_and_alignment_rules():
     assert apply_float8(meta_model(), recipe="tensorwise", emulate=True, fsdp_float8_all_gather=False,
                         filter_fqns=["output"], min_size=1024) == []  # fmt: skip
     # An empty filter converts the output projection too; a misaligned one never converts.
-    assert "output" in apply_float8(meta_model(), recipe="rowwise", emulate=True, fsdp_float8_all_gather=False,
-                                    filter_fqns=[], min_size=0)  # fmt: skip
+    converted = apply_float8(meta_model(), recipe="rowwise", emulate=True, fsdp_float8_all_gather=False,
+                             filter_fqns=[], min_size=0)  # fmt: skip
+    assert "output" in converted
     odd = meta_model(vocab_size=8193)
     assert "output" not in apply_float8(odd, recipe="tensorwise", emulate=True, fsdp_float8_all_gather=False,
                                         filter_fqns=[], min_size=0)  # fmt: skip
@@ -52,9 +53,9 @@ def test_float8_without_float8_hardware_or_emulation_is_a_clear_error():
 
 
 def args(tmp: Path, name: str, *extra: str) -> list[str]:
-    return ["--job.dump_folder", str(tmp), "--job.name", name, "--training.steps", "4", "--training.seq_len", "64",
-            "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--training.precision", "bf16",
-            "--training.deterministic", *extra]  # fmt: skip
+    return ["--job.dump_folder", str(tmp), "--job.name", name, "--training.steps", "4",
+            "--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+            "--training.precision", "bf16", "--training.deterministic", *extra]  # fmt: skip
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -63,8 +64,8 @@ def losses(run_dir: Path) -> list[float]:
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_emulated_float8_training_tracks_bf16(tmp_path, recipe):
-    for name, extra in (("bf16", ()), (recipe, ("--float8.enable", "--float8.emulate", "--float8.min_size", "0",
-                                                "--float8.recipe", recipe))):  # fmt: skip
+    f8 = ("--float8.enable", "--float8.emulate", "--float8.min_size", "0", "--float8.recipe", recipe)
+    for name, extra in (("bf16", ()), (recipe, f8)):
         trainer = Trainer(config.load(None, args(tmp_path, name, *extra)))
         trainer.train()
         trainer.close()
@@ -92,8 +93,9 @@ def test_fsdp2_float8_all_gather_matches_one_process(tmp_path):
     two = args(tmp_path, "two", *f8, "--training.local_batch_size", "2")
     subprocess.run([sys.executable, "-m", "titanrush.train", *one], cwd=ROOT, check=True, capture_output=True)
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                          "-m", "titanrush.train", *two], cwd=ROOT, env=env, capture_output=True, text=True)  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "titanrush.train", *two]  # fmt: skip
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert b == pytest.approx(a, rel=2e-3)  # bf16 compute: reduction order moves the last bits

@@ -85,7 +85,7 @@ def test_low_bit_adamw_tracks_fp32_adamw(name, rtol):
         for g in grads:
             w.grad = g.clone()
             opt.step()
-        return (w.detach() - ref_w)  # the total update
+        return w.detach() - ref_w  # the total update
 
     ref, got = run("adamw"), run(name)
     assert (got - ref).norm() / ref.norm() < rtol
