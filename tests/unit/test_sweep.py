@@ -123,25 +123,30 @@ def test_enumeration_8_gpus_reports_invalid_shapes_with_reasons():
 
 
 def test_extras_replicate_and_duplicate_runs():
-    grid = sweep.parse_grid("dp_replicate=1,2 tp=1,2 reshard=always,never")
+    grid = sweep.parse_grid("dp_replicate=1,4 tp=1,2 reshard=always,never")
     valid, invalid = sweep.plan(DEBUG, {}, grid, 4)
     assert labels(valid) == [
         "dp_replicate=1 dp_shard=4 tp=1 pp=1 cp=1 reshard=always",
         "dp_replicate=1 dp_shard=4 tp=1 pp=1 cp=1 reshard=never",
         "dp_replicate=1 dp_shard=2 tp=2 pp=1 cp=1 reshard=always",
         "dp_replicate=1 dp_shard=2 tp=2 pp=1 cp=1 reshard=never",
-        "dp_replicate=2 dp_shard=2 tp=1 pp=1 cp=1 reshard=always",
-        "dp_replicate=2 dp_shard=2 tp=1 pp=1 cp=1 reshard=never",
-        "dp_replicate=2 dp_shard=1 tp=2 pp=1 cp=1 reshard=always",
+        "dp_replicate=4 dp_shard=1 tp=1 pp=1 cp=1 reshard=always",
     ]
-    # Without FSDP the reshard mode changes nothing: the second is the same run, listed with why.
-    [(shape, reason)] = invalid
-    assert sweep.label(shape) == "dp_replicate=2 dp_shard=1 tp=2 pp=1 cp=1 reshard=never"
-    assert "same run as dp_replicate=2 dp_shard=1 tp=2 pp=1 cp=1 reshard=always" in reason
+    # Without FSDP (plain DDP) the reshard mode changes nothing: the second is the same run, listed with why.
+    reasons = {sweep.label(shape): reason for shape, reason in invalid}
+    dup = reasons["dp_replicate=4 dp_shard=1 tp=1 pp=1 cp=1 reshard=never"]
+    assert "same run as dp_replicate=4 dp_shard=1 tp=1 pp=1 cp=1 reshard=always" in dup
     assert sweep.settings_of(valid[-1]) == {
-        "parallelism.dp_replicate": "2", "parallelism.dp_shard": "1", "parallelism.tp": "2",
+        "parallelism.dp_replicate": "4", "parallelism.dp_shard": "1", "parallelism.tp": "1",
         "parallelism.pp": "1", "parallelism.cp": "1", "parallelism.fsdp_reshard_after_forward": "always",
     }  # fmt: skip
+
+
+def test_ddp_with_tensor_parallel_is_reported_invalid():
+    valid, invalid = sweep.plan(DEBUG, {}, sweep.parse_grid("dp_replicate=2 tp=2"), 4)
+    assert not valid
+    [(shape, reason)] = invalid
+    assert "does not compose with tensor parallel" in reason
 
 
 def test_ac_and_batch_extras():
