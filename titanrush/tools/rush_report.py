@@ -410,14 +410,22 @@ class Progress:
             parts.append(f"peak {row['mem_active_gib']:.2f} GiB")
         if row.get("reason"):
             parts.append(f"({row['reason'][:120]})")
-        if row.get("wall_s") is not None:
-            self.durations.append(row["wall_s"])
-            parts.append(f"{row['wall_s']:.0f}s")
-            left = self.total - self.index
-            if left > 0:
-                eta = left * sum(self.durations) / len(self.durations)
-                parts.append(f"ETA {int(eta // 60)}m{int(eta % 60):02d}s (at most {left} more)")
-        print("  ".join(parts), flush=True)
+        timing = self.timing(row)
+        if len(timing) > 1:
+            timing[-1] += f" (at most {self.total - self.index} more)"
+        print("  ".join(parts + timing), flush=True)
+
+    def timing(self, row: dict[str, Any]) -> list[str]:
+        """The run's wall time and the ETA of the rest from the mean so far (empty if it did not run)."""
+        if row.get("wall_s") is None:
+            return []
+        self.durations.append(row["wall_s"])
+        parts = [f"{row['wall_s']:.0f}s"]
+        left = self.total - self.index
+        if left > 0:
+            eta = left * sum(self.durations) / len(self.durations)
+            parts.append(f"ETA {int(eta // 60)}m{int(eta % 60):02d}s")
+        return parts
 
     def shrink(self, by: int) -> None:
         """Fewer rungs than planned will run (the batch ladder stopped early)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from titanrush.tools.rush_report import Progress as RushProgress
 from titanrush.tools.rush_report import _estimate, _fmt, _status, write_jsonl, write_report
 from titanrush.tools.rush_runner import OK
 
@@ -152,13 +153,8 @@ def write_all(
     log_hparams(out, rows, dims, table)
 
 
-class Progress:
+class Progress(RushProgress):
     """One line per shape: `[3/7] dp_replicate=1 dp_shard=2 tp=2 pp=1 cp=1 ... ok 8,344 tok/s/GPU`."""
-
-    def __init__(self, total: int) -> None:
-        self.total = total
-        self.index = 0
-        self.durations: list[float] = []
 
     def start(self, name: str, what: str) -> None:
         """A shape starts: the line's head; its end is printed when the run ends."""
@@ -177,15 +173,4 @@ class Progress:
             parts.append(f"MFU {row['mfu']:.1f}%")
         if row.get("mem_active_gib") is not None:
             parts.append(f"peak {row['mem_active_gib']:.2f} GiB")
-        if row.get("wall_s") is not None:
-            self.durations.append(row["wall_s"])
-            parts.append(f"{row['wall_s']:.0f}s")
-            left = self.total - self.index
-            if left > 0:
-                eta = left * sum(self.durations) / len(self.durations)
-                parts.append(f"ETA {int(eta // 60)}m{int(eta % 60):02d}s")
-        print(", ".join(parts), flush=True)
-
-    def shrink(self, by: int) -> None:
-        """Fewer shapes than planned will run."""
-        self.total -= by
+        print(", ".join(parts + self.timing(row)), flush=True)
