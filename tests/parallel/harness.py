@@ -58,6 +58,20 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def launch(dump: Path, name: str, nproc: int, *overrides: str, dp: int | None = None) -> list[dict]:
+    """Train under `nproc` processes (1: no launcher); return rank 0's metrics rows, whatever steps ran."""
+    args = train_args(dump, name, nproc if dp is None else dp, *overrides)
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "titanrush.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "titanrush.train",
+               *args]  # fmt: skip
+    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, failure(cmd, res.stdout + res.stderr)
+    return read_metrics(dump / name)
+
+
 def run_train(dump: Path, name: str, nproc: int, *overrides: str, dp: int | None = None) -> list[dict]:
     """Train under `nproc` processes (1: no launcher) and return the metrics rows of rank 0.
 
@@ -69,16 +83,7 @@ def run_train(dump: Path, name: str, nproc: int, *overrides: str, dp: int | None
         dp: The data-parallel degree (sets the local batch so that the global batch stays fixed);
             defaults to nproc.
     """
-    args = train_args(dump, name, nproc if dp is None else dp, *overrides)
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "titanrush.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "titanrush.train",
-               *args]  # fmt: skip
-    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, failure(cmd, res.stdout + res.stderr)
-    rows = read_metrics(dump / name)
+    rows = launch(dump, name, nproc, *overrides, dp=dp)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), rows
     return rows
 

@@ -8,27 +8,11 @@ suite's tolerance: the meshes differ only in the order of floating-point sums).
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
-from harness import ROOT, STEPS, child_env, failure, free_port, read_metrics, run_train, train_args
+from harness import STEPS, launch, run_train
 from test_parity import RTOL
 
 pytestmark = pytest.mark.parallel
-
-
-def launch(dump, name: str, nproc: int, dp: int, *overrides: str) -> list[dict]:
-    args = train_args(dump, name, dp, *overrides)
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "titanrush.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "titanrush.train",
-               *args]  # fmt: skip
-    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, failure(cmd, res.stdout + res.stderr)
-    return read_metrics(dump / name)
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +34,7 @@ def test_fsdp2_checkpoint_resumes_on_another_mesh(saved, target):
     dump, ref = saved
     nproc, dp, overrides = TARGETS[target]
     ckpt = dump / "fsdp2" / "checkpoint" / "step-3"
-    rows = launch(dump, f"resume_{target}", nproc, dp, "--checkpoint.load_path", str(ckpt), *overrides)
+    rows = launch(dump, f"resume_{target}", nproc, "--checkpoint.load_path", str(ckpt), *overrides, dp=dp)
     assert [r["step"] for r in rows] == list(range(4, STEPS + 1))  # continued at step 4
     for r in rows:
         for key in ("loss", "grad_norm"):
