@@ -333,15 +333,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             "--ngpu", type=int, required=True, help="the largest GPU count (powers of two up to it)"
         )
         ap.add_argument("--sweep-results", help="`titanrush sweep` results: the 8B run takes the best mesh")
-    flags = {opt: act.nargs != 0 for act in ap._actions for opt in act.option_strings}
-    own, overrides, rest = [], [], iter(argv[1:])
-    for arg in rest:
-        name = arg.split("=", 1)[0]
-        if name in flags:
-            own += [arg, next(rest, "")] if flags[name] and "=" not in arg else [arg]
-        else:
-            overrides.append(arg)
-    return ap.parse_args(own), overrides
+    return runner.parse_with_overrides(ap, argv[1:])
 
 
 def main(argv: list[str] | None = None) -> int:

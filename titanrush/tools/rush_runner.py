@@ -8,6 +8,7 @@ speedups) are what the unit tests exercise with fake child output.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -437,3 +438,20 @@ def execute(ctx: Ctx, rung: Rung, settings: dict[str, str], parent: dict[str, An
         row["tps_total"] = row["tps"] * rung.ngpu  # the trainer's tps is per GPU
     ctx.progress.end(rung.name, row)
     return row
+
+
+def parse_with_overrides(
+    ap: argparse.ArgumentParser, argv: list[str]
+) -> tuple[argparse.Namespace, list[str]]:
+    """Parse the tool's own flags; every other argument is a trainer override (`--section.key value`)."""
+    flags = {opt: act.nargs != 0 for act in ap._actions for opt in act.option_strings}
+    own: list[str] = []
+    overrides: list[str] = []
+    rest = iter(argv)
+    for arg in rest:
+        key = arg.split("=", 1)[0]
+        if key in flags:
+            own += [arg, next(rest, "")] if flags[key] and "=" not in arg else [arg]
+        else:
+            overrides.append(arg)
+    return ap.parse_args(own), overrides

@@ -318,15 +318,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     add("--assume-cuda", action="store_true", help="dry run: validate as if CUDA were here (plan GPU sweeps)")
     add("--gpu-mem", type=float, help="GiB per GPU for the estimator (default: this GPU's, or 80)")
     add("--timeout", type=float, default=1800, help="seconds per shape before it is killed")
-    flags = {opt: act.nargs != 0 for act in ap._actions for opt in act.option_strings}
-    own, overrides, rest = [], [], iter(argv)
-    for arg in rest:
-        key = arg.split("=", 1)[0]
-        if key in flags:
-            own += [arg, next(rest, "")] if flags[key] and "=" not in arg else [arg]
-        else:
-            overrides.append(arg)
-    return ap.parse_args(own), overrides
+    return runner.parse_with_overrides(ap, argv)
 
 
 def print_plan(ctx: Ctx, shapes: list[Shape], user: dict[str, str], ngpu: int) -> None:
