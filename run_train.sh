@@ -4,7 +4,10 @@
 #   NNODES    nodes (default 1); with NNODES > 1 also NODE_RANK and RDZV_ENDPOINT (host:port) or
 #             MASTER_ADDR / MASTER_PORT, for torchrun's c10d rendezvous
 set -euo pipefail
-cd "$(dirname "$0")"
+# Paths on the command line stay relative to where you run this from; titanrush itself must be
+# importable (pip install -e . in the checkout), or run this from the checkout's root.
+here=$(cd "$(dirname "$0")" && pwd)
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON=${PYTHON:-python3}
 
 for arg in "$@"; do
