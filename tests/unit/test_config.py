@@ -182,3 +182,10 @@ def test_attention_backend_that_cannot_run_here_is_a_config_error(backend, fragm
         pytest.skip("flash-attn is installed here")
     res = run_cli("--job.dump_folder", str(tmp_path), "--model.attn_backend", backend)
     assert res.returncode == 2 and fragment in res.stderr, res.stderr
+
+
+def test_config_reference_doc_is_current():
+    """docs/config.md is generated from the dataclasses: it must list the keys as they are now."""
+    cmd = [sys.executable, "scripts/gen_config_doc.py", "--check"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
