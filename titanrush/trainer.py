@@ -121,10 +121,6 @@ def check_config(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, ModelAr
             raise ConfigError("parallelism.cp > 1 with parallelism.pp > 1 is not supported yet")
     _check_combinations(cfg, dims, args)
     _check_attention(cfg.model.attn_backend)
-    if p.pp > 1 and cfg.validation.freq:
-        raise ConfigError(
-            "validation.freq > 0 is not supported with parallelism.pp > 1 yet; set validation.freq = 0"
-        )
     if cfg.float8.enable and cfg.training.precision != "bf16":
         raise ConfigError("float8.enable needs training.precision = 'bf16'")
     if cfg.compile.enable is False and p.async_tp:
@@ -453,6 +449,27 @@ class Trainer:
         total = torch.stack([x.detach().float() for x in losses]).sum()
         return total.to_local() if isinstance(total, DTensor) else total
 
+    def _pipeline_eval(self, batch: Any) -> torch.Tensor:
+        """Forward-only pass of one batch through the pipeline: the batch's mean loss on the last stage
+        (times the accumulation steps the loss function divides by), zero on the others."""
+        p = self.pipeline
+        losses: list[torch.Tensor] | None = [] if p.has_last else None
+        target = batch.labels if p.has_last else None
+        inputs = (batch.input_ids,) if p.has_first else ()
+        with torch.no_grad(), loss_parallel_context(self.mesh, self.dims, self.cfg.parallelism):
+            if hasattr(p.schedule, "eval"):
+                p.schedule.eval(*inputs, target=target, losses=losses)
+            else:  # torch versions without Schedule.eval: the same switch by hand
+                p.schedule._has_backward = False
+                try:
+                    p.schedule.step(*inputs, target=target, losses=losses)
+                finally:
+                    p.schedule._has_backward = True
+        if not losses:
+            return torch.zeros((), device=self.device)
+        total = torch.stack([x.detach().float() for x in losses]).sum() * self.accum
+        return total.to_local() if isinstance(total, DTensor) else total
+
     def train_step(self, data_iter: Iterator[Any]) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over `accum` micro-batches; returns (loss, grad norm, data wait seconds)."""
         self.optimizer.zero_grad(set_to_none=True)
@@ -553,12 +570,15 @@ class Trainer:
         n = 0
         for batch in itertools.islice(self._val_loader, self.cfg.validation.steps):
             batch = batch.to(self.device)
+            n += 1
+            if self.pipeline is not None:
+                total += self._pipeline_eval(batch)
+                continue
             with self._autocast(), loss_parallel_context(self.mesh, self.dims, self.cfg.parallelism):
                 positions, docs = self._document_inputs(batch)
                 logits = self.model(batch.input_ids, position_ids=positions, document_ids=docs)
                 loss = self.loss_fn(logits, batch.labels).detach()
                 total += loss.to_local() if isinstance(loss, DTensor) else loss
-            n += 1
         self.model.train()
         loss = self._global_mean(total / max(n, 1))
         self.metrics.log(self.step, {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))})

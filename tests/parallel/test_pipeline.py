@@ -50,3 +50,15 @@ def test_explicit_layer_split_and_microbatches(tmp_path, reference):
         "--parallelism.pp_microbatches", "4", dp=1,
     )  # fmt: skip
     assert_parity(rows, reference())
+
+
+def test_pipeline_validation_matches_single_process(tmp_path):
+    """Forward-only pipeline passes over the held-out split give the single process's validation loss."""
+    from harness import launch
+
+    val = ("--validation.freq", "3", "--validation.steps", "2")
+    one = [r for r in launch(tmp_path, "val1", 1, *val) if "val_loss" in r]
+    pp = [r for r in launch(tmp_path, "val_pp2", 2, "--parallelism.pp", "2", *val, dp=1) if "val_loss" in r]
+    assert [r["step"] for r in pp] == [r["step"] for r in one] == [3, 6]
+    for a, b in zip(pp, one):
+        assert abs(a["val_loss"] - b["val_loss"]) <= RTOL * b["val_loss"]
