@@ -1,12 +1,14 @@
 """The trainer: builds everything from the config in one documented order, then runs the loop.
 
 Build order (each step only sees the values it needs):
- 1. distributed init, device, ParallelDims (validated) and the DeviceMesh
- 2. tokenizer, model arguments (validated against the tokenizer, seq_len and the mesh)
- 3. the model on the meta device -> parallelize_llama (float8 -> TP -> CP -> AC -> compile -> FSDP/DDP)
-    -> to_empty on the device -> init_weights(seed), identical whatever the mesh
- 4. optimizer and LR schedule; data loaders; checkpoint manager (resumes if a checkpoint exists)
- 5. metrics (console, metrics.jsonl, TensorBoard) and the loop
+ 0. check_config: every check that needs no allocation (degrees, tokenizer vs vocabulary, seq_len,
+    combinations of options, the attention backend), so bad input fails before anything is built
+ 1. distributed init, device and the DeviceMesh
+ 2. the tokenizer, the model on the meta device -> (pipeline stages ->) parallelize_llama (float8 -> TP ->
+    CP -> AC -> compile -> FSDP/DDP) -> to_empty on the device -> init_weights(seed), identical
+    whatever the mesh
+ 3. optimizer and LR schedule; data loaders; checkpoint manager (resumes if a checkpoint exists)
+ 4. metrics (console, metrics.jsonl, TensorBoard), the profiler, and the loop
 """
 
 from __future__ import annotations
