@@ -4,7 +4,6 @@ GPU, the plans of both ladders, and a real CPU ladder (and dist, marked parallel
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -253,10 +252,6 @@ def test_cpu_ladder_end_to_end(tmp_path, capsys):
 
 
 @pytest.mark.parallel
-@pytest.mark.skipif(
-    not os.environ.get("TITANRUSH_RUSH_DIST"),
-    reason="about 85 s on 2 cores: set TITANRUSH_RUSH_DIST=1 to run",
-)
 def test_cpu_dist_end_to_end(tmp_path):
     """DDP, ZeRO-2 and ZeRO-3 on 2 gloo processes under torchrun, through ./run_train.sh."""
     out = tmp_path / "rush"
