@@ -44,7 +44,7 @@ from titanrush.metrics import (
 from titanrush.models.llama import FLAVORS, Llama, ModelArgs, model_args
 from titanrush.models.llama.attention import flash_attn_func
 from titanrush.models.llama.loss import cross_entropy
-from titanrush.models.llama.parallelize import parallelize_llama
+from titanrush.models.llama.parallelize import check_combinations, parallelize_llama
 from titanrush.models.llama.pipeline import PipelinedLlama, pipeline_llama
 from titanrush.optim import build_lr_scheduler, build_optimizer
 from titanrush.parallel.context_parallel import context_parallel_step, set_rotate_method
@@ -169,18 +169,7 @@ def _check_combinations(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> 
             raise ConfigError(f"parallelism.pp_microbatches = {microbatches} must be >= pp = {p.pp}")
         if p.pp_layers_per_stage:
             check_explicit_split(p.pp_layers_per_stage, args.n_layers, n_stages)
-    if dims.tp > 1 and args.loss_chunk_size > 0:
-        raise ConfigError(
-            "training.loss = chunked does not compose with parallelism.tp > 1; use training.loss = plain "
-            "(with parallelism.loss_parallel the logits are already sharded over the vocabulary)"
-        )
-    if dims.ddp_enabled and dims.tp > 1:
-        raise ConfigError(
-            "DDP (dp_replicate > 1 with dp_shard = 1) does not compose with tensor parallel; set "
-            "parallelism.dp_shard > 1 (FSDP, or HSDP with dp_replicate) together with tp"
-        )
-    if p.fsdp_cpu_offload and not dims.fsdp_enabled:
-        raise ConfigError("parallelism.fsdp_cpu_offload needs FSDP: parallelism.dp_shard > 1")
+    check_combinations(dims, loss_chunk_size=args.loss_chunk_size, cpu_offload=p.fsdp_cpu_offload)
 
 
 class Trainer:
@@ -434,7 +423,7 @@ class Trainer:
     def _pipeline_loss(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's loss per pipeline micro-batch, scaled so that a step's losses sum to the mean."""
         loss = self.loss_fn(pred, labels)
-        return loss / (self.pipeline.schedule._n_microbatches * self.accum)
+        return loss / (self.pipeline.microbatches * self.accum)
 
     def _pipeline_forward_backward(self, batch: Any) -> torch.Tensor:
         """One local batch through the pipeline schedule; the loss is nonzero on the last stage only."""

@@ -126,19 +126,32 @@ def parallelize_llama(
 def _check_supported(
     model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, *, parallelism: Parallelism, float8: Float8
 ) -> None:
-    """Reject what this version cannot do yet, before anything is changed (the trainer's check_config
-    rejects most combinations earlier; these guard direct callers)."""
-    if mesh is not None and dims.tp > 1 and getattr(model.args, "loss_chunk_size", 0) > 0:
+    """Reject what this version cannot do, before anything is changed (the trainer's check_config runs
+    the same checks earlier, before any allocation; these guard direct callers)."""
+    check_combinations(
+        dims,
+        loss_chunk_size=getattr(model.args, "loss_chunk_size", 0),
+        cpu_offload=parallelism.fsdp_cpu_offload,
+    )
+
+
+def check_combinations(dims: ParallelDims, *, loss_chunk_size: int, cpu_offload: bool) -> None:
+    """Combinations of the parallelisms with each other and with the loss that cannot work.
+
+    Raises:
+        ConfigError: naming the keys and the fix.
+    """
+    if dims.tp > 1 and loss_chunk_size > 0:
         raise ConfigError(
             "training.loss = chunked does not compose with parallelism.tp > 1; use training.loss = plain "
             "(with parallelism.loss_parallel the logits are already sharded over the vocabulary)"
         )
-    if mesh is not None and dims.ddp_enabled and dims.tp > 1:
+    if dims.ddp_enabled and dims.tp > 1:
         raise ConfigError(
             "DDP (dp_replicate > 1 with dp_shard = 1) does not compose with tensor parallel; set "
             "parallelism.dp_shard > 1 (FSDP, or HSDP with dp_replicate) together with tp"
         )
-    if parallelism.fsdp_cpu_offload and not (mesh is not None and dims.fsdp_enabled):
+    if cpu_offload and not dims.fsdp_enabled:
         raise ConfigError("parallelism.fsdp_cpu_offload needs FSDP: parallelism.dp_shard > 1")
 
 

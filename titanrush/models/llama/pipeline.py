@@ -48,6 +48,7 @@ class PipelinedLlama:
     has_first: bool
     has_last: bool
     layers_per_stage: list[int]
+    microbatches: int
 
 
 def stage_costs(model: Llama) -> tuple[float, float]:
@@ -119,4 +120,5 @@ def pipeline_llama(
         has_first=0 in ids,
         has_last=n_stages - 1 in ids,
         layers_per_stage=sizes,
+        microbatches=microbatches,
     )
