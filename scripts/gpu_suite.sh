@@ -3,9 +3,13 @@
 #   phase A: GPU tests (GPUs 2-3) and the 1B single-GPU benchmarks (GPUs 0 and 1) in parallel, then the
 #            8B on 4 GPUs: FSDP4 compiled, FSDP2 x TP2, CP2 x FSDP2
 #   phase B: the 8B on 4 GPUs: FSDP4 eager, PP2 x FSDP2, FSDP4 + float8
+#   phase C: in parallel, the 1B side by side with torchtitan (GPUs 0, 1), 8-bit/4-bit AdamW (GPU 2) and
+#            profiled 1B runs (GPU 3); then the GPU tests on 4 GPUs and the 8B compiled side by side
+#   phase D: the 8B mesh sweep over tp/pp/cp, then the 8B with the chunked loss
+#   phase E: the 8B checkpoint save/resume timings, then the distributed rush on 4 GPUs
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A or B}
+PHASE=${1:?phase A, B, C, D or E}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -45,12 +49,53 @@ if [ "$PHASE" = A ]; then
     --run "fsdp4_compile: $B8" \
     --run "fsdp2_tp2_compile: $B8 --parallelism.tp 2" \
     --run "cp2_fsdp2_compile: $B8 --parallelism.cp 2"
-else
+elif [ "$PHASE" = C ]; then
+  S=/tmp/suite
+  (CUDA_VISIBLE_DEVICES=0,1 timeout 330 python3 scripts/side_by_side.py --out $S/sbs1b --gpus 0,1 --repeats 1 \
+     --rows 1b_eager,1b_compile,1b_compile_float8,1b_compile_b16 --steps 30 --measure-from 15 \
+     > $S/sbs1b.log 2>&1; cp $S/sbs1b/results.md "$OUT/sbs1b.md") &
+  (CUDA_VISIBLE_DEVICES=2 bench 320 b1_optim 1 14 5 \
+    --run "compile_fused_adamw: $B1" \
+    --run "compile_adamw8bit: $B1 --optimizer.name adamw8bit" \
+    --run "compile_adamw4bit: $B1 --optimizer.name adamw4bit") &
+  PROF="--profiling.enable --profiling.freq 10 --profiling.active_steps 2"
+  CUDA_VISIBLE_DEVICES=3 bench 320 b1_prof 1 12 5 \
+    --run "eager_profiled: $B1 --no-compile.enable --model.tie_embeddings untied $PROF" \
+    --run "compile_profiled: $B1 --model.tie_embeddings untied $PROF"
+  wait
+  for f in $S/b1_prof/runs/*/profile/step-*/rank0.summary.txt; do
+    echo "== $f"; cat "$f"; done > "$OUT/profiles.txt" 2>/dev/null
+  timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider -k "tp or four or 4gpu" > $S/gpu_tests.txt 2>&1
+  cp $S/gpu_tests.txt "$OUT/"
+  # torchtitan's per-op AC keeps every other matmul: our `alternate` variant is the same policy.
+  timeout 280 python3 scripts/side_by_side.py --out $S/sbs8b --rows 8b_compile --variants ac_alternate \
+     --steps 16 --measure-from 8 --timeout-per-run 140 > $S/sbs8b.log 2>&1; cp $S/sbs8b/results.md "$OUT/sbs8b.md"
+elif [ "$PHASE" = D ]; then
+  timeout 500 python3 -m titanrush.cli sweep --config train_configs/llama8b_fsdp.toml --ngpu 4 \
+    --grid "tp=1,2 pp=1,2 cp=1,2" --steps 6 --warmup 2 --gpu-mem 139.8 --timeout 100 \
+    --output /tmp/suite/sweep8b > /tmp/suite/sweep8b.log 2>&1
+  cp /tmp/suite/sweep8b/results.md "$OUT/sweep8b.md"; cp /tmp/suite/sweep8b/sweep.png "$OUT/sweep8b.png"
+  cp /tmp/suite/sweep8b/results.jsonl "$OUT/sweep8b.jsonl"
+  bench 85 b8_loss 4 6 2 --run "fsdp4_compile_chunked_loss: $B8 --training.loss chunked"
+elif [ "$PHASE" = B ]; then
   bench 290 b8_b 4 10 4 \
     --run "fsdp4_eager: $B8 --no-compile.enable" \
     --run "pp2_fsdp2_compile: $B8 --parallelism.pp 2 --training.local_batch_size 4" \
     --run "fsdp4_compile_float8: $B8 --float8.enable"
+else  # E
+  SWEEP=${SWEEP_RESULTS:-docs/benchmarks/sweep/sweep8b_h200x4.jsonl}
+  shm=$(df --output=avail -BG /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
+  if [ "${shm:-0}" -gt 200 ]; then CK=/dev/shm/ckbench; else CK=/tmp/ckbench; fi
+  df -h "$(dirname $CK)" > /tmp/suite/ck_disk.txt
+  timeout 260 python3 scripts/bench_checkpoint.py --config train_configs/llama8b_fsdp.toml --ngpu 4 \
+    --folder $CK --out /tmp/suite/ckbench_8b --time-limit 250 > /tmp/suite/ckbench_8b.log 2>&1
+  cp /tmp/suite/ckbench_8b/results.md "$OUT/ckbench_8b.md"; rm -rf $CK
+  timeout 330 python3 -m titanrush.cli rush dist --ngpu 4 --steps 12 --warmup 4 --timeout 90 \
+    --sweep-results "$SWEEP" --output /tmp/suite/rushdist > /tmp/suite/rushdist.log 2>&1
+  cp /tmp/suite/rushdist/report.md "$OUT/rushdist.md"; cp /tmp/suite/rushdist/results.jsonl "$OUT/rushdist.jsonl"
+  cp /tmp/suite/rushdist/*.png "$OUT/" 2>/dev/null
 fi
 cp /tmp/suite/env.txt "$OUT/"
-tar czf "$OUT/logs_$PHASE.tgz" --exclude='*.distcp' --exclude='tb' -C /tmp suite 2>/dev/null
+tar czf "$OUT/logs_$PHASE.tgz" --exclude='*.distcp' --exclude='tb' --exclude='*.trace.json.gz' \
+  --exclude='corpus' --exclude='tokenizer' --exclude='*.pickle' -C /tmp suite 2>/dev/null
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null | tail -60

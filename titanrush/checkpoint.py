@@ -6,6 +6,14 @@ model arguments). It is written under `step-<N>.tmp/` and renamed once every ran
 so a folder named `step-<N>` is always complete; a run killed mid-save leaves only a `.tmp` folder, which
 resumption ignores. DCP stores every tensor under its global name and shape, so a checkpoint saved on one
 mesh loads on any other (FSDP2 -> one process, -> TP, -> PP).
+
+Timings go to `records` for the trainer to log (metrics.jsonl and the console): each save, once it is
+complete and renamed, gives `ckpt_mode` (the async mode, or `model_only` for a model-only save, always
+synchronous), `ckpt_blocking_s` (how long the training loop was held: the save call, including any wait
+for the previous save still in flight, plus, for async_pinned, the wait for staging before the next
+optimizer step) and `ckpt_save_s` (from the save call until the checkpoint is written, plus the rename,
+which rank 0 does at the first step after; that step's wait is not counted); a resume gives `ckpt_load_s`
+(reading, resharding and setting the state, until every rank is done). Times are rank 0's.
 """
 
 from __future__ import annotations
@@ -181,7 +189,7 @@ class CheckpointManager:
             "dataloader": ObjectState(dataloader),
             "train_state": self.train_state,
         }
-        self._pending: tuple[Future, Path, Path, dict[str, Any]] | None = None
+        self._pending: _PendingSave | None = None
         # Background saves run their collectives on a gloo group of their own, off the training streams.
         use_pg = enable and async_mode != "disabled" and dist.is_initialized()
         self._pg = dist.new_group(backend="gloo") if use_pg else None
@@ -197,7 +205,7 @@ class CheckpointManager:
                 use_non_blocking_copy=cuda,
             )
             self._stager = DefaultStager(options)
-        self.last_save_blocking_s: float | None = None
+        self.records: list[tuple[int, dict[str, Any]]] = []  # (step, values) not yet logged
 
     # --------------------------------------------------------------------------------------------
     # Loading
@@ -210,18 +218,22 @@ class CheckpointManager:
         """
         own = complete_checkpoints(self.folder) if self.enable else []
         if own:
-            step, path = own[-1]
-            self._load(path, model_only=False)
-            logger.info(f"resumed from {path} at step {self.train_state.step}")
-            return self.train_state.step
-        if load_path:
+            path = own[-1][1]
+            model_only = False
+        elif load_path:
             path = Path(load_path)
             if STEP_DIR.match(path.name) is None and complete_checkpoints(path):
                 path = complete_checkpoints(path)[-1][1]  # a checkpoint folder: take its newest
-            self._load(path, model_only=model_only)
-            logger.info(f"loaded {'weights' if model_only else 'full state'} from {path}")
-            return 0 if model_only else self.train_state.step
-        return 0
+        else:
+            return 0
+        t0 = time.perf_counter()
+        self._load(path, model_only=model_only)
+        _barrier()  # loaded on every rank
+        step = 0 if model_only else self.train_state.step
+        self.records.append((step, {"ckpt_load_s": time.perf_counter() - t0, "ckpt_load_path": str(path)}))
+        what = "weights" if model_only else "full state"
+        logger.info(f"loaded {what} from {path}" + ("" if model_only else f", resuming after step {step}"))
+        return step
 
     def _load(self, path: Path, *, model_only: bool) -> None:
         metadata = _read_metadata(path)
@@ -278,6 +290,7 @@ class CheckpointManager:
 
     def save(self, step: int, *, model_only: bool = False, dtype: torch.dtype | None = None) -> Path:
         """Write step-<step>.tmp, then rename it to step-<step> once it is complete on every rank."""
+        t0 = time.perf_counter()
         self.wait()  # one save in flight at a time
         self.train_state.step = step
         final = self.folder / f"step-{step}"
@@ -291,36 +304,55 @@ class CheckpointManager:
         states = {"model": ModelState(self.model_parts, dtype)} if model_only else self.states
         info = {**self.info, "step": step, "model_only": model_only,
                 "dtype": str(dtype or torch.float32).replace("torch.", "")}  # fmt: skip
-        t0 = time.perf_counter()
-        if self.async_mode == "disabled" or model_only:
+        record = {"ckpt_mode": "model_only" if model_only else self.async_mode}
+        if record["ckpt_mode"] in ("disabled", "model_only"):
             dcp.save(states, checkpoint_id=str(tmp), no_dist=not dist.is_initialized())
             self._finish(tmp, final, info)
-        else:
-            kwargs: dict[str, Any] = {"checkpoint_id": str(tmp), "process_group": self._pg,
-                                      "no_dist": not dist.is_initialized()}  # fmt: skip
-            if self._stager is not None:
-                kwargs["async_stager"] = self._stager
-            result = dcp.async_save(states, **kwargs)
-            future = getattr(result, "upload_completion", result)
-            self._pending = (future, tmp, final, info)
-        self.last_save_blocking_s = time.perf_counter() - t0
-        logger.info(f"checkpoint step {step}: training blocked {self.last_save_blocking_s:.2f}s "
-                    f"({self.async_mode if not model_only else 'model-only'})")  # fmt: skip
+            elapsed = time.perf_counter() - t0
+            self.records.append((step, {**record, "ckpt_blocking_s": elapsed, "ckpt_save_s": elapsed}))
+            return final
+        kwargs: dict[str, Any] = {"checkpoint_id": str(tmp), "process_group": self._pg,
+                                  "no_dist": not dist.is_initialized()}  # fmt: skip
+        if self._stager is not None:
+            kwargs["async_stager"] = self._stager
+        result = dcp.async_save(states, **kwargs)
+        upload = getattr(result, "upload_completion", result)  # async_pinned: an AsyncSaveResponse
+        staging = getattr(result, "staging_completion", None)
+        pending = _PendingSave(upload, tmp, final, info, step, record, t0, staging=staging)
+        pending.upload.add_done_callback(lambda _: setattr(pending, "uploaded_at", time.perf_counter()))
+        pending.blocking_s = time.perf_counter() - t0
+        self._pending = pending
         return final
+
+    def wait_for_staging(self) -> None:
+        """Block until the save in flight has copied the state off the training tensors.
+
+        Call before anything changes them in place (the optimizer step): async_pinned stages in the
+        background while the next forward and backward run. The wait counts as blocking time."""
+        p = self._pending
+        if p is None or p.staging is None:
+            return
+        t0 = time.perf_counter()
+        p.staging.result()
+        p.staging = None
+        p.blocking_s += time.perf_counter() - t0
 
     def poll(self) -> None:
         """Finish a background save that has completed (cheap; called every step)."""
-        if self._pending is not None and self._pending[0].done():
+        if self._pending is not None and self._pending.upload.done():
             self.wait()
 
     def wait(self) -> None:
         """Block until the background save in flight (if any) is complete and renamed."""
         if self._pending is None:
             return
-        future, tmp, final, info = self._pending
-        self._pending = None
-        future.result()
-        self._finish(tmp, final, info, barrier=False)
+        p, self._pending = self._pending, None
+        p.upload.result()
+        uploaded = p.uploaded_at or time.perf_counter()  # the callback may run just after result()
+        t_finish = time.perf_counter()
+        self._finish(p.tmp, p.final, p.info, barrier=False)
+        save_s = uploaded - p.t0 + time.perf_counter() - t_finish  # written, then renamed
+        self.records.append((p.step, {**p.record, "ckpt_blocking_s": p.blocking_s, "ckpt_save_s": save_s}))
 
     def _finish(self, tmp: Path, final: Path, info: dict[str, Any], barrier: bool = True) -> None:
         # A synchronous DCP save returns on each rank after the coordinator wrote the metadata, which it
@@ -342,6 +374,25 @@ class CheckpointManager:
 
     def close(self) -> None:
         self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+
+@dataclasses.dataclass
+class _PendingSave:
+    """A background save in flight, and what its record needs once it completes."""
+
+    upload: Future
+    tmp: Path
+    final: Path
+    info: dict[str, Any]
+    step: int
+    record: dict[str, Any]
+    t0: float
+    staging: Future | None = None  # async_pinned: done once the state is copied off the training tensors
+    blocking_s: float = 0.0
+    uploaded_at: float | None = None
 
 
 def _read_metadata(path: Path) -> Any:

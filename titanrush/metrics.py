@@ -160,6 +160,10 @@ _FORMATS = [
     ("mem_reserved_gib", "reserved {:.2f}GiB"),
     ("data_wait_pct", "data {:.1f}%"),
     ("step_time", "step {:.3f}s"),
+    ("ckpt_mode", "checkpoint ({})"),
+    ("ckpt_blocking_s", "training blocked {:.2f}s"),
+    ("ckpt_save_s", "saved in {:.2f}s"),
+    ("ckpt_load_s", "checkpoint loaded in {:.2f}s"),
 ]
 
 

@@ -1,8 +1,9 @@
 """torch.profiler traces and CUDA memory snapshots, written to the run folder.
 
 Traces (`<run>/profile/step-<N>/rank<R>.trace.json.gz`) open in Perfetto (ui.perfetto.dev) or in
-TensorBoard's profiler plugin; memory snapshots (`<run>/memory_snapshot/step-<N>-rank<R>.pickle`) open in
-pytorch.org/memory_viz.
+TensorBoard's profiler plugin; beside each, `rank<R>.summary.txt` says where the time went (device time
+by kind: matmul, attention, communication, optimizer, compiled and other kernels; then the top ops).
+Memory snapshots (`<run>/memory_snapshot/step-<N>-rank<R>.pickle`) open in pytorch.org/memory_viz.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ class Profiler:
         self.snapshot_dir = run_dir / "memory_snapshot"
         self.memory_snapshot = self.enable and memory_snapshot
         self.step_num = start_step
+        self.active = active
         self._prof: torch.profiler.profile | None = None
         self._snapshot_taken = False
         if not self.enable:
@@ -62,7 +64,9 @@ class Profiler:
         out.mkdir(parents=True, exist_ok=True)
         path = out / f"rank{self.rank}.trace.json.gz"
         prof.export_chrome_trace(str(path))
-        logger.info(f"profiler trace written to {path}")
+        summary = time_summary(prof, self.active)
+        (out / f"rank{self.rank}.summary.txt").write_text(summary)
+        logger.info(f"profiler trace written to {path}\n{summary.split(chr(10) + chr(10))[0]}")
         if self.memory_snapshot and not self._snapshot_taken:
             self.snapshot_dir.mkdir(parents=True, exist_ok=True)
             snap = self.snapshot_dir / f"step-{self.step_num}-rank{self.rank}.pickle"
@@ -80,6 +84,60 @@ class Profiler:
         if self._prof is not None:
             self._prof.__exit__(None, None, None)
             self._prof = None
+
+
+# Kinds of work, recognized by kernel or op name (first match wins).
+_KINDS = [
+    ("communication", ("nccl", "gloo", "all_gather", "allgather", "reduce_scatter", "all_reduce", "c10d")),
+    ("attention", ("flash", "fmha", "attention", "cudnn")),
+    (
+        "matmul",
+        ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_mm"),
+    ),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("compiled", ("triton",)),
+]
+
+
+def kind_of(name: str) -> str:
+    """The kind of work a kernel or op name stands for; `other` for the rest (mostly element-wise)."""
+    low = name.lower()
+    return next((kind for kind, keys in _KINDS if any(k in low for k in keys)), "other")
+
+
+def time_summary(prof: torch.profiler.profile, steps: int) -> str:
+    """Self time per step by kind of work, then the 25 most expensive ops or kernels.
+
+    On a GPU the figures are device (kernel) time; kernels on different streams overlap (communication
+    beside compute), so the kinds can add up to more than the step time. Without a GPU, CPU op time.
+    """
+    events = prof.key_averages()
+    device = any(getattr(e, "self_device_time_total", 0) > 0 for e in events)
+
+    def self_us(e: object) -> float:
+        if device:
+            return getattr(e, "self_device_time_total", 0) if _on_device(e) else 0
+        return getattr(e, "self_cpu_time_total", 0)
+
+    rows = [(e.key, self_us(e), e.count) for e in events]
+    rows = [r for r in rows if r[1] > 0]
+    total = sum(t for _, t, _ in rows) or 1.0
+    kinds: dict[str, float] = {}
+    for name, t, _ in rows:
+        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + t
+    what = "device (kernel)" if device else "CPU op"
+    lines = [f"{what} self time per step over {steps} recorded step(s): {total / steps / 1e3:.1f} ms"]
+    lines += [f"  {k:<18} {t / steps / 1e3:9.1f} ms  {100 * t / total:5.1f}%" for k, t in
+              sorted(kinds.items(), key=lambda kv: -kv[1])]  # fmt: skip
+    lines += ["", f"top {what}s by self time (ms per step, calls per step):"]
+    for name, t, n in sorted(rows, key=lambda r: -r[1])[:25]:
+        lines.append(f"  {t / steps / 1e3:9.2f}  {n / steps:7.1f}  {kind_of(name):<18} {name[:90]}")
+    return "\n".join(lines) + "\n"
+
+
+def _on_device(event: object) -> bool:
+    device_type = getattr(event, "device_type", None)
+    return device_type is not None and device_type != torch.autograd.DeviceType.CPU
 
 
 @contextlib.contextmanager

@@ -328,6 +328,7 @@ class Trainer:
             all_ranks=pr.all_ranks,
             start_step=self.step,
         )
+        self._log_checkpoint_records()  # the load time of a resume
         self.peak = self._peak_tflops()
         # Each token is counted once per data-parallel replica, spread over the GPUs of that replica.
         self.tokens_per_gpu_step = (
@@ -477,6 +478,7 @@ class Trainer:
         self.lr = float(
             self.optimizer.param_groups[0]["lr"]
         )  # this step's rate (a tensor for some optimizers)
+        self.checkpointer.wait_for_staging()  # an async_pinned save may still be copying the weights
         self.optimizer.step()
         if self.float8_precompute:
             precompute_float8_scales(self.model)
@@ -544,6 +546,7 @@ class Trainer:
                 model_only=ck.last_save_model_only,
                 dtype=getattr(torch, ck.export_dtype),
             )
+            self._log_checkpoint_records()
         if t.gc_freq > 0:
             gc.enable()
         return logged
@@ -575,9 +578,16 @@ class Trainer:
         self.metrics.log(self.step, {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))})
         return loss
 
+    def _log_checkpoint_records(self) -> None:
+        """Log the timings of the saves that completed (and of a resume): own rows, no `loss`."""
+        for step, values in self.checkpointer.records:
+            self.metrics.log(step, values)
+        self.checkpointer.records.clear()
+
     def close(self) -> None:
         self.profiler.close()
-        self.checkpointer.close()
+        self.checkpointer.close()  # waits for a save in flight
+        self._log_checkpoint_records()
         self.metrics.close()
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -16,7 +16,10 @@ def pytest_collection_modifyitems(config, items):
         if HERE not in Path(str(item.fspath)).parents:
             continue
         item.add_marker(pytest.mark.gpu)
+        multi = item.get_closest_marker("multigpu")
+        need = multi.args[0] if multi is not None and multi.args else 2  # multigpu(n): at least n GPUs
         if not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (run tests/gpu on the GPU machine)"))
-        elif item.get_closest_marker("multigpu") and torch.cuda.device_count() < 2:
-            item.add_marker(pytest.mark.skip(reason="needs 2 CUDA GPUs"))
+        elif multi is not None and torch.cuda.device_count() < need:
+            reason = f"needs {need} CUDA GPUs, {torch.cuda.device_count()} visible (CUDA_VISIBLE_DEVICES)"
+            item.add_marker(pytest.mark.skip(reason=reason))

@@ -56,6 +56,25 @@ def test_resumed_run_repeats_the_uninterrupted_losses_bitwise(tmp_path, mode):
     assert saved == ["step-3", "step-6"]
 
 
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_pinned"])
+def test_saves_and_resumes_log_their_timings(tmp_path, mode):
+    train(args(tmp_path, "src", 3, *CKPT[:1], "--checkpoint.interval", "2", "--checkpoint.async_mode", mode))
+    rows = [json.loads(x) for x in (tmp_path / "src" / "metrics.jsonl").read_text().splitlines()]
+    saves = {r["step"]: r for r in rows if "ckpt_save_s" in r}
+    assert sorted(saves) == [2, 3] and all("loss" not in r for r in saves.values())
+    for r in saves.values():
+        assert r["ckpt_mode"] == mode
+        assert 0 < r["ckpt_blocking_s"] <= r["ckpt_save_s"] < 60, r
+        if mode == "disabled":
+            assert r["ckpt_blocking_s"] == r["ckpt_save_s"]
+    ckpt = tmp_path / "src" / "checkpoint" / "step-2"
+    train(args(tmp_path, "dst", 3, "--checkpoint.load_path", str(ckpt)))
+    rows = [json.loads(x) for x in (tmp_path / "dst" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0] == {"step": 2, "ckpt_load_s": rows[0]["ckpt_load_s"], "ckpt_load_path": str(ckpt)}
+    assert 0 < rows[0]["ckpt_load_s"] < 60
+    assert [r["step"] for r in rows[1:]] == [3] and "loss" in rows[1]
+
+
 def test_keep_latest_k_prunes_old_but_never_the_newest(tmp_path):
     train(
         args(
@@ -118,6 +137,8 @@ def test_weights_only_start_from_a_model_only_export(tmp_path):
     final = tmp_path / "src" / "checkpoint" / "step-8"
     info = json.loads((final / "titanrush.json").read_text())
     assert info["model_only"] is True and info["dtype"] == "bfloat16"
+    rows = [json.loads(x) for x in (tmp_path / "src" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("ckpt_mode") == "model_only"] == [8]
     with pytest.raises(ConfigError, match="holds only model weights"):
         Trainer(config.load(None, args(tmp_path, "x", 2, "--checkpoint.load_path", str(final))))
     trainer = Trainer(config.load(None, args(tmp_path, "dst", 2, "--checkpoint.load_path", str(final),

@@ -189,12 +189,14 @@ class CountMM(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def backward_mms(mode: str, selective: str = "op") -> tuple[int, float, torch.Tensor]:
+def backward_mms(
+    mode: str, selective: str = "op", op_matmuls: str = "all"
+) -> tuple[int, float, torch.Tensor]:
     """Matmuls run during backward, the loss and one gradient of a small Llama under the given AC."""
     torch.manual_seed(0)
     model = Llama(model_args("debug", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, vocab_size=128))
     model.init_weights(seed=1)
-    apply_ac(model, mode=mode, selective=selective)
+    apply_ac(model, mode=mode, selective=selective, op_matmuls=op_matmuls)
     tokens = torch.randint(0, 128, (2, 16))
     loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
     with CountMM() as counter:
@@ -219,12 +221,23 @@ def test_ac_recomputes_what_each_mode_says():
     torch.testing.assert_close(grad_op, grad, rtol=0, atol=0)
 
 
+def test_ac_op_alternate_recomputes_every_other_matmul():
+    base, loss, grad = backward_mms("none")
+    alt, loss_alt, grad_alt = backward_mms("selective", "op", op_matmuls="alternate")
+    # Per block the 2nd, 4th and 6th matmul (wk, wo, w3) run again in backward: 3 of 7, in 4 blocks.
+    assert alt - base == 4 * 3
+    assert loss_alt == loss
+    torch.testing.assert_close(grad_alt, grad, rtol=0, atol=0)
+
+
 def test_ac_none_and_bad_values():
     model = Llama(model_args("debug", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, vocab_size=128))
     apply_ac(model, mode="none")
     assert "_checkpoint_wrapped_module" not in dict(model.layers["0"].named_children())
     with pytest.raises(ConfigError, match="activation_checkpoint.selective"):
         apply_ac(model, mode="selective", selective="0")
+    with pytest.raises(ConfigError, match="activation_checkpoint.op_matmuls"):
+        apply_ac(model, mode="selective", selective="op", op_matmuls="half")
 
 
 def test_compile_replaces_blocks_and_names_stay_loadable():
@@ -237,3 +250,29 @@ def test_compile_replaces_blocks_and_names_stay_loadable():
     after = [n for n, _ in model.named_parameters()]
     assert after[1].startswith("layers.0._orig_mod._checkpoint_wrapped_module.")
     assert [_canonical(n) for n in after] == before
+
+
+def test_float8_tp_keeps_plain_styles_for_a_part_with_bf16_linears(fake_world, caplog):
+    # The 1B's situation in small: wk and wv (dim x kv dim) fall below float8.min_size and stay bf16,
+    # so attention keeps the plain TP styles while the FFN (all float8) shards in float8.
+    pytest.importorskip("torchao", reason="float8 is torchao's; it is a project dependency")
+    from torchao.float8.float8_linear import Float8Linear
+
+    fake_world(2)
+    p = Parallelism(tp=2, dp_shard=1)
+    dims = ParallelDims(1, 1, 1, 2, 1, 2)
+    with torch.device("meta"):
+        model = Llama(model_args("debug", dim=256, n_heads=8, n_kv_heads=2, multiple_of=64))
+    with caplog.at_level("INFO", logger="titanrush"):
+        parallelize_llama(
+            model, dims, dims.build_mesh("cpu"), parallelism=p, compile=Compile(), ac=ActivationCheckpoint(),
+            float8=Float8(enable=True, emulate=True, min_size=128), precision="bf16",
+        )  # fmt: skip
+    block = model.layers["0"]
+    assert isinstance(block.attention.wq, Float8Linear) and not isinstance(block.attention.wk, Float8Linear)
+    assert all(isinstance(getattr(block.feed_forward, n), Float8Linear) for n in ("w1", "w2", "w3"))
+    assert "attention keeps bf16 TP styles (wk, wv not converted)" in caplog.text
+    assert "feed_forward keeps" not in caplog.text
+    pl = placements(model)
+    assert pl["layers.0.attention.wk.weight"] == (Shard(0),)
+    assert pl["layers.0.feed_forward.w2.weight"] == (Shard(1),)

@@ -124,6 +124,11 @@ def test_profiling_writes_perfetto_traces(tmp_path):
     names = {e.get("name", "") for e in events}
     assert any(n.startswith("ProfilerStep#") for n in names)
     assert any("aten::mm" in n or "aten::addmm" in n for n in names)
+    # The summary beside the trace: per-step time by kind, the matmuls among them, and the top ops.
+    summary = (traces[0].parent / "rank0.summary.txt").read_text()
+    assert "CPU op self time per step over 2 recorded step(s)" in summary
+    kinds = dict(line.split()[:2] for line in summary.split("\n\n")[0].splitlines()[1:])
+    assert float(kinds["matmul"]) > 0 and "aten::mm" in summary
 
 
 def test_profiling_freq_too_small_is_a_config_error():

@@ -45,35 +45,45 @@ def _ops_to_save() -> set[Any]:
     return ops
 
 
-def _selective_op_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    # We keep every matmul output rather than torchtitan's every other one: the point of `op` mode is
-    # to recompute only the cheap element-wise work and never a matmul; when memory is tighter than
-    # that, `full` or `selective = N` is the lever. The saved matmul outputs (q, k, v, attention, wo,
-    # w1, w3, w2) are about half of what a block keeps without checkpointing, since the fp32 norm,
-    # RoPE and SwiGLU intermediates are dropped.
-    return CheckpointPolicy.MUST_SAVE if func in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+def _selective_op_context(op_matmuls: str = "all") -> Any:
+    """Contexts for one checkpointed call of a block: keep the outputs of the ops in `_SAVE`.
+
+    We keep every matmul output by default rather than torchtitan's every other one: the point of
+    `op` mode is to recompute only the cheap element-wise work and never a matmul. `alternate` keeps
+    the 1st, 3rd, ... matmul of the block (q, v, w1, w2 in a Llama block) and recomputes the others,
+    for when memory is tighter. The count restarts for each call and separately for the forward and
+    the recomputation, so both make the same choice.
+    """
+    counts = {False: 0, True: 0}
+
+    def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if func not in _SAVE:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if op_matmuls == "alternate" and func is torch.ops.aten.mm.default:
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 _SAVE = _ops_to_save()
 
 
-def _selective_op_context() -> Any:
-    return create_selective_checkpoint_contexts(_selective_op_policy)
-
-
-def wrap_block(block: nn.Module, *, selective_op: bool = False) -> nn.Module:
+def wrap_block(block: nn.Module, *, selective_op: bool = False, op_matmuls: str = "all") -> nn.Module:
     """One block wrapped for non-reentrant checkpointing (recompute all, or only the cheap ops)."""
     if selective_op:
         return checkpoint_wrapper(
             block,
             checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-            context_fn=_selective_op_context,
+            context_fn=lambda: _selective_op_context(op_matmuls),
             preserve_rng_state=False,
         )
     return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False)
 
 
-def apply_ac(model: nn.Module, *, mode: str, selective: str = "op") -> None:
+def apply_ac(model: nn.Module, *, mode: str, selective: str = "op", op_matmuls: str = "all") -> None:
     """Wrap the transformer blocks of `model.layers` for activation checkpointing, in place.
 
     Args:
@@ -83,6 +93,7 @@ def apply_ac(model: nn.Module, *, mode: str, selective: str = "op") -> None:
         selective: With mode `selective`: `op` keeps the outputs of matmuls and attention kernels and
             recomputes only the element-wise ops of every block; an integer N checkpoints blocks
             N-1, 2N-1, ... fully (every N-th block; N = 1 is `full`) and leaves the rest alone.
+        op_matmuls: With `op`: `all` keeps every matmul output, `alternate` every other one.
 
     Raises:
         ConfigError: An unknown mode, or a `selective` value that is neither `op` nor a positive integer.
@@ -92,7 +103,9 @@ def apply_ac(model: nn.Module, *, mode: str, selective: str = "op") -> None:
     if mode == "full":
         wrap: Callable[[int, nn.Module], nn.Module | None] = lambda i, b: wrap_block(b)
     elif mode == "selective" and selective == "op":
-        wrap = lambda i, b: wrap_block(b, selective_op=True)
+        if op_matmuls not in ("all", "alternate"):
+            raise ConfigError(f"activation_checkpoint.op_matmuls = {op_matmuls!r}: use all or alternate")
+        wrap = lambda i, b: wrap_block(b, selective_op=True, op_matmuls=op_matmuls)
     elif mode == "selective" and selective.isdigit() and int(selective) > 0:
         every = int(selective)
         wrap = lambda i, b: wrap_block(b) if (i + 1) % every == 0 else None

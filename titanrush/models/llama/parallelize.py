@@ -13,6 +13,8 @@ Order: float8 -> TP -> CP -> AC -> compile -> FSDP/HSDP or DDP, because
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -38,6 +40,8 @@ from titanrush.parallel.tensor_parallel import (
     apply_tp_plan,
     enable_async_tp,
 )
+
+logger = logging.getLogger("titanrush")
 
 
 def parallelize_llama(
@@ -103,7 +107,7 @@ def parallelize_llama(
     #    over dp_shard x cp, since the cp ranks hold the same weights.
 
     # 4-5. Activation checkpointing, then compile (which traces the checkpointed blocks).
-    apply_ac(model, mode=ac.mode, selective=ac.selective)
+    apply_ac(model, mode=ac.mode, selective=ac.selective, op_matmuls=ac.op_matmuls)
     if compile.enable:
         apply_compile(model, fullgraph=compile.fullgraph)
 
@@ -156,7 +160,7 @@ def check_combinations(dims: ParallelDims, *, loss_chunk_size: int, cpu_offload:
 
 
 def llama_tp_plan(
-    *, sequence_parallel: bool, loss_parallel: bool, float8: bool = False
+    *, sequence_parallel: bool, loss_parallel: bool, float8: frozenset[str] = frozenset()
 ) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
     """The Llama TP plan: (plan for the top-level modules, plan for each transformer block).
 
@@ -181,21 +185,27 @@ def llama_tp_plan(
             use_local_output=not loss_parallel,
         ),
     }
-    col, row, prepare = ColwiseParallel, RowwiseParallel, PrepareModuleInput
-    if float8:  # the blocks' linears are Float8Linear: shard and all-gather in float8
+    # float8: the parts ("attention", "feed_forward") whose linears are all Float8Linear shard and
+    # all-gather in float8; a part with a bf16 linear (below float8.min_size) keeps the plain styles.
+    styles = {
+        part: (ColwiseParallel, RowwiseParallel, PrepareModuleInput) for part in ("attention", "feed_forward")
+    }
+    if float8:
         from torchao.float8.float8_tensor_parallel import (
             Float8ColwiseParallel,
             Float8RowwiseParallel,
             PrepareFloat8ModuleInput,
         )
 
-        col, row, prepare = Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+        for part in float8:
+            styles[part] = (Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput)
+    (a_col, a_row, a_prep), (f_col, f_row, f_prep) = styles["attention"], styles["feed_forward"]
     block: dict[str, ParallelStyle] = {
-        "attention.wq": col(),
-        "attention.wk": col(),
-        "attention.wv": col(),
-        "feed_forward.w1": col(),
-        "feed_forward.w3": col(),
+        "attention.wq": a_col(),
+        "attention.wk": a_col(),
+        "attention.wv": a_col(),
+        "feed_forward.w1": f_col(),
+        "feed_forward.w3": f_col(),
     }
     if sequence_parallel:
         top["norm"] = SequenceParallel()
@@ -203,13 +213,13 @@ def llama_tp_plan(
             {
                 "attention_norm": SequenceParallel(),
                 # forward(x, rope, mask): gather x over the sequence, pass rope and mask through.
-                "attention": prepare(
+                "attention": a_prep(
                     input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)
                 ),
-                "attention.wo": row(output_layouts=seq),
+                "attention.wo": a_row(output_layouts=seq),
                 "ffn_norm": SequenceParallel(),
-                "feed_forward": prepare(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-                "feed_forward.w2": row(output_layouts=seq),
+                "feed_forward": f_prep(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w2": f_row(output_layouts=seq),
             }
         )
     else:
@@ -217,12 +227,27 @@ def llama_tp_plan(
         block.update(
             {
                 "attention_norm": ReplicateParallel(),
-                "attention.wo": row(),
+                "attention.wo": a_row(),
                 "ffn_norm": ReplicateParallel(),
-                "feed_forward.w2": row(),
+                "feed_forward.w2": f_row(),
             }
         )
     return top, block
+
+
+def _float8_parts(block: nn.Module) -> frozenset[str]:
+    """The parts of a block whose linears are all float8; logs the ones that keep bf16 TP styles."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    parts = set()
+    for part in ("attention", "feed_forward"):
+        linears = {n: m for n, m in getattr(block, part).named_modules() if isinstance(m, nn.Linear)}
+        plain = sorted(n for n, m in linears.items() if not isinstance(m, Float8Linear))
+        if plain:
+            logger.info(f"float8 + TP: {part} keeps bf16 TP styles ({', '.join(plain)} not converted)")
+        else:
+            parts.add(part)
+    return frozenset(parts)
 
 
 def apply_llama_tp(
@@ -241,8 +266,9 @@ def apply_llama_tp(
     """
     emb, out = model.tok_embeddings, model.output
     tied = emb is not None and out is not None and emb.weight is out.weight
+    parts = _float8_parts(next(iter(model.layers.values()))) if float8 else frozenset()
     top, block_plan = llama_tp_plan(
-        sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, float8=float8
+        sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, float8=parts
     )
     apply_tp_plan(model, tp_mesh, top)
     for block in model.layers.values():

@@ -1,0 +1,583 @@
+"""titanrush against torchtitan 0.2.2 on identical settings, in one GPU run, with the ratio table.
+
+Usage (on the GPU machine, from the repo root; torchtitan importable, e.g. from wheels in .whl/):
+  python scripts/side_by_side.py --out DIR [--rows 1b_eager,1b_compile,...] [--steps 40] [--measure-from 20]
+      [--gpus 0,1] [--timeout-per-run 300] [--dry-run]
+
+Rows (the reference table of docs/benchmarks/performance.md): the 1B (Llama 3.2 shape, untied output)
+on one GPU at seq 2048, local batch 8 (16 for `1b_compile_b16`), no activation checkpointing; the 8B
+with FSDP over 4 GPUs at seq 8192, local batch 2, selective per-op AC. Both trainers use fused AdamW,
+bf16 mixed precision, gradient clipping at 1.0, the same corpus (the Python standard library sources
+that titanrush embeds) and the same tokenizer (titanrush's BPE, converted for torchtitan's Hugging Face
+loader). Besides `same` (the same settings), a row may have titanrush variants (`--variants`), run
+and named `<row>+<variant>`.
+
+The figures: tokens/s per GPU as each trainer logs it, averaged over the steps from --measure-from on
+(both log every step); peak memory = the largest reserved (`torch.cuda.max_memory_reserved`) over those
+steps; time to first step = wall time from launching the command to the first step's log line
+(process start, model build, compile included). On a machine with several GPUs and 1-GPU rows, `--gpus
+0,1` runs torchtitan on the first GPU and titanrush on the second at the same time (each row twice,
+swapping the GPUs, averaging), so both see the same machine state.
+
+Writes DIR/results.jsonl, DIR/results.md and every run's log; prints the table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_runs import environment  # noqa: E402
+
+
+@dataclass
+class Row:
+    """One reference row: the settings both trainers run with."""
+
+    name: str
+    ngpu: int
+    flavor: str
+    seq_len: int
+    batch: int
+    compile: bool
+    float8: bool = False
+    ac: str = "none"  # none | op
+    titanrush_variants: dict[str, list[str]] = field(default_factory=dict)
+
+
+_8B_VARIANTS = {
+    # torchtitan's per-op policy keeps every other matmul output; ours keeps all by default.
+    "ac_alternate": ["--activation_checkpoint.op_matmuls", "alternate"],
+}
+ROWS = {
+    r.name: r
+    for r in [
+        Row("1b_eager", 1, "1B", 2048, 8, compile=False),
+        Row("1b_compile", 1, "1B", 2048, 8, compile=True),
+        Row("1b_compile_float8", 1, "1B", 2048, 8, compile=True, float8=True),
+        Row("1b_compile_b16", 1, "1B", 2048, 16, compile=True),
+        Row("8b_eager", 4, "8B", 8192, 2, compile=False, ac="op", titanrush_variants=_8B_VARIANTS),
+        Row("8b_compile", 4, "8B", 8192, 2, compile=True, ac="op", titanrush_variants=_8B_VARIANTS),
+        Row(
+            "8b_compile_float8",
+            4,
+            "8B",
+            8192,
+            2,
+            compile=True,
+            float8=True,
+            ac="op",
+            titanrush_variants=_8B_VARIANTS,
+        ),
+    ]
+}
+
+
+# ---------------------------------------------------------------- the shared corpus and tokenizer
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte -> printable character table of byte-level BPE (GPT-2's, which Llama 3 uses)."""
+    keep = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def write_hf_tokenizer(folder: Path) -> None:
+    """titanrush's BPE as a Hugging Face `tokenizer.json` (+ `tokenizer_config.json` naming BOS/EOS).
+
+    Ranks become the byte-level vocabulary; each multi-byte token's merges are the splits into two
+    tokens that both exist, ordered by the merged token's rank (how tiktoken ranks apply).
+    """
+    from titanrush.data.tokenizer import DEFAULT_PATH, LLAMA3_PATTERN, special_tokens
+
+    enc = _bytes_to_unicode()
+    ranks = {}
+    for line in DEFAULT_PATH.read_text().splitlines():
+        tok, rank = line.split()
+        ranks[base64.b64decode(tok)] = int(rank)
+    text = {b: "".join(enc[c] for c in b) for b in ranks}
+    merges = []
+    for tok, rank in ranks.items():
+        for i in range(1, len(tok)):
+            left, right = tok[:i], tok[i:]
+            if left in ranks and right in ranks:
+                merges.append((rank, max(ranks[left], ranks[right]), text[left], text[right]))
+    merges.sort()
+    specials = special_tokens()
+    added = [
+        {
+            "id": len(ranks) + i,
+            "content": s,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
+        for i, s in enumerate(specials)
+    ]
+    spec = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": added,
+        "normalizer": None,
+        "pre_tokenizer": {
+            "type": "Sequence",
+            "pretokenizers": [
+                {
+                    "type": "Split",
+                    "pattern": {"Regex": LLAMA3_PATTERN},
+                    "behavior": "Isolated",
+                    "invert": False,
+                },
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+            ],
+        },
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": True,
+            "vocab": {text[b]: r for b, r in ranks.items()},
+            "merges": [[left, right] for _, _, left, right in merges],
+        },
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "tokenizer.json").write_text(json.dumps(spec))
+    config = {"bos_token": specials[0], "eos_token": specials[1], "add_bos_token": False}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def write_corpus(path: Path) -> None:
+    """The embedded dataset's training documents (stdlib sources) as JSON lines of {"text": ...}."""
+    from titanrush.data.sources import embedded_documents
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        for doc in embedded_documents("train"):
+            fh.write(json.dumps({"text": doc.text}) + "\n")
+
+
+# ---------------------------------------------------------------- commands
+
+
+def torchtitan_toml(row: Row, steps: int, assets: Path, corpus: Path, dump: Path) -> str:
+    converters = '["quantize.linear.float8"]' if row.float8 else "[]"
+    ac = 'mode = "selective"\nselective_ac_option = "op"' if row.ac == "op" else 'mode = "none"'
+    return f"""[job]
+dump_folder = "{dump}"
+description = "{row.name}"
+
+[metrics]
+log_freq = 1
+disable_color_printing = true
+
+[model]
+name = "llama3"
+flavor = "{row.flavor}"
+hf_assets_path = "{assets}"
+converters = {converters}
+
+[optimizer]
+name = "AdamW"
+lr = 3e-4
+eps = 1e-8
+implementation = "fused"
+
+[lr_scheduler]
+warmup_steps = 10
+
+[training]
+local_batch_size = {row.batch}
+seq_len = {row.seq_len}
+max_norm = 1.0
+steps = {steps}
+dataset = "c4_test"
+dataset_path = "{corpus}"
+mixed_precision_param = "bfloat16"
+mixed_precision_reduce = "float32"
+
+[parallelism]
+data_parallel_replicate_degree = 1
+data_parallel_shard_degree = -1
+tensor_parallel_degree = 1
+
+[checkpoint]
+enable = false
+
+[activation_checkpoint]
+{ac}
+
+[compile]
+enable = {str(row.compile).lower()}
+components = ["model", "loss"]
+
+[quantize.linear.float8]
+enable_fsdp_float8_all_gather = true
+precompute_float8_dynamic_scale_for_fsdp = true
+filter_fqns = ["output"]
+
+[experimental]
+custom_import = "tt_flavors"
+"""
+
+
+def titanrush_args(row: Row) -> list[str]:
+    if row.flavor == "1B":
+        args = ["--config", "train_configs/llama1b_single.toml", "--model.tie_embeddings", "untied"]
+    else:
+        args = ["--config", "train_configs/llama8b_fsdp.toml", "--checkpoint.enable", "false"]
+    args += ["--training.local_batch_size", str(row.batch), "--training.seq_len", str(row.seq_len)]
+    args += ["--compile.enable" if row.compile else "--no-compile.enable"]
+    if row.float8:
+        args += ["--float8.enable"]
+    args += ["--activation_checkpoint.mode", "selective" if row.ac == "op" else "none"]
+    return args
+
+
+def launcher(ngpu: int) -> list[str]:
+    if ngpu == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ngpu}"]
+
+
+# ---------------------------------------------------------------- running and parsing
+
+_TT_STEP = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.]+).*?memory:\s*([\d.]+)GiB.*?tps:\s*([\d,]+)")
+_TR_STEP = re.compile(r"INFO step\s+(\d+)\s+loss\s+([-\d.]+)")
+
+
+@dataclass
+class Run:
+    trainer: str
+    row: str
+    variant: str
+    cmd: list[str]
+    env: dict[str, str]
+    log: Path
+    metrics: Path | None = None  # titanrush's metrics.jsonl
+    result: dict = field(default_factory=dict)
+
+
+def execute(run: Run, timeout: float) -> None:
+    """Run the command, timestamping each log line; fill run.result with the steady-state figures."""
+    t0 = time.monotonic()
+    first_step_s = None
+    steps: list[dict] = []
+    pat = _TT_STEP if run.trainer == "torchtitan" else _TR_STEP
+    with open(run.log, "w") as log:
+        log.write("$ " + shlex.join(run.cmd) + "\n")
+        proc = subprocess.Popen(
+            run.cmd,
+            env=run.env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            errors="replace",
+        )
+        timer = threading.Timer(timeout, proc.kill)
+        timer.start()
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            m = pat.search(line)
+            if m:
+                if first_step_s is None:
+                    first_step_s = time.monotonic() - t0
+                if run.trainer == "torchtitan":
+                    steps.append(
+                        {
+                            "step": int(m[1]),
+                            "loss": float(m[2]),
+                            "mem_reserved_gib": float(m[3]),
+                            "tps": float(m[4].replace(",", "")),
+                        }
+                    )
+        rc = proc.wait()
+        timer.cancel()
+    if run.trainer == "titanrush" and run.metrics and run.metrics.exists():
+        steps = [json.loads(x) for x in run.metrics.read_text().splitlines()]
+        steps = [s for s in steps if "loss" in s and "tps" in s]
+    text = run.log.read_text(errors="replace")
+    if rc == 0:
+        status = "ok"
+    elif "out of memory" in text or "OutOfMemoryError" in text:
+        status = "OOM"
+    else:
+        status = "timeout" if time.monotonic() - t0 >= timeout else f"failed ({rc})"
+    run.result = {
+        "status": status,
+        "first_step_s": first_step_s,
+        "wall_s": time.monotonic() - t0,
+        "steps": steps,
+    }
+
+
+def summarize(run: Run, measure_from: int) -> dict:
+    steady = [s for s in run.result.get("steps", []) if s["step"] >= measure_from]
+    out = {
+        "trainer": run.trainer,
+        "row": run.row,
+        "variant": run.variant,
+        "status": run.result.get("status"),
+        "first_step_s": run.result.get("first_step_s"),
+        "command": shlex.join(run.cmd),
+    }
+    if steady:
+        out["tps"] = sum(s["tps"] for s in steady) / len(steady)
+        mem = [s["mem_reserved_gib"] for s in steady if s.get("mem_reserved_gib") is not None]
+        out["mem_reserved_gib"] = max(mem) if mem else None
+        out["steps_measured"] = f"{steady[0]['step']}-{steady[-1]['step']}"
+        out["final_loss"] = steady[-1]["loss"]
+    elif out["status"] == "ok":
+        out["status"] = "no steps logged"
+    return out
+
+
+def ratio_table(results: list[dict]) -> str:
+    """One line per row and titanrush variant: torchtitan's figures, ours, and the ratios."""
+    lines = [
+        "| row | titanrush variant | torchtitan tok/s/GPU | titanrush tok/s/GPU | ratio | torchtitan GiB | "
+        "titanrush GiB | memory ratio | torchtitan first step s | titanrush first step s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+
+    def fmt(v: float | None, spec: str) -> str:
+        return format(v, spec) if v is not None else "-"
+
+    for name in dict.fromkeys(r["row"] for r in results):
+        tt = [r for r in results if r["row"] == name and r["trainer"] == "torchtitan"]
+        ref = _mean_of(tt)
+        for variant in dict.fromkeys(
+            r["variant"] for r in results if r["row"] == name and r["trainer"] == "titanrush"
+        ):
+            ours = _mean_of(
+                [
+                    r
+                    for r in results
+                    if r["row"] == name and r["trainer"] == "titanrush" and r["variant"] == variant
+                ]
+            )
+            tps_ratio = ours["tps"] / ref["tps"] if ours.get("tps") and ref.get("tps") else None
+            mem_ratio = (
+                ours["mem_reserved_gib"] / ref["mem_reserved_gib"]
+                if ours.get("mem_reserved_gib") and ref.get("mem_reserved_gib")
+                else None
+            )
+            cells = [
+                name,
+                variant,
+                f"{fmt(ref.get('tps'), ',.0f')} {_flag(ref)}".strip(),
+                f"{fmt(ours.get('tps'), ',.0f')} {_flag(ours)}".strip(),
+                f"{fmt(tps_ratio, '.3f')}x",
+                fmt(ref.get("mem_reserved_gib"), ".1f"),
+                fmt(ours.get("mem_reserved_gib"), ".1f"),
+                fmt(mem_ratio, ".2f"),
+                fmt(ref.get("first_step_s"), ".0f"),
+                fmt(ours.get("first_step_s"), ".0f"),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _flag(r: dict) -> str:
+    return "" if r.get("status") == "ok" else f"({r.get('status')}) "
+
+
+def _mean_of(runs: list[dict]) -> dict:
+    """One figure from the repeats of a run (the GPU-swapped pair); status ok only if all were."""
+    if not runs:
+        return {"status": "not run"}
+    out: dict = {"status": "ok" if all(r["status"] == "ok" for r in runs) else runs[0]["status"]}
+    for key in ("tps", "mem_reserved_gib", "first_step_s"):
+        vals = [r[key] for r in runs if r.get(key) is not None]
+        if not vals or out["status"] != "ok":
+            out[key] = None
+        else:  # memory: the larger peak of the repeats; speed and start-up time: the mean
+            out[key] = max(vals) if key == "mem_reserved_gib" else sum(vals) / len(vals)
+    return out
+
+
+# ---------------------------------------------------------------- main
+
+
+def plan(rows: list[Row], trainers: list[str], a: argparse.Namespace, work: Path) -> list[Run]:
+    runs = []
+    compat = ROOT / "scripts" / "torchtitan_compat"
+    try:
+        import datasets  # noqa: F401
+
+        tt_path = str(compat)
+    except ImportError:  # the stand-in (torchtitan_compat/shim/datasets) goes on the path
+        tt_path = f"{compat}:{compat / 'shim'}"
+    base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for row in rows:
+        if "torchtitan" in trainers:
+            toml = work / f"tt_{row.name}.toml"
+            toml.write_text(
+                torchtitan_toml(row, a.steps, work / "tokenizer", work / "corpus", work / "tt_dump")
+            )
+            env = {**base_env, "PYTHONPATH": f"{tt_path}:{base_env.get('PYTHONPATH', '')}".rstrip(":")}
+            cmd = [*launcher(row.ngpu), "-m", "torchtitan.train", "--job.config_file", str(toml)]
+            runs.append(Run("torchtitan", row.name, "-", cmd, env, work / f"tt_{row.name}.log"))
+        if "titanrush" in trainers:
+            variants = {"same": [], **row.titanrush_variants}
+            for variant, extra in variants.items():
+                if a.variants and variant not in a.variants.split(","):
+                    continue
+                tag = row.name if variant == "same" else f"{row.name}+{variant}"
+                dump = work / "tr_dump"
+                args = [
+                    *titanrush_args(row),
+                    *extra,
+                    "--training.steps",
+                    str(a.steps),
+                    "--metrics.log_freq",
+                    "1",
+                    "--job.dump_folder",
+                    str(dump),
+                    "--job.name",
+                    tag,
+                ]
+                env = {**base_env, "PYTHONPATH": f"{ROOT}:{base_env.get('PYTHONPATH', '')}".rstrip(":")}
+                cmd = [*launcher(row.ngpu), "-m", "titanrush.train", *args]
+                runs.append(
+                    Run(
+                        "titanrush",
+                        row.name,
+                        variant,
+                        cmd,
+                        env,
+                        work / f"tr_{tag}.log",
+                        metrics=dump / tag / "metrics.jsonl",
+                    )
+                )
+    return runs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, from: {', '.join(ROWS)}")
+    ap.add_argument("--trainers", default="torchtitan,titanrush")
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--measure-from", type=int, default=20)
+    ap.add_argument("--gpus", default="", help="two GPU ids: run the 1-GPU rows of both trainers at once")
+    ap.add_argument("--repeats", type=int, default=2, choices=(1, 2), help="with --gpus: 2 swaps the GPUs")
+    ap.add_argument("--variants", default="", help="titanrush variants (default all): same,ac_alternate")
+    ap.add_argument("--timeout-per-run", type=float, default=400)
+    ap.add_argument(
+        "--dry-run", action="store_true", help="write the configs, print the commands, run nothing"
+    )
+    a = ap.parse_args()
+    unknown = [r for r in a.rows.split(",") if r not in ROWS]
+    if unknown:
+        ap.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
+    rows = [ROWS[r] for r in a.rows.split(",")]
+    trainers = a.trainers.split(",")
+    work = a.out.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    if "torchtitan" in trainers:
+        write_hf_tokenizer(work / "tokenizer")
+        (work / "corpus").mkdir(exist_ok=True)
+        write_corpus(work / "corpus" / "stdlib.jsonl")
+    runs = plan(rows, trainers, a, work)
+    if a.dry_run:
+        for r in runs:
+            print(f"[{r.trainer} {r.row} {r.variant}] {shlex.join(r.cmd)}")
+        return 0
+    env = environment()
+    results: list[dict] = []
+    gpus = [g for g in a.gpus.split(",") if g]
+
+    def record(run: Run, gpu: str | None) -> None:
+        s = summarize(run, a.measure_from)
+        s["gpu"] = gpu
+        results.append(s)
+        with open(work / "results.jsonl", "a") as fh:
+            fh.write(json.dumps({**s, "env": env}) + "\n")
+        print(
+            f"[side-by-side] {run.trainer} {run.row} {run.variant} gpu={gpu}: {s['status']} "
+            f"tps={s.get('tps')} mem={s.get('mem_reserved_gib')} first={s.get('first_step_s')}",
+            flush=True,
+        )
+
+    pending = list(runs)
+    while pending:
+        run = pending.pop(0)
+        partner = next((p for p in pending if p.row == run.row and p.trainer != run.trainer), None)
+        if len(gpus) >= 2 and ROWS[run.row].ngpu == 1 and partner is not None:
+            pending.remove(partner)
+            for order in range(a.repeats):  # with 2: each trainer on each GPU once
+                pair = [(run, gpus[order]), (partner, gpus[1 - order])]
+                threads = []
+                for r, g in pair:
+                    r.env = {**r.env, "CUDA_VISIBLE_DEVICES": g}
+                    log = r.log
+                    r.log = log.with_name(f"{log.stem}.gpu{g}{log.suffix}")
+                    t = threading.Thread(target=execute, args=(r, a.timeout_per_run))
+                    t.start()
+                    threads.append((t, r, g, log))
+                for t, r, g, log in threads:
+                    t.join()
+                    record(r, g)
+                    r.log = log
+                    if r.metrics:  # the next repeat writes a fresh metrics file
+                        r.metrics.rename(
+                            r.metrics.with_name(f"metrics.gpu{g}.jsonl")
+                        ) if r.metrics.exists() else None
+        else:
+            execute(run, a.timeout_per_run)
+            record(run, os.environ.get("CUDA_VISIBLE_DEVICES"))
+    md = ratio_table(results)
+    header = (
+        f"{env['date']}, {env['gpus']} x {env['device']}, torch {env['torch']}, titanrush commit "
+        f"{env['commit']}, torchtitan {_tt_version()}; {a.steps} steps, means over steps >= {a.measure_from}"
+    )
+    commands = "\n".join(f"- {r['trainer']} {r['row']} ({r['variant']}): `{r['command']}`" for r in results)
+    (work / "results.md").write_text(f"{header}\n\n{md}\n\nCommands:\n\n{commands}\n")
+    print(header)
+    print(md)
+    return 0
+
+
+def _tt_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("torchtitan")
+    except Exception:  # noqa: BLE001 - only a label in the report
+        return "unknown"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,110 @@
+"""The side-by-side benchmark's own logic: log parsing, the ratio table, the tokenizer conversion."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import side_by_side as sbs  # noqa: E402
+
+
+def test_parses_torchtitan_step_lines():
+    # torchtitan 0.2.2's metrics line (components/metrics.py) with color printing disabled.
+    line = (
+        "[titan] 2026-11-21 08:00:00,000 - root - INFO - step: 21  loss:  7.12345  grad_norm:  1.2345  "
+        "memory: 50.71GiB(35.47%)  tps: 64,512  tflops: 530.12  mfu: 53.60%"
+    )
+    m = sbs._TT_STEP.search(line)
+    assert m and (int(m[1]), float(m[2]), float(m[3]), m[4]) == (21, 7.12345, 50.71, "64,512")
+    assert sbs._TR_STEP.search("08:00:00 INFO step     21  loss 7.1234  gnorm 1.0")[1] == "21"
+
+
+def test_ratio_table_compares_each_variant_with_torchtitan():
+    results = [
+        {
+            "trainer": "torchtitan",
+            "row": "r",
+            "variant": "-",
+            "status": "ok",
+            "tps": 100.0,
+            "mem_reserved_gib": 50.0,
+            "first_step_s": 30.0,
+        },
+        {
+            "trainer": "titanrush",
+            "row": "r",
+            "variant": "same",
+            "status": "ok",
+            "tps": 110.0,
+            "mem_reserved_gib": 40.0,
+            "first_step_s": 20.0,
+        },
+        {
+            "trainer": "titanrush",
+            "row": "r",
+            "variant": "same",
+            "status": "ok",
+            "tps": 130.0,
+            "mem_reserved_gib": 44.0,
+            "first_step_s": 24.0,
+        },
+        {"trainer": "titanrush", "row": "r", "variant": "v", "status": "OOM"},
+    ]
+    table = sbs.ratio_table(results).splitlines()
+    assert len(table) == 4
+    assert table[2] == "| r | same | 100 | 120 | 1.200x | 50.0 | 44.0 | 0.88 | 30 | 22 |"
+    assert "(OOM)" in table[3] and "| -x |" in table[3]
+
+
+def test_torchtitan_config_carries_the_row_settings(tmp_path):
+    toml = sbs.torchtitan_toml(
+        sbs.ROWS["8b_compile_float8"], 40, tmp_path / "tok", tmp_path / "c", tmp_path / "d"
+    )
+    import tomllib
+
+    cfg = tomllib.loads(toml)
+    assert cfg["model"]["flavor"] == "8B" and cfg["model"]["converters"] == ["quantize.linear.float8"]
+    assert cfg["training"]["local_batch_size"] == 2 and cfg["training"]["seq_len"] == 8192
+    assert cfg["activation_checkpoint"]["selective_ac_option"] == "op" and cfg["compile"]["enable"] is True
+    args = sbs.titanrush_args(sbs.ROWS["1b_eager"])
+    assert "--no-compile.enable" in args and args[args.index("--model.tie_embeddings") + 1] == "untied"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("tokenizers") is None, reason="needs the tokenizers package")
+def test_converted_tokenizer_round_trips(tmp_path):
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from titanrush.data.tokenizer import build_tokenizer
+
+    sbs.write_hf_tokenizer(tmp_path)
+    hf = HFTokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    ours = build_tokenizer("default")
+    text = "def f(x):\n    return {'a': x ** 2}  # größer\n"
+    ids = hf.encode(text).ids
+    assert hf.decode(ids) == text
+    assert len(ids) <= 2 * len(ours.encode(text, bos=False, eos=False))  # BPE merges applied, not bytes
+    assert hf.token_to_id("<|begin_of_text|>") == ours.bos_id
+
+
+def test_execute_timestamps_steps_and_summarizes_the_steady_state(tmp_path):
+    lines = [
+        f"step: {i}  loss: {10 - i:.5f}  grad_norm: 1.0  memory: {40 + i:.2f}GiB(30.00%)  tps: {1000 * i:,}"
+        for i in range(1, 5)
+    ]
+    code = "import sys\nfor line in sys.argv[1:]: print(line)"
+    run = sbs.Run("torchtitan", "r", "-", [sys.executable, "-c", code, *lines], {}, tmp_path / "log")
+    sbs.execute(run, timeout=60)
+    s = sbs.summarize(run, measure_from=3)
+    assert s["status"] == "ok" and s["steps_measured"] == "3-4"
+    assert s["tps"] == 3500 and s["mem_reserved_gib"] == 44 and s["final_loss"] == 6
+    assert 0 < s["first_step_s"] < 60
+    failing = sbs.Run(
+        "torchtitan", "r", "-", [sys.executable, "-c", "raise SystemExit(3)"], {}, tmp_path / "l2"
+    )
+    sbs.execute(failing, timeout=60)
+    assert sbs.summarize(failing, 1)["status"] == "failed (3)"
