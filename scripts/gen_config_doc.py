@@ -10,7 +10,9 @@ import sys
 import typing
 from pathlib import Path
 
-from titanrush import config
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from titanrush import config  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 

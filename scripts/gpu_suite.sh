@@ -5,8 +5,10 @@
 #   phase B: the 8B on 4 GPUs: FSDP4 eager, PP2 x FSDP2, FSDP4 + float8
 #   phase C: in parallel, the 1B side by side with torchtitan (GPUs 0, 1), 8-bit/4-bit AdamW (GPU 2) and
 #            profiled 1B runs (GPU 3); then the GPU tests on 4 GPUs and the 8B compiled side by side
-#   phase D: the 8B mesh sweep over tp/pp/cp, then the 8B with the chunked loss
-#   phase E: the 8B checkpoint save/resume timings, then the distributed rush on 4 GPUs
+#   phase D: the 1B side by side (GPUs 0, 1) and the GPU tests (GPUs 2-3) in parallel; then the 8B mesh
+#            sweep over tp/pp/cp
+#   phase E: the 4-GPU tests, the 8B with the chunked loss, the 8B checkpoint save/resume timings, then
+#            the distributed rush on 4 GPUs (its 8B row takes the sweep's best mesh)
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
 PHASE=${1:?phase A, B, C, D or E}
@@ -71,29 +73,39 @@ elif [ "$PHASE" = C ]; then
   timeout 280 python3 scripts/side_by_side.py --out $S/sbs8b --rows 8b_compile --variants ac_alternate \
      --steps 16 --measure-from 8 --timeout-per-run 140 > $S/sbs8b.log 2>&1; cp $S/sbs8b/results.md "$OUT/sbs8b.md"
 elif [ "$PHASE" = D ]; then
-  timeout 500 python3 -m titanrush.cli sweep --config train_configs/llama8b_fsdp.toml --ngpu 4 \
-    --grid "tp=1,2 pp=1,2 cp=1,2" --steps 6 --warmup 2 --gpu-mem 139.8 --timeout 100 \
-    --output /tmp/suite/sweep8b > /tmp/suite/sweep8b.log 2>&1
-  cp /tmp/suite/sweep8b/results.md "$OUT/sweep8b.md"; cp /tmp/suite/sweep8b/sweep.png "$OUT/sweep8b.png"
-  cp /tmp/suite/sweep8b/results.jsonl "$OUT/sweep8b.jsonl"
-  bench 85 b8_loss 4 6 2 --run "fsdp4_compile_chunked_loss: $B8 --training.loss chunked"
+  S=/tmp/suite
+  (CUDA_VISIBLE_DEVICES=0,1 timeout 260 python3 scripts/side_by_side.py --out $S/sbs1b --gpus 0,1 --repeats 1 \
+     --rows 1b_eager,1b_compile,1b_compile_float8,1b_compile_b16 --steps 24 --measure-from 12 \
+     --timeout-per-run 120 > $S/sbs1b.log 2>&1; cp $S/sbs1b/results.md "$OUT/sbs1b.md") &
+  CUDA_VISIBLE_DEVICES=2,3 timeout 250 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider \
+    > $S/gpu_tests.txt 2>&1; cp $S/gpu_tests.txt "$OUT/"
+  wait
+  timeout 330 python3 -m titanrush.cli sweep --config train_configs/llama8b_fsdp.toml --ngpu 4 \
+    --grid "tp=1,2 pp=1,2 cp=1,2" --steps 6 --warmup 2 --gpu-mem 139.8 --timeout 75 \
+    --output $S/sweep8b > $S/sweep8b.log 2>&1
+  cp $S/sweep8b/results.md "$OUT/sweep8b.md"; cp $S/sweep8b/sweep.png "$OUT/sweep8b.png"
+  cp $S/sweep8b/results.jsonl "$OUT/sweep8b.jsonl"
 elif [ "$PHASE" = B ]; then
   bench 290 b8_b 4 10 4 \
     --run "fsdp4_eager: $B8 --no-compile.enable" \
     --run "pp2_fsdp2_compile: $B8 --parallelism.pp 2 --training.local_batch_size 4" \
     --run "fsdp4_compile_float8: $B8 --float8.enable"
 else  # E
+  S=/tmp/suite
+  timeout 80 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider -k 4gpu > $S/gpu_tests_4.txt 2>&1
+  cp $S/gpu_tests_4.txt "$OUT/"
+  bench 70 b8_loss 4 6 2 --run "fsdp4_compile_chunked_loss: $B8 --training.loss chunked"
   SWEEP=${SWEEP_RESULTS:-docs/benchmarks/sweep/sweep8b_h200x4.jsonl}
   shm=$(df --output=avail -BG /dev/shm 2>/dev/null | tail -1 | tr -dc 0-9)
   if [ "${shm:-0}" -gt 200 ]; then CK=/dev/shm/ckbench; else CK=/tmp/ckbench; fi
-  df -h "$(dirname $CK)" > /tmp/suite/ck_disk.txt
-  timeout 260 python3 scripts/bench_checkpoint.py --config train_configs/llama8b_fsdp.toml --ngpu 4 \
-    --folder $CK --out /tmp/suite/ckbench_8b --time-limit 250 > /tmp/suite/ckbench_8b.log 2>&1
-  cp /tmp/suite/ckbench_8b/results.md "$OUT/ckbench_8b.md"; rm -rf $CK
-  timeout 330 python3 -m titanrush.cli rush dist --ngpu 4 --steps 12 --warmup 4 --timeout 90 \
-    --sweep-results "$SWEEP" --output /tmp/suite/rushdist > /tmp/suite/rushdist.log 2>&1
-  cp /tmp/suite/rushdist/report.md "$OUT/rushdist.md"; cp /tmp/suite/rushdist/results.jsonl "$OUT/rushdist.jsonl"
-  cp /tmp/suite/rushdist/*.png "$OUT/" 2>/dev/null
+  df -h "$(dirname $CK)" > $S/ck_disk.txt
+  timeout 210 python3 scripts/bench_checkpoint.py --config train_configs/llama8b_fsdp.toml --ngpu 4 \
+    --folder $CK --out $S/ckbench_8b --time-limit 200 > $S/ckbench_8b.log 2>&1
+  cp $S/ckbench_8b/results.md "$OUT/ckbench_8b.md"; rm -rf $CK
+  timeout 230 python3 -m titanrush.cli rush dist --ngpu 4 --steps 12 --warmup 4 --timeout 60 \
+    --sweep-results "$SWEEP" --output $S/rushdist > $S/rushdist.log 2>&1
+  cp $S/rushdist/report.md "$OUT/rushdist.md"; cp $S/rushdist/results.jsonl "$OUT/rushdist.jsonl"
+  cp $S/rushdist/*.png "$OUT/" 2>/dev/null
 fi
 cp /tmp/suite/env.txt "$OUT/"
 tar czf "$OUT/logs_$PHASE.tgz" --exclude='*.distcp' --exclude='tb' --exclude='*.trace.json.gz' \

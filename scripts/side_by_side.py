@@ -263,8 +263,9 @@ def titanrush_args(row: Row) -> list[str]:
     return args
 
 
-def launcher(ngpu: int) -> list[str]:
-    if ngpu == 1:
+def launcher(ngpu: int, *, always_torchrun: bool = False) -> list[str]:
+    """The launch prefix; torchtitan reads LOCAL_RANK even on one GPU, so it always goes through torchrun."""
+    if ngpu == 1 and not always_torchrun:
         return [sys.executable]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ngpu}"]
 
@@ -447,7 +448,13 @@ def plan(rows: list[Row], trainers: list[str], a: argparse.Namespace, work: Path
                 torchtitan_toml(row, a.steps, work / "tokenizer", work / "corpus", work / "tt_dump")
             )
             env = {**base_env, "PYTHONPATH": f"{tt_path}:{base_env.get('PYTHONPATH', '')}".rstrip(":")}
-            cmd = [*launcher(row.ngpu), "-m", "torchtitan.train", "--job.config_file", str(toml)]
+            cmd = [
+                *launcher(row.ngpu, always_torchrun=True),
+                "-m",
+                "torchtitan.train",
+                "--job.config_file",
+                str(toml),
+            ]
             runs.append(Run("torchtitan", row.name, "-", cmd, env, work / f"tt_{row.name}.log"))
         if "titanrush" in trainers:
             variants = {"same": [], **row.titanrush_variants}

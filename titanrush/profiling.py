@@ -108,36 +108,48 @@ def kind_of(name: str) -> str:
 def time_summary(prof: torch.profiler.profile, steps: int) -> str:
     """Self time per step by kind of work, then the 25 most expensive ops or kernels.
 
-    On a GPU the figures are device (kernel) time; kernels on different streams overlap (communication
-    beside compute), so the kinds can add up to more than the step time. Without a GPU, CPU op time.
+    On a GPU the figures are kernel time; kernels on different streams overlap (communication beside
+    compute), so the kinds can add up to more than the step time. Without a GPU, CPU op self time.
+    Ranges that only annotate the timeline (ProfilerStep#N, compiled-graph calls, `record_function`
+    ranges shown on the GPU) are left out: they would count their kernels twice.
     """
-    events = prof.key_averages()
-    device = any(getattr(e, "self_device_time_total", 0) > 0 for e in events)
-
-    def self_us(e: object) -> float:
-        if device:
-            return getattr(e, "self_device_time_total", 0) if _on_device(e) else 0
-        return getattr(e, "self_cpu_time_total", 0)
-
-    rows = [(e.key, self_us(e), e.count) for e in events]
-    rows = [r for r in rows if r[1] > 0]
+    totals: dict[str, list[float]] = {}  # name -> [microseconds, calls]
+    kernels = [e for e in prof.events() if _on_device(e) and not _annotation(e)]
+    for e in kernels:
+        acc = totals.setdefault(e.name, [0.0, 0])
+        acc[0] += e.time_range.elapsed_us()
+        acc[1] += 1
+    if not kernels:  # no GPU: CPU op self time (aggregated by op)
+        for e in prof.key_averages():
+            if e.self_cpu_time_total > 0 and not e.key.startswith("ProfilerStep"):
+                totals[e.key] = [e.self_cpu_time_total, e.count]
+    rows = sorted(((n, t, c) for n, (t, c) in totals.items()), key=lambda r: -r[1])
     total = sum(t for _, t, _ in rows) or 1.0
     kinds: dict[str, float] = {}
     for name, t, _ in rows:
         kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + t
-    what = "device (kernel)" if device else "CPU op"
+    what = "device (kernel)" if kernels else "CPU op"
     lines = [f"{what} self time per step over {steps} recorded step(s): {total / steps / 1e3:.1f} ms"]
-    lines += [f"  {k:<18} {t / steps / 1e3:9.1f} ms  {100 * t / total:5.1f}%" for k, t in
-              sorted(kinds.items(), key=lambda kv: -kv[1])]  # fmt: skip
+    lines += [
+        f"  {k:<14} {t / steps / 1e3:9.1f} ms  {100 * t / total:5.1f}%"
+        for k, t in sorted(kinds.items(), key=lambda kv: -kv[1])
+    ]
     lines += ["", f"top {what}s by self time (ms per step, calls per step):"]
-    for name, t, n in sorted(rows, key=lambda r: -r[1])[:25]:
-        lines.append(f"  {t / steps / 1e3:9.2f}  {n / steps:7.1f}  {kind_of(name):<18} {name[:90]}")
+    for name, t, n in rows[:25]:
+        lines.append(f"  {t / steps / 1e3:9.2f}  {n / steps:7.1f}  {kind_of(name):<14} {name[:90]}")
     return "\n".join(lines) + "\n"
 
 
 def _on_device(event: object) -> bool:
     device_type = getattr(event, "device_type", None)
     return device_type is not None and device_type != torch.autograd.DeviceType.CPU
+
+
+def _annotation(event: object) -> bool:
+    name = getattr(event, "name", "")
+    return bool(getattr(event, "is_user_annotation", False)) or name.startswith(
+        ("ProfilerStep", "## ", "Optimizer.", "titanrush.")
+    )
 
 
 @contextlib.contextmanager

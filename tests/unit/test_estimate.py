@@ -1,5 +1,6 @@
 """The memory estimator: analytic states against hand arithmetic, the fake-tensor trace against a real CPU
-step, the two methods against each other, fits / max batch, and the CLI."""
+step, the two methods against each other, the context-parallel and float8 terms (and the compiled float8
+block on inductor's partitioner), fits / max batch, and the CLI."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 from titanrush import config
 from titanrush.models.llama import model_args
 from titanrush.tools import estimate as est_mod
-from titanrush.tools.memory_model import GIB, Setup, analyze, rank_plans, states
+from titanrush.tools.memory_model import GIB, Setup, analyze, block_saved, float8_linears, rank_plans, states
 from titanrush.tools.memory_trace import trace, trace_rank
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -119,6 +120,138 @@ def test_trace_agrees_with_analytic(kw):
     s = Setup(args=args, **kw)
     traced, analytic = trace(s), analyze(s, as_traced=True)
     assert abs(analytic.peak - traced.peak) <= 0.10 * traced.peak
+
+
+MIB = 2**20
+
+
+def _block_extra(s: Setup, mode: str, n: int, batch: int = 2, **kw: object) -> int:
+    """Bytes one block keeps under context parallel beyond the same local tokens without it."""
+    saved = lambda x: sum(block_saved(x, n, batch, mode, **kw).values())  # noqa: E731
+    return saved(s) - saved(dataclasses.replace(s, cp=1))
+
+
+def test_context_parallel_compiled_ring_attention_keeps_the_received_kv():
+    # The 8B at CP2 x FSDP2 (seq 8192, batch 2): 8192 tokens per rank. One K (or V) as ring attention takes
+    # it: 8192 tokens x 32 heads (SDPA repeats the 8 KV heads) x 128 x 2 bytes = 64 MiB.
+    cp2 = Setup(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", fsdp_shard=4, cp=2,
+                ac_mode="selective", compile=True)  # fmt: skip
+    # Compiled op: both ranks' K and V received (4 x 64) and K, V made contiguous (2 x 64) are kept; wk's
+    # and wv's outputs (8192 x 1024 x 2 bytes = 16 MiB each) are not needed any more.
+    assert _block_extra(cp2, "op", 8192) == (256 + 128 - 32) * MIB
+    assert _block_extra(dataclasses.replace(cp2, cp_rotate="alltoall"), "op", 8192) == (128 + 128 - 32) * MIB
+    assert _block_extra(dataclasses.replace(cp2, cp=4), "op", 8192) == (512 + 128 - 32) * MIB
+    # Compiled without checkpointing: the received K/V, and wo's copy of the (B, H, T, D) output (64 MiB).
+    assert _block_extra(cp2, "compiled", 8192) == (256 + 64) * MIB
+    # Eager: the exchange is transient; only wo's copy of the output without checkpointing. Full
+    # checkpointing (compiled too) and eager selective keep nothing more; nor does the trace's scope.
+    eager = dataclasses.replace(cp2, compile=False)
+    assert _block_extra(eager, "none", 8192) == 64 * MIB
+    assert _block_extra(eager, "op", 8192) == 0 and _block_extra(cp2, "full", 8192) == 0
+    assert _block_extra(cp2, "op", 8192, as_traced=True) == 0
+    # At the step's peak (the loss's backward, all 32 blocks' tensors alive): 32 x 352 MiB = 11 GiB more
+    # than the same local tokens without the ring; measured on H200: 70.0 GiB, 11.1 more than without.
+    plain = analyze(dataclasses.replace(cp2, cp=1, seq_len=4096))
+    ring = analyze(cp2)
+    assert ring.peak_phase == plain.peak_phase == "loss backward"
+    assert ring.peak - plain.peak == 32 * 352 * MIB
+
+
+def test_float8_linears_follow_the_conversion_rule():
+    f8 = lambda flavor, **kw: float8_linears(  # noqa: E731
+        Setup(args=model_args(flavor), local_batch=1, seq_len=8, float8=True, **kw)
+    )
+    every = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
+    # 1B: wk and wv are 2048 -> 512, below min_size 1024; the output projection is filtered by name.
+    assert f8("1B") == every - {"wk", "wv"}
+    assert f8("8B") == every  # wk, wv: 4096 -> 1024
+    # A filter that does not name the output converts it too (128256 x 4096: aligned, large).
+    assert f8("8B", float8_filter=("attention",)) == {"w1", "w2", "w3", "output"}
+    assert f8("1B", float8_filter=(), float8_min_size=0) == every | {"output"}
+    assert float8_linears(Setup(args=model_args("8B"), local_batch=1, seq_len=8)) == frozenset()
+    # The same rule as the trainer's conversion (on a meta model with misaligned and small layers).
+    pytest.importorskip("torchao")
+    from titanrush.models.llama import Llama
+    from titanrush.parallel.float8 import apply_float8
+
+    for filt, min_size in ((["output"], 0), ([], 0), (["feed_forward"], 0), (["output"], 300)):
+        args = model_args("debug", n_kv_heads=2, vocab_size=8200)  # wk 64 x 256; the vocabulary 8200 % 16
+        with torch.device("meta"):
+            model = Llama(args)
+        names = apply_float8(model, recipe="tensorwise", emulate=True, fsdp_float8_all_gather=False,
+                             filter_fqns=filt, min_size=min_size)  # fmt: skip
+        got = {n.rsplit(".", 1)[-1] for n in names if n.startswith("layers.0.") or n == "output"}
+        setup = Setup(args=args, local_batch=1, seq_len=8, float8=True, float8_filter=tuple(filt),
+                      float8_min_size=min_size)  # fmt: skip
+        assert float8_linears(setup) == got, (filt, min_size)
+
+
+def test_float8_compiled_blocks_keep_fewer_bf16_inputs():
+    # The rush's float8 rung: 1B, batch 8 x seq 2048 = 16384 tokens, compiled, autocast (one GPU).
+    s = Setup(args=model_args("1B"), local_batch=8, seq_len=2048, precision="bf16", compile=True)
+    f8 = dataclasses.replace(s, float8=True)
+    n = 16384
+    saved = lambda x, mode: sum(block_saved(x, n, 8, mode).values())  # noqa: E731
+    # w1, w3 and w2 are float8: neither the FFN norm's output (n x 2048 x 2 bytes = 64 MiB) nor the gate
+    # (n x 8192 x 2 = 256 MiB) is kept; the attention norm's output is (wk, wv stay bf16).
+    assert saved(s, "compiled") - saved(f8, "compiled") == (64 + 256) * MIB
+    assert saved(s, "op") == saved(f8, "op")  # selective op keeps the matmul outputs either way
+    # The 8B under FSDP, every linear float8: both norms' outputs (2 x 16384 x 4096 x 2 = 256 MiB) and the
+    # gate (16384 x 14336 x 2 = 448 MiB).
+    s8 = Setup(
+        args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", fsdp_shard=4, compile=True
+    )
+    s8_f8 = dataclasses.replace(s8, float8=True)
+    assert saved(s8, "compiled") - saved(s8_f8, "compiled") == (256 + 448) * MIB
+    # At the peak, also no autocast bf16 copies of the float8 weights: per block 2 x 2048^2 (wq, wo) +
+    # 3 x 2048 x 8192 (w1, w2, w3) = 58,720,256 parameters x 2 bytes, 16 blocks.
+    bf16, fp8 = analyze(s), analyze(f8)
+    assert bf16.peak_phase == fp8.peak_phase == "loss backward"
+    assert bf16.at_peak["params"] - fp8.at_peak["params"] == 16 * 58_720_256 * 2
+    assert bf16.peak - fp8.peak == 16 * 320 * MIB + 16 * 58_720_256 * 2
+
+
+def test_compiled_float8_block_on_cpu_drops_the_bf16_inputs():
+    """The mechanism behind the float8 term, on inductor's own partitioner (with no-op compilers, so on
+    CPU): a compiled block with float8 linears keeps for backward 2 x (n x dim) + (n x ffn) bf16 elements
+    fewer than the bf16 block: the norms' outputs and the gate, whose float8 casts it recomputes."""
+    pytest.importorskip("torchao")
+    from titanrush.models.llama.model import TransformerBlock, rope_cache
+    from titanrush.parallel.float8 import apply_float8
+
+    args = model_args("debug", n_kv_heads=4)  # dim 256, ffn 704: every dimension a multiple of 16
+    b, t = 2, 64
+
+    def saved_bytes(float8: bool) -> int:
+        torch.manual_seed(0)
+        holder = torch.nn.Module()
+        holder.block = TransformerBlock(0, args)
+        if float8:
+            apply_float8(holder, recipe="tensorwise", emulate=True, fsdp_float8_all_gather=False,
+                         filter_fqns=[], min_size=0)  # fmt: skip
+        holder.to(torch.bfloat16)  # as under FSDP: bf16 weights, no autocast
+        params = {p.untyped_storage().data_ptr() for p in holder.parameters()}
+        block = torch.compile(holder.block, backend="aot_eager_decomp_partition", fullgraph=True)
+        seen: dict[int, int] = {}
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            st = x.untyped_storage()
+            if st.data_ptr() not in params and x.numel() > 1:  # weights are not copies; nor scalar scales
+                seen[st.data_ptr()] = st.nbytes()
+            return x
+
+        x = torch.randn(b, t, args.dim, dtype=torch.bfloat16, requires_grad=True)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            block(x, rope_cache(args, t))
+        return sum(seen.values())
+
+    try:
+        bf16, fp8 = saved_bytes(False), saved_bytes(True)
+    finally:
+        torch._dynamo.reset()
+    n = b * t
+    assert args.ffn_hidden == 704
+    assert bf16 - fp8 == 2 * (2 * n * 256) + 2 * n * 704
 
 
 def test_8b_fsdp_estimate_fits_h200_not_h100():

@@ -134,3 +134,31 @@ def test_profiling_writes_perfetto_traces(tmp_path):
 def test_profiling_freq_too_small_is_a_config_error():
     with pytest.raises(config.ConfigError, match="profiling.freq"):
         config.load(None, ["--profiling.freq", "3", "--profiling.active_steps", "2"])
+
+
+def test_time_summary_counts_kernels_once_and_by_kind():
+    # A GPU trace in miniature: two kernels per step plus the annotation ranges that wrap them on the
+    # GPU timeline (step markers, compiled-graph calls), which must not be counted again.
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    from titanrush.profiling import time_summary
+
+    def ev(name: str, us: float, annotation: bool = False) -> SimpleNamespace:
+        span = SimpleNamespace(elapsed_us=lambda: us)
+        cuda = DeviceType.CUDA
+        return SimpleNamespace(name=name, device_type=cuda, time_range=span, is_user_annotation=annotation)
+
+    events = []
+    for _ in range(2):
+        events += [ev("ProfilerStep#5", 9000), ev("## Call CompiledFxGraph abc ##", 5000, annotation=True)]
+        events += [ev("nvjet_sm90_tst_128x256_NTN", 3000), ev("triton_poi_fused_mul_silu_0", 1000)]
+        events += [ev("ncclDevKernel_AllGather_RING_LL", 500)]
+    prof = SimpleNamespace(events=lambda: events, key_averages=lambda: [])
+    summary = time_summary(prof, steps=2)
+    head = summary.split("\n\n")[0].splitlines()
+    assert head[0] == "device (kernel) self time per step over 2 recorded step(s): 4.5 ms"
+    kinds = {line.split()[0]: float(line.split()[1]) for line in head[1:]}
+    assert kinds == {"matmul": 3.0, "compiled": 1.0, "communication": 0.5}
+    assert "ProfilerStep" not in summary and "CompiledFxGraph" not in summary

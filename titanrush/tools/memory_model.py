@@ -2,12 +2,15 @@
 
 Every tensor is counted from the model's shapes and the parallel layout (TP shards the heads, the FFN and
 the vocabulary; FSDP shards each parameter's first dimension; PP gives each rank its layers and keeps
-several micro-batches in flight; CP splits the sequence). The peak is the largest of the moments of a
-step where memory can peak (the last block's forward, the end of forward with the loss, the loss's and
-the output layer's backward, the backward of the first and of the last block, the embedding's backward,
-the optimizer step), each a dict component -> bytes, so the breakdown shown is the one at the peak.
+several micro-batches in flight; CP splits the sequence, and compiled ring attention keeps the K/V it
+received; float8 linears change what autocast and inductor keep). The peak is the largest of the
+moments of a step where memory can peak (the last block's forward, the end of forward with the loss, the
+loss's and the output layer's backward, the backward of the first and of the last block, the embedding's
+backward, the optimizer step), each a dict component -> bytes, so the breakdown shown is the one at the
+peak.
 docs/estimator.md derives the formulas. `as_traced=True` evaluates the model as `memory_trace` runs it
-(eager, no sequence parallel, no FSDP buffers), so that the two methods are compared like for like.
+(eager, no sequence parallel, no FSDP buffers, no ring attention, bf16 linears), so that the two methods
+are compared like for like.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Setup:
     ddp: bool = False
     tp: int = 1
     cp: int = 1
+    cp_rotate: str = "allgather"  # how ring attention exchanges K/V: allgather or alltoall
     pp: int = 1
     sequence_parallel: bool = True
     loss_parallel: bool = True
@@ -54,6 +58,8 @@ class Setup:
     compile: bool = False
     float8: bool = False
     float8_all_gather: bool = False
+    float8_filter: tuple[str, ...] = ("output",)  # [float8] filter_fqns
+    float8_min_size: int = 1024  # [float8] min_size
     loss: str = "plain"
     loss_chunk: int = 4096
     optimizer: str = "adamw"
@@ -177,6 +183,11 @@ def param_shapes(s: Setup, plan: RankPlan) -> list[tuple[str, tuple[int, int], b
     return out
 
 
+def _weight_name(param: str) -> str:
+    """`wq` ... `w3` for a block linear, `output` for the output layer or the table tied to it."""
+    return "output" if param == "tok_embeddings" else param.rsplit(".", 1)[-1]
+
+
 def shard_numel(shape: tuple[int, int], n: int) -> int:
     """Elements of one FSDP shard: dim 0 split into n parts, padded to equal size."""
     return math.ceil(shape[0] / n) * shape[1]
@@ -191,6 +202,27 @@ def optimizer_bytes(numel: int, name: str) -> int:
     return 2 * 4 * numel + 4
 
 
+def float8_linears(s: Setup) -> frozenset[str]:
+    """The linears float8 converts (block names wq ... w3, and `output`): titanrush.parallel.float8's rule
+    on the unsharded shapes (no name fragment of the filter in the name, as for layer 0; both dimensions
+    divisible by 16 and at least min_size)."""
+    if not s.float8:
+        return frozenset()
+    a = s.args
+    d, hq, hkv, f = a.dim, a.n_heads * a.head_dim, a.kv_heads * a.head_dim, a.ffn_hidden
+    shapes = {"attention.wq": (hq, d), "attention.wk": (hkv, d), "attention.wv": (hkv, d),
+              "attention.wo": (d, hq), "feed_forward.w1": (f, d), "feed_forward.w3": (f, d),
+              "feed_forward.w2": (d, f), "output": (a.vocab_size, d)}  # fmt: skip
+    out = set()
+    for name, dims in shapes.items():
+        fqn = name if name == "output" else f"layers.0.{name}"
+        if any(frag and frag in fqn for frag in s.float8_filter):
+            continue
+        if all(x % 16 == 0 and x >= s.float8_min_size for x in dims):
+            out.add(name.rsplit(".", 1)[-1])
+    return frozenset(out)
+
+
 def states(s: Setup, plan: RankPlan) -> dict[str, int]:
     """Per-GPU bytes of parameters, master weights, gradients, optimizer states and buffers."""
     shapes = param_shapes(s, plan)
@@ -198,9 +230,13 @@ def states(s: Setup, plan: RankPlan) -> dict[str, int]:
     local = [shard_numel(shape, n) for _, shape, _ in shapes]
     stored = 4 * sum(local)  # parameters are fp32 in both precisions (bf16 runs keep fp32 masters)
     on_gpu = 0 if s.cpu_offload else 1
-    # autocast caches a bf16 copy of every matmul weight (a tied table: for the output) for fwd and bwd
+    # autocast caches a bf16 copy of every matmul weight (a tied table: for the output) for fwd and bwd;
+    # float8 linears cast their fp32 weights to float8 themselves
     tied = s.args.tie_embeddings and plan.embedding and plan.head
-    matmul = sum(d0 * d1 for name, (d0, d1), lin in shapes if lin or (tied and name == "tok_embeddings"))
+    f8 = float8_linears(s)
+    cast = [d0 * d1 for name, (d0, d1), lin in shapes if lin or (tied and name == "tok_embeddings")
+            if _weight_name(name) not in f8]  # fmt: skip
+    matmul = sum(cast)
     compute_copies = 2 * matmul if s.autocast else 0
     return {
         "params": compute_copies if s.precision == "bf16" else stored * on_gpu,
@@ -228,13 +264,23 @@ def layer_mode(s: Setup, position: int, *, as_traced: bool) -> str:
     return plain
 
 
+def _ring_kv(s: Setup, n: int) -> tuple[int, int]:
+    """Context parallel's ring attention on n local tokens: bytes of the rank's K/V pair as it exchanges
+    them (SDPA's inputs: K and V repeated to the query heads), and of the K/V it receives in one attention
+    (allgather: every rank's pair, its own included; alltoall: the cp - 1 others', one ring pass each)."""
+    pair = 2 * s.c * n * (s.args.n_heads // s.tp) * s.args.head_dim
+    return pair, (s.cp if s.cp_rotate == "allgather" else s.cp - 1) * pair
+
+
 def block_saved(s: Setup, n: int, batch: int, mode: str, *, as_traced: bool = False) -> dict[str, int]:
     """Bytes autograd (or the checkpoint) keeps for one block's backward, by tensor, for n local tokens."""
     a, tp, c, r = s.args, s.tp, s.c, s.r
     d, dh, hq, hkv = a.dim, a.head_dim, a.n_heads // tp, a.kv_heads // tp
     f, n_sp, seq = math.ceil(a.ffn_hidden / tp), _sp(s, n, as_traced), n // batch
     lse = 4 * batch * hq * seq  # fp32 logsumexp of the fused attention kernels
-    if mode == "full":
+    ring = s.cp > 1 and not as_traced  # the trace runs the local sequence without the K/V exchange
+    pair, received = _ring_kv(s, n)
+    if mode == "full":  # (compiled too: the checkpoint makes the partitioner recompute the exchange)
         return {"block input": r * n_sp * d}
     if mode == "op":  # selective: the outputs of matmuls and attention are kept, the rest recomputed
         out = {
@@ -246,15 +292,35 @@ def block_saved(s: Setup, n: int, batch: int, mode: str, *, as_traced: bool = Fa
             out["reduce-scatter outs"] = 2 * c * n_sp * d
         if s.compile and not as_traced:  # measured on H200: compiled, one fewer (n, dim) output is kept
             del out["w2 out"]
+            if ring:  # compiled ring attention keeps the K/V it received and K, V made contiguous (the
+                # joint graph's CSE merges the backward's exchange into the forward's; see estimator.md),
+                # so wk's and wv's outputs are no longer needed to recompute K and V
+                del out["wk out"], out["wv out"]
+                out |= {"k, v contiguous (CP)": pair, "K/V received (CP)": received}
         return out
     # SDPA takes K/V repeated to the query heads (GQA); flash-attn and flex read the KV heads directly.
     kv = hq if a.attn_backend in ("sdpa", "cudnn", "math") or as_traced else hkv
-    if mode == "compiled":  # what inductor's partitioner kept for a compiled 1B block on H200 (exactly so
-        return {  # under FSDP's bf16, about 5% less under autocast): the eager set less silu, norms fused
-            "block input": r * n_sp * d, "norm outputs": 2 * c * n * d, "q roped": c * n * hq * dh,
-            "k, v": 2 * c * n * kv * dh, "attention out": c * n * hq * dh, "logsumexp": lse,
-            "residual": r * n_sp * d, "w1 out, w3 out, gate": 3 * c * n * f,
+    if mode == "compiled":
+        # What inductor's partitioner keeps (measured for 1B blocks on H200; float8 and CP from its runs on
+        # CPU, docs/estimator.md): the eager set less silu, norms fused, and wo's output (under autocast
+        # the bf16 output, from which the fp32 residual sum is recomputed).
+        out = {
+            "block input": r * n_sp * d, "attention_norm out": c * n * d, "ffn_norm out": c * n * d,
+            "q roped": c * n * hq * dh, "k, v": 2 * c * n * kv * dh, "attention out": c * n * hq * dh,
+            "logsumexp": lse, "wo out": c * n_sp * d, "w1 out, w3 out": 2 * c * n * f, "gate": c * n * f,
         }  # fmt: skip
+        # A float8 linear's backward needs its input only as float8, which the partitioner recomputes (a
+        # cast with the forward's scale) from what it keeps anyway, rather than keeping the bf16 input.
+        f8 = float8_linears(s)
+        if {"wq", "wk", "wv"} <= f8:
+            del out["attention_norm out"]
+        if {"w1", "w3"} <= f8:
+            del out["ffn_norm out"]
+        if "w2" in f8:
+            del out["gate"]
+        if ring:  # the received K/V as above, and wo's (B, T, H x D) copy of the merged attention output
+            out |= {"K/V received (CP)": received, "attention out copy (CP)": c * n * hq * dh}
+        return out
     # Eager, no checkpointing: what each op saves (see docs/estimator.md for the list).
     norm = 4 * n_sp * d + 4 * n_sp  # RMSNorm keeps its fp32 input and the fp32 1/rms
     # The matmul inputs: autocast casts them once per matmul (wq, wk, wv; w1, w3), each cast kept.
@@ -268,6 +334,8 @@ def block_saved(s: Setup, n: int, batch: int, mode: str, *, as_traced: bool = Fa
     if a.attn_backend == "math":  # the (T, T) scores: fp32 softmax output, its bf16 copy, the mask
         out["scores"] = (4 + (c if c == 2 else 0)) * batch * hq * seq * seq + seq * seq
         del out["logsumexp"]
+    if ring:  # wo's input is a (B, T, H x D) copy of ring attention's (B, H, T, D)-contiguous output
+        out["attention out copy (CP)"] = c * n * hq * dh
     return out
 
 
@@ -277,23 +345,46 @@ def block_working_set(s: Setup, n: int, batch: int, mode: str, *, backward: bool
     Backward: what the block's backward holds when the FFN's input gradients are computed (its saved or
     recomputed tensors, dp/ds/db less the freed gate, the incoming residual gradient); with selective
     checkpointing the cached matmul outputs that backward does not need are already released. Forward
-    (checkpointed blocks): the FFN's live intermediates, which a checkpointed block does not keep.
+    (checkpointed blocks): the FFN's live intermediates, which a checkpointed block does not keep. Under
+    context parallel, ring attention's buffers where they are larger (`_ring_transient`).
     """
     a, tp, c, r = s.args, s.tp, s.c, s.r
     f, n_sp, seq = math.ceil(a.ffn_hidden / tp), _sp(s, n, as_traced), n // batch
     held = 0 if r == 4 else r * n_sp * a.dim  # a bf16 block input is held beside the norm's fp32 copy
     scores = 8 * batch * (a.n_heads // tp) * seq * seq if a.attn_backend == "math" else 0  # fp32 (T, T)
+    ring = _ring_transient(s, n, mode, backward=backward) if s.cp > 1 and not as_traced else 0
     if backward:
         saved = block_saved(s, n, batch, "compiled" if mode == "compiled" else "none", as_traced=as_traced)
         return (
-            sum(saved.values()) + (held if mode in ("full", "op") else 0) + 2 * c * n * f + r * n_sp * a.dim
-        )
+            sum(saved.values()) + (held if mode in ("full", "op") else 0) + max(2 * c * n * f, ring)
+            + r * n_sp * a.dim
+        )  # fmt: skip
     casts = 4 * n * a.dim if s.autocast else 0  # the FFN input's two bf16 casts
     if mode == "full":  # silu output, w3 output and gate; the FFN input and the mid-block residual
-        return 3 * c * n * f + 2 * r * n_sp * a.dim + casts + scores
-    if mode == "op":  # w1 and w3 outputs are cached (saved); silu output and gate are not
-        return 2 * c * n * f + r * n_sp * a.dim + casts + scores
-    return c * n * a.dim + r * n_sp * a.dim + scores  # the w2 output and the residual sum
+        ffn = 3 * c * n * f + r * n_sp * a.dim + casts
+    elif mode == "op":  # w1 and w3 outputs are cached (saved); silu output and gate are not
+        ffn = 2 * c * n * f + casts
+    else:
+        ffn = c * n * a.dim  # the w2 output (and the residual sum below)
+    return max(ffn, ring) + r * n_sp * a.dim + scores
+
+
+def _ring_transient(s: Setup, n: int, mode: str, *, backward: bool) -> int:
+    """Ring attention's temporaries (torch's _context_parallel/_attention.py) on n local tokens.
+
+    Both: K and V made contiguous and the K/V received (unless the partitioner keeps them for backward),
+    the concatenated local K/V it sends. Forward: the fp32 merge of the partial outputs (the running
+    output, the new partial output, their difference). Backward: the fp32 accumulators of dQ, dK and dV,
+    the concatenated fp32 dK/dV sent and the one received, and one attention kernel's dQ, dK, dV.
+    """
+    pair, received = _ring_kv(s, n)
+    out32 = 4 * n * (s.args.n_heads // s.tp) * s.args.head_dim  # one fp32 (B, H, T, D) output
+    kept = s.compile and mode in ("op", "compiled")
+    exchange = (0 if kept else received + pair) + pair
+    if not backward:
+        return exchange + 3 * out32
+    pair32 = pair * 4 // s.c
+    return exchange + out32 + 3 * pair32 + out32 * s.c // 4 + pair
 
 
 LOSS_KEYS = ("saved", "log_softmax", "forward", "backward", "rows", "vocab")
@@ -464,12 +555,15 @@ def _autocast_copies(
     then on only copies that autograd saved (blocks that are not checkpointed, the output layer until its
     backward) stay, and a recomputed block casts its weights again. Compiled blocks cast inside the graph:
     no cache. A CPU trace runs backward on the calling thread, where the cache survives (`as_traced`).
+    Float8 linears cast their fp32 weights to float8 themselves, outside autocast (the trace runs bf16).
     """
     shapes = param_shapes(s, plan)
-    blocks = sum(d0 * d1 for name, (d0, d1), lin in shapes if lin and name.startswith("layers."))
+    f8 = frozenset() if as_traced else float8_linears(s)
+    blocks = sum(d0 * d1 for name, (d0, d1), lin in shapes
+                 if lin and name.startswith("layers.") and _weight_name(name) not in f8)  # fmt: skip
     block = 2 * blocks // max(len(plan.layers), 1)
-    out = 2 * sum(d0 * d1 for name, (d0, d1), _ in shapes if name == "output")
-    if s.args.tie_embeddings and plan.embedding and plan.head:
+    out = 0 if "output" in f8 else 2 * sum(d0 * d1 for name, (d0, d1), _ in shapes if name == "output")
+    if s.args.tie_embeddings and plan.embedding and plan.head and "output" not in f8:
         out += 2 * shapes[0][1][0] * shapes[0][1][1]
     ckpt = [m in ("full", "op") for m in modes] if plan.layers else []
     cached = 0 if s.compile and not as_traced else block * sum(ckpt)

@@ -356,7 +356,10 @@ def not_traced(s: Setup) -> list[str]:
     if s.compile:
         out.append("compile: the trace runs eager; it is compared with the analytic model's eager numbers")
     if s.float8:
-        out.append("float8: linears run in bf16 in the trace")
+        out.append(
+            "float8: linears run in bf16 in the trace (no float8 weight casts; compiled float8 blocks keep "
+            "fewer bf16 inputs)"
+        )
     if s.fsdp:
         out.append("FSDP all-gather / reduce-scatter buffers (states are traced unsharded, weighted 1/shard)")
     if s.tp > 1 and s.sequence_parallel:
@@ -364,7 +367,10 @@ def not_traced(s: Setup) -> list[str]:
     if s.tp > 1 and not s.loss_parallel:
         out.append("tp without loss_parallel: traced logits are the vocabulary shard, not all-gathered")
     if s.cp > 1:
-        out.append("context parallel: K/V exchange buffers (the trace runs the local sequence share)")
+        out.append(
+            "context parallel: ring attention's K/V exchange (the trace runs the local sequence share); "
+            "compiled, the received K/V kept for backward"
+        )
     if s.pp > 1:
         out.append("pipeline: one micro-batch traced; the others in flight added as its saved activations")
     if s.ddp:

@@ -90,8 +90,14 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         rope = rope[None, :, None]
     else:  # per-sequence positions: (B, T, D/2, 2)
         rope = rope[:, :, None]
-    if not torch.compiler.is_compiling() and xp.is_contiguous() and rope.stride(-1) == 1:
-        # Eager: one complex multiply, (x0 + i x1)(cos + i sin), instead of six element-wise kernels.
+    if (
+        not torch.compiler.is_compiling()
+        and rope.dtype == xp.dtype
+        and xp.is_contiguous()
+        and rope.stride(-1) == 1
+    ):
+        # Eager: one complex multiply, (x0 + i x1)(cos + i sin), instead of six element-wise kernels. (A
+        # bf16 table, as FSDP's input cast makes it, has no complex view: the real form below.)
         out = torch.view_as_real(torch.view_as_complex(xp) * torch.view_as_complex(rope))
         return out.flatten(-2).type_as(x)
     # Compiled: the same arithmetic in real form, which inductor fuses into one kernel.
