@@ -19,6 +19,8 @@ which rank 0 does at the first step after; that step's wait is not counted); a r
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import json
 import logging
 import os
@@ -107,6 +109,23 @@ class ObjectState(Stateful):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.obj.load_state_dict(state_dict)
+
+
+@functools.cache
+def stager_reusable() -> bool:
+    """Whether one DCP `DefaultStager` (and its pinned buffers) serves several saves.
+
+    torch 2.11's `DefaultStager._stage` closes its inner stager after every save, so a second save
+    through it fails (`KeyError: <class 'type'>`, pytorch/pytorch#183413); later versions keep it open.
+    Where the source cannot be read, assume not: a fresh stager per save is always correct, only slower.
+    """
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    try:
+        source = inspect.getsource(DefaultStager._stage)
+    except (OSError, TypeError):
+        return False
+    return "_state_dict_stager.close()" not in source
 
 
 @dataclasses.dataclass
@@ -204,7 +223,9 @@ class CheckpointManager:
                 use_async_staging=True,
                 use_non_blocking_copy=cuda,
             )
+            self._stager_options = options
             self._stager = DefaultStager(options)
+            self._stager_used = False
         self.records: list[tuple[int, dict[str, Any]]] = []  # (step, values) not yet logged
 
     # --------------------------------------------------------------------------------------------
@@ -314,6 +335,11 @@ class CheckpointManager:
         kwargs: dict[str, Any] = {"checkpoint_id": str(tmp), "process_group": self._pg,
                                   "no_dist": not dist.is_initialized()}  # fmt: skip
         if self._stager is not None:
+            if self._stager_used and not stager_reusable():
+                from torch.distributed.checkpoint.staging import DefaultStager
+
+                self._stager = DefaultStager(self._stager_options)  # pins its buffers again
+            self._stager_used = True
             kwargs["async_stager"] = self._stager
         result = dcp.async_save(states, **kwargs)
         upload = getattr(result, "upload_completion", result)  # async_pinned: an AsyncSaveResponse

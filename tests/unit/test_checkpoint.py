@@ -176,3 +176,50 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
     trainer.train()
     trainer.close()
     assert (ck / "step-4").exists() and (ck / "step-5").exists()
+
+
+def test_async_pinned_on_a_torch_whose_stager_closes_itself_uses_a_fresh_one_per_save(tmp_path, monkeypatch):
+    # torch 2.11's DefaultStager cannot serve a second save (pytorch/pytorch#183413; it crashed the
+    # 8B's second async_pinned save on the GPU machine). Where that is so, each save gets its own.
+    import torch.distributed.checkpoint as dcp
+
+    from titanrush import checkpoint as ck
+
+    stagers = []
+    real = dcp.async_save
+
+    def spy(state, **kw):
+        stagers.append(kw.get("async_stager"))
+        return real(state, **kw)
+
+    monkeypatch.setattr(dcp, "async_save", spy)
+    monkeypatch.setattr(ck, "stager_reusable", lambda: False)
+    train(args(tmp_path, "a", 6, "--checkpoint.enable", "--checkpoint.interval", "2",
+                "--checkpoint.async_mode", "async_pinned"))  # fmt: skip
+    assert len(stagers) == 3 and len({id(s) for s in stagers}) == 3 and None not in stagers
+    assert sorted(p.name for p in (tmp_path / "a" / "checkpoint").iterdir()) == ["step-2", "step-4", "step-6"]
+    monkeypatch.setattr(ck, "stager_reusable", lambda: True)
+    stagers.clear()
+    train(args(tmp_path, "b", 4, "--checkpoint.enable", "--checkpoint.interval", "2",
+                "--checkpoint.async_mode", "async_pinned"))  # fmt: skip
+    assert len(stagers) == 2 and stagers[0] is stagers[1]
+
+
+def test_stager_reusable_matches_what_this_torchs_stager_does():
+    # The check reads torch's source; this stages twice through one stager to see the behaviour itself.
+    import torch
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from titanrush.checkpoint import stager_reusable
+
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    state = {"w": torch.ones(4), "meta": {"step": 1, "kind": dict}}  # a class, as DTensor specs hold
+    assert torch.equal(stager.stage(state)["w"], state["w"])
+    try:
+        stager.stage(state)
+        reused = True
+    except Exception:  # noqa: BLE001 - torch 2.11: KeyError from the closed stager's empty dispatch
+        reused = False
+    finally:
+        stager.close()
+    assert stager_reusable() is reused
