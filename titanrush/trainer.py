@@ -431,7 +431,8 @@ class Trainer:
         p = self.pipeline
         losses: list[torch.Tensor] | None = [] if p.has_last else None
         target = batch.labels if p.has_last else None
-        with loss_parallel_context(self.mesh, self.dims, self.cfg.parallelism):
+        # bf16 without FSDP is autocast: the schedule runs each stage's forward inside this context.
+        with self._autocast(), loss_parallel_context(self.mesh, self.dims, self.cfg.parallelism):
             if p.has_first:
                 p.schedule.step(batch.input_ids, target=target, losses=losses)
             else:
@@ -448,7 +449,11 @@ class Trainer:
         losses: list[torch.Tensor] | None = [] if p.has_last else None
         target = batch.labels if p.has_last else None
         inputs = (batch.input_ids,) if p.has_first else ()
-        with torch.no_grad(), loss_parallel_context(self.mesh, self.dims, self.cfg.parallelism):
+        with (
+            torch.no_grad(),
+            self._autocast(),
+            loss_parallel_context(self.mesh, self.dims, self.cfg.parallelism),
+        ):
             if hasattr(p.schedule, "eval"):
                 p.schedule.eval(*inputs, target=target, losses=losses)
             else:  # torch versions without Schedule.eval: the same switch by hand
