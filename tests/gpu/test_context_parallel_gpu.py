@@ -9,31 +9,21 @@ each rank holds 2 of the 4 sequences and half of each.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from gpu_launch import launch
 
-ROOT = Path(__file__).resolve().parents[2]
 # fp32 on GPU: SDPA's flash/efficient kernels and the ring's online softmax reassociate sums.
 LOSS_RTOL = 2e-3
 GRAD_NORM_RTOL = 2e-2
 
 
 def run(tmp: Path, name: str, nproc: int, *extra: str) -> list[dict]:
-    args = ["--job.dump_folder", str(tmp), "--job.name", name, "--training.steps", "6",
-            "--training.seq_len", "512",
-            "--training.global_batch_size", "4", "--training.precision", "fp32", "--metrics.log_freq", "1",
-            "--lr_scheduler.warmup_steps", "2", "--model.attn_backend", "sdpa", *extra]  # fmt: skip
-    env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "titanrush.train", *args]  # fmt: skip
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    return [json.loads(x) for x in (tmp / name / "metrics.jsonl").read_text().splitlines()]
+    args = ["--training.steps", "6", "--training.seq_len", "512", "--training.global_batch_size", "4",
+            "--training.precision", "fp32", "--metrics.log_freq", "1", "--lr_scheduler.warmup_steps", "2",
+            "--model.attn_backend", "sdpa", *extra]  # fmt: skip
+    return launch(tmp, name, nproc, args)[0]
 
 
 @pytest.fixture(scope="module")

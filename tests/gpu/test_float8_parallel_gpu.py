@@ -23,20 +23,15 @@ emulated float8, gloo) and the bf16 H200 figures in docs/parallelism.md:
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from gpu_launch import launch, max_dev
 
 from titanrush.models.llama import model_args
 
 pytest.importorskip("torchao", reason="float8 needs torchao (carried as a wheel to the GPU box)")
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
 GLOBAL_BATCH = 8
 LOSS_RTOL = 2e-3  # 14x the FSDP2 deviation measured on CPU, 80x the TP2 one (see above)
@@ -46,36 +41,20 @@ F8 = ("--float8.enable", "--float8.recipe", "tensorwise", "--float8.min_size", "
 CONVERTED = f"float8 (tensorwise): {7 * model_args('debug').n_layers} linear layers converted"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train(tmp: Path, name: str, ngpu: int, dp: int, *overrides: str) -> tuple[list[dict], str]:
     """Run the trainer on `ngpu` GPUs (data-parallel degree `dp`); return rank 0's metrics and the log."""
     args = [
-        "--job.dump_folder", str(tmp), "--job.name", name, "--training.steps", str(STEPS),
-        "--training.seq_len", "256", "--training.local_batch_size", str(GLOBAL_BATCH // dp),
-        "--training.global_batch_size", str(GLOBAL_BATCH), "--training.precision", "bf16",
-        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--no-metrics.tensorboard",
+        "--training.steps", str(STEPS), "--training.seq_len", "256", "--training.local_batch_size",
+        str(GLOBAL_BATCH // dp), "--training.global_batch_size", str(GLOBAL_BATCH), "--training.precision",
+        "bf16", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--no-metrics.tensorboard",
         *overrides,
     ]  # fmt: skip
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1")
-    env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-    launcher = ["-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={ngpu}",
-                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_port()}"]  # fmt: skip
-    cmd = [sys.executable, *(launcher if ngpu > 1 else []), "-m", "titanrush.train", *args]
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout[-2000:]}\n{res.stderr[-8000:]}"
-    rows = [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
+    rows, log = launch(tmp, name, ngpu, args)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
-    return rows, res.stdout + res.stderr
+    return rows, log
 
 
-def dev(rows: list[dict], ref: list[dict], key: str) -> float:
-    """The largest relative deviation of `key` over the steps."""
-    return max(abs(r[key] - q[key]) / abs(q[key]) for r, q in zip(rows, ref, strict=True))
+dev = max_dev
 
 
 @pytest.fixture(scope="module")

@@ -7,18 +7,13 @@ gradient norm from metrics.jsonl with a one-GPU run.
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from gpu_launch import launch, max_dev
 
 pytestmark = pytest.mark.multigpu
 
-ROOT = Path(__file__).resolve().parents[2]
 STEPS = 8
 # fp32 on GPU (TF32 off): only the order of the sums differs, as on CPU, but cuBLAS picks its kernels by
 # shape, so a sharded matmul may accumulate in another order than the whole one.
@@ -27,34 +22,18 @@ FP32_RTOL = 1e-4
 BF16_RTOL = 2e-2
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train(tmp: Path, name: str, ngpu: int, dp: int, *overrides: str) -> list[dict]:
     args = [
-        "--job.dump_folder", str(tmp), "--job.name", name, "--training.steps", str(STEPS),
-        "--training.seq_len", "256", "--training.local_batch_size", str(8 // dp),
-        "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-        "--no-metrics.tensorboard", "--data.dataset", "synthetic", *overrides,
+        "--training.steps", str(STEPS), "--training.seq_len", "256", "--training.local_batch_size",
+        str(8 // dp), "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps", "2",
+        "--metrics.log_freq", "1", "--no-metrics.tensorboard", "--data.dataset", "synthetic", *overrides,
     ]  # fmt: skip
-    env = dict(os.environ, NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1")
-    env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "1"
-    env.pop("CUDA_VISIBLE_DEVICES", None)
-    launcher = ["-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={ngpu}",
-                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{_port()}"]  # fmt: skip
-    cmd = [sys.executable, *(launcher if ngpu > 1 else []), "-m", "titanrush.train", *args]
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout[-2000:]}\n{res.stderr[-8000:]}"
-    rows = [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
+    rows, _ = launch(tmp, name, ngpu, args, timeout=900)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     return rows
 
 
-def dev(rows: list[dict], ref: list[dict], key: str) -> float:
-    return max(abs(r[key] - q[key]) / abs(q[key]) for r, q in zip(rows, ref, strict=True))
+dev = max_dev
 
 
 @pytest.fixture(scope="module")
