@@ -8,10 +8,11 @@ Usage (on the GPU machine):
 Each `--run` is "NAME[ @NGPU]: ARGS" (ARGS are run_train.sh's). For each: `estimate()` in this process,
 then `NGPU=N ./run_train.sh ARGS --training.steps S --metrics.log_freq 1`, whose metrics.jsonl gives the
 measured peaks (the max over steps of mem_active_gib = torch.cuda.max_memory_allocated and
-mem_reserved_gib = max_memory_reserved). Compared: the predicted peak allocated with the measured
-active peak, and the predicted peak allocated + allocator slack with the measured reserved peak (neither
-measure includes the CUDA context). A run that runs out of memory is reported as OOM, which checks a
-"does not fit". Writes DIR/validation.md, DIR/validation.jsonl and each run's log; prints the table.
+mem_reserved_gib = max_memory_reserved, both rank 0's). Compared: the predicted peak allocated with the
+measured active peak, and the predicted peak allocated + allocator slack with the measured reserved peak
+(neither measure includes the CUDA context); with pipeline parallel, the first stage's prediction. A run
+that runs out of memory is reported as OOM, which checks a "does not fit". Writes DIR/validation.md,
+DIR/validation.jsonl and each run's log; prints the table.
 """
 
 from __future__ import annotations
@@ -45,10 +46,16 @@ def predict(args: list[str], ngpu: int, gpu_mem: float | None) -> dict:
 
     path, _, overrides = split_args(args)
     est = estimate(cfgmod.load(path, overrides), ngpu, gpu_mem)
+    # The trainer's metrics.jsonl is rank 0's: with pipeline parallel, compare the first stage's prediction
+    # (the estimate's peak is the largest over the pipeline ranks).
+    alloc = est.rank_peaks_gib[0] if est.rank_peaks_gib else est.peak_allocated_gib
+    slack = est.allocator_slack_gib * alloc / est.peak_allocated_gib if est.peak_allocated_gib else 0.0
     return {
-        "pred_alloc": est.peak_allocated_gib,
-        "pred_reserved": est.peak_allocated_gib + est.allocator_slack_gib,
-        "pred_total": est.total_gib,
+        "pred_alloc": alloc,
+        "pred_reserved": alloc + slack,
+        "pred_total": alloc + slack + est.cuda_context_gib,
+        "pred_peak_rank": est.peak_rank,
+        "pred_peak_alloc": est.peak_allocated_gib,
         "trace_alloc": est.trace_peak_allocated_gib,
         "fits": est.fits,
         "phase": est.peak_phase,

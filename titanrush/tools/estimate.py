@@ -78,6 +78,7 @@ class Estimate:
     peak_phase: str
     peak_rank: int
     at_peak: dict[str, float]
+    rank_peaks_gib: list[float] = field(default_factory=list)  # peak allocated of each pipeline rank
     details: dict[str, str] = field(default_factory=dict)
     trace_peak_allocated_gib: float | None = None
     trace_total_gib: float | None = None
@@ -96,6 +97,8 @@ def build_setup(cfg: JobConfig, ngpu: int) -> tuple[mm.Setup, str, int, str]:
     dims, args, accum, refused = _check(cfg, ngpu)
     p, t, f8 = cfg.parallelism, cfg.training, cfg.float8
     shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
+    reshard = p.fsdp_reshard_after_forward  # the trainer keeps pipelined stages' weights gathered:
+    reshard = "never" if dims.pp > 1 and reshard == "default" else reshard
     s = mm.Setup(
         args=args,
         local_batch=t.local_batch_size,
@@ -110,7 +113,7 @@ def build_setup(cfg: JobConfig, ngpu: int) -> tuple[mm.Setup, str, int, str]:
         pp=dims.pp,
         sequence_parallel=p.sequence_parallel,
         loss_parallel=p.loss_parallel,
-        reshard=p.fsdp_reshard_after_forward,
+        reshard=reshard,
         cpu_offload=p.fsdp_cpu_offload,
         pp_schedule=p.pp_schedule,
         pp_microbatches=p.pp_microbatches,
@@ -118,6 +121,7 @@ def build_setup(cfg: JobConfig, ngpu: int) -> tuple[mm.Setup, str, int, str]:
         pp_layers_per_stage=tuple(p.pp_layers_per_stage),
         ac_mode=cfg.activation_checkpoint.mode,
         ac_selective=cfg.activation_checkpoint.selective,
+        ac_op_matmuls=cfg.activation_checkpoint.op_matmuls,
         compile=cfg.compile.enable,
         float8=f8.enable,
         float8_all_gather=f8.enable and f8.recipe == "tensorwise" and f8.fsdp_float8_all_gather and shard > 1,
@@ -250,7 +254,8 @@ def estimate(cfg: JobConfig, ngpu: int, gpu_mem_gib: float | None = None, *, tra
         notes += more
     if gpu_mem_gib <= 0:
         raise ConfigError(f"--gpu-mem must be > 0 GiB, got {gpu_mem_gib}")
-    b = mm.analyze(s)
+    ranks = [mm.analyze_rank(s, p) for p in mm.rank_plans(s)]
+    b = max(ranks, key=lambda r: r.peak)  # as mm.analyze
     context = _context_bytes(ngpu)
     extra = slack(s, b)
     total = b.peak + extra + context
@@ -273,6 +278,7 @@ def estimate(cfg: JobConfig, ngpu: int, gpu_mem_gib: float | None = None, *, tra
         peak_phase=b.peak_phase,
         peak_rank=b.rank,
         at_peak={k: v / GIB for k, v in b.at_peak.items()},
+        rank_peaks_gib=[r.peak / GIB for r in ranks],
         details={k: _describe(s, k) for k in mm.COMPONENTS if _describe(s, k)},
         notes=notes,
     )
@@ -330,6 +336,8 @@ def _describe(s: mm.Setup, key: str) -> str:
             return "fp32" + shard
         return "bf16 copies, autocast" if s.autocast else "bf16: in the FSDP buffers"
     if key == "grads":
+        if s.fsdp and s.pp > 1:  # see memory_model.analyze_rank
+            return f"fp32, unsharded until the last micro-batch's backward, then 1/{s.fsdp_shard}"
         return "fp32" + shard
     if key == "optimizer":
         kind = {"adamw": "AdamW, 2 x fp32", "adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}[s.optimizer]
@@ -338,9 +346,12 @@ def _describe(s: mm.Setup, key: str) -> str:
         return "bf16 compute" + shard
     if key == "activations":
         ac = s.ac_mode if s.ac_mode != "selective" else f"selective {s.ac_selective}"
+        ac = "op alternate" if ac == "selective op" and s.ac_op_matmuls == "alternate" else ac
         return f"AC {ac}" + (", compiled" if s.compile else "")
     if key == "logits":
-        return f"{s.loss}" + (f" ({s.loss_chunk} tokens)" if s.loss == "chunked" else ", fp32")
+        if s.loss == "chunked":
+            return f"chunked ({s.loss_chunk} tokens)"
+        return "plain, compiled (no fp32 logits)" if s.compiled_loss else "plain, fp32"
     return ""
 
 

@@ -2,12 +2,13 @@
 
 Every tensor is counted from the model's shapes and the parallel layout (TP shards the heads, the FFN and
 the vocabulary; FSDP shards each parameter's first dimension; PP gives each rank its layers and keeps
-several micro-batches in flight; CP splits the sequence, and compiled ring attention keeps the K/V it
-received; float8 linears change what autocast and inductor keep). The peak is the largest of the
+several micro-batches in flight, and with FSDP keeps their gradients unsharded in fp32 until the last
+one; CP splits the sequence, and compiled ring attention keeps the K/V it received; float8 linears change
+what autocast and inductor keep; the compiled loss keeps no fp32 logits). The peak is the largest of the
 moments of a step where memory can peak (the last block's forward, the end of forward with the loss, the
 loss's and the output layer's backward, the backward of the first and of the last block, the embedding's
-backward, the optimizer step), each a dict component -> bytes, so the breakdown shown is the one at the
-peak.
+backward, the optimizer step; a pipelined FSDP rank's later micro-batches too), each a dict component ->
+bytes, so the breakdown shown is the one at the peak.
 docs/estimator.md derives the formulas. `as_traced=True` evaluates the model as `memory_trace` runs it
 (eager, no sequence parallel, no FSDP buffers, no ring attention, bf16 linears), so that the two methods
 are compared like for like.
@@ -55,6 +56,7 @@ class Setup:
     pp_layers_per_stage: tuple[int, ...] = ()
     ac_mode: str = "none"
     ac_selective: str = "op"
+    ac_op_matmuls: str = "all"  # selective op: keep every matmul output, or every other one (alternate)
     compile: bool = False
     float8: bool = False
     float8_all_gather: bool = False
@@ -84,6 +86,11 @@ class Setup:
     def r(self) -> int:
         """Bytes per element of the residual stream (bf16 only when FSDP gathers bf16 weights)."""
         return 2 if self.precision == "bf16" and self.fsdp else 4
+
+    @property
+    def compiled_loss(self) -> bool:
+        """The trainer compiles the plain loss when compile is on, except under loss parallel (DTensors)."""
+        return self.compile and self.loss == "plain" and not (self.tp > 1 and self.loss_parallel)
 
     @property
     def stages_per_rank(self) -> int:
@@ -290,12 +297,14 @@ def block_saved(s: Setup, n: int, batch: int, mode: str, *, as_traced: bool = Fa
         }  # fmt: skip
         if tp > 1 and s.sequence_parallel and not as_traced:
             out["reduce-scatter outs"] = 2 * c * n_sp * d
-        if s.compile and not as_traced:  # measured on H200: compiled, one fewer (n, dim) output is kept
+        if s.ac_op_matmuls == "alternate":  # the policy counts aten.mm calls: the 2nd, 4th, 6th recomputed
+            del out["wk out"], out["wo out"], out["w3 out"]
+        if s.compile and not as_traced:  # compiled, w2's output goes: backward does not need it (measured)
             del out["w2 out"]
             if ring:  # compiled ring attention keeps the K/V it received and K, V made contiguous (the
                 # joint graph's CSE merges the backward's exchange into the forward's; see estimator.md),
                 # so wk's and wv's outputs are no longer needed to recompute K and V
-                del out["wk out"], out["wv out"]
+                out.pop("wk out", None), out.pop("wv out")
                 out |= {"k, v contiguous (CP)": pair, "K/V received (CP)": received}
         return out
     # SDPA takes K/V repeated to the query heads (GQA); flash-attn and flex read the KV heads directly.
@@ -387,6 +396,7 @@ def _ring_transient(s: Setup, n: int, mode: str, *, backward: bool) -> int:
     return exchange + out32 + 3 * pair32 + out32 * s.c // 4 + pair
 
 
+LATER = ", later micro-batch"  # the moments of a pipelined rank's later micro-batches (see analyze_rank)
 LOSS_KEYS = ("saved", "log_softmax", "forward", "backward", "rows", "vocab")
 
 
@@ -398,8 +408,16 @@ def loss_bytes(s: Setup, n: int, *, as_traced: bool) -> dict[str, int]:
     chunked = s.loss == "chunked"
     rows = min(n, s.loss_chunk) if chunked else n
     head_in = (2 if s.autocast and not chunked else r) * n * a.dim
+    saved = 4 * n_sp * a.dim + 4 * n_sp + head_in
+    if s.compiled_loss and not as_traced:
+        # Compiled, the fp32 upcast, log-softmax and nll_loss fuse into row reductions: the loss keeps the
+        # logits it was given (compute dtype) and two fp32 numbers per row (max, log-sum-exp), and its
+        # backward writes the logits' gradient in the compute dtype directly. No (n, V) fp32 tensor.
+        logits, stats = c * n * vocab, 8 * n
+        return {"saved": saved, "log_softmax": logits + stats, "forward": logits + stats,
+                "backward": 2 * logits + stats, "rows": n, "vocab": vocab}  # fmt: skip
     return {
-        "saved": 4 * n_sp * a.dim + 4 * n_sp + head_in,
+        "saved": saved,
         "log_softmax": 0 if chunked else 4 * rows * vocab,  # kept per micro-batch until its backward
         # logits in the compute dtype (a chunk's are freed once cast), their fp32 copy, the log-softmax
         "forward": rows * vocab * (8 if c == 4 or chunked else c + 8),
@@ -431,11 +449,17 @@ def _units(s: Setup, plan: RankPlan) -> tuple[list[list[tuple[int, bool, str]]],
     return [by_unit[k] for k in order], root
 
 
-def fsdp_buffers(s: Setup, plan: RankPlan) -> dict[str, int]:
+def fsdp_buffers(s: Setup, plan: RankPlan, *, later: bool = False) -> dict[str, int]:
     """Per moment: FSDP's unsharded parameters (the unit in use and the one prefetched), unsharded gradients
-    and fp32 reduce-scatter inputs (the unit's, and the previous unit's, still in flight)."""
+    and fp32 reduce-scatter inputs (the unit's, and the previous unit's, still in flight).
+
+    Under pipeline parallel no unit reduce-scatters during the micro-batches' backward passes (see
+    `analyze_rank`): a unit's unsharded gradient is copied to fp32 (the rank's first micro-batch, `later`
+    False) or added to the fp32 copy (`later` True), and nothing is in flight.
+    """
     units, root = _units(s, plan)
     pc = 2 if s.precision == "bf16" else 4
+    pipelined = s.pp > 1
 
     def unit(i: int, kind: str) -> int:
         if i < 0 or i >= len(units):
@@ -443,7 +467,12 @@ def fsdp_buffers(s: Setup, plan: RankPlan) -> dict[str, int]:
         if kind == "gather":
             f8 = s.float8_all_gather
             return sum(x * (1 if f8 and lin and name != "output" else pc) for x, lin, name in units[i])
-        per = {"reduce": pc + 4, "in flight": 4}[kind]  # grads + reduce-scatter input; previous input
+        if kind == "grad":  # the unsharded gradients alone, before the unit's post-backward
+            per = pc
+        elif pipelined:  # the bf16 gradient and its fp32 copy (the copy then counts as a gradient)
+            per = {"reduce": pc if later else pc + 4, "in flight": 0}[kind]
+        else:  # grads + reduce-scatter input; previous input
+            per = {"reduce": pc + 4, "in flight": 4}[kind]
         return per * sum(x for x, _, _ in units[i])
 
     root_all = 2 * pc * sum(x for x, _, _ in root)  # never resharded; its unsharded gradient accumulates
@@ -460,7 +489,9 @@ def fsdp_buffers(s: Setup, plan: RankPlan) -> dict[str, int]:
         "last block forward": gathered(blk, head),
         "forward end": gathered(*kept),
         "loss backward": gathered(head, blk),
-        "output backward": gathered(head, blk) + unit(head, "reduce"),
+        # the output layer's bf16 gradient; its fp32 copy comes after the norm's backward, the logits'
+        # gradient freed
+        "output backward": gathered(head, blk) + unit(head, "grad"),
         "first block backward": gathered(blk, blk - 1) + unit(blk, "reduce") + unit(head, "in flight"),
         "last block backward": gathered(first, first - 1)
         + unit(first, "reduce")
@@ -484,10 +515,16 @@ def analyze_rank(s: Setup, plan: RankPlan, *, as_traced: bool = False) -> Breakd
     a_head = k * loss["saved"] + (k - 1) * loss["log_softmax"]  # other micro-batches' losses too
     shard = s.fsdp_shard if s.fsdp else 1
     g_full = st["grads"]
-    vocab = 4 * math.ceil(loss["vocab"] * a.dim / shard)  # the output projection's gradient (tied or not)
+    # Under pipeline parallel, torch's stages run every micro-batch's backward with FSDP's gradient sync
+    # off: each unit keeps its unsharded gradient, accumulated in fp32 (FSDP's reduce dtype), until the
+    # stage reduce-scatters them all after its last micro-batch. The gradients below are then unsharded.
+    pipelined = s.pp > 1 and s.fsdp and not as_traced
+    gs = 1 if pipelined else shard
+    vocab = 4 * math.ceil(loss["vocab"] * a.dim / gs)  # the output projection's gradient (tied or not)
     head_g = vocab + 4 * a.dim * plan.head
-    emb_g = 4 * math.ceil(math.ceil(a.vocab_size / s.tp) * a.dim / shard) if plan.embedding else 0
+    emb_g = 4 * math.ceil(math.ceil(a.vocab_size / s.tp) * a.dim / gs) if plan.embedding else 0
     emb_g = 0 if plan.head and a.tie_embeddings else emb_g
+    g_all = 4 * sum(d0 * d1 for _, (d0, d1), _ in param_shapes(s, plan)) if pipelined else g_full
     w2 = a.dim * math.ceil(a.ffn_hidden / s.tp)  # the largest block weight
     w2_grad = 0 if s.fsdp and not as_traced else 4 * math.ceil(w2 / shard)
     # Weight-gradient conversions: autocast's bf16 gradient before its fp32 copy; as traced under FSDP, one
@@ -497,42 +534,68 @@ def analyze_rank(s: Setup, plan: RankPlan, *, as_traced: bool = False) -> Breakd
     if s.float8 and not as_traced:
         f8 = n * (math.ceil(a.ffn_hidden / s.tp) + a.dim) + 2 * w2
     fsdp = fsdp_buffers(s, plan) if s.fsdp and not as_traced else {}
-    steady = s.accum > 1 or s.microbatches > 1  # earlier micro-batches' gradients are alive throughout
+    if pipelined:
+        fsdp |= {name + LATER: x for name, x in fsdp_buffers(s, plan, later=True).items()}
+    # Earlier micro-batches' gradients are alive throughout (pipelined: only earlier steps' sharded ones).
+    steady = s.accum > 1 or (s.microbatches > 1 and not pipelined)
     base = {key: st[key] for key in ("params", "master_weights", "optimizer", "buffers")}
     base["ddp_buckets"] = g_full if s.ddp and not as_traced else 0
     copies, recast = _autocast_copies(s, plan, modes, as_traced=as_traced)
     moments: dict[str, dict[str, int]] = {}
 
     def add(name: str, grads: int = 0, **parts: float) -> None:
-        m = {**base, **parts, "fsdp_buffers": fsdp.get(name, 0), "grads": g_full if steady else grads}
+        g = grads if pipelined or not steady else g_full
+        m = {**base, **parts, "fsdp_buffers": fsdp.get(name, 0), "grads": g}
         if s.autocast:
-            m["params"] = copies[name]
+            m["params"] = copies[name.removesuffix(LATER)]
         moments[name] = {key: int(m.get(key, 0)) for key in COMPONENTS}
 
-    add("last block forward", activations=a_blocks + a_emb, transient=fwd_ws)
-    add("forward end", activations=a_blocks + a_emb + a_head, logits=loss["forward"])
-    if plan.head:
-        everything = a_blocks + a_emb + a_head
-        if s.loss == "chunked" and not as_traced:  # measured on H200: the first chunk's backward peaks, with
-            # the chunk's bf16 logits still alive (or, in later chunks, the output weight's gradient)
-            dw = (2 if s.fsdp and s.precision == "bf16" else 4) * loss["vocab"] * a.dim
-            chunk_extra = max(dw, 2 * loss["rows"] * loss["vocab"] if s.c == 2 else 0)
-            add("loss backward", activations=everything, logits=loss["backward"] + chunk_extra)
-        else:
-            chunk_g = head_g if s.loss == "chunked" else 0
-            add("loss backward", chunk_g, activations=everything, logits=loss["backward"])
-        logits_grad = s.c * loss["rows"] * loss["vocab"]
-        add(
-            "output backward", head_g, activations=everything, logits=logits_grad, transient=conv * vocab // 4
-        )
-    add("first block backward", head_g + w2_grad, activations=a_blocks - saved[-1] + a_emb, float8=f8,
-        transient=bwd_ws[-1] + conv * w2 + recast[-1])  # fmt: skip
-    add("last block backward", g_full - emb_g, activations=(k - 1) * sum(saved) + a_emb, float8=f8,
-        transient=bwd_ws[0] + conv * w2 + recast[0])  # fmt: skip
-    if plan.embedding:  # the table's gradient arrives last, with all the others
-        # As traced under FSDP: the table's unsharded gradient (and its fp32 cast) before it is sharded.
-        table = 0 if s.autocast else conv * emb_g // 4 * shard
-        add("embedding backward", g_full - (emb_g if table else 0), activations=a_emb, transient=table)
+    def micro_batch(kk: float, tag: str = "", acc: int | None = None) -> None:
+        """The moments of one micro-batch's forward and backward with kk micro-batches' activations alive
+        (`acc`: the gradients accumulated by earlier micro-batches, else those of this backward so far)."""
+        a_blocks, a_emb = kk * sum(saved), kk * 8 * n * plan.embedding  # the token ids, for the embedding
+        a_head = kk * loss["saved"] + (kk - 1) * loss["log_softmax"]  # other micro-batches' losses too
+
+        def grads(x: int) -> int:  # pipelined, with accumulation: earlier steps' sharded gradients too
+            return (x if acc is None else acc) + (g_full if pipelined and s.accum > 1 else 0)
+
+        add("last block forward" + tag, grads(0), activations=a_blocks + a_emb, transient=fwd_ws)
+        add("forward end" + tag, grads(0), activations=a_blocks + a_emb + a_head, logits=loss["forward"])
+        if plan.head:
+            everything = a_blocks + a_emb + a_head
+            if s.loss == "chunked" and not as_traced:  # measured on H200: the first chunk's backward peaks,
+                # with the chunk's bf16 logits still alive (or, in later chunks, the output weight's gradient)
+                dw = (2 if s.fsdp and s.precision == "bf16" else 4) * loss["vocab"] * a.dim
+                chunk_extra = max(dw, 2 * loss["rows"] * loss["vocab"] if s.c == 2 else 0)
+                add("loss backward" + tag, grads(0), activations=everything,
+                    logits=loss["backward"] + chunk_extra)  # fmt: skip
+            else:
+                chunk_g = head_g if s.loss == "chunked" else 0
+                add("loss backward" + tag, grads(chunk_g), activations=everything, logits=loss["backward"])
+            logits_grad = s.c * loss["rows"] * loss["vocab"]
+            out_g = 0 if fsdp else head_g  # FSDP: the head's gradients come after the norm's backward
+            add("output backward" + tag, grads(out_g), activations=everything, logits=logits_grad,
+                transient=conv * vocab // 4)  # fmt: skip
+        add("first block backward" + tag, grads(head_g + w2_grad), activations=a_blocks - saved[-1] + a_emb,
+            float8=f8, transient=bwd_ws[-1] + conv * w2 + recast[-1])  # fmt: skip
+        add("last block backward" + tag, grads(g_all - emb_g), activations=(kk - 1) * sum(saved) + a_emb,
+            float8=f8, transient=bwd_ws[0] + conv * w2 + recast[0])  # fmt: skip
+        if plan.embedding:  # the table's gradient arrives last, with all the others
+            # As traced under FSDP: the table's unsharded gradient (and its fp32 cast) before it is sharded.
+            table = 0 if s.autocast else conv * emb_g // 4 * shard
+            own = emb_g if table or pipelined else 0  # pipelined: its fp32 copy is in FSDP's buffers
+            add("embedding backward" + tag, grads(g_all - own), activations=(kk - 1) * sum(saved) + a_emb,
+                transient=table)  # fmt: skip
+
+    micro_batch(k)
+    if pipelined and s.microbatches > 1:
+        # A later micro-batch's backward: all gradients accumulated, min(k, m - 1) micro-batches in flight
+        # (the first backward freed one; 1F1B's steady state refills it with the next forward).
+        v = s.stages_per_rank
+        micro_batch(min(k, (s.microbatches * v - 1) / v), LATER, g_all)
+        if s.microbatches <= k:  # no forward after the first backward (GPipe, or as many as in flight)
+            for name in ("last block forward", "forward end"):
+                moments.pop(name + LATER)
     numels = [shard_numel(shape, shard) for _, shape, _ in param_shapes(s, plan)]
     opt_tmp = 0  # foreach: a sqrt(exp_avg_sq) for every tensor at once; for-loop: two for one tensor
     if s.optimizer == "adamw" and s.optimizer_impl != "fused":
@@ -540,7 +603,8 @@ def analyze_rank(s: Setup, plan: RankPlan, *, as_traced: bool = False) -> Breakd
     add("optimizer step", g_full, transient=opt_tmp, params=0 if s.autocast else st["params"])
     peak_phase = max(moments, key=lambda m: sum(moments[m].values()))
     sizes = {key: max(m[key] for m in moments.values()) for key in COMPONENTS}
-    sizes.update(params=st["params"], grads=g_full, activations=int(a_blocks + a_emb + a_head))
+    grads_max = max(m["grads"] for m in moments.values())  # pipelined: the unsharded ones
+    sizes.update(params=st["params"], grads=grads_max, activations=int(a_blocks + a_emb + a_head))
     return Breakdown(plan.rank, sizes, moments, peak_phase, sum(moments[peak_phase].values()))
 
 

@@ -214,7 +214,7 @@ def build_local_model(s: Setup, plan: RankPlan) -> Llama:
     for module in model.modules():
         if type(module) is RMSNorm:
             module.__class__ = _TraceRMSNorm
-    apply_ac(model, mode=s.ac_mode, selective=s.ac_selective)
+    apply_ac(model, mode=s.ac_mode, selective=s.ac_selective, op_matmuls=s.ac_op_matmuls)
     return model
 
 
@@ -354,7 +354,10 @@ def not_traced(s: Setup) -> list[str]:
     """The parts of this configuration that the trace does not run (the analytic model covers them)."""
     out = []
     if s.compile:
-        out.append("compile: the trace runs eager; it is compared with the analytic model's eager numbers")
+        out.append(
+            "compile: the trace runs eager (blocks and loss); it is compared with the analytic model's eager "
+            "numbers"
+        )
     if s.float8:
         out.append(
             "float8: linears run in bf16 in the trace (no float8 weight casts; compiled float8 blocks keep "
@@ -373,6 +376,8 @@ def not_traced(s: Setup) -> list[str]:
         )
     if s.pp > 1:
         out.append("pipeline: one micro-batch traced; the others in flight added as its saved activations")
+        if s.fsdp:
+            out.append("pipeline with FSDP: unsharded fp32 gradients until the last micro-batch's backward")
     if s.ddp:
         out.append("DDP gradient buckets")
     if s.cpu_offload:
