@@ -7,7 +7,7 @@ one; CP splits the sequence, and compiled ring attention keeps the K/V it receiv
 what autocast and inductor keep; the compiled loss keeps no fp32 logits). The peak is the largest of the
 moments of a step where memory can peak (the last block's forward, the end of forward with the loss, the
 loss's and the output layer's backward, the backward of the first and of the last block, the embedding's
-backward, the optimizer step; a pipelined FSDP rank's later micro-batches too), each a dict component ->
+backward, the optimizer step; a pipelined rank's later micro-batches too), each a dict component ->
 bytes, so the breakdown shown is the one at the peak.
 docs/estimator.md derives the formulas. `as_traced=True` evaluates the model as `memory_trace` runs it
 (eager, no sequence parallel, no FSDP buffers, no ring attention, bf16 linears), so that the two methods
@@ -515,10 +515,11 @@ def analyze_rank(s: Setup, plan: RankPlan, *, as_traced: bool = False) -> Breakd
     a_head = k * loss["saved"] + (k - 1) * loss["log_softmax"]  # other micro-batches' losses too
     shard = s.fsdp_shard if s.fsdp else 1
     g_full = st["grads"]
-    # Under pipeline parallel, torch's stages run every micro-batch's backward with FSDP's gradient sync
-    # off: each unit keeps its unsharded gradient, accumulated in fp32 (FSDP's reduce dtype), until the
-    # stage reduce-scatters them all after its last micro-batch. The gradients below are then unsharded.
-    pipelined = s.pp > 1 and s.fsdp and not as_traced
+    # Under pipeline parallel the first micro-batch's backward starts without gradients (zero_grad set
+    # them to None) and later ones find all of them. torch's stages run every backward with FSDP's
+    # gradient sync off: each unit keeps its unsharded gradient, accumulated in fp32 (FSDP's reduce
+    # dtype), until the stage reduce-scatters them after its last micro-batch; so these are unsharded.
+    pipelined = s.pp > 1 and not as_traced
     gs = 1 if pipelined else shard
     vocab = 4 * math.ceil(loss["vocab"] * a.dim / gs)  # the output projection's gradient (tied or not)
     head_g = vocab + 4 * a.dim * plan.head
@@ -534,9 +535,9 @@ def analyze_rank(s: Setup, plan: RankPlan, *, as_traced: bool = False) -> Breakd
     if s.float8 and not as_traced:
         f8 = n * (math.ceil(a.ffn_hidden / s.tp) + a.dim) + 2 * w2
     fsdp = fsdp_buffers(s, plan) if s.fsdp and not as_traced else {}
-    if pipelined:
+    if pipelined and fsdp:
         fsdp |= {name + LATER: x for name, x in fsdp_buffers(s, plan, later=True).items()}
-    # Earlier micro-batches' gradients are alive throughout (pipelined: only earlier steps' sharded ones).
+    # Earlier micro-batches' gradients are alive throughout (pipelined: see micro_batch).
     steady = s.accum > 1 or (s.microbatches > 1 and not pipelined)
     base = {key: st[key] for key in ("params", "master_weights", "optimizer", "buffers")}
     base["ddp_buckets"] = g_full if s.ddp and not as_traced else 0
@@ -556,8 +557,11 @@ def analyze_rank(s: Setup, plan: RankPlan, *, as_traced: bool = False) -> Breakd
         a_blocks, a_emb = kk * sum(saved), kk * 8 * n * plan.embedding  # the token ids, for the embedding
         a_head = kk * loss["saved"] + (kk - 1) * loss["log_softmax"]  # other micro-batches' losses too
 
-        def grads(x: int) -> int:  # pipelined, with accumulation: earlier steps' sharded gradients too
-            return (x if acc is None else acc) + (g_full if pipelined and s.accum > 1 else 0)
+        def grads(x: int) -> int:
+            g = x if acc is None else acc
+            if pipelined and s.accum > 1:  # earlier accumulation steps' gradients: FSDP's sharded ones
+                return g + g_full if s.fsdp else g_full  # beside the unsharded; else the same tensors
+            return g
 
         add("last block forward" + tag, grads(0), activations=a_blocks + a_emb, transient=fwd_ws)
         add("forward end" + tag, grads(0), activations=a_blocks + a_emb + a_head, logits=loss["forward"])
@@ -573,7 +577,7 @@ def analyze_rank(s: Setup, plan: RankPlan, *, as_traced: bool = False) -> Breakd
                 chunk_g = head_g if s.loss == "chunked" else 0
                 add("loss backward" + tag, grads(chunk_g), activations=everything, logits=loss["backward"])
             logits_grad = s.c * loss["rows"] * loss["vocab"]
-            out_g = 0 if fsdp else head_g  # FSDP: the head's gradients come after the norm's backward
+            out_g = 0 if s.fsdp and not as_traced else head_g  # FSDP: they come after the norm's backward
             add("output backward" + tag, grads(out_g), activations=everything, logits=logits_grad,
                 transient=conv * vocab // 4)  # fmt: skip
         add("first block backward" + tag, grads(head_g + w2_grad), activations=a_blocks - saved[-1] + a_emb,
@@ -583,12 +587,12 @@ def analyze_rank(s: Setup, plan: RankPlan, *, as_traced: bool = False) -> Breakd
         if plan.embedding:  # the table's gradient arrives last, with all the others
             # As traced under FSDP: the table's unsharded gradient (and its fp32 cast) before it is sharded.
             table = 0 if s.autocast else conv * emb_g // 4 * shard
-            own = emb_g if table or pipelined else 0  # pipelined: its fp32 copy is in FSDP's buffers
+            own = emb_g if table or (pipelined and s.fsdp) else 0  # its fp32 copy is in FSDP's buffers
             add("embedding backward" + tag, grads(g_all - own), activations=(kk - 1) * sum(saved) + a_emb,
                 transient=table)  # fmt: skip
 
     micro_batch(k)
-    if pipelined and s.microbatches > 1:
+    if pipelined and s.microbatches > 1:  # (as_traced: every moment as steady, as the trace runs it)
         # A later micro-batch's backward: all gradients accumulated, min(k, m - 1) micro-batches in flight
         # (the first backward freed one; 1F1B's steady state refills it with the next forward).
         v = s.stages_per_rank
