@@ -411,12 +411,14 @@ class Trainer:
             # Positions are sharded with the tokens, so each shard's RoPE uses its tokens' true positions.
             positions = torch.arange(inputs.shape[1], device=self.device).expand_as(inputs).contiguous()
             cp_ctx = context_parallel_step(self.mesh["cp"], [inputs, labels, positions])
-        with cp_ctx, ctx, loss_parallel_context(self.mesh, self.dims, self.cfg.parallelism):
-            if chunked:
-                loss = self.model(inputs, position_ids=positions, document_ids=docs, labels=labels)
-            else:
-                loss = self.loss_fn(self.model(inputs, position_ids=positions, document_ids=docs), labels)
-            loss = loss / self.accum
+        with cp_ctx, loss_parallel_context(self.mesh, self.dims, self.cfg.parallelism):
+            with ctx:  # autocast covers the forward and the loss; backward runs outside it, which frees
+                # autocast's cache of bf16 weight copies as soon as backward is done with each one
+                if chunked:
+                    loss = self.model(inputs, position_ids=positions, document_ids=docs, labels=labels)
+                else:
+                    loss = self.loss_fn(self.model(inputs, position_ids=positions, document_ids=docs), labels)
+                loss = loss / self.accum
             loss.backward()
         # Under loss parallel the loss is a replicated DTensor: its local value is the loss.
         return loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
