@@ -9,9 +9,11 @@
 #            sweep over tp/pp/cp
 #   phase E: the 4-GPU tests, the 8B with the chunked loss, the 8B checkpoint save/resume timings, then
 #            the distributed rush on 4 GPUs (its 8B row takes the sweep's best mesh)
+#   phase F: what phases C-E left: the checkpoint-resume GPU test (GPUs 2-3) beside a clean 1B side by
+#            side (GPUs 0-1, swapped); then the distributed rush again with room for its 8B rung
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A, B, C, D or E}
+PHASE=${1:?phase A, B, C, D, E or F}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -90,6 +92,17 @@ elif [ "$PHASE" = B ]; then
     --run "fsdp4_eager: $B8 --no-compile.enable" \
     --run "pp2_fsdp2_compile: $B8 --parallelism.pp 2 --training.local_batch_size 4" \
     --run "fsdp4_compile_float8: $B8 --float8.enable"
+elif [ "$PHASE" = F ]; then
+  S=/tmp/suite
+  (CUDA_VISIBLE_DEVICES=2,3 timeout 200 python3 -m pytest tests/gpu/test_checkpoint_gpu.py -q -rs \
+     -p no:cacheprovider > $S/gpu_tests_ckpt.txt 2>&1; cp $S/gpu_tests_ckpt.txt "$OUT/") &
+  CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 scripts/side_by_side.py --out $S/sbs1b --gpus 0,1 --repeats 2 \
+     --rows 1b_eager,1b_compile --steps 24 --measure-from 12 --timeout-per-run 120 > $S/sbs1b.log 2>&1
+  cp $S/sbs1b/results.md "$OUT/sbs1b.md"
+  wait
+  timeout 280 python3 -m titanrush.cli rush dist --ngpu 4 --steps 10 --warmup 4 --timeout 90 \
+    --sweep-results docs/benchmarks/sweep/sweep8b_h200x4.jsonl --output $S/rushdist > $S/rushdist.log 2>&1
+  cp $S/rushdist/report.md "$OUT/rushdist.md"; cp $S/rushdist/results.jsonl "$OUT/rushdist.jsonl"
 else  # E
   S=/tmp/suite
   timeout 80 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider -k 4gpu > $S/gpu_tests_4.txt 2>&1

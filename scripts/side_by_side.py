@@ -288,17 +288,23 @@ class Run:
     result: dict = field(default_factory=dict)
 
 
-def execute(run: Run, timeout: float) -> None:
-    """Run the command, timestamping each log line; fill run.result with the steady-state figures."""
+def execute(run: Run, timeout: float, gpu: str | None = None) -> None:
+    """Run the command, timestamping each log line; fill run.result with the steady-state figures.
+
+    With `gpu`, the run sees only that GPU, its log is named after it, and titanrush's metrics file is
+    moved aside afterwards (to `metrics.gpu<G>.jsonl`), so a repeat on the other GPU starts a fresh one.
+    """
     t0 = time.monotonic()
     first_step_s = None
     steps: list[dict] = []
     pat = _TT_STEP if run.trainer == "torchtitan" else _TR_STEP
-    with open(run.log, "w") as log:
+    env = run.env if gpu is None else {**run.env, "CUDA_VISIBLE_DEVICES": gpu}
+    log_path = run.log if gpu is None else run.log.with_name(f"{run.log.stem}.gpu{gpu}{run.log.suffix}")
+    with open(log_path, "w") as log:
         log.write("$ " + shlex.join(run.cmd) + "\n")
         proc = subprocess.Popen(
             run.cmd,
-            env=run.env,
+            env=env,
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -328,7 +334,9 @@ def execute(run: Run, timeout: float) -> None:
     if run.trainer == "titanrush" and run.metrics and run.metrics.exists():
         steps = [json.loads(x) for x in run.metrics.read_text().splitlines()]
         steps = [s for s in steps if "loss" in s and "tps" in s]
-    text = run.log.read_text(errors="replace")
+        if gpu is not None:
+            run.metrics.rename(run.metrics.with_name(f"metrics.gpu{gpu}.jsonl"))
+    text = log_path.read_text(errors="replace")
     if rc == 0:
         status = "ok"
     elif "out of memory" in text or "OutOfMemoryError" in text:
@@ -546,22 +554,12 @@ def main() -> int:
             pending.remove(partner)
             for order in range(a.repeats):  # with 2: each trainer on each GPU once
                 pair = [(run, gpus[order]), (partner, gpus[1 - order])]
-                threads = []
-                for r, g in pair:
-                    r.env = {**r.env, "CUDA_VISIBLE_DEVICES": g}
-                    log = r.log
-                    r.log = log.with_name(f"{log.stem}.gpu{g}{log.suffix}")
-                    t = threading.Thread(target=execute, args=(r, a.timeout_per_run))
+                threads = [threading.Thread(target=execute, args=(r, a.timeout_per_run, g)) for r, g in pair]
+                for t in threads:
                     t.start()
-                    threads.append((t, r, g, log))
-                for t, r, g, log in threads:
+                for t, (r, g) in zip(threads, pair):
                     t.join()
                     record(r, g)
-                    r.log = log
-                    if r.metrics:  # the next repeat writes a fresh metrics file
-                        r.metrics.rename(
-                            r.metrics.with_name(f"metrics.gpu{g}.jsonl")
-                        ) if r.metrics.exists() else None
         else:
             execute(run, a.timeout_per_run)
             record(run, os.environ.get("CUDA_VISIBLE_DEVICES"))

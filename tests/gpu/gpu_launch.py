@@ -22,7 +22,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(tmp: Path, name: str, ngpu: int, args: list[str], timeout: float = 600) -> tuple[list[dict], str]:
+def launch(
+    tmp: Path,
+    name: str,
+    ngpu: int,
+    args: list[str],
+    timeout: float = 600,
+    entry: tuple[str, ...] = ("-m", "titanrush.train"),
+) -> tuple[list[dict], str]:
     """Train `name` under `ngpu` processes (1: no launcher); return the metrics rows and the log.
 
     Args:
@@ -31,13 +38,14 @@ def launch(tmp: Path, name: str, ngpu: int, args: list[str], timeout: float = 60
         ngpu: Processes, one per GPU.
         args: Trainer arguments (`--section.key value`), the job's folder and name added here.
         timeout: Seconds before the run counts as failed.
+        entry: What the processes run: the trainer's module, or a script and its own arguments.
     """
     env = dict(
         os.environ, NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", TORCH_SYMM_MEM_DISABLE_MULTICAST="1"
     )
     launcher = ["-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={ngpu}",
                 "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}"]  # fmt: skip
-    cmd = [sys.executable, *(launcher if ngpu > 1 else []), "-m", "titanrush.train",
+    cmd = [sys.executable, *(launcher if ngpu > 1 else []), *entry,
            "--job.dump_folder", str(tmp), "--job.name", name, *args]  # fmt: skip
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout[-2000:]}\n{res.stderr[-8000:]}"

@@ -108,3 +108,16 @@ def test_execute_timestamps_steps_and_summarizes_the_steady_state(tmp_path):
     )
     sbs.execute(failing, timeout=60)
     assert sbs.summarize(failing, 1)["status"] == "failed (3)"
+
+
+def test_execute_on_one_gpu_names_the_log_and_moves_the_metrics_aside(tmp_path):
+    code = "import os\nprint('visible', os.environ['CUDA_VISIBLE_DEVICES'])"
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "loss": 2.0, "tps": 10.0, "mem_reserved_gib": 1.0}\n')
+    run = sbs.Run(
+        "titanrush", "r", "same", [sys.executable, "-c", code], {}, tmp_path / "run.log", metrics=metrics
+    )
+    sbs.execute(run, timeout=60, gpu="7")
+    assert "visible 7" in (tmp_path / "run.gpu7.log").read_text()
+    assert not metrics.exists() and (tmp_path / "metrics.gpu7.jsonl").exists()
+    assert sbs.summarize(run, measure_from=1)["tps"] == 10.0
