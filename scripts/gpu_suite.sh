@@ -11,9 +11,15 @@
 #            the distributed rush on 4 GPUs (its 8B row takes the sweep's best mesh)
 #   phase F: what phases C-E left: the checkpoint-resume GPU test (GPUs 2-3) beside a clean 1B side by
 #            side (GPUs 0-1, swapped); then the distributed rush again with room for its 8B rung
+#   phase G: the 1B side by side, swapped (GPUs 0-1), beside the checkpoint GPU tests and then both
+#            trainers' 1B memory snapshots (GPUs 2-3); then the 8B PP2 x FSDP2 with a rank-0 snapshot.
+#            Keeps the first half of the flash-attn wheels (.fa1, carried) in /tmp/fa for phase H.
+#   phase H: flash-attn-4 installed from /tmp/fa + .fa2: the attention GPU tests with the package (GPU 0)
+#            beside the 1B with each backend (GPUs 1-3); then the distributed rush
+#   phase I: the 8B side by side, eager and float8 rows; TP2 x PP2 again; a profiled 8B FSDP4 step
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A, B, C, D, E or F}
+PHASE=${1:?phase A to I}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -103,6 +109,56 @@ elif [ "$PHASE" = F ]; then
   timeout 280 python3 -m titanrush.cli rush dist --ngpu 4 --steps 10 --warmup 4 --timeout 90 \
     --sweep-results docs/benchmarks/sweep/sweep8b_h200x4.jsonl --output $S/rushdist > $S/rushdist.log 2>&1
   cp $S/rushdist/report.md "$OUT/rushdist.md"; cp $S/rushdist/results.jsonl "$OUT/rushdist.jsonl"
+elif [ "$PHASE" = G ]; then
+  S=/tmp/suite
+  mkdir -p /tmp/fa && cp .fa1/* /tmp/fa/ 2>/dev/null
+  (CUDA_VISIBLE_DEVICES=2,3 timeout 270 python3 -m pytest tests/gpu/test_checkpoint_gpu.py -q -rs \
+     -p no:cacheprovider > $S/gpu_tests_ckpt.txt 2>&1; cp $S/gpu_tests_ckpt.txt "$OUT/"
+   timeout 120 python3 scripts/side_by_side.py --out $S/snap1b --gpus 2,3 --repeats 1 --rows 1b_compile \
+     --steps 8 --measure-from 4 --memory-snapshot 6 --timeout-per-run 100 > $S/snap1b.log 2>&1
+   for f in $(find $S/snap1b -name '*.pickle'); do echo "== $f"; timeout 60 python3 scripts/memory_peak.py "$f"; done \
+     > $S/mem_peaks.txt 2>&1) &
+  CUDA_VISIBLE_DEVICES=0,1 timeout 390 python3 scripts/side_by_side.py --out $S/sbs1b --gpus 0,1 --repeats 2 \
+     --rows 1b_eager,1b_compile,1b_compile_float8,1b_compile_b16 --steps 20 --measure-from 10 \
+     --timeout-per-run 100 > $S/sbs1b.log 2>&1
+  cp $S/sbs1b/results.md "$OUT/sbs1b.md"
+  wait
+  SNAP="--profiling.enable --profiling.memory_snapshot --profiling.freq 5 --profiling.active_steps 1"
+  bench 130 b8_pp2snap 4 6 2 --run "pp2_fsdp2_snapshot: $B8 --parallelism.pp 2 --parallelism.dp_shard 2 $SNAP"
+  for f in $(find $S/b8_pp2snap -name '*rank0.pickle'); do echo "== $f"; timeout 90 python3 scripts/memory_peak.py "$f"; done \
+    >> $S/mem_peaks.txt 2>&1
+  cp $S/mem_peaks.txt "$OUT/"; cp $S/snap1b/results.md "$OUT/snap1b.md" 2>/dev/null
+elif [ "$PHASE" = H ]; then
+  S=/tmp/suite
+  cp .fa2/* /tmp/fa/ && cat /tmp/fa/cu13.part1 /tmp/fa/cu13.part2 > /tmp/fa/$(cat /tmp/fa/cu13.name) \
+    && (cd /tmp/fa && sha256sum -c cu13.sha256) > $S/flash_install.txt 2>&1
+  rm -f /tmp/fa/cu13.part*
+  python3 -m pip install --no-index --no-deps --target /tmp/fasite /tmp/fa/*.whl >> $S/flash_install.txt 2>&1
+  export PYTHONPATH=/tmp/fasite:$PYTHONPATH
+  python3 -c "import flash_attn.cute as f; print('flash_attn.cute', f.flash_attn_func)" >> $S/flash_install.txt 2>&1
+  (CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m pytest tests/gpu/test_attention_gpu.py -q -rs -s \
+     -p no:cacheprovider > $S/gpu_tests_flash.txt 2>&1; cp $S/gpu_tests_flash.txt "$OUT/") &
+  (CUDA_VISIBLE_DEVICES=1 bench 300 b1_flash_c 1 14 5 --run "compile_flash: $B1 --model.attn_backend flash" \
+     --run "eager_flash: $B1 --no-compile.enable --model.attn_backend flash") &
+  (CUDA_VISIBLE_DEVICES=2 bench 300 b1_sdpa_c 1 14 5 --run "compile_sdpa: $B1" \
+     --run "eager_sdpa: $B1 --no-compile.enable") &
+  CUDA_VISIBLE_DEVICES=3 bench 300 b1_cudnn_c 1 14 5 --run "compile_cudnn: $B1 --model.attn_backend cudnn" \
+     --run "eager_cudnn: $B1 --no-compile.enable --model.attn_backend cudnn"
+  wait
+  cat $S/flash_install.txt $OUT/b1_flash_c.md $OUT/b1_sdpa_c.md $OUT/b1_cudnn_c.md > $S/b1_backends.md 2>/dev/null
+  rm -f $OUT/b1_*_c.md; cp $S/b1_backends.md "$OUT/"
+  timeout 340 python3 -m titanrush.cli rush dist --ngpu 4 --steps 10 --warmup 4 --timeout 90 \
+    --sweep-results docs/benchmarks/sweep/sweep8b_h200x4.jsonl --output $S/rushdist > $S/rushdist.log 2>&1
+  cp $S/rushdist/report.md "$OUT/rushdist.md"; cp $S/rushdist/results.jsonl "$OUT/rushdist.jsonl"
+  cp $S/rushdist/*.png "$OUT/" 2>/dev/null
+elif [ "$PHASE" = I ]; then
+  S=/tmp/suite
+  timeout 330 python3 scripts/side_by_side.py --out $S/sbs8b --rows 8b_eager,8b_compile_float8 \
+     --steps 14 --measure-from 7 --timeout-per-run 100 > $S/sbs8b.log 2>&1; cp $S/sbs8b/results.md "$OUT/sbs8b.md"
+  PROF="--profiling.enable --profiling.freq 8 --profiling.active_steps 2"
+  bench 200 b8_i 4 10 4 --run "tp2_pp2_compile: $B8 --parallelism.dp_shard 1 --parallelism.tp 2 --parallelism.pp 2" \
+     --run "fsdp4_compile_profiled: $B8 $PROF"
+  for f in $S/b8_i/runs/*/profile/step-*/rank0.summary.txt; do echo "== $f"; cat "$f"; done > "$OUT/profiles8b.txt" 2>/dev/null
 else  # E
   S=/tmp/suite
   timeout 80 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider -k 4gpu > $S/gpu_tests_4.txt 2>&1

@@ -189,7 +189,12 @@ def write_corpus(path: Path) -> None:
 # ---------------------------------------------------------------- commands
 
 
-def torchtitan_toml(row: Row, steps: int, assets: Path, corpus: Path, dump: Path) -> str:
+def torchtitan_toml(
+    row: Row, steps: int, assets: Path, corpus: Path, dump: Path, snapshot_step: int = 0
+) -> str:
+    profiling = ""
+    if snapshot_step:
+        profiling = f"\n[profiling]\nenable_memory_snapshot = true\nprofile_freq = {snapshot_step}\n"
     converters = '["quantize.linear.float8"]' if row.float8 else "[]"
     ac = 'mode = "selective"\nselective_ac_option = "op"' if row.ac == "op" else 'mode = "none"'
     return f"""[job]
@@ -247,7 +252,7 @@ filter_fqns = ["output"]
 
 [experimental]
 custom_import = "tt_flavors"
-"""
+{profiling}"""
 
 
 def titanrush_args(row: Row) -> list[str]:
@@ -261,6 +266,14 @@ def titanrush_args(row: Row) -> list[str]:
         args += ["--float8.enable"]
     args += ["--activation_checkpoint.mode", "selective" if row.ac == "op" else "none"]
     return args
+
+
+def snapshot_args(step: int) -> list[str]:
+    """titanrush's flags for a CUDA memory snapshot dumped after `step` (none for 0)."""
+    if not step:
+        return []
+    return ["--profiling.enable", "--profiling.memory_snapshot", "--profiling.freq", str(step),
+            "--profiling.active_steps", "1"]  # fmt: skip
 
 
 def launcher(ngpu: int, *, always_torchrun: bool = False) -> list[str]:
@@ -453,7 +466,9 @@ def plan(rows: list[Row], trainers: list[str], a: argparse.Namespace, work: Path
         if "torchtitan" in trainers:
             toml = work / f"tt_{row.name}.toml"
             toml.write_text(
-                torchtitan_toml(row, a.steps, work / "tokenizer", work / "corpus", work / "tt_dump")
+                torchtitan_toml(
+                    row, a.steps, work / "tokenizer", work / "corpus", work / "tt_dump", a.memory_snapshot
+                )
             )
             env = {**base_env, "PYTHONPATH": f"{tt_path}:{base_env.get('PYTHONPATH', '')}".rstrip(":")}
             cmd = [
@@ -474,6 +489,7 @@ def plan(rows: list[Row], trainers: list[str], a: argparse.Namespace, work: Path
                 args = [
                     *titanrush_args(row),
                     *extra,
+                    *snapshot_args(a.memory_snapshot),
                     "--training.steps",
                     str(a.steps),
                     "--metrics.log_freq",
@@ -510,6 +526,14 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2, choices=(1, 2), help="with --gpus: 2 swaps the GPUs")
     ap.add_argument("--variants", default="", help="titanrush variants (default all): same,ac_alternate")
     ap.add_argument("--timeout-per-run", type=float, default=400)
+    ap.add_argument(
+        "--memory-snapshot",
+        type=int,
+        default=0,
+        metavar="STEP",
+        help="both trainers dump a CUDA memory snapshot after STEP (python stacks; figures then include "
+        "the recording's overhead): <dump>/memory_snapshot/",
+    )
     ap.add_argument(
         "--dry-run", action="store_true", help="write the configs, print the commands, run nothing"
     )

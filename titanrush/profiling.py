@@ -48,7 +48,7 @@ class Profiler:
             logger.warning("profiling.memory_snapshot needs CUDA: no snapshot on this machine")
             self.memory_snapshot = False
         if self.memory_snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=100_000)
+            torch.cuda.memory._record_memory_history(max_entries=100_000, stacks="python")
         activities = [torch.profiler.ProfilerActivity.CPU]
         if torch.cuda.is_available():
             activities.append(torch.profiler.ProfilerActivity.CUDA)

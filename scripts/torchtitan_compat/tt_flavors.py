@@ -16,3 +16,13 @@ llama3_args["1B"] = TransformerModelArgs(
     multiple_of=256,
     rope_theta=500000,
 )
+
+# Memory snapshots (side_by_side.py --memory-snapshot): record Python stacks only, as titanrush does, so
+# both trainers pay the same recording cost and the dump does not symbolize C++ frames for minutes.
+import functools  # noqa: E402
+
+import torch  # noqa: E402
+
+torch.cuda.memory._record_memory_history = functools.partial(
+    torch.cuda.memory._record_memory_history, stacks="python"
+)

@@ -8,6 +8,7 @@ Each async mode is run: the save path differs (pinned staging for async_pinned),
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -46,3 +47,16 @@ def test_resume_repeats_the_uninterrupted_losses(tmp_path, full, mode):
     later = [s for s in range(4, STEPS + 1)]
     assert max_dev([resumed[s] for s in later], [full[s] for s in later], "loss") < FP32_RTOL
     assert max_dev([resumed[s] for s in later], [full[s] for s in later], "grad_norm") < FP32_RTOL
+
+
+def test_several_async_pinned_saves_in_one_run_then_resume(tmp_path, full):
+    """torch 2.11's DCP stager cannot serve a second save (pytorch#183413): every save of one run must
+    still land, and a run resumed from a middle one must repeat the uninterrupted losses."""
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "2", "--checkpoint.async_mode", "async_pinned"]
+    launch(tmp_path, "many", 2, [*ARGS, *ckpt])  # three saves in one process: steps 2, 4, 6
+    folder = tmp_path / "many" / "checkpoint"
+    assert sorted(p.name for p in folder.iterdir()) == ["step-2", "step-4", "step-6"]
+    shutil.rmtree(folder / "step-6")  # resume from step 4 and train steps 5-6 again
+    rows, _ = launch(tmp_path, "many", 2, [*ARGS, *ckpt])
+    resumed = steps(rows)
+    assert max_dev([resumed[s] for s in (5, 6)], [full[s] for s in (5, 6)], "loss") < FP32_RTOL

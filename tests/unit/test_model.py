@@ -197,6 +197,56 @@ def test_flash_backend_calls_the_packages_interface_right(monkeypatch, module, r
         torch.testing.assert_close(g1[n], g2[n], rtol=1e-4, atol=1e-6, msg=n)
 
 
+def test_compiled_blocks_run_the_flash_package_between_graphs(monkeypatch):
+    # The package's kernels cannot be traced (FA4's CuTe kernels are autograd Functions over a JIT):
+    # a compiled block must run the call eagerly, and the model must train as the eager one does.
+    import sys
+    import types
+
+    from titanrush.config import ActivationCheckpoint, Compile, Float8, Parallelism
+    from titanrush.models.llama import attention as attn
+    from titanrush.models.llama.parallelize import parallelize_llama
+    from titanrush.parallel.parallel_dims import ParallelDims
+
+    calls = []
+
+    def traced_flash(q, k, v, causal=False):
+        calls.append(torch.compiler.is_compiling())
+        return _fake_flash_attn(True).flash_attn_func(q, k, v, causal=causal)
+
+    for name in ("flash_attn", "flash_attn.cute", "flash_attn_interface"):
+        monkeypatch.setitem(sys.modules, name, None)
+    fake = types.SimpleNamespace(flash_attn_func=traced_flash)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fake)
+    attn.flash_attn_func.cache_clear()
+    torch._dynamo.reset()
+    try:
+        x = torch.randint(0, 8192, (2, 64))
+        labels = torch.randint(0, 8192, (2, 64))
+        l1, g1 = loss_and_grads(build(0, attn_backend="flash"), x, labels)
+        compiled = build(0, attn_backend="flash")
+        parallelize_llama(
+            compiled,
+            ParallelDims(1, 1, 1, 1, 1, 1),
+            None,
+            parallelism=Parallelism(),
+            compile=Compile(enable=True, fullgraph=True),
+            ac=ActivationCheckpoint(mode="none"),
+            float8=Float8(),
+            precision="fp32",
+        )
+        calls.clear()
+        l2, g2 = loss_and_grads(compiled, x, labels)
+    finally:
+        attn.flash_attn_func.cache_clear()
+        torch._dynamo.reset()
+    assert calls and not any(calls)  # called once per block, never inside a traced graph
+    torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
+    g2 = {n.replace("_orig_mod.", ""): g for n, g in g2.items()}
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
 def test_flex_forward_matches_sdpa_on_cpu_and_respects_documents():
     x = torch.randint(0, 8192, (2, 128))
     sdpa, flex = build(0, attn_backend="sdpa"), build(0, attn_backend="flex")

@@ -49,6 +49,23 @@ def flash_attn_func() -> Callable[..., Any]:
     return fa2
 
 
+@torch.compiler.disable
+def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The flash-attn package's causal attention, kept out of compiled graphs.
+
+    FA4's CuTe kernels (and FA3's hopper build) are autograd Functions that dynamo cannot trace and
+    fake tensors cannot run, so the call runs eagerly between two compiled graphs of the block: one
+    graph break per block, which is why compile drops `fullgraph` for this backend (`uses_graph_break`).
+    """
+    out = flash_attn_func()(q, k, v, causal=True)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def uses_graph_break(backend: str) -> bool:
+    """Whether a block with this attention backend must compile without `fullgraph`."""
+    return backend == "flash"
+
+
 @functools.cache
 def _compiled_flex() -> Callable[..., Any]:
     from torch.nn.attention.flex_attention import flex_attention
@@ -86,8 +103,7 @@ def attention(
 ):
     """Causal attention of q (B, T, H, D) over k, v (B, T, Hkv, D) -> (B, T, H, D)."""
     if backend == "flash":
-        out = flash_attn_func()(q, k, v, causal=True)
-        return out[0] if isinstance(out, tuple) else out
+        return _flash_attention(q, k, v)
     if backend == "flex":
         out = _compiled_flex()(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, enable_gqa=n_rep > 1

@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanrush.config import ActivationCheckpoint, Compile, ConfigError, Float8, Parallelism
+from titanrush.models.llama.attention import uses_graph_break
 from titanrush.parallel.activation_checkpoint import apply_ac
 from titanrush.parallel.compile import apply_compile
 from titanrush.parallel.ddp import apply_ddp
@@ -109,7 +110,11 @@ def parallelize_llama(
     # 4-5. Activation checkpointing, then compile (which traces the checkpointed blocks).
     apply_ac(model, mode=ac.mode, selective=ac.selective, op_matmuls=ac.op_matmuls)
     if compile.enable:
-        apply_compile(model, fullgraph=compile.fullgraph)
+        backend = model.args.attn_backend
+        fullgraph = compile.fullgraph and not uses_graph_break(backend)
+        if compile.fullgraph and not fullgraph:
+            logger.info(f"compile: attn_backend={backend} runs between compiled graphs (a break per block)")
+        apply_compile(model, fullgraph=fullgraph)
 
     # 6. Data parallel: FSDP (or HSDP on a 2-D mesh), else plain DDP.
     if mesh is not None and dims.fsdp_enabled:
