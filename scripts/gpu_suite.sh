@@ -17,6 +17,8 @@
 #   phase H: flash-attn-4 installed from /tmp/fa + .fa2: the attention GPU tests with the package (GPU 0)
 #            beside the 1B with each backend (GPUs 1-3); then the distributed rush
 #   phase I: the 8B side by side, eager and float8 rows; TP2 x PP2 again; a profiled 8B FSDP4 step
+#   phase J: after SDPA's grouped K/V (enable_gqa): the 1B side by side (GPUs 0-1) beside the attention and
+#            context-parallel GPU tests (GPUs 2-3); then the 8B side by side, eager and compiled float8
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
 PHASE=${1:?phase A to I}
@@ -159,6 +161,17 @@ elif [ "$PHASE" = I ]; then
   bench 200 b8_i 4 10 4 --run "tp2_pp2_compile: $B8 --parallelism.dp_shard 1 --parallelism.tp 2 --parallelism.pp 2" \
      --run "fsdp4_compile_profiled: $B8 $PROF"
   for f in $S/b8_i/runs/*/profile/step-*/rank0.summary.txt; do echo "== $f"; cat "$f"; done > "$OUT/profiles8b.txt" 2>/dev/null
+elif [ "$PHASE" = J ]; then
+  S=/tmp/suite
+  (CUDA_VISIBLE_DEVICES=2,3 timeout 150 python3 -m pytest tests/gpu/test_attention_gpu.py \
+     tests/gpu/test_context_parallel_gpu.py -q -rs -p no:cacheprovider > $S/gpu_tests_j.txt 2>&1
+   cp $S/gpu_tests_j.txt "$OUT/") &
+  CUDA_VISIBLE_DEVICES=0,1 timeout 170 python3 scripts/side_by_side.py --out $S/sbs1b --gpus 0,1 --repeats 1 \
+     --rows 1b_eager,1b_compile,1b_compile_float8 --steps 20 --measure-from 10 --timeout-per-run 80 \
+     > $S/sbs1b.log 2>&1; cp $S/sbs1b/results.md "$OUT/sbs1b.md"
+  wait
+  timeout 330 python3 scripts/side_by_side.py --out $S/sbs8b --rows 8b_eager,8b_compile_float8 \
+     --steps 14 --measure-from 7 --timeout-per-run 100 > $S/sbs8b.log 2>&1; cp $S/sbs8b/results.md "$OUT/sbs8b.md"
 else  # E
   S=/tmp/suite
   timeout 80 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider -k 4gpu > $S/gpu_tests_4.txt 2>&1

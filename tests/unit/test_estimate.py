@@ -151,12 +151,13 @@ def test_context_parallel_compiled_ring_attention_keeps_the_received_kv():
     assert _block_extra(cp2, "op", 8192) == (256 + 128 - 32) * MIB
     assert _block_extra(dataclasses.replace(cp2, cp_rotate="alltoall"), "op", 8192) == (128 + 128 - 32) * MIB
     assert _block_extra(dataclasses.replace(cp2, cp=4), "op", 8192) == (512 + 128 - 32) * MIB
-    # Compiled without checkpointing: the received K/V, and wo's copy of the (B, H, T, D) output (64 MiB).
-    assert _block_extra(cp2, "compiled", 8192) == (256 + 64) * MIB
+    # Compiled without checkpointing: the received K/V, wo's copy of the (B, H, T, D) output (64 MiB), and
+    # K, V saved with 32 heads instead of 8 (without CP, SDPA groups the KV heads): 2 x 64 x 24/32 MiB.
+    assert _block_extra(cp2, "compiled", 8192) == (256 + 64 + 96) * MIB
     # Eager: the exchange is transient; only wo's copy of the output without checkpointing. Full
     # checkpointing (compiled too) and eager selective keep nothing more; nor does the trace's scope.
     eager = dataclasses.replace(cp2, compile=False)
-    assert _block_extra(eager, "none", 8192) == 64 * MIB
+    assert _block_extra(eager, "none", 8192) == (64 + 96) * MIB  # and K, V with all 32 heads, as above
     assert _block_extra(eager, "op", 8192) == 0 and _block_extra(cp2, "full", 8192) == 0
     assert _block_extra(cp2, "op", 8192, as_traced=True) == 0
     # At the loss's backward (all 32 blocks' tensors alive): 32 x 352 MiB = 11 GiB more than the same local

@@ -17,6 +17,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from titanrush.models.llama.attention import expanded_kv
+
 
 def set_rotate_method(method: str) -> None:
     """How K/V shards move between ranks: `allgather` (all at once) or `alltoall` (ring passes)."""
@@ -30,7 +32,7 @@ def context_parallel_step(cp_mesh: DeviceMesh, buffers: list[torch.Tensor]) -> I
     """Shard `buffers` (each (B, T, ...)) over cp_mesh along dim 1 in place for one forward/backward.
 
     The buffers stay sharded afterwards (they are this step's batch, not reused), and SDPA is limited to
-    the kernels ring attention supports.
+    the kernels ring attention supports, with K/V heads repeated to the query head count.
     """
     from torch.distributed.tensor.experimental import context_parallel
 
@@ -39,5 +41,6 @@ def context_parallel_step(cp_mesh: DeviceMesh, buffers: list[torch.Tensor]) -> I
             cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers)
         ),
         sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]),
+        expanded_kv(),
     ):
         yield

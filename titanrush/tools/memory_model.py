@@ -279,6 +279,13 @@ def _ring_kv(s: Setup, n: int) -> tuple[int, int]:
     return pair, (s.cp if s.cp_rotate == "allgather" else s.cp - 1) * pair
 
 
+def expands_kv(backend: str, cp: int, as_traced: bool) -> bool:
+    """Whether attention's saved K/V have one head per query head (`attention.repeat_kv` ran first)."""
+    if as_traced:  # memory_trace runs sdpa for every backend but math, on one process (no CP)
+        return backend == "math"
+    return backend in ("cudnn", "math") or (backend == "sdpa" and cp > 1)
+
+
 def block_saved(s: Setup, n: int, batch: int, mode: str, *, as_traced: bool = False) -> dict[str, int]:
     """Bytes autograd (or the checkpoint) keeps for one block's backward, by tensor, for n local tokens."""
     a, tp, c, r = s.args, s.tp, s.c, s.r
@@ -307,8 +314,9 @@ def block_saved(s: Setup, n: int, batch: int, mode: str, *, as_traced: bool = Fa
                 out.pop("wk out", None), out.pop("wv out")
                 out |= {"k, v contiguous (CP)": pair, "K/V received (CP)": received}
         return out
-    # SDPA takes K/V repeated to the query heads (GQA); flash-attn and flex read the KV heads directly.
-    kv = hq if a.attn_backend in ("sdpa", "cudnn", "math") or as_traced else hkv
+    # cudnn and math take K/V repeated to the query heads, and so does sdpa under context parallel;
+    # otherwise the kernels read each K/V head for its group of query heads (sdpa's enable_gqa, flash, flex).
+    kv = hq if expands_kv(a.attn_backend, s.cp, as_traced) else hkv
     if mode == "compiled":
         # What inductor's partitioner keeps (measured for 1B blocks on H200; float8 and CP from its runs on
         # CPU, docs/estimator.md): the eager set less silu, norms fused, and wo's output (under autocast

@@ -1,8 +1,10 @@
 """Attention kernels behind one call: `attention(q, k, v, backend=..., n_rep=..., mask=...)`.
 
 q is (B, T, H, D), k and v are (B, T, Hkv, D); the result is (B, T, H, D). Backends:
-- sdpa: `scaled_dot_product_attention`, PyTorch picks the kernel (flash, cuDNN, efficient, math).
-- cudnn: SDPA restricted to the cuDNN kernel.
+- sdpa: `scaled_dot_product_attention`, PyTorch picks the kernel (flash, cuDNN, efficient, math); the
+  kernel reads each K/V head for its group of query heads (`enable_gqa`), so K and V are never copied
+  n_rep times (except under context parallel, whose ring attention wants equal head counts).
+- cudnn: SDPA restricted to the cuDNN kernel (K/V heads repeated first).
 - flash: the flash-attn package (FA4 cute, FA3 hopper, or FA2 interface, whichever imports).
 - flex: FlexAttention with a block-causal mask over document boundaries (see `build_mask`).
 - math: the unfused baseline: scores materialized, masked, softmaxed in fp32.
@@ -10,9 +12,10 @@ q is (B, T, H, D), k and v are (B, T, Hkv, D); the result is (B, T, H, D). Backe
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,6 +23,21 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 BACKENDS = ("sdpa", "cudnn", "flash", "flex", "math")
+
+
+_GROUPED_KV = True  # sdpa: pass K/V with their own head count (enable_gqa); see expanded_kv
+
+
+@contextlib.contextmanager
+def expanded_kv() -> Iterator[None]:
+    """Within the block, sdpa repeats K/V heads to the query head count before the kernel (context
+    parallel's ring attention shards and rotates K/V assuming one K/V head per query head)."""
+    global _GROUPED_KV
+    before, _GROUPED_KV = _GROUPED_KV, False
+    try:
+        yield
+    finally:
+        _GROUPED_KV = before
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -109,6 +127,9 @@ def attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, enable_gqa=n_rep > 1
         )
         return out.transpose(1, 2)
+    if backend == "sdpa" and _GROUPED_KV:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=n_rep > 1).transpose(1, 2)
     q, k, v = q.transpose(1, 2), repeat_kv(k, n_rep).transpose(1, 2), repeat_kv(v, n_rep).transpose(1, 2)
     if backend == "math":
         out = _math_attention(q, k, v)
