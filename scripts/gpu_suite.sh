@@ -19,6 +19,8 @@
 #   phase I: the 8B side by side, eager and float8 rows; TP2 x PP2 again; a profiled 8B FSDP4 step
 #   phase J: after SDPA's grouped K/V (enable_gqa): the 1B side by side (GPUs 0-1) beside the attention and
 #            context-parallel GPU tests (GPUs 2-3); then the 8B side by side, eager and compiled float8
+#   phase K: the estimator against the 1B rows it predicts differently since grouped K/V: one GPU each for
+#            the tied and the untied rows, GPUs 2-3 for the data-parallel ones
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
 PHASE=${1:?phase A to I}
@@ -172,6 +174,24 @@ elif [ "$PHASE" = J ]; then
   wait
   timeout 330 python3 scripts/side_by_side.py --out $S/sbs8b --rows 8b_eager,8b_compile_float8 \
      --steps 14 --measure-from 7 --timeout-per-run 100 > $S/sbs8b.log 2>&1; cp $S/sbs8b/results.md "$OUT/sbs8b.md"
+elif [ "$PHASE" = K ]; then
+  S=/tmp/suite
+  V="timeout 200 python3 scripts/validate_estimator.py --steps 8 --gpu-mem 139.8"
+  R="--model.flavor 1B --data.dataset synthetic --training.seq_len 2048 --training.local_batch_size 4"
+  R="$R --training.precision bf16 --optimizer.implementation fused --compile.enable true --training.global_batch_size -1"
+  (CUDA_VISIBLE_DEVICES=0 $V --out $S/val_tied --run "tied fused: $B1" \
+     --run "tied adamw8bit: $B1 --optimizer.name adamw8bit" --run "tied adamw4bit: $B1 --optimizer.name adamw4bit" \
+     > $S/val_tied.log 2>&1) &
+  (CUDA_VISIBLE_DEVICES=1 $V --out $S/val_untied --run "untied eager: $B1 --model.tie_embeddings untied --no-compile.enable" \
+     --run "untied compiled: $B1 --model.tie_embeddings untied" \
+     --run "untied float8: $B1 --model.tie_embeddings untied --float8.enable" \
+     --run "untied batch 16: $B1 --model.tie_embeddings untied --training.local_batch_size 16" > $S/val_untied.log 2>&1) &
+  CUDA_VISIBLE_DEVICES=2,3 $V --out $S/val_dp --run "one GPU @1: $R" \
+     --run "DDP @2: $R --parallelism.dp_replicate 2 --parallelism.dp_shard 1" \
+     --run "ZeRO-2 @2: $R --parallelism.dp_shard 2 --parallelism.fsdp_reshard_after_forward never" \
+     --run "ZeRO-3 @2: $R --parallelism.dp_shard 2 --parallelism.fsdp_reshard_after_forward always" > $S/val_dp.log 2>&1
+  wait
+  cat $S/val_tied/validation.md $S/val_untied/validation.md $S/val_dp/validation.md > "$OUT/validation.md" 2>/dev/null
 else  # E
   S=/tmp/suite
   timeout 80 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider -k 4gpu > $S/gpu_tests_4.txt 2>&1

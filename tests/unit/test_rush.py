@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from titanrush.tools import rush, rush_runner
-from titanrush.tools.rush_runner import FAILED, NEEDS_GPU, NOT_AVAILABLE, OK, OOM, SKIPPED, TIMEOUT
+from titanrush.tools.rush_runner import FAILED, NEEDS_GPU, NOT_AVAILABLE, OK, OOM, SKIPPED, TIMEOUT, Rung
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG = str(ROOT / "train_configs" / "debug.toml")
@@ -265,3 +265,18 @@ def test_cpu_dist_end_to_end(tmp_path):
     assert rows["ddp-2"]["tps_total"] == pytest.approx(2 * rows["ddp-2"]["tps"])
     assert (out / "dist_scaling.png").read_bytes()[:8] == PNG_MAGIC
     assert "| FSDP ZeRO-3 | 2 | 1 x 2 | ok |" in (out / "report.md").read_text()
+
+
+def test_dist_efficiency_only_for_the_1b_scaling_rungs(monkeypatch):
+    """The 8B row runs another model: its tokens/s over the 1B baseline is no scaling efficiency."""
+    plan = [
+        Rung("1gpu", "1 GPU", {}, "scaling", ngpu=1),
+        Rung("zero3-2", "ZeRO-3 on 2 GPUs", {}, "scaling", ngpu=2),
+        Rung("8b-fsdp-2", "8B", {}, "8b", ngpu=2),
+    ]
+    tps = {"1gpu": 1000.0, "zero3-2": 900.0, "8b-fsdp-2": 150.0}
+    monkeypatch.setattr(rush.runner, "execute", lambda ctx, rung, s, b: {"status": OK, "tps": tps[rung.name]})
+    rows = []
+    monkeypatch.setattr(rush, "record", lambda ctx, row: rows.append(row))
+    rush.run_dist(None, plan, {})
+    assert [r["efficiency"] for r in rows] == [1.0, 0.9, None]

@@ -197,13 +197,15 @@ def _context_bytes(ngpu: int) -> int:
 def slack(s: mm.Setup, b: mm.Breakdown) -> int:
     """Caching-allocator slack (reserved minus allocated at the peak): a heuristic fitted to nine H200 runs
     (docs/estimator.md): 5% of the peak, 10% more with collectives (their streams keep their own blocks),
-    8% more with fully checkpointed blocks (recomputation churns block-sized temporaries)."""
+    8% more with fully checkpointed blocks (recomputation churns block-sized temporaries); under pipeline
+    parallel with FSDP, at a later micro-batch's backward, the first backward's activations stranded in
+    the cache (`memory_model.stranded_after_first_backward`)."""
     frac = 0.05
     if s.fsdp or s.ddp or s.tp > 1 or s.pp > 1 or s.cp > 1:
         frac += 0.10
     if s.ac_mode == "full" or (s.ac_mode == "selective" and s.ac_selective != "op"):
         frac += 0.08
-    return int(frac * b.peak)
+    return int(frac * b.peak) + mm.stranded_after_first_backward(b)
 
 
 def _total(s: mm.Setup, b: mm.Breakdown, context: int) -> int:

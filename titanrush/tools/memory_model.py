@@ -126,6 +126,9 @@ class Breakdown:
     moments: dict[str, dict[str, int]]
     peak_phase: str = ""
     peak: int = 0
+    # Pipelined with FSDP: the activations one micro-batch's backward frees while the stage's unsharded
+    # fp32 gradients are allocated beside them (see `stranded_after_first_backward`).
+    first_backward_freed: int = 0
 
     @property
     def at_peak(self) -> dict[str, int]:
@@ -617,7 +620,21 @@ def analyze_rank(s: Setup, plan: RankPlan, *, as_traced: bool = False) -> Breakd
     sizes = {key: max(m[key] for m in moments.values()) for key in COMPONENTS}
     grads_max = max(m["grads"] for m in moments.values())  # pipelined: the unsharded ones
     sizes.update(params=st["params"], grads=grads_max, activations=int(a_blocks + a_emb + a_head))
-    return Breakdown(plan.rank, sizes, moments, peak_phase, sum(moments[peak_phase].values()))
+    freed = int(sum(saved)) if pipelined and s.fsdp and s.microbatches > 1 else 0
+    return Breakdown(plan.rank, sizes, moments, peak_phase, sum(moments[peak_phase].values()), freed)
+
+
+def stranded_after_first_backward(b: Breakdown) -> int:
+    """Bytes the caching allocator holds free but cannot reuse at a later micro-batch's backward.
+
+    Seen in a CUDA memory snapshot of the 8B under PP2 x FSDP2 (docs/benchmarks/estimator_gpu.md): the
+    first micro-batch's backward frees its saved activations block by block while the stage's unsharded
+    fp32 gradients are allocated one parameter at a time, each larger than the activation blocks just
+    freed (a 14,336 x 4096 fp32 gradient is 224 MiB against 112 MiB for a w1 output of one sequence), so
+    they take new segments and the freed blocks stay cached. A peak in a later micro-batch's backward
+    therefore sits on top of one micro-batch of freed activations.
+    """
+    return b.first_backward_freed if b.peak_phase.endswith(LATER) else 0
 
 
 def _autocast_copies(

@@ -284,7 +284,9 @@ def run_dist(ctx: Ctx, plan: list[Rung], base: dict[str, str]) -> list[str]:
         row = runner.execute(ctx, rung, settings, baseline if rung.group == "scaling" else None)
         row["scaling"] = rung.group == "scaling"
         row["mesh"] = " x ".join(settings.get(f"parallelism.{k}", "-") for k in ("dp_replicate", "dp_shard"))
-        row["efficiency"] = runner.speedup(row.get("tps"), baseline.get("tps") if baseline else None)
+        # Only the 1B scaling rungs have a 1-GPU baseline; the 8B row is another model.
+        scaling = rung.group == "scaling" and baseline is not None
+        row["efficiency"] = runner.speedup(row.get("tps"), baseline.get("tps")) if scaling else None
         if rung.name == "1gpu" and row["status"] == OK:
             baseline, row["efficiency"] = row, 1.0
         record(ctx, row)
