@@ -44,8 +44,9 @@ class Model:
     flavor: str = "debug"
     """Model size: debug, 1B, 3B, 8B, 70B, 405B (Llama 3.x shapes)."""
     attn_backend: Literal["sdpa", "cudnn", "flash", "flex", "math"] = "sdpa"
-    """Attention kernel: sdpa (PyTorch picks), cudnn, flash (flash-attn package), flex (block-causal
-    FlexAttention over document boundaries), math (the unfused baseline)."""
+    """Attention kernel: sdpa (PyTorch picks; grouped K/V heads), cudnn, flash (the flash-attn package:
+    FA4, FA3 or FA2; under compile it runs between the block's graphs), flex (block-causal FlexAttention
+    over document boundaries), math (the unfused baseline)."""
     vocab_size: int = 0
     """Override the flavor's vocabulary size (0 keeps the flavor's). Must cover the tokenizer's."""
     tie_embeddings: Literal["flavor", "tied", "untied"] = "flavor"
