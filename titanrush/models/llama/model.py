@@ -78,30 +78,27 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
 
 
 def rope_cache(args: ModelArgs, length: int) -> torch.Tensor:
-    """cos and sin of position x frequency: (length, head_dim/2, 2)."""
+    """exp(i * position * frequency), complex64: (length, head_dim/2).
+
+    Complex on purpose: FSDP's mixed-precision policy casts a block's floating-point inputs to bf16, but
+    leaves complex ones alone, so every block rotates with the fp32 table (and no block keeps a bf16
+    copy of the whole table for its backward).
+    """
     angles = torch.outer(torch.arange(length, dtype=torch.float32), rope_frequencies(args))
-    return torch.stack([angles.cos(), angles.sin()], dim=-1)
+    return torch.polar(torch.ones_like(angles), angles)
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x[2i], x[2i+1]) of x (B, T, H, D) by rope (T or B x T, D/2, 2)."""
+    """Rotate consecutive pairs (x[2i], x[2i+1]) of x (B, T, H, D) by rope (T or B x T, D/2; complex)."""
     xp = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
-    if rope.dim() == 3:  # one table for the batch: (T, D/2, 2)
-        rope = rope[None, :, None]
-    else:  # per-sequence positions: (B, T, D/2, 2)
-        rope = rope[:, :, None]
-    if (
-        not torch.compiler.is_compiling()
-        and rope.dtype == xp.dtype
-        and xp.is_contiguous()
-        and rope.stride(-1) == 1
-    ):
-        # Eager: one complex multiply, (x0 + i x1)(cos + i sin), instead of six element-wise kernels. (A
-        # bf16 table, as FSDP's input cast makes it, has no complex view: the real form below.)
-        out = torch.view_as_real(torch.view_as_complex(xp) * torch.view_as_complex(rope))
-        return out.flatten(-2).type_as(x)
+    # One table for the batch (T, D/2), or per-sequence positions (B, T, D/2): broadcast over heads.
+    rope = rope[None, :, None] if rope.dim() == 2 else rope[:, :, None]
+    if not torch.compiler.is_compiling() and xp.is_contiguous():
+        # Eager: one complex multiply, (x0 + i x1)(cos + i sin), instead of six element-wise kernels.
+        return torch.view_as_real(torch.view_as_complex(xp) * rope).flatten(-2).type_as(x)
     # Compiled: the same arithmetic in real form, which inductor fuses into one kernel.
-    cos, sin = rope[..., 0], rope[..., 1]
+    table = torch.view_as_real(rope)
+    cos, sin = table[..., 0], table[..., 1]
     x0, x1 = xp[..., 0], xp[..., 1]
     out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return out.flatten(-2).type_as(x)
@@ -114,6 +111,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == self.weight.dtype:
+            # One kernel (CUDA's fused RMSNorm), which accumulates in fp32 for bf16 inputs as well: the
+            # case under FSDP's bf16 parameters, where casting x up and back cost two more kernels and an
+            # fp32 copy of the activations.
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
 
 
@@ -130,7 +132,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: object = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        if rope.dim() == 3:  # the model's whole table: this sequence's positions
+        if rope.dim() == 2:  # the model's whole table: this sequence's positions
             rope = rope[:seq]
         # -1 heads: under tensor parallel each rank holds only its share of the heads.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)  # (B, T, H, D)
