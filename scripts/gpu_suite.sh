@@ -21,6 +21,8 @@
 #            context-parallel GPU tests (GPUs 2-3); then the 8B side by side, eager and compiled float8
 #   phase K: the estimator against the 1B rows it predicts differently since grouped K/V: one GPU each for
 #            the tied and the untied rows, GPUs 2-3 for the data-parallel ones
+#   phase L: the estimator against the 1B ladder's SDPA and checkpointing rungs (GPU 0) beside the model
+#            and attention GPU tests (GPU 1); then the 8B side by side, eager, compiled and float8
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
 PHASE=${1:?phase A to I}
@@ -192,6 +194,21 @@ elif [ "$PHASE" = K ]; then
      --run "ZeRO-3 @2: $R --parallelism.dp_shard 2 --parallelism.fsdp_reshard_after_forward always" > $S/val_dp.log 2>&1
   wait
   cat $S/val_tied/validation.md $S/val_untied/validation.md $S/val_dp/validation.md > "$OUT/validation.md" 2>/dev/null
+elif [ "$PHASE" = L ]; then
+  S=/tmp/suite
+  L="--model.flavor 1B --data.dataset synthetic --training.seq_len 2048 --training.precision bf16"
+  L="$L --model.attn_backend sdpa --optimizer.implementation fused --float8.enable false --training.global_batch_size -1"
+  (CUDA_VISIBLE_DEVICES=1 timeout 150 python3 -m pytest tests/gpu/test_attention_gpu.py tests/gpu/test_float8_gpu.py \
+     -q -rs -p no:cacheprovider > $S/gpu_tests_l.txt 2>&1; cp $S/gpu_tests_l.txt "$OUT/") &
+  CUDA_VISIBLE_DEVICES=0 timeout 240 python3 scripts/validate_estimator.py --steps 8 --gpu-mem 139.8 --out $S/val_ladder \
+     --run "ladder sdpa: $L --training.local_batch_size 1 --compile.enable false --activation_checkpoint.mode none" \
+     --run "ladder ac-selective: $L --training.local_batch_size 16 --compile.enable true --activation_checkpoint.mode selective" \
+     --run "ladder ac-full: $L --training.local_batch_size 16 --compile.enable true --activation_checkpoint.mode full" \
+     > $S/val_ladder.log 2>&1; cp $S/val_ladder/validation.md "$OUT/validation_ladder.md"
+  wait
+  timeout 330 python3 scripts/side_by_side.py --out $S/sbs8b --rows 8b_eager,8b_compile,8b_compile_float8 \
+     --variants ac_alternate --steps 14 --measure-from 7 --timeout-per-run 100 > $S/sbs8b.log 2>&1
+  cp $S/sbs8b/results.md "$OUT/sbs8b.md"
 else  # E
   S=/tmp/suite
   timeout 80 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider -k 4gpu > $S/gpu_tests_4.txt 2>&1
