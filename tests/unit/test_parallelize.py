@@ -276,3 +276,21 @@ def test_float8_tp_keeps_plain_styles_for_a_part_with_bf16_linears(fake_world, c
     pl = placements(model)
     assert pl["layers.0.attention.wk.weight"] == (Shard(0),)
     assert pl["layers.0.feed_forward.w2.weight"] == (Shard(1),)
+
+
+def test_fsdp_bf16_casts_block_inputs_but_not_the_rope_table(fake_world):
+    # FSDP's mixed-precision policy casts a block's floating-point inputs to bf16; the complex table is
+    # left alone, so no block keeps a bf16 copy of it and the eager RoPE takes its complex path.
+    fake_world(2)
+    model = parallel(2, dp_shard=2, precision="bf16")
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0, buffer_device=torch.device("cpu"))
+    seen = {}
+
+    def grab(module, args):
+        seen["x"], seen["rope"] = args[0].dtype, args[1].dtype
+
+    model.layers["1"].attention.register_forward_pre_hook(grab)
+    with torch.no_grad():
+        model(torch.randint(0, 8192, (2, 16)))  # a fake world: values are garbage, dtypes are real
+    assert seen == {"x": torch.bfloat16, "rope": torch.complex64}
