@@ -43,8 +43,6 @@ import math
 import os
 import shlex
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -55,7 +53,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from bench_runs import environment  # noqa: E402
 
 from titanrush import config as cfgmod  # noqa: E402
-from titanrush.tools.rush_runner import parse_with_overrides  # noqa: E402
+from titanrush.tools.rush_runner import parse_with_overrides, read_metrics, run_child  # noqa: E402
 
 SAVE_STEP = 2  # the measured save; the run has one more step
 MODES = ("disabled", "async", "async_pinned")
@@ -76,31 +74,17 @@ def launch(name: str, args: list[str], out: Path, ngpu: int, timeout: float) -> 
     print(f"[bench] {name}: {command}", flush=True)
     env = {**os.environ, "NGPU": str(ngpu), "PYTHONUNBUFFERED": "1"}
     t0 = time.time()
-    with open(out / f"{name}.log", "w") as log:
-        proc = subprocess.Popen([str(ROOT / "run_train.sh"), *args], cwd=ROOT, env=env, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        try:
-            rc = proc.wait(timeout=max(timeout, 1))
-        except subprocess.TimeoutExpired:
-            rc = None
-            for sig in (signal.SIGTERM, signal.SIGKILL):  # torchrun and its workers: one process group
-                os.killpg(proc.pid, sig)
-                try:
-                    proc.wait(timeout=20)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+    log = out / f"{name}.log"
+    rc, timed_out = run_child([str(ROOT / "run_train.sh"), *args], env, log, max(timeout, 1))
     row = {"name": name, "command": command, "wall_s": round(time.time() - t0, 1)}
-    if rc is None:
+    if timed_out:
         row["status"] = "timeout"
     elif rc != 0:
-        text = (out / f"{name}.log").read_text(errors="replace")
+        text = log.read_text(errors="replace")
         row["status"] = "OOM" if "out of memory" in text or "OutOfMemoryError" in text else f"failed ({rc})"
     else:
         row["status"] = "ok"
-    metrics = out / "runs" / name / "metrics.jsonl"
-    lines = metrics.read_text().splitlines() if metrics.exists() else []
-    row["metrics"] = [json.loads(x) for x in lines if x.strip().endswith("}")]  # a torn last line dropped
+    row["metrics"] = read_metrics(out / "runs" / name / "metrics.jsonl")  # a torn last line dropped
     return row
 
 

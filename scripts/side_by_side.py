@@ -43,6 +43,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_runs import environment  # noqa: E402
 
+from titanrush.tools.rush_runner import child_env, kill_group, read_metrics, speedup  # noqa: E402
+
 
 @dataclass
 class Row:
@@ -323,8 +325,9 @@ def execute(run: Run, timeout: float, gpu: str | None = None) -> None:
             stderr=subprocess.STDOUT,
             text=True,
             errors="replace",
+            start_new_session=True,  # a timeout stops torchrun's ranks too, not only the launcher
         )
-        timer = threading.Timer(timeout, proc.kill)
+        timer = threading.Timer(timeout, kill_group, [proc])
         timer.start()
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -344,15 +347,13 @@ def execute(run: Run, timeout: float, gpu: str | None = None) -> None:
                     )
         rc = proc.wait()
         timer.cancel()
-    if run.trainer == "titanrush" and run.metrics and run.metrics.exists():
-        steps = [json.loads(x) for x in run.metrics.read_text().splitlines()]
-        steps = [s for s in steps if "loss" in s and "tps" in s]
-        if gpu is not None:
+    if run.trainer == "titanrush" and run.metrics:
+        steps = [s for s in read_metrics(run.metrics) if "loss" in s and "tps" in s]
+        if gpu is not None and run.metrics.exists():
             run.metrics.rename(run.metrics.with_name(f"metrics.gpu{gpu}.jsonl"))
-    text = log_path.read_text(errors="replace")
     if rc == 0:
         status = "ok"
-    elif "out of memory" in text or "OutOfMemoryError" in text:
+    elif any(k in log_path.read_text(errors="replace") for k in ("out of memory", "OutOfMemoryError")):
         status = "OOM"
     else:
         status = "timeout" if time.monotonic() - t0 >= timeout else f"failed ({rc})"
@@ -409,12 +410,8 @@ def ratio_table(results: list[dict]) -> str:
                     if r["row"] == name and r["trainer"] == "titanrush" and r["variant"] == variant
                 ]
             )
-            tps_ratio = ours["tps"] / ref["tps"] if ours.get("tps") and ref.get("tps") else None
-            mem_ratio = (
-                ours["mem_reserved_gib"] / ref["mem_reserved_gib"]
-                if ours.get("mem_reserved_gib") and ref.get("mem_reserved_gib")
-                else None
-            )
+            tps_ratio = speedup(ours.get("tps"), ref.get("tps"))
+            mem_ratio = speedup(ours.get("mem_reserved_gib"), ref.get("mem_reserved_gib"))
             cells = [
                 name,
                 variant,
@@ -461,7 +458,8 @@ def plan(rows: list[Row], trainers: list[str], a: argparse.Namespace, work: Path
         tt_path = str(compat)
     except ImportError:  # the stand-in (torchtitan_compat/shim/datasets) goes on the path
         tt_path = f"{compat}:{compat / 'shim'}"
-    base_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    tt_env = child_env(PYTHONPATH=os.pathsep.join(p for p in (tt_path, os.environ.get("PYTHONPATH")) if p))
+    tr_env = child_env()
     for row in rows:
         if "torchtitan" in trainers:
             toml = work / f"tt_{row.name}.toml"
@@ -470,7 +468,6 @@ def plan(rows: list[Row], trainers: list[str], a: argparse.Namespace, work: Path
                     row, a.steps, work / "tokenizer", work / "corpus", work / "tt_dump", a.memory_snapshot
                 )
             )
-            env = {**base_env, "PYTHONPATH": f"{tt_path}:{base_env.get('PYTHONPATH', '')}".rstrip(":")}
             cmd = [
                 *launcher(row.ngpu, always_torchrun=True),
                 "-m",
@@ -478,7 +475,7 @@ def plan(rows: list[Row], trainers: list[str], a: argparse.Namespace, work: Path
                 "--job.config_file",
                 str(toml),
             ]
-            runs.append(Run("torchtitan", row.name, "-", cmd, env, work / f"tt_{row.name}.log"))
+            runs.append(Run("torchtitan", row.name, "-", cmd, tt_env, work / f"tt_{row.name}.log"))
         if "titanrush" in trainers:
             variants = {"same": [], **row.titanrush_variants}
             for variant, extra in variants.items():
@@ -499,7 +496,6 @@ def plan(rows: list[Row], trainers: list[str], a: argparse.Namespace, work: Path
                     "--job.name",
                     tag,
                 ]
-                env = {**base_env, "PYTHONPATH": f"{ROOT}:{base_env.get('PYTHONPATH', '')}".rstrip(":")}
                 cmd = [*launcher(row.ngpu), "-m", "titanrush.train", *args]
                 runs.append(
                     Run(
@@ -507,7 +503,7 @@ def plan(rows: list[Row], trainers: list[str], a: argparse.Namespace, work: Path
                         row.name,
                         variant,
                         cmd,
-                        env,
+                        tr_env,
                         work / f"tr_{tag}.log",
                         metrics=dump / tag / "metrics.jsonl",
                     )
@@ -547,7 +543,6 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     if "torchtitan" in trainers:
         write_hf_tokenizer(work / "tokenizer")
-        (work / "corpus").mkdir(exist_ok=True)
         write_corpus(work / "corpus" / "stdlib.jsonl")
     runs = plan(rows, trainers, a, work)
     if a.dry_run:

@@ -49,7 +49,7 @@ def predict(args: list[str], ngpu: int, gpu_mem: float | None) -> dict:
     # The trainer's metrics.jsonl is rank 0's: with pipeline parallel, compare the first stage's prediction
     # (the estimate's peak is the largest over the pipeline ranks).
     alloc = est.rank_peaks_gib[0] if est.rank_peaks_gib else est.peak_allocated_gib
-    slack = est.allocator_slack_gib * alloc / est.peak_allocated_gib if est.peak_allocated_gib else 0.0
+    slack = est.rank_slack_gib[0] if est.rank_slack_gib else est.allocator_slack_gib
     return {
         "pred_alloc": alloc,
         "pred_reserved": alloc + slack,

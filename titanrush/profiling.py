@@ -127,7 +127,8 @@ def time_summary(prof: torch.profiler.profile, steps: int) -> str:
     total = sum(t for _, t, _ in rows) or 1.0
     kinds: dict[str, float] = {}
     for name, t, _ in rows:
-        kinds[kind_of(name)] = kinds.get(kind_of(name), 0.0) + t
+        kind = kind_of(name)
+        kinds[kind] = kinds.get(kind, 0.0) + t
     what = "device (kernel)" if kernels else "CPU op"
     lines = [f"{what} self time per step over {steps} recorded step(s): {total / steps / 1e3:.1f} ms"]
     lines += [

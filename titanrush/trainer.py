@@ -421,7 +421,7 @@ class Trainer:
                 loss = loss / self.accum
             loss.backward()
         # Under loss parallel the loss is a replicated DTensor: its local value is the loss.
-        return loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
+        return _local(loss.detach())
 
     def _pipeline_loss(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's loss per pipeline micro-batch, scaled so that a step's losses sum to the mean."""
@@ -441,8 +441,7 @@ class Trainer:
                 p.schedule.step(target=target, losses=losses)
         if not losses:
             return torch.zeros((), device=self.device)
-        total = torch.stack([x.detach().float() for x in losses]).sum()
-        return total.to_local() if isinstance(total, DTensor) else total
+        return _local(torch.stack([x.detach().float() for x in losses]).sum())
 
     def _pipeline_eval(self, batch: Any) -> torch.Tensor:
         """Forward-only pass of one batch through the pipeline: the batch's mean loss on the last stage
@@ -466,8 +465,7 @@ class Trainer:
                     p.schedule._has_backward = True
         if not losses:
             return torch.zeros((), device=self.device)
-        total = torch.stack([x.detach().float() for x in losses]).sum() * self.accum
-        return total.to_local() if isinstance(total, DTensor) else total
+        return _local(torch.stack([x.detach().float() for x in losses]).sum() * self.accum)
 
     def train_step(self, data_iter: Iterator[Any]) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over `accum` micro-batches; returns (loss, grad norm, data wait seconds)."""
@@ -482,9 +480,8 @@ class Trainer:
             total += step_fn(batch)
         pp_mesh = self.mesh["pp"] if self.pipeline is not None else None
         grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, pp_mesh=pp_mesh)
-        self.lr = float(
-            self.optimizer.param_groups[0]["lr"]
-        )  # this step's rate (a tensor for some optimizers)
+        # This step's rate (torchao's low-bit AdamW keeps it as a tensor).
+        self.lr = float(self.optimizer.param_groups[0]["lr"])
         self.checkpointer.wait_for_staging()  # an async_pinned save may still be copying the weights
         self.optimizer.step()
         if self.float8_precompute:
@@ -579,7 +576,7 @@ class Trainer:
                 positions, docs = self._document_inputs(batch)
                 logits = self.model(batch.input_ids, position_ids=positions, document_ids=docs)
                 loss = self.loss_fn(logits, batch.labels).detach()
-                total += loss.to_local() if isinstance(loss, DTensor) else loss
+                total += _local(loss)
         self.model.train()
         loss = self._global_mean(total / max(n, 1))
         self.metrics.log(self.step, {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))})
@@ -613,3 +610,8 @@ def _set_determinism(t: cfgmod.Training) -> None:
     # fp32 runs are measured against the fp32 peak, so keep TF32 tensor cores off for them.
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A loss as a plain tensor: under loss parallel it is a replicated DTensor whose local value is it."""
+    return t.to_local() if isinstance(t, DTensor) else t

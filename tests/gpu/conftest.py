@@ -13,7 +13,7 @@ HERE = Path(__file__).parent
 def pytest_collection_modifyitems(config, items):
     # This hook sees the whole session's items: touch only the ones under tests/gpu.
     for item in items:
-        if HERE not in Path(str(item.fspath)).parents:
+        if HERE not in item.path.parents:
             continue
         item.add_marker(pytest.mark.gpu)
         multi = item.get_closest_marker("multigpu")

@@ -26,7 +26,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gpu_launch import launch, max_dev
+from gpu_launch import launch
+from gpu_launch import max_dev as dev
 
 from titanrush.models.llama import model_args
 
@@ -52,9 +53,6 @@ def train(tmp: Path, name: str, ngpu: int, dp: int, *overrides: str) -> tuple[li
     rows, log = launch(tmp, name, ngpu, args)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     return rows, log
-
-
-dev = max_dev
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from gpu_launch import launch, max_dev
+from gpu_launch import launch
+from gpu_launch import max_dev as dev
 
 pytestmark = pytest.mark.multigpu
 
@@ -31,9 +32,6 @@ def train(tmp: Path, name: str, ngpu: int, dp: int, *overrides: str) -> list[dic
     rows, _ = launch(tmp, name, ngpu, args, timeout=900)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     return rows
-
-
-dev = max_dev
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from harness import STEPS, run_train
+from harness import STEPS, launch, max_rel_dev, run_train
 from test_parity import RTOL, assert_parity
 
 pytestmark = pytest.mark.parallel
@@ -55,7 +55,6 @@ def test_explicit_layer_split_and_microbatches(tmp_path, reference):
 
 def test_pipeline_validation_matches_single_process(tmp_path):
     """Forward-only pipeline passes over the held-out split give the single process's validation loss."""
-    from harness import launch
 
     val = ("--validation.freq", "3", "--validation.steps", "2")
     one = [r for r in launch(tmp_path, "val1", 1, *val) if "val_loss" in r]
@@ -71,7 +70,6 @@ def test_pipeline_without_fsdp_trains_in_bf16(tmp_path):
     (Found on 4 H200s: PP2 x TP2 ran its matmuls in fp32 at 3.5% MFU.) A bf16 pipeline run must be
     much closer to the one-process bf16 run than the one-process fp32 run is.
     """
-    from harness import launch, max_rel_dev
 
     bf16 = ("--training.precision", "bf16")
     one_bf16 = launch(tmp_path, "one_bf16", 1, *bf16)

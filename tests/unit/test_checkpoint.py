@@ -35,9 +35,12 @@ def train(argv: list[str], stop_at: int | None = None) -> None:
         trainer.close()
 
 
+def rows_of(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return {r["step"]: r["loss"] for r in rows_of(run_dir) if "loss" in r}
 
 
 CKPT = ("--checkpoint.enable", "--checkpoint.interval", "3")
@@ -59,7 +62,7 @@ def test_resumed_run_repeats_the_uninterrupted_losses_bitwise(tmp_path, mode):
 @pytest.mark.parametrize("mode", ["disabled", "async", "async_pinned"])
 def test_saves_and_resumes_log_their_timings(tmp_path, mode):
     train(args(tmp_path, "src", 3, *CKPT[:1], "--checkpoint.interval", "2", "--checkpoint.async_mode", mode))
-    rows = [json.loads(x) for x in (tmp_path / "src" / "metrics.jsonl").read_text().splitlines()]
+    rows = rows_of(tmp_path / "src")
     saves = {r["step"]: r for r in rows if "ckpt_save_s" in r}
     assert sorted(saves) == [2, 3] and all("loss" not in r for r in saves.values())
     for r in saves.values():
@@ -69,7 +72,7 @@ def test_saves_and_resumes_log_their_timings(tmp_path, mode):
             assert r["ckpt_blocking_s"] == r["ckpt_save_s"]
     ckpt = tmp_path / "src" / "checkpoint" / "step-2"
     train(args(tmp_path, "dst", 3, "--checkpoint.load_path", str(ckpt)))
-    rows = [json.loads(x) for x in (tmp_path / "dst" / "metrics.jsonl").read_text().splitlines()]
+    rows = rows_of(tmp_path / "dst")
     assert rows[0] == {"step": 2, "ckpt_load_s": rows[0]["ckpt_load_s"], "ckpt_load_path": str(ckpt)}
     assert 0 < rows[0]["ckpt_load_s"] < 60
     assert [r["step"] for r in rows[1:]] == [3] and "loss" in rows[1]
@@ -137,7 +140,7 @@ def test_weights_only_start_from_a_model_only_export(tmp_path):
     final = tmp_path / "src" / "checkpoint" / "step-8"
     info = json.loads((final / "titanrush.json").read_text())
     assert info["model_only"] is True and info["dtype"] == "bfloat16"
-    rows = [json.loads(x) for x in (tmp_path / "src" / "metrics.jsonl").read_text().splitlines()]
+    rows = rows_of(tmp_path / "src")
     assert [r["step"] for r in rows if r.get("ckpt_mode") == "model_only"] == [8]
     with pytest.raises(ConfigError, match="holds only model weights"):
         Trainer(config.load(None, args(tmp_path, "x", 2, "--checkpoint.load_path", str(final))))

@@ -135,9 +135,9 @@ def test_trace_agrees_with_analytic(kw):
 MIB = 2**20
 
 
-def _block_extra(s: Setup, mode: str, n: int, batch: int = 2, **kw: object) -> int:
-    """Bytes one block keeps under context parallel beyond the same local tokens without it."""
-    saved = lambda x: sum(block_saved(x, n, batch, mode, **kw).values())  # noqa: E731
+def _block_extra(s: Setup, mode: str, n: int, **kw: object) -> int:
+    """Bytes one block keeps under context parallel beyond the same local tokens without it (batch 2)."""
+    saved = lambda x: sum(block_saved(x, n, 2, mode, **kw).values())  # noqa: E731
     return saved(s) - saved(dataclasses.replace(s, cp=1))
 
 
@@ -223,12 +223,36 @@ def test_float8_compiled_blocks_keep_fewer_bf16_inputs():
     assert bf16.peak - fp8.peak == 16 * 320 * MIB + 16 * 58_720_256 * 2
 
 
+def _compiled_saved_bytes(
+    holder: torch.nn.Module, block: torch.nn.Module, args, b: int, t: int, *, skip_scalars: bool = False
+) -> int:
+    """Bytes a block of `holder`, compiled on inductor's partitioner with no-op compilers (so on CPU),
+    keeps for its backward on a bf16 (b, t, dim) input: the weights, which are not copies, left out (and
+    one-element tensors with `skip_scalars`)."""
+    from titanrush.models.llama.model import rope_cache
+
+    params = {p.untyped_storage().data_ptr() for p in holder.parameters()}
+    compiled = torch.compile(block, backend="aot_eager_decomp_partition", fullgraph=True)
+    seen: dict[int, int] = {}
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        st = x.untyped_storage()
+        if st.data_ptr() not in params and not (skip_scalars and x.numel() <= 1):
+            seen[st.data_ptr()] = st.nbytes()
+        return x
+
+    x = torch.randn(b, t, args.dim, dtype=torch.bfloat16, requires_grad=True)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        compiled(x, rope_cache(args, t))
+    return sum(seen.values())
+
+
 def test_compiled_float8_block_on_cpu_drops_the_bf16_inputs():
     """The mechanism behind the float8 term, on inductor's own partitioner (with no-op compilers, so on
     CPU): a compiled block with float8 linears keeps for backward 2 x (n x dim) + (n x ffn) bf16 elements
     fewer than the bf16 block: the norms' outputs and the gate, whose float8 casts it recomputes."""
     pytest.importorskip("torchao")
-    from titanrush.models.llama.model import TransformerBlock, rope_cache
+    from titanrush.models.llama.model import TransformerBlock
     from titanrush.parallel.float8 import apply_float8
 
     args = model_args("debug", n_kv_heads=4)  # dim 256, ffn 704: every dimension a multiple of 16
@@ -242,20 +266,7 @@ def test_compiled_float8_block_on_cpu_drops_the_bf16_inputs():
             apply_float8(holder, recipe="tensorwise", emulate=True, fsdp_float8_all_gather=False,
                          filter_fqns=[], min_size=0)  # fmt: skip
         holder.to(torch.bfloat16)  # as under FSDP: bf16 weights, no autocast
-        params = {p.untyped_storage().data_ptr() for p in holder.parameters()}
-        block = torch.compile(holder.block, backend="aot_eager_decomp_partition", fullgraph=True)
-        seen: dict[int, int] = {}
-
-        def pack(x: torch.Tensor) -> torch.Tensor:
-            st = x.untyped_storage()
-            if st.data_ptr() not in params and x.numel() > 1:  # weights are not copies; nor scalar scales
-                seen[st.data_ptr()] = st.nbytes()
-            return x
-
-        x = torch.randn(b, t, args.dim, dtype=torch.bfloat16, requires_grad=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-            block(x, rope_cache(args, t))
-        return sum(seen.values())
+        return _compiled_saved_bytes(holder, holder.block, args, b, t, skip_scalars=True)  # float8 scales
 
     try:
         bf16, fp8 = saved_bytes(False), saved_bytes(True)
@@ -341,7 +352,7 @@ def test_selective_op_alternate_recomputes_wk_wo_w3():
 def test_compiled_alternate_block_on_cpu_keeps_every_other_matmul():
     """On inductor's partitioner (CPU): a compiled op-checkpointed block with `alternate` keeps
     n x (kv heads x head dim + dim + ffn) bf16 elements fewer: wk's, wo's and w3's outputs."""
-    from titanrush.models.llama.model import TransformerBlock, rope_cache
+    from titanrush.models.llama.model import TransformerBlock
     from titanrush.parallel.activation_checkpoint import apply_ac
 
     args = model_args("debug")  # dim 256, 4 KV heads x 32, ffn 704
@@ -353,23 +364,10 @@ def test_compiled_alternate_block_on_cpu_keeps_every_other_matmul():
         holder.layers = torch.nn.ModuleDict({"0": TransformerBlock(0, args)})
         holder.to(torch.bfloat16)  # as under FSDP
         apply_ac(holder, mode="selective", selective="op", op_matmuls=op_matmuls)
-        params = {p.untyped_storage().data_ptr() for p in holder.parameters()}
-        block = torch.compile(holder.layers["0"], backend="aot_eager_decomp_partition", fullgraph=True)
-        seen: dict[int, int] = {}
-
-        def pack(x: torch.Tensor) -> torch.Tensor:
-            st = x.untyped_storage()
-            if st.data_ptr() not in params:
-                seen[st.data_ptr()] = st.nbytes()
-            return x
-
-        x = torch.randn(b, t, args.dim, dtype=torch.bfloat16, requires_grad=True)
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-                block(x, rope_cache(args, t))
+            return _compiled_saved_bytes(holder, holder.layers["0"], args, b, t)
         finally:
             torch._dynamo.reset()  # dynamo's cache does not tell the two policies apart
-        return sum(seen.values())
 
     every, alternate = saved_bytes("all"), saved_bytes("alternate")
     n = b * t

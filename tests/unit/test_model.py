@@ -144,14 +144,18 @@ def loss_and_grads(model: Llama, x, labels, chunked: bool = False):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def assert_same_grads(g1: dict, g2: dict) -> None:
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
 def test_math_backend_matches_sdpa_in_loss_and_gradients():
     x = torch.randint(0, 8192, (2, 64))
     labels = torch.randint(0, 8192, (2, 64))
     l1, g1 = loss_and_grads(build(0, attn_backend="sdpa"), x, labels)
     l2, g2 = loss_and_grads(build(0, attn_backend="math"), x, labels)
     torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
-    for n in g1:
-        torch.testing.assert_close(g1[n], g2[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert_same_grads(g1, g2)
 
 
 def _fake_flash_attn(returns_lse: bool):
@@ -173,18 +177,25 @@ def _fake_flash_attn(returns_lse: bool):
     return types.SimpleNamespace(flash_attn_func=flash_attn_func)
 
 
-@pytest.mark.parametrize("module, returns_lse", [("flash_attn", False), ("flash_attn_interface", True)])
-def test_flash_backend_calls_the_packages_interface_right(monkeypatch, module, returns_lse):
-    # The flash-attn package is not installable on our machines (no wheel; GPU.md): this checks our
-    # adapter (layout, causality, grouped K/V heads, FA3's tuple) against the documented interface.
+def _install_flash(monkeypatch, module: str, fake) -> None:
+    """Make `fake` the only flash-attn interface that imports (as `module`), for this test."""
     import sys
 
     from titanrush.models.llama import attention as attn
 
     for name in ("flash_attn", "flash_attn.cute", "flash_attn_interface"):
         monkeypatch.setitem(sys.modules, name, None)  # None: "not importable"
-    monkeypatch.setitem(sys.modules, module, _fake_flash_attn(returns_lse))
+    monkeypatch.setitem(sys.modules, module, fake)
     attn.flash_attn_func.cache_clear()
+
+
+@pytest.mark.parametrize("module, returns_lse", [("flash_attn", False), ("flash_attn_interface", True)])
+def test_flash_backend_calls_the_packages_interface_right(monkeypatch, module, returns_lse):
+    # The flash-attn package is not installable on our machines (no wheel; GPU.md): this checks our
+    # adapter (layout, causality, grouped K/V heads, FA3's tuple) against the documented interface.
+    from titanrush.models.llama import attention as attn
+
+    _install_flash(monkeypatch, module, _fake_flash_attn(returns_lse))
     try:
         x = torch.randint(0, 8192, (2, 64))
         labels = torch.randint(0, 8192, (2, 64))
@@ -193,14 +204,12 @@ def test_flash_backend_calls_the_packages_interface_right(monkeypatch, module, r
     finally:
         attn.flash_attn_func.cache_clear()
     torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
-    for n in g1:
-        torch.testing.assert_close(g1[n], g2[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert_same_grads(g1, g2)
 
 
 def test_compiled_blocks_run_the_flash_package_between_graphs(monkeypatch):
     # The package's kernels cannot be traced (FA4's CuTe kernels are autograd Functions over a JIT):
     # a compiled block must run the call eagerly, and the model must train as the eager one does.
-    import sys
     import types
 
     from titanrush.config import ActivationCheckpoint, Compile, Float8, Parallelism
@@ -209,16 +218,13 @@ def test_compiled_blocks_run_the_flash_package_between_graphs(monkeypatch):
     from titanrush.parallel.parallel_dims import ParallelDims
 
     calls = []
+    fa3 = _fake_flash_attn(True).flash_attn_func
 
     def traced_flash(q, k, v, causal=False):
         calls.append(torch.compiler.is_compiling())
-        return _fake_flash_attn(True).flash_attn_func(q, k, v, causal=causal)
+        return fa3(q, k, v, causal=causal)
 
-    for name in ("flash_attn", "flash_attn.cute", "flash_attn_interface"):
-        monkeypatch.setitem(sys.modules, name, None)
-    fake = types.SimpleNamespace(flash_attn_func=traced_flash)
-    monkeypatch.setitem(sys.modules, "flash_attn_interface", fake)
-    attn.flash_attn_func.cache_clear()
+    _install_flash(monkeypatch, "flash_attn_interface", types.SimpleNamespace(flash_attn_func=traced_flash))
     torch._dynamo.reset()
     try:
         x = torch.randint(0, 8192, (2, 64))
@@ -243,8 +249,7 @@ def test_compiled_blocks_run_the_flash_package_between_graphs(monkeypatch):
     assert calls and not any(calls)  # called once per block, never inside a traced graph
     torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
     g2 = {n.replace("_orig_mod.", ""): g for n, g in g2.items()}
-    for n in g1:
-        torch.testing.assert_close(g1[n], g2[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert_same_grads(g1, g2)
 
 
 def test_flex_forward_matches_sdpa_on_cpu_and_respects_documents():
@@ -266,8 +271,7 @@ def test_chunked_loss_matches_plain_loss_and_gradients():
     l1, g1 = loss_and_grads(build(0), x, labels)
     l2, g2 = loss_and_grads(build(0, loss_chunk_size=48), x, labels, chunked=True)  # uneven last chunk
     torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-6)
-    for n in g1:
-        torch.testing.assert_close(g1[n], g2[n], rtol=1e-4, atol=1e-6, msg=n)
+    assert_same_grads(g1, g2)
 
 
 def test_chunked_cross_entropy_function_equals_f_cross_entropy():

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -65,7 +66,6 @@ def test_torchtitan_config_carries_the_row_settings(tmp_path):
     toml = sbs.torchtitan_toml(
         sbs.ROWS["8b_compile_float8"], 40, tmp_path / "tok", tmp_path / "c", tmp_path / "d"
     )
-    import tomllib
 
     cfg = tomllib.loads(toml)
     assert cfg["model"]["flavor"] == "8B" and cfg["model"]["converters"] == ["quantize.linear.float8"]

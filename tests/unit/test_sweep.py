@@ -145,7 +145,7 @@ def test_extras_replicate_and_duplicate_runs():
 def test_ddp_with_tensor_parallel_is_reported_invalid():
     valid, invalid = sweep.plan(DEBUG, {}, sweep.parse_grid("dp_replicate=2 tp=2"), 4)
     assert not valid
-    [(shape, reason)] = invalid
+    [(_, reason)] = invalid
     assert "does not compose with tensor parallel" in reason
 
 

@@ -79,6 +79,7 @@ class Estimate:
     peak_rank: int
     at_peak: dict[str, float]
     rank_peaks_gib: list[float] = field(default_factory=list)  # peak allocated of each pipeline rank
+    rank_slack_gib: list[float] = field(default_factory=list)  # and its allocator slack
     details: dict[str, str] = field(default_factory=dict)
     trace_peak_allocated_gib: float | None = None
     trace_total_gib: float | None = None
@@ -281,6 +282,7 @@ def estimate(cfg: JobConfig, ngpu: int, gpu_mem_gib: float | None = None, *, tra
         peak_rank=b.rank,
         at_peak={k: v / GIB for k, v in b.at_peak.items()},
         rank_peaks_gib=[r.peak / GIB for r in ranks],
+        rank_slack_gib=[slack(s, r) / GIB for r in ranks],
         details={k: _describe(s, k) for k in mm.COMPONENTS if _describe(s, k)},
         notes=notes,
     )

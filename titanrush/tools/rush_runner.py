@@ -214,14 +214,15 @@ def run_child(
         try:
             return proc.wait(timeout=timeout_s), False
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
+            kill_group(proc)
             return proc.returncode, True
         except BaseException:  # Ctrl-C: take the child's group down with us
-            _kill_group(proc)
+            kill_group(proc)
             raise
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen) -> None:
+    """Stop a child started in its own session, and everything it started (torchrun and its ranks)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(proc.pid, sig)

@@ -76,7 +76,12 @@ def parallelize_llama(
     Raises:
         ConfigError: A combination this version does not support (named in the message).
     """
-    _check_supported(model, dims, mesh, parallelism=parallelism, float8=float8)
+    # The trainer's check_config runs the same checks before any allocation; these guard direct callers.
+    check_combinations(
+        dims,
+        loss_chunk_size=getattr(model.args, "loss_chunk_size", 0),
+        cpu_offload=parallelism.fsdp_cpu_offload,
+    )
     # 1. float8: swap the linears before TP and FSDP see them.
     float8_tp = False
     if float8.enable:
@@ -130,18 +135,6 @@ def parallelize_llama(
     elif mesh is not None and dims.ddp_enabled:
         apply_ddp(model, mesh["dp_replicate"])
     return model
-
-
-def _check_supported(
-    model: nn.Module, dims: ParallelDims, mesh: DeviceMesh | None, *, parallelism: Parallelism, float8: Float8
-) -> None:
-    """Reject what this version cannot do, before anything is changed (the trainer's check_config runs
-    the same checks earlier, before any allocation; these guard direct callers)."""
-    check_combinations(
-        dims,
-        loss_chunk_size=getattr(model.args, "loss_chunk_size", 0),
-        cpu_offload=parallelism.fsdp_cpu_offload,
-    )
 
 
 def check_combinations(dims: ParallelDims, *, loss_chunk_size: int, cpu_offload: bool) -> None:
