@@ -23,9 +23,11 @@
 #            the tied and the untied rows, GPUs 2-3 for the data-parallel ones
 #   phase L: the estimator against the 1B ladder's SDPA and checkpointing rungs (GPU 0) beside the model
 #            and attention GPU tests (GPU 1); then the 8B side by side, eager, compiled and float8
+#   phase M: both trainers' 8B profiled (eager and compiled, torchtitan's AC policy), then the 8B best
+#            settings (no AC) beside torchtitan's compiled and float8 rows
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to I}
+PHASE=${1:?phase A to M}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -209,6 +211,17 @@ elif [ "$PHASE" = L ]; then
   timeout 330 python3 scripts/side_by_side.py --out $S/sbs8b --rows 8b_eager,8b_compile,8b_compile_float8 \
      --variants ac_alternate --steps 14 --measure-from 7 --timeout-per-run 100 > $S/sbs8b.log 2>&1
   cp $S/sbs8b/results.md "$OUT/sbs8b.md"
+elif [ "$PHASE" = M ]; then
+  S=/tmp/suite
+  # Both trainers' 8B at torchtitan's AC policy, eager and compiled, with a trace of step 9 of 10 each.
+  timeout 290 python3 scripts/side_by_side.py --out $S/sbs8b_prof --rows 8b_eager,8b_compile --variants ac_alternate \
+     --steps 10 --measure-from 5 --profile 9 --timeout-per-run 110 > $S/sbs8b_prof.log 2>&1
+  cp $S/sbs8b_prof/profiles.txt "$OUT/profiles8b.txt"; cp $S/sbs8b_prof/results.md "$OUT/sbs8b_prof.md"
+  # Best settings for the same global batch: no activation checkpointing (the estimator: 116 GiB bf16,
+  # 91 GiB float8), beside torchtitan's compiled and float8 rows.
+  timeout 280 python3 scripts/side_by_side.py --out $S/sbs8b_best --rows 8b_compile,8b_compile_float8 \
+     --variants ac_none --steps 12 --measure-from 6 --timeout-per-run 100 > $S/sbs8b_best.log 2>&1
+  cp $S/sbs8b_best/results.md "$OUT/sbs8b_best.md"
 else  # E
   S=/tmp/suite
   timeout 80 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider -k 4gpu > $S/gpu_tests_4.txt 2>&1
@@ -227,6 +240,6 @@ else  # E
   cp $S/rushdist/*.png "$OUT/" 2>/dev/null
 fi
 cp /tmp/suite/env.txt "$OUT/"
-tar czf "$OUT/logs_$PHASE.tgz" --exclude='*.distcp' --exclude='tb' --exclude='*.trace.json.gz' \
+tar czf "$OUT/logs_$PHASE.tgz" --exclude='*.distcp' --exclude='tb' --exclude='*.trace.json.gz' --exclude='*_trace.json' \
   --exclude='corpus' --exclude='tokenizer' --exclude='*.pickle' -C /tmp suite 2>/dev/null
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null | tail -60

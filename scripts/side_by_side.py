@@ -64,6 +64,12 @@ class Row:
 _8B_VARIANTS = {
     # torchtitan's per-op policy keeps every other matmul output; ours keeps all by default.
     "ac_alternate": ["--activation_checkpoint.op_matmuls", "alternate"],
+    # Best-settings candidates (same model, GPUs and global batch): the estimator's picks that fit.
+    "ac_none": ["--activation_checkpoint.mode", "none"],
+    "ac_none_zero2": [
+        *("--activation_checkpoint.mode", "none"),
+        *("--parallelism.fsdp_reshard_after_forward", "never"),
+    ],
 }
 ROWS = {
     r.name: r
@@ -192,11 +198,22 @@ def write_corpus(path: Path) -> None:
 
 
 def torchtitan_toml(
-    row: Row, steps: int, assets: Path, corpus: Path, dump: Path, snapshot_step: int = 0
+    row: Row,
+    steps: int,
+    assets: Path,
+    corpus: Path,
+    dump: Path,
+    snapshot_step: int = 0,
+    profile_step: int = 0,
 ) -> str:
     profiling = ""
     if snapshot_step:
         profiling = f"\n[profiling]\nenable_memory_snapshot = true\nprofile_freq = {snapshot_step}\n"
+    elif profile_step:  # one traced step after one warm-up step, like titanrush's profiler
+        profiling = (
+            f"\n[profiling]\nenable_profiling = true\nprofile_freq = {profile_step}\n"
+            "profiler_warmup = 1\nprofiler_active = 1\n"
+        )
     converters = '["quantize.linear.float8"]' if row.float8 else "[]"
     ac = 'mode = "selective"\nselective_ac_option = "op"' if row.ac == "op" else 'mode = "none"'
     return f"""[job]
@@ -276,6 +293,22 @@ def snapshot_args(step: int) -> list[str]:
         return []
     return ["--profiling.enable", "--profiling.memory_snapshot", "--profiling.freq", str(step),
             "--profiling.active_steps", "1"]  # fmt: skip
+
+
+def profile_args(step: int) -> list[str]:
+    """titanrush's flags for one torch.profiler trace of `step` (none for 0)."""
+    if not step:
+        return []
+    return ["--profiling.enable", "--profiling.freq", str(step), "--profiling.active_steps", "1"]
+
+
+def traces(work: Path) -> list[tuple[str, Path]]:
+    """The rank-0 traces the runs wrote: (label, path), torchtitan's and titanrush's."""
+    tt = sorted(work.glob("tt_dump/*/profile_traces/*/rank0_trace.json"))
+    ours = sorted(work.glob("tr_dump/*/profile/*/rank0.trace.json.gz"))
+    return [(f"torchtitan {p.parents[2].name}", p) for p in tt] + [
+        (f"titanrush {p.parents[2].name}", p) for p in ours
+    ]
 
 
 def launcher(ngpu: int, *, always_torchrun: bool = False) -> list[str]:
@@ -465,7 +498,13 @@ def plan(rows: list[Row], trainers: list[str], a: argparse.Namespace, work: Path
             toml = work / f"tt_{row.name}.toml"
             toml.write_text(
                 torchtitan_toml(
-                    row, a.steps, work / "tokenizer", work / "corpus", work / "tt_dump", a.memory_snapshot
+                    row,
+                    a.steps,
+                    work / "tokenizer",
+                    work / "corpus",
+                    work / "tt_dump" / row.name,
+                    a.memory_snapshot,
+                    a.profile,
                 )
             )
             cmd = [
@@ -479,7 +518,7 @@ def plan(rows: list[Row], trainers: list[str], a: argparse.Namespace, work: Path
         if "titanrush" in trainers:
             variants = {"same": [], **row.titanrush_variants}
             for variant, extra in variants.items():
-                if a.variants and variant not in a.variants.split(","):
+                if variant not in a.variants.split(","):
                     continue
                 tag = row.name if variant == "same" else f"{row.name}+{variant}"
                 dump = work / "tr_dump"
@@ -487,6 +526,7 @@ def plan(rows: list[Row], trainers: list[str], a: argparse.Namespace, work: Path
                     *titanrush_args(row),
                     *extra,
                     *snapshot_args(a.memory_snapshot),
+                    *profile_args(a.profile),
                     "--training.steps",
                     str(a.steps),
                     "--metrics.log_freq",
@@ -520,7 +560,11 @@ def main() -> int:
     ap.add_argument("--measure-from", type=int, default=20)
     ap.add_argument("--gpus", default="", help="two GPU ids: run the 1-GPU rows of both trainers at once")
     ap.add_argument("--repeats", type=int, default=2, choices=(1, 2), help="with --gpus: 2 swaps the GPUs")
-    ap.add_argument("--variants", default="", help="titanrush variants (default all): same,ac_alternate")
+    ap.add_argument(
+        "--variants",
+        default="same,ac_alternate",
+        help="titanrush variants, from: same," + ",".join(_8B_VARIANTS),
+    )
     ap.add_argument("--timeout-per-run", type=float, default=400)
     ap.add_argument(
         "--memory-snapshot",
@@ -531,6 +575,15 @@ def main() -> int:
         "the recording's overhead): <dump>/memory_snapshot/",
     )
     ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="STEP",
+        help="both trainers write a torch.profiler trace of STEP (>= 2; figures then include the "
+        "profiler's overhead); DIR/profiles.txt summarizes rank 0's (scripts/trace_summary.py)",
+    )
+    ap.add_argument("--top-kernels", type=int, default=25, help="with --profile: kernels listed per trace")
+    ap.add_argument(
         "--dry-run", action="store_true", help="write the configs, print the commands, run nothing"
     )
     a = ap.parse_args()
@@ -538,6 +591,10 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
     rows = [ROWS[r] for r in a.rows.split(",")]
+    if a.profile and a.memory_snapshot:
+        ap.error("--profile and --memory-snapshot share each trainer's profiling settings: give one")
+    if a.profile and not 2 <= a.profile <= a.steps:
+        ap.error(f"--profile {a.profile}: the traced step must be in 2..--steps ({a.steps})")
     trainers = a.trainers.split(",")
     work = a.out.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -591,7 +648,23 @@ def main() -> int:
     (work / "results.md").write_text(f"{header}\n\n{md}\n\nCommands:\n\n{commands}\n")
     print(header)
     print(md)
+    if a.profile:
+        write_profiles(work, a.top_kernels)
     return 0
+
+
+def write_profiles(work: Path, top: int) -> None:
+    """DIR/profiles.txt: trace_summary's view of every rank-0 trace the runs left."""
+    import trace_summary
+
+    parts = []
+    for label, path in traces(work):
+        try:
+            parts.append(trace_summary.render(label, trace_summary.summarize(trace_summary.load(path)), top))
+        except (OSError, ValueError) as e:  # one unreadable trace does not hide the others
+            parts.append(f"== {label}: unreadable trace {path}: {e}")
+    (work / "profiles.txt").write_text("\n\n".join(parts) + "\n")
+    print("\n\n".join(parts))
 
 
 def _tt_version() -> str:

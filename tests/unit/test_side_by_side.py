@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -121,3 +122,36 @@ def test_execute_on_one_gpu_names_the_log_and_moves_the_metrics_aside(tmp_path):
     assert "visible 7" in (tmp_path / "run.gpu7.log").read_text()
     assert not metrics.exists() and (tmp_path / "metrics.gpu7.jsonl").exists()
     assert sbs.summarize(run, measure_from=1)["tps"] == 10.0
+
+
+def test_profile_option_configures_both_trainers_and_finds_their_traces(tmp_path):
+    row = sbs.ROWS["8b_eager"]
+    cfg = tomllib.loads(sbs.torchtitan_toml(row, 10, tmp_path, tmp_path, tmp_path / "d", profile_step=8))
+    prof = cfg["profiling"]
+    assert prof["enable_profiling"] is True and prof["profile_freq"] == 8
+    assert prof["profiler_warmup"] + prof["profiler_active"] <= prof["profile_freq"]  # torchtitan asserts it
+    assert "profiling" not in tomllib.loads(sbs.torchtitan_toml(row, 10, tmp_path, tmp_path, tmp_path / "d"))
+    args = sbs.profile_args(8)
+    assert args[args.index("--profiling.freq") + 1] == "8" and sbs.profile_args(0) == []
+    # where each trainer writes rank 0's trace, named by row (torchtitan) and run tag (titanrush)
+    tt = tmp_path / "tt_dump" / "8b_eager" / "profile_traces" / "iteration_8" / "rank0_trace.json"
+    tr = tmp_path / "tr_dump" / "8b_eager+ac_alternate" / "profile" / "step-8" / "rank0.trace.json.gz"
+    other_rank = tmp_path / "tr_dump" / "8b_eager" / "profile" / "step-8" / "rank1.trace.json.gz"
+    for p in (tt, tr, other_rank):
+        p.parent.mkdir(parents=True)
+        p.write_text("{}")
+    assert sbs.traces(tmp_path) == [("torchtitan 8b_eager", tt), ("titanrush 8b_eager+ac_alternate", tr)]
+
+
+def test_profile_and_snapshot_flags_are_checked(tmp_path):
+    script = str(Path(sbs.__file__))
+    for extra, msg in (
+        (["--profile", "5", "--memory-snapshot", "5"], "give one"),
+        (["--profile", "50"], "must be in 2..--steps"),
+    ):
+        out = subprocess.run(
+            [sys.executable, script, "--out", str(tmp_path), "--steps", "10", "--dry-run", *extra],
+            capture_output=True,
+            text=True,
+        )
+        assert out.returncode == 2 and msg in out.stderr
