@@ -25,9 +25,11 @@
 #            and attention GPU tests (GPU 1); then the 8B side by side, eager, compiled and float8
 #   phase M: both trainers' 8B profiled (eager and compiled, torchtitan's AC policy), then the 8B best
 #            settings (no AC) beside torchtitan's compiled and float8 rows
+#   phase N: the 8B with the chunked loss's freed memory spent on fewer recomputed matmuls (eager and
+#            compiled, within torchtitan's memory), and float8 without AC under ZeRO-2
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to M}
+PHASE=${1:?phase A to N}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -222,6 +224,17 @@ elif [ "$PHASE" = M ]; then
   timeout 280 python3 scripts/side_by_side.py --out $S/sbs8b_best --rows 8b_compile,8b_compile_float8 \
      --variants ac_none --steps 12 --measure-from 6 --timeout-per-run 100 > $S/sbs8b_best.log 2>&1
   cp $S/sbs8b_best/results.md "$OUT/sbs8b_best.md"
+elif [ "$PHASE" = N ]; then
+  S=/tmp/suite
+  # 8B eager: the chunked loss's freed memory (torchtitan keeps fp32 logits) spent on keeping matmul outputs.
+  timeout 230 python3 scripts/side_by_side.py --out $S/sbs8b_lean --rows 8b_eager --variants chunked_all,chunked_last24 \
+     --steps 12 --measure-from 6 --timeout-per-run 75 > $S/sbs8b_lean.log 2>&1; cp $S/sbs8b_lean/results.md "$OUT/sbs8b_lean.md"
+  # 8B compiled: a 1k-token chunked loss buys 4 blocks that keep every matmul output.
+  timeout 150 python3 scripts/side_by_side.py --out $S/sbs8b_c --rows 8b_compile --variants chunked1k_last4 \
+     --steps 12 --measure-from 6 --timeout-per-run 75 > $S/sbs8b_c.log 2>&1; cp $S/sbs8b_c/results.md "$OUT/sbs8b_c.md"
+  # 8B best: float8 without activation checkpointing, weights kept gathered after forward (ZeRO-2).
+  timeout 150 python3 scripts/side_by_side.py --out $S/sbs8b_z2 --rows 8b_compile_float8 --variants ac_none_zero2 \
+     --steps 12 --measure-from 6 --timeout-per-run 75 > $S/sbs8b_z2.log 2>&1; cp $S/sbs8b_z2/results.md "$OUT/sbs8b_z2.md"
 else  # E
   S=/tmp/suite
   timeout 80 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider -k 4gpu > $S/gpu_tests_4.txt 2>&1

@@ -66,6 +66,16 @@ _8B_VARIANTS = {
     "ac_alternate": ["--activation_checkpoint.op_matmuls", "alternate"],
     # Best-settings candidates (same model, GPUs and global batch): the estimator's picks that fit.
     "ac_none": ["--activation_checkpoint.mode", "none"],
+    # The lean loss's freed memory spent on keeping matmul outputs (eager: torchtitan's fp32 logits).
+    "chunked_all": ["--training.loss", "chunked"],
+    "chunked_last24": [
+        *("--training.loss", "chunked", "--activation_checkpoint.op_matmuls", "alternate"),
+        *("--activation_checkpoint.op_all_last", "24"),
+    ],
+    "chunked1k_last4": [
+        *("--training.loss", "chunked", "--training.loss_chunk_size", "1024"),
+        *("--activation_checkpoint.op_matmuls", "alternate", "--activation_checkpoint.op_all_last", "4"),
+    ],
     "ac_none_zero2": [
         *("--activation_checkpoint.mode", "none"),
         *("--parallelism.fsdp_reshard_after_forward", "never"),
@@ -579,7 +589,7 @@ def main() -> int:
         type=int,
         default=0,
         metavar="STEP",
-        help="both trainers write a torch.profiler trace of STEP (>= 2; figures then include the "
+        help="both trainers write a torch.profiler trace of STEP (>= 4; figures then include the "
         "profiler's overhead); DIR/profiles.txt summarizes rank 0's (scripts/trace_summary.py)",
     )
     ap.add_argument("--top-kernels", type=int, default=25, help="with --profile: kernels listed per trace")
@@ -593,8 +603,8 @@ def main() -> int:
     rows = [ROWS[r] for r in a.rows.split(",")]
     if a.profile and a.memory_snapshot:
         ap.error("--profile and --memory-snapshot share each trainer's profiling settings: give one")
-    if a.profile and not 2 <= a.profile <= a.steps:
-        ap.error(f"--profile {a.profile}: the traced step must be in 2..--steps ({a.steps})")
+    if a.profile and not 4 <= a.profile <= a.steps:
+        ap.error(f"--profile {a.profile}: the traced step must be in 4..--steps ({a.steps})")
     trainers = a.trainers.split(",")
     work = a.out.resolve()
     work.mkdir(parents=True, exist_ok=True)

@@ -179,6 +179,10 @@ class ActivationCheckpoint:
     """selective `op`: keep every matmul output of a block (`all`), or the 1st, 3rd, 5th, ... and
     recompute the others (`alternate`: torchtitan's policy; for a Llama block about 40% fewer saved
     activations for about a third of the forward matmul work done again)."""
+    op_all_last: int = 0
+    """selective `op` with op_matmuls = alternate: the last N blocks keep every matmul output anyway.
+    Spends memory freed elsewhere (e.g. by training.loss = chunked) on less recomputation, a block at a
+    time; `titanrush estimate` says how many fit. 0: every block alternates."""
 
 
 @dataclass
@@ -552,10 +556,19 @@ def validate(cfg: JobConfig) -> None:
             f"profiling.freq ({cfg.profiling.freq}) must be >= profiling.active_steps + 2 (a wait step and a "
             "warm-up step before the traced ones)"
         )
-    sel = cfg.activation_checkpoint.selective
+    ac = cfg.activation_checkpoint
+    sel = ac.selective
     if sel != "op" and not (sel.isdigit() and int(sel) > 0):
         raise ConfigError(
             f"activation_checkpoint.selective = {sel!r}: use 'op' or a positive integer N (every N-th block)"
+        )
+    if ac.op_all_last < 0:
+        raise ConfigError(f"activation_checkpoint.op_all_last = {ac.op_all_last}: use 0 or a positive count")
+    if ac.op_all_last and not (ac.mode == "selective" and sel == "op" and ac.op_matmuls == "alternate"):
+        raise ConfigError(
+            f"activation_checkpoint.op_all_last = {ac.op_all_last} only applies to selective op "
+            "checkpointing with op_matmuls = alternate: set mode = 'selective', selective = 'op', "
+            "op_matmuls = 'alternate', or op_all_last = 0"
         )
 
 

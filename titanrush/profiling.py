@@ -78,6 +78,11 @@ class Profiler:
     def step(self) -> None:
         self.step_num += 1
         if self._prof is not None:
+            # The trainer does not wait for the GPU between steps, so without a sync a recorded window
+            # would take in the previous step's last kernels and miss its own (a trace of step N held
+            # 1.4 steps of backward kernels on the 8B). Only profiled runs pay for it.
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             self._prof.step()
 
     def close(self) -> None:

@@ -97,6 +97,11 @@ def test_extends_cycle_is_an_error(tmp_path):
         (["--training.seq_len"], "needs a value"),
         (["steps=3"], "overrides look like --section.key value"),
         (["--activation_checkpoint.selective", "some"], "use 'op' or a positive integer"),
+        (["--activation_checkpoint.op_all_last", "-1"], "op_all_last = -1: use 0 or a positive count"),
+        (
+            ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.op_all_last", "4"],
+            "only applies to selective op checkpointing with op_matmuls = alternate",
+        ),
         (["--parallelism.dp_shard", "0"], "parallelism.dp_shard must be -1 or >= 1"),
     ],
 )

@@ -349,6 +349,34 @@ def test_selective_op_alternate_recomputes_wk_wo_w3():
     assert saved(cp) - saved(dataclasses.replace(cp, ac_op_matmuls="alternate")) == (128 + 448) * MIB
 
 
+def test_op_all_last_adds_the_alternate_blocks_recomputed_outputs_back():
+    # 8B FSDP4 compiled, alternate: each of the last N blocks keeps wk's, wo's and w3's outputs again,
+    # 608 MiB per block (see above); N = 32 is the all-matmuls model.
+    s = Setup(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", fsdp_shard=4,
+              ac_mode="selective", compile=True, ac_op_matmuls="alternate")  # fmt: skip
+    peak = lambda x: analyze(x).peak  # noqa: E731
+    assert peak(dataclasses.replace(s, ac_op_all_last=10)) - peak(s) == 10 * 608 * MIB
+    assert peak(dataclasses.replace(s, ac_op_all_last=32)) == peak(
+        dataclasses.replace(s, ac_op_matmuls="all")
+    )
+
+
+def test_op_all_last_on_a_pipeline_stage_trace_agrees():
+    # PP2 of the debug model (4 blocks): op_all_last = 1 is block 3, on the last stage only. The fake
+    # trace of each stage (blocks renumbered 0-1 there) must see the same saved bytes as the model.
+    s = Setup(args=model_args("debug"), local_batch=2, seq_len=64, precision="bf16", pp=2, pp_microbatches=2,
+              ac_mode="selective", ac_op_matmuls="alternate")  # fmt: skip
+    one = dataclasses.replace(s, ac_op_all_last=1)
+    first, last = rank_plans(one)
+    assert first.layers == [0, 1] and last.layers == [2, 3]
+    for plan, changes in ((first, False), (last, True)):
+        base, kept = trace_rank(s, plan), trace_rank(one, plan)
+        model_delta = analyze_rank(one, plan).peak - analyze_rank(s, plan).peak
+        assert (kept.peak > base.peak) == changes and (model_delta > 0) == changes
+        if changes:  # the trace and the model agree on what one block keeps more
+            assert abs(model_delta - (kept.peak - base.peak)) <= 0.05 * model_delta
+
+
 def test_compiled_alternate_block_on_cpu_keeps_every_other_matmul():
     """On inductor's partitioner (CPU): a compiled op-checkpointed block with `alternate` keeps
     n x (kv heads x head dim + dim + ffn) bf16 elements fewer: wk's, wo's and w3's outputs."""

@@ -190,13 +190,13 @@ class CountMM(TorchDispatchMode):
 
 
 def backward_mms(
-    mode: str, selective: str = "op", op_matmuls: str = "all"
+    mode: str, selective: str = "op", op_matmuls: str = "all", op_all_last: int = 0
 ) -> tuple[int, float, torch.Tensor]:
     """Matmuls run during backward, the loss and one gradient of a small Llama under the given AC."""
     torch.manual_seed(0)
     model = Llama(model_args("debug", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, vocab_size=128))
     model.init_weights(seed=1)
-    apply_ac(model, mode=mode, selective=selective, op_matmuls=op_matmuls)
+    apply_ac(model, mode=mode, selective=selective, op_matmuls=op_matmuls, op_all_last=op_all_last)
     tokens = torch.randint(0, 128, (2, 16))
     loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
     with CountMM() as counter:
@@ -228,6 +228,39 @@ def test_ac_op_alternate_recomputes_every_other_matmul():
     assert alt - base == 4 * 3
     assert loss_alt == loss
     torch.testing.assert_close(grad_alt, grad, rtol=0, atol=0)
+
+
+def test_ac_op_all_last_keeps_every_matmul_in_the_last_blocks():
+    base, loss, grad = backward_mms("none")
+    for last in (1, 3):  # the other blocks still recompute wk, wo and w3
+        n, loss_n, grad_n = backward_mms("selective", "op", op_matmuls="alternate", op_all_last=last)
+        assert n - base == (4 - last) * 3
+        assert loss_n == loss
+        torch.testing.assert_close(grad_n, grad, rtol=0, atol=0)
+    assert backward_mms("selective", "op", op_matmuls="alternate", op_all_last=4)[0] == base
+
+
+def test_ac_op_all_last_counts_blocks_of_the_whole_model_on_a_pipeline_stage():
+    # A first stage holding blocks 0 and 1 of 4 (keys are global indices): op_all_last = 2 is blocks 2
+    # and 3, on the other stage; 3 adds block 1; 4 both of this stage's blocks.
+    def stage_recomputed(last: int) -> int:
+        torch.manual_seed(0)
+        model = Llama(model_args("debug", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, vocab_size=128))
+        del model.layers["2"], model.layers["3"]
+        apply_ac(model, mode="selective", selective="op", op_matmuls="alternate", op_all_last=last)
+        loss = model(torch.randint(0, 128, (2, 16))).float().square().mean()
+        with CountMM() as counter:
+            loss.backward()
+        return counter.n
+
+    alternate = stage_recomputed(0)
+    assert stage_recomputed(2) == alternate
+    assert alternate - stage_recomputed(3) == 3  # wk, wo and w3 of block 1
+    assert alternate - stage_recomputed(4) == 6
+    with pytest.raises(ConfigError, match="op_all_last = 5: the model has 4 blocks"):
+        apply_ac(
+            Llama(model_args("debug", n_layers=4)), mode="selective", op_matmuls="alternate", op_all_last=5
+        )
 
 
 def test_ac_none_and_bad_values():

@@ -147,7 +147,7 @@ def test_profile_and_snapshot_flags_are_checked(tmp_path):
     script = str(Path(sbs.__file__))
     for extra, msg in (
         (["--profile", "5", "--memory-snapshot", "5"], "give one"),
-        (["--profile", "50"], "must be in 2..--steps"),
+        (["--profile", "50"], "must be in 4..--steps"),
     ):
         out = subprocess.run(
             [sys.executable, script, "--out", str(tmp_path), "--steps", "10", "--dry-run", *extra],

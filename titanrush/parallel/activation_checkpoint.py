@@ -83,7 +83,9 @@ def wrap_block(block: nn.Module, *, selective_op: bool = False, op_matmuls: str 
     return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False)
 
 
-def apply_ac(model: nn.Module, *, mode: str, selective: str = "op", op_matmuls: str = "all") -> None:
+def apply_ac(
+    model: nn.Module, *, mode: str, selective: str = "op", op_matmuls: str = "all", op_all_last: int = 0
+) -> None:
     """Wrap the transformer blocks of `model.layers` for activation checkpointing, in place.
 
     Args:
@@ -94,6 +96,8 @@ def apply_ac(model: nn.Module, *, mode: str, selective: str = "op", op_matmuls: 
             recomputes only the element-wise ops of every block; an integer N checkpoints blocks
             N-1, 2N-1, ... fully (every N-th block; N = 1 is `full`) and leaves the rest alone.
         op_matmuls: With `op`: `all` keeps every matmul output, `alternate` every other one.
+        op_all_last: With `op` and `alternate`: the last N blocks of the whole model (by their global
+            index, the key in `model.layers`; `model.args.n_layers` blocks in all) keep every matmul output.
 
     Raises:
         ConfigError: An unknown mode, or a `selective` value that is neither `op` nor a positive integer.
@@ -101,14 +105,17 @@ def apply_ac(model: nn.Module, *, mode: str, selective: str = "op", op_matmuls: 
     if mode == "none":
         return
     if mode == "full":
-        wrap: Callable[[int, nn.Module], nn.Module | None] = lambda i, b: wrap_block(b)
+        wrap: Callable[[int, str, nn.Module], nn.Module | None] = lambda i, name, b: wrap_block(b)
     elif mode == "selective" and selective == "op":
         if op_matmuls not in ("all", "alternate"):
             raise ConfigError(f"activation_checkpoint.op_matmuls = {op_matmuls!r}: use all or alternate")
-        wrap = lambda i, b: wrap_block(b, selective_op=True, op_matmuls=op_matmuls)
+        keep_all = _last_blocks(model, op_all_last) if op_all_last and op_matmuls == "alternate" else set()
+        wrap = lambda i, name, b: wrap_block(
+            b, selective_op=True, op_matmuls="all" if name in keep_all else op_matmuls
+        )
     elif mode == "selective" and selective.isdigit() and int(selective) > 0:
         every = int(selective)
-        wrap = lambda i, b: wrap_block(b) if (i + 1) % every == 0 else None
+        wrap = lambda i, name, b: wrap_block(b) if (i + 1) % every == 0 else None
     elif mode == "selective":
         raise ConfigError(
             f"activation_checkpoint.selective = {selective!r}: use 'op' or a positive integer N "
@@ -117,6 +124,17 @@ def apply_ac(model: nn.Module, *, mode: str, selective: str = "op", op_matmuls: 
     else:
         raise ConfigError(f"activation_checkpoint.mode = {mode!r}: use none, full or selective")
     for i, (name, block) in enumerate(list(model.layers.items())):
-        wrapped = wrap(i, block)
+        wrapped = wrap(i, name, block)
         if wrapped is not None:
             model.layers.register_module(name, wrapped)
+
+
+def _last_blocks(model: nn.Module, last: int) -> set[str]:
+    """The `model.layers` keys of the model's last `last` blocks (global indices: a pipeline stage holds
+    only some of them)."""
+    n_layers = model.args.n_layers
+    if not 0 <= last <= n_layers:
+        raise ConfigError(
+            f"activation_checkpoint.op_all_last = {last}: the model has {n_layers} blocks; use 0..{n_layers}"
+        )
+    return {str(j) for j in range(n_layers - last, n_layers)}

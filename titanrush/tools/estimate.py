@@ -123,6 +123,7 @@ def build_setup(cfg: JobConfig, ngpu: int) -> tuple[mm.Setup, str, int, str]:
         ac_mode=cfg.activation_checkpoint.mode,
         ac_selective=cfg.activation_checkpoint.selective,
         ac_op_matmuls=cfg.activation_checkpoint.op_matmuls,
+        ac_op_all_last=cfg.activation_checkpoint.op_all_last,
         compile=cfg.compile.enable,
         float8=f8.enable,
         float8_all_gather=f8.enable and f8.recipe == "tensorwise" and f8.fsdp_float8_all_gather and shard > 1,
@@ -350,7 +351,8 @@ def _describe(s: mm.Setup, key: str) -> str:
         return "bf16 compute" + shard
     if key == "activations":
         ac = s.ac_mode if s.ac_mode != "selective" else f"selective {s.ac_selective}"
-        ac = "op alternate" if ac == "selective op" and s.ac_op_matmuls == "alternate" else ac
+        if ac == "selective op" and s.ac_op_matmuls == "alternate":
+            ac = "op alternate" + (f", all in the last {s.ac_op_all_last} blocks" if s.ac_op_all_last else "")
         return f"AC {ac}" + (", compiled" if s.compile else "")
     if key == "logits":
         if s.loss == "chunked":

@@ -57,6 +57,7 @@ class Setup:
     ac_mode: str = "none"
     ac_selective: str = "op"
     ac_op_matmuls: str = "all"  # selective op: keep every matmul output, or every other one (alternate)
+    ac_op_all_last: int = 0  # with alternate: the model's last N blocks keep every matmul output anyway
     compile: bool = False
     float8: bool = False
     float8_all_gather: bool = False
@@ -290,8 +291,18 @@ def expands_kv(backend: str, cp: int, as_traced: bool) -> bool:
     return backend in ("cudnn", "math") or (backend == "sdpa" and cp > 1)
 
 
-def block_saved(s: Setup, n: int, batch: int, mode: str, *, as_traced: bool = False) -> dict[str, int]:
-    """Bytes autograd (or the checkpoint) keeps for one block's backward, by tensor, for n local tokens."""
+def keeps_all_matmuls(s: Setup, layer: int) -> bool:
+    """Whether block `layer` (its index in the whole model) keeps every matmul output under op_all_last."""
+    return s.ac_op_matmuls == "alternate" and layer >= s.args.n_layers - s.ac_op_all_last
+
+
+def block_saved(
+    s: Setup, n: int, batch: int, mode: str, *, as_traced: bool = False, keep_all: bool = False
+) -> dict[str, int]:
+    """Bytes autograd (or the checkpoint) keeps for one block's backward, by tensor, for n local tokens.
+
+    `keep_all`: a selective op block that keeps every matmul output although op_matmuls = alternate.
+    """
     a, tp, c, r = s.args, s.tp, s.c, s.r
     d, dh, hq, hkv = a.dim, a.head_dim, a.n_heads // tp, a.kv_heads // tp
     f, n_sp, seq = math.ceil(a.ffn_hidden / tp), _sp(s, n, as_traced), n // batch
@@ -308,7 +319,8 @@ def block_saved(s: Setup, n: int, batch: int, mode: str, *, as_traced: bool = Fa
         }  # fmt: skip
         if tp > 1 and s.sequence_parallel and not as_traced:
             out["reduce-scatter outs"] = 2 * c * n_sp * d
-        if s.ac_op_matmuls == "alternate":  # the policy counts aten.mm calls: the 2nd, 4th, 6th recomputed
+        if s.ac_op_matmuls == "alternate" and not keep_all:  # the policy counts aten.mm calls: the 2nd,
+            # 4th and 6th are recomputed
             del out["wk out"], out["wo out"], out["w3 out"]
         if s.compile and not as_traced:  # compiled, w2's output goes: backward does not need it (measured)
             del out["w2 out"]
@@ -517,7 +529,10 @@ def analyze_rank(s: Setup, plan: RankPlan, *, as_traced: bool = False) -> Breakd
     a, st, b, k = s.args, states(s, plan), plan.microbatch, plan.in_flight
     n = b * s.seq_len // s.cp  # tokens of one micro-batch on this rank
     modes = [layer_mode(s, i, as_traced=as_traced) for i in range(len(plan.layers))] or ["full"]
-    saved = [sum(block_saved(s, n, b, m, as_traced=as_traced).values()) for m in modes]
+    saved = [
+        sum(block_saved(s, n, b, m, as_traced=as_traced, keep_all=keeps_all_matmuls(s, layer)).values())
+        for m, layer in zip(modes, plan.layers or [0])
+    ]
     bwd_ws = [block_working_set(s, n, b, m, backward=True, as_traced=as_traced) for m in modes]
     fwd_ws = block_working_set(s, n, b, modes[-1], backward=False, as_traced=as_traced)
     if not plan.layers:  # a stage without blocks

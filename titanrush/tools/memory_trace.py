@@ -33,7 +33,14 @@ from titanrush.models.llama.model import Llama, RMSNorm
 from titanrush.optim import build_optimizer
 from titanrush.parallel.activation_checkpoint import apply_ac
 from titanrush.parallel.grad_clip import clip_grad_norm_
-from titanrush.tools.memory_model import LOWBIT, LOWBIT_MIN_NUMEL, RankPlan, Setup, rank_plans
+from titanrush.tools.memory_model import (
+    LOWBIT,
+    LOWBIT_MIN_NUMEL,
+    RankPlan,
+    Setup,
+    keeps_all_matmuls,
+    rank_plans,
+)
 
 CATEGORIES = ("param", "param_copy", "grad", "optimizer", "buffer", "other")
 
@@ -214,7 +221,14 @@ def build_local_model(s: Setup, plan: RankPlan) -> Llama:
     for module in model.modules():
         if type(module) is RMSNorm:
             module.__class__ = _TraceRMSNorm
-    apply_ac(model, mode=s.ac_mode, selective=s.ac_selective, op_matmuls=s.ac_op_matmuls)
+    apply_ac(
+        model,
+        mode=s.ac_mode,
+        selective=s.ac_selective,
+        op_matmuls=s.ac_op_matmuls,
+        # the local model numbers its blocks 0..len(plan.layers) - 1: the plan's share of the last N
+        op_all_last=sum(keeps_all_matmuls(s, layer) for layer in plan.layers),
+    )
     return model
 
 

@@ -113,7 +113,9 @@ def parallelize_llama(
     #    over dp_shard x cp, since the cp ranks hold the same weights.
 
     # 4-5. Activation checkpointing, then compile (which traces the checkpointed blocks).
-    apply_ac(model, mode=ac.mode, selective=ac.selective, op_matmuls=ac.op_matmuls)
+    apply_ac(
+        model, mode=ac.mode, selective=ac.selective, op_matmuls=ac.op_matmuls, op_all_last=ac.op_all_last
+    )
     if compile.enable:
         backend = model.args.attn_backend
         fullgraph = compile.fullgraph and not uses_graph_break(backend)
