@@ -27,9 +27,11 @@
 #            settings (no AC) beside torchtitan's compiled and float8 rows
 #   phase N: the 8B with the chunked loss's freed memory spent on fewer recomputed matmuls (eager and
 #            compiled, within torchtitan's memory), and float8 without AC under ZeRO-2
+#   phase O: the 1B rows side by side (GPUs 0-1) beside the 1B eager with the chunked loss (GPUs 2-3); the
+#            8B eager with 30 blocks keeping every matmul; both trainers' compiled 8B profiled (synced)
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to N}
+PHASE=${1:?phase A to O}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -235,6 +237,19 @@ elif [ "$PHASE" = N ]; then
   # 8B best: float8 without activation checkpointing, weights kept gathered after forward (ZeRO-2).
   timeout 150 python3 scripts/side_by_side.py --out $S/sbs8b_z2 --rows 8b_compile_float8 --variants ac_none_zero2 \
      --steps 12 --measure-from 6 --timeout-per-run 75 > $S/sbs8b_z2.log 2>&1; cp $S/sbs8b_z2/results.md "$OUT/sbs8b_z2.md"
+elif [ "$PHASE" = O ]; then
+  S=/tmp/suite
+  SB="timeout 260 python3 scripts/side_by_side.py --repeats 1 --steps 20 --measure-from 10 --timeout-per-run 80"
+  (CUDA_VISIBLE_DEVICES=0,1 $SB --out $S/sbs1b --gpus 0,1 --rows 1b_eager,1b_compile,1b_compile_float8,1b_compile_b16 \
+     > $S/sbs1b.log 2>&1; cp $S/sbs1b/results.md "$OUT/sbs1b.md") &
+  CUDA_VISIBLE_DEVICES=2,3 $SB --out $S/sbs1b_lean --gpus 2,3 --rows 1b_eager --variants chunked > $S/sbs1b_lean.log 2>&1
+  cp $S/sbs1b_lean/results.md "$OUT/sbs1b_lean.md"
+  wait
+  timeout 130 python3 scripts/side_by_side.py --out $S/sbs8b_l30 --rows 8b_eager --variants chunked_last30 \
+     --steps 12 --measure-from 6 --timeout-per-run 65 > $S/sbs8b_l30.log 2>&1; cp $S/sbs8b_l30/results.md "$OUT/sbs8b_l30.md"
+  timeout 170 python3 scripts/side_by_side.py --out $S/sbs8b_prof --rows 8b_compile --variants ac_alternate \
+     --steps 10 --measure-from 5 --profile 9 --timeout-per-run 85 > $S/sbs8b_prof.log 2>&1
+  cp $S/sbs8b_prof/profiles.txt "$OUT/profiles8b.txt"
 else  # E
   S=/tmp/suite
   timeout 80 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider -k 4gpu > $S/gpu_tests_4.txt 2>&1

@@ -72,6 +72,10 @@ _8B_VARIANTS = {
         *("--training.loss", "chunked", "--activation_checkpoint.op_matmuls", "alternate"),
         *("--activation_checkpoint.op_all_last", "24"),
     ],
+    "chunked_last30": [
+        *("--training.loss", "chunked", "--activation_checkpoint.op_matmuls", "alternate"),
+        *("--activation_checkpoint.op_all_last", "30"),
+    ],
     "chunked1k_last4": [
         *("--training.loss", "chunked", "--training.loss_chunk_size", "1024"),
         *("--activation_checkpoint.op_matmuls", "alternate", "--activation_checkpoint.op_all_last", "4"),
@@ -81,10 +85,11 @@ _8B_VARIANTS = {
         *("--parallelism.fsdp_reshard_after_forward", "never"),
     ],
 }
+_1B_VARIANTS = {"chunked": ["--training.loss", "chunked"]}  # no fp32 logits in eager either
 ROWS = {
     r.name: r
     for r in [
-        Row("1b_eager", 1, "1B", 2048, 8, compile=False),
+        Row("1b_eager", 1, "1B", 2048, 8, compile=False, titanrush_variants=_1B_VARIANTS),
         Row("1b_compile", 1, "1B", 2048, 8, compile=True),
         Row("1b_compile_float8", 1, "1B", 2048, 8, compile=True, float8=True),
         Row("1b_compile_b16", 1, "1B", 2048, 16, compile=True),
@@ -573,7 +578,7 @@ def main() -> int:
     ap.add_argument(
         "--variants",
         default="same,ac_alternate",
-        help="titanrush variants, from: same," + ",".join(_8B_VARIANTS),
+        help="titanrush variants, from: same," + ",".join([*_1B_VARIANTS, *_8B_VARIANTS]),
     )
     ap.add_argument("--timeout-per-run", type=float, default=400)
     ap.add_argument(
