@@ -29,9 +29,10 @@
 #            compiled, within torchtitan's memory), and float8 without AC under ZeRO-2
 #   phase O: the 1B rows side by side (GPUs 0-1) beside the 1B eager with the chunked loss (GPUs 2-3); the
 #            8B eager with 30 blocks keeping every matmul; both trainers' compiled 8B profiled (synced)
+#   phase P: the 8B best row again beside float8 for the output projection too
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to O}
+PHASE=${1:?phase A to P}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -250,6 +251,11 @@ elif [ "$PHASE" = O ]; then
   timeout 170 python3 scripts/side_by_side.py --out $S/sbs8b_prof --rows 8b_compile --variants ac_alternate \
      --steps 10 --measure-from 5 --profile 9 --timeout-per-run 85 > $S/sbs8b_prof.log 2>&1
   cp $S/sbs8b_prof/profiles.txt "$OUT/profiles8b.txt"
+elif [ "$PHASE" = P ]; then
+  S=/tmp/suite
+  timeout 280 python3 scripts/side_by_side.py --out $S/sbs8b_best2 --rows 8b_compile_float8 \
+     --variants ac_none_zero2,f8out_none_zero2 --steps 12 --measure-from 6 --timeout-per-run 85 > $S/sbs8b_best2.log 2>&1
+  cp $S/sbs8b_best2/results.md "$OUT/sbs8b_best2.md"
 else  # E
   S=/tmp/suite
   timeout 80 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider -k 4gpu > $S/gpu_tests_4.txt 2>&1

@@ -2,7 +2,7 @@
 
 Usage (on the GPU machine, from the repo root; torchtitan importable, e.g. from wheels in .whl/):
   python scripts/side_by_side.py --out DIR [--rows 1b_eager,1b_compile,...] [--steps 40] [--measure-from 20]
-      [--gpus 0,1] [--timeout-per-run 300] [--dry-run]
+      [--gpus 0,1] [--variants same,ac_alternate] [--profile STEP] [--timeout-per-run 300] [--dry-run]
 
 Rows (the reference table of docs/benchmarks/performance.md): the 1B (Llama 3.2 shape, untied output)
 on one GPU at seq 2048, local batch 8 (16 for `1b_compile_b16`), no activation checkpointing; the 8B
@@ -10,7 +10,9 @@ with FSDP over 4 GPUs at seq 8192, local batch 2, selective per-op AC. Both trai
 bf16 mixed precision, gradient clipping at 1.0, the same corpus (the Python standard library sources
 that titanrush embeds) and the same tokenizer (titanrush's BPE, converted for torchtitan's Hugging Face
 loader). Besides `same` (the same settings), a row may have titanrush variants (`--variants`), run
-and named `<row>+<variant>`.
+and named `<row>+<variant>`: torchtitan's AC policy, titanrush's lean loss spent on fewer recomputed
+matmuls, and best-settings candidates (no AC, ZeRO-2); see `_8B_VARIANTS` and `_1B_VARIANTS`.
+`--profile STEP` has both trainers trace that step and summarizes rank 0's traces (trace_summary.py).
 
 The figures: tokens/s per GPU as each trainer logs it, averaged over the steps from --measure-from on
 (both log every step); peak memory = the largest reserved (`torch.cuda.max_memory_reserved`) over those
@@ -83,6 +85,11 @@ _8B_VARIANTS = {
     "ac_none_zero2": [
         *("--activation_checkpoint.mode", "none"),
         *("--parallelism.fsdp_reshard_after_forward", "never"),
+    ],
+    # ... and with float8 for the output projection too (torchtitan keeps it in bf16)
+    "f8out_none_zero2": [
+        *("--activation_checkpoint.mode", "none"),
+        *("--parallelism.fsdp_reshard_after_forward", "never", "--float8.filter_fqns", ""),
     ],
 }
 _1B_VARIANTS = {"chunked": ["--training.loss", "chunked"]}  # no fp32 logits in eager either
