@@ -488,3 +488,17 @@ def test_cli_config_errors_exit_2(argv, capsys):
     assert est_mod.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("titanrush estimate: config error:") and "\n" not in err
+
+
+def test_float8_output_projection_adds_the_eager_cast_of_the_logits_gradient():
+    # 8B FSDP4, compiled float8 without AC, ZeRO-2: with filter_fqns = [] the output projection is float8
+    # too, and its (eager) backward casts the (16384, 128256) logits' gradient through fp32 temporaries:
+    # 8 bytes per element at the output's backward (measured on H200: +15.3 GiB over the bf16 output).
+    s = Setup(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", fsdp_shard=4,
+              reshard="never", compile=True, float8=True)  # fmt: skip
+    f8_out = dataclasses.replace(s, float8_filter=())
+    assert "output" in float8_linears(f8_out) and "output" not in float8_linears(s)
+    b, b_out = analyze(s), analyze(f8_out)
+    assert b_out.moments["output backward"]["float8"] == 8 * 16384 * 128256
+    assert b.moments["output backward"]["float8"] == 0
+    assert b_out.peak_phase == "output backward"

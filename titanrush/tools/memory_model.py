@@ -605,8 +605,13 @@ def analyze_rank(s: Setup, plan: RankPlan, *, as_traced: bool = False) -> Breakd
                 add("loss backward" + tag, grads(chunk_g), activations=everything, logits=loss["backward"])
             logits_grad = s.c * loss["rows"] * loss["vocab"]
             out_g = 0 if s.fsdp and not as_traced else head_g  # FSDP: they come after the norm's backward
+            # A float8 output projection (filter_fqns without "output") runs eager, outside the compiled
+            # blocks: its backward casts the (rows, V) logits' gradient to float8 through fp32 temporaries,
+            # measured on H200 as 8 bytes per element above the bf16 projection (8B, 15.3 GiB).
+            f8_head = "output" in float8_linears(s) and not as_traced
+            f8_out = 8 * loss["rows"] * loss["vocab"] if f8_head else 0
             add("output backward" + tag, grads(out_g), activations=everything, logits=logits_grad,
-                transient=conv * vocab // 4)  # fmt: skip
+                float8=f8_out, transient=conv * vocab // 4)  # fmt: skip
         add("first block backward" + tag, grads(head_g + w2_grad), activations=a_blocks - saved[-1] + a_emb,
             float8=f8, transient=bwd_ws[-1] + conv * w2 + recast[-1])  # fmt: skip
         add("last block backward" + tag, grads(g_all - emb_g), activations=(kk - 1) * sum(saved) + a_emb,
