@@ -1,0 +1,51 @@
+"""Profiling on a GPU: each traced window holds exactly its own steps' kernels, and trace_summary reads it."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+from titanrush import config
+from titanrush.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import trace_summary  # noqa: E402
+
+
+def test_a_traced_window_holds_exactly_its_steps(tmp_path):
+    # The trainer runs ahead of the GPU across steps; without the profiler's sync at step boundaries a
+    # window records kernels launched before it began (no launch event of theirs in the trace) and misses
+    # kernels it launched that run after it ended (a launch event without its kernel).
+    args = [
+        "--job.dump_folder", str(tmp_path), "--job.name", "prof", "--training.steps", "8",
+        "--training.seq_len", "512", "--training.local_batch_size", "8", "--metrics.log_freq", "1",
+        "--profiling.enable", "--profiling.freq", "4", "--profiling.active_steps", "1",
+    ]  # fmt: skip
+    trainer = Trainer(config.load(None, args))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    traces = sorted((tmp_path / "prof" / "profile").glob("step-*/rank0.trace.json.gz"))
+    assert [t.parent.name for t in traces] == ["step-4", "step-8"]
+    for path in traces:
+        events = json.loads(gzip.decompress(path.read_bytes()))["traceEvents"]
+        kernels = {e["args"]["correlation"] for e in events if e.get("cat") == "kernel"}
+        launches = {
+            e["args"]["correlation"]
+            for e in events
+            # runtime (cudaLaunchKernel) or driver (cuLaunchKernelEx: cuBLAS, Triton) launches
+            if e.get("cat") in ("cuda_runtime", "cuda_driver")
+            and "Launch" in e.get("name", "")
+            and "args" in e
+        }
+        assert kernels, "no GPU kernels recorded"
+        assert kernels <= launches, f"{len(kernels - launches)} kernels launched before the window"
+        assert launches <= kernels, f"{len(launches - kernels)} launches whose kernels ran after it"
+        s = trace_summary.summarize(trace_summary.load(path))
+        assert s["steps"] == 1
+        assert s["by_kind_ms"]["matmul"] > 0 and s["compute_busy_ms"] <= s["span_ms"] + 1e-6
+        assert s["idle_ms"] >= 0 and s["exposed_communication_ms"] == 0  # one GPU: no collectives
