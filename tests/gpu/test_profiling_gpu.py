@@ -18,10 +18,12 @@ import trace_summary  # noqa: E402
 def test_a_traced_window_holds_exactly_its_steps(tmp_path):
     # The trainer runs ahead of the GPU across steps; without the profiler's sync at step boundaries a
     # window records kernels launched before it began (no launch event of theirs in the trace) and misses
-    # kernels it launched that run after it ended (a launch event without its kernel).
+    # kernels it launched that run after it ended (a launch event without its kernel). The model must be
+    # large enough for the GPU to be the bottleneck (the debug model's steps never let the CPU run ahead).
     args = [
         "--job.dump_folder", str(tmp_path), "--job.name", "prof", "--training.steps", "8",
-        "--training.seq_len", "512", "--training.local_batch_size", "8", "--metrics.log_freq", "1",
+        "--model.flavor", "1B", "--data.dataset", "synthetic", "--training.precision", "bf16",
+        "--training.seq_len", "2048", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
         "--profiling.enable", "--profiling.freq", "4", "--profiling.active_steps", "1",
     ]  # fmt: skip
     trainer = Trainer(config.load(None, args))
