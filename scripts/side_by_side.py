@@ -324,12 +324,19 @@ def profile_args(step: int) -> list[str]:
     return ["--profiling.enable", "--profiling.freq", str(step), "--profiling.active_steps", "1"]
 
 
-def traces(work: Path) -> list[tuple[str, Path]]:
-    """The rank-0 traces the runs wrote: (label, path), torchtitan's and titanrush's."""
-    tt = sorted(work.glob("tt_dump/*/profile_traces/*/rank0_trace.json"))
-    ours = sorted(work.glob("tr_dump/*/profile/*/rank0.trace.json.gz"))
-    return [(f"torchtitan {p.parents[2].name}", p) for p in tt] + [
-        (f"titanrush {p.parents[2].name}", p) for p in ours
+def traces(work: Path, step: int, names: set[str] | None = None) -> list[tuple[str, Path]]:
+    """The rank-0 traces of `step` the runs wrote: (label, path), torchtitan's and titanrush's.
+
+    `names`: only these rows (torchtitan) and run tags (titanrush), i.e. this invocation's runs, not
+    older ones left in the same folder.
+    """
+    tt = sorted(work.glob(f"tt_dump/*/profile_traces/iteration_{step}/rank0_trace.json"))
+    ours = sorted(work.glob(f"tr_dump/*/profile/step-{step}/rank0.trace.json.gz"))
+    found = [("torchtitan", p) for p in tt] + [("titanrush", p) for p in ours]
+    return [
+        (f"{trainer} {p.parents[2].name}, step {step}", p)
+        for trainer, p in found
+        if names is None or p.parents[2].name in names
     ]
 
 
@@ -609,6 +616,10 @@ def main() -> int:
         "--dry-run", action="store_true", help="write the configs, print the commands, run nothing"
     )
     a = ap.parse_args()
+    known = {"same", *_1B_VARIANTS, *_8B_VARIANTS}
+    bad = [v for v in a.variants.split(",") if v not in known]
+    if bad:
+        ap.error(f"unknown variants {bad}; choose from {', '.join(sorted(known))}")
     unknown = [r for r in a.rows.split(",") if r not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
@@ -671,16 +682,19 @@ def main() -> int:
     print(header)
     print(md)
     if a.profile:
-        write_profiles(work, a.top_kernels)
+        names = {r.row for r in runs if r.trainer == "torchtitan"} | {
+            r.log.stem.removeprefix("tr_") for r in runs if r.trainer == "titanrush"
+        }
+        write_profiles(work, a.profile, names, a.top_kernels)
     return 0
 
 
-def write_profiles(work: Path, top: int) -> None:
-    """DIR/profiles.txt: trace_summary's view of every rank-0 trace the runs left."""
+def write_profiles(work: Path, step: int, names: set[str], top: int) -> None:
+    """DIR/profiles.txt: trace_summary's view of the rank-0 traces of `step` this invocation's runs left."""
     import trace_summary
 
     parts = []
-    for label, path in traces(work):
+    for label, path in traces(work, step, names):
         try:
             parts.append(trace_summary.render(label, trace_summary.summarize(trace_summary.load(path)), top))
         except (OSError, ValueError) as e:  # one unreadable trace does not hide the others

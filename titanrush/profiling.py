@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch.profiler import ProfilerAction
 
 logger = logging.getLogger("titanrush")
 
@@ -80,8 +81,9 @@ class Profiler:
         if self._prof is not None:
             # The trainer does not wait for the GPU between steps, so without a sync a recorded window
             # would take in the previous step's last kernels and miss its own (a trace of step N held
-            # 1.4 steps of backward kernels on the 8B). Only profiled runs pay for it.
-            if torch.cuda.is_available():
+            # 1.4 steps of backward kernels on the 8B). Synced only where a window opens or closes: at
+            # the end of the warm-up step and of each recorded one; the other steps run as unprofiled.
+            if torch.cuda.is_available() and self._prof.current_action != ProfilerAction.NONE:
                 torch.cuda.synchronize()
             self._prof.step()
 

@@ -101,6 +101,7 @@ def check_config(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, ModelAr
     dims.check_model(
         n_heads=args.n_heads, n_kv_heads=args.kv_heads, n_layers=args.n_layers, seq_len=cfg.training.seq_len
     )
+    check_ac_blocks(cfg, args)
     t = cfg.training
     per_step = t.local_batch_size * dims.dp
     gbs = per_step if t.global_batch_size == -1 else t.global_batch_size
@@ -170,6 +171,16 @@ def _check_combinations(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> 
         if p.pp_layers_per_stage:
             check_explicit_split(p.pp_layers_per_stage, args.n_layers, n_stages)
     check_combinations(dims, loss_chunk_size=args.loss_chunk_size, cpu_offload=p.fsdp_cpu_offload)
+
+
+def check_ac_blocks(cfg: JobConfig, args: ModelArgs) -> None:
+    """`activation_checkpoint.op_all_last` counts blocks of the model: at most its number of blocks."""
+    last = cfg.activation_checkpoint.op_all_last
+    if last > args.n_layers:
+        raise ConfigError(
+            f"activation_checkpoint.op_all_last = {last}: the {cfg.model.flavor} model has {args.n_layers} "
+            f"blocks; use 0..{args.n_layers}"
+        )
 
 
 class Trainer:

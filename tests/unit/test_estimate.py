@@ -502,3 +502,11 @@ def test_float8_output_projection_adds_the_eager_cast_of_the_logits_gradient():
     assert b_out.moments["output backward"]["float8"] == 8 * 16384 * 128256
     assert b.moments["output backward"]["float8"] == 0
     assert b_out.peak_phase == "output backward"
+
+
+def test_op_all_last_beyond_the_model_is_a_config_error(capsys):
+    ac = "--activation_checkpoint."
+    argv = ["--config", DEBUG, "--no-trace", ac + "mode", "selective", ac + "op_matmuls", "alternate",
+            ac + "op_all_last", "5"]  # fmt: skip
+    assert est_mod.main(argv) == 2
+    assert "op_all_last = 5: the debug model has 4 blocks; use 0..4" in capsys.readouterr().err

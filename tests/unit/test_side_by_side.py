@@ -137,10 +137,17 @@ def test_profile_option_configures_both_trainers_and_finds_their_traces(tmp_path
     tt = tmp_path / "tt_dump" / "8b_eager" / "profile_traces" / "iteration_8" / "rank0_trace.json"
     tr = tmp_path / "tr_dump" / "8b_eager+ac_alternate" / "profile" / "step-8" / "rank0.trace.json.gz"
     other_rank = tmp_path / "tr_dump" / "8b_eager" / "profile" / "step-8" / "rank1.trace.json.gz"
-    for p in (tt, tr, other_rank):
+    other_step = tmp_path / "tr_dump" / "8b_eager+ac_alternate" / "profile" / "step-4" / "rank0.trace.json.gz"
+    older_run = tmp_path / "tt_dump" / "8b_compile" / "profile_traces" / "iteration_8" / "rank0_trace.json"
+    for p in (tt, tr, other_rank, other_step, older_run):
         p.parent.mkdir(parents=True)
         p.write_text("{}")
-    assert sbs.traces(tmp_path) == [("torchtitan 8b_eager", tt), ("titanrush 8b_eager+ac_alternate", tr)]
+    names = {"8b_eager", "8b_eager+ac_alternate"}
+    assert sbs.traces(tmp_path, 8, names) == [
+        ("torchtitan 8b_eager, step 8", tt),
+        ("titanrush 8b_eager+ac_alternate, step 8", tr),
+    ]
+    assert len(sbs.traces(tmp_path, 8)) == 3  # without names: the older run's trace too
 
 
 def test_profile_and_snapshot_flags_are_checked(tmp_path):
@@ -148,6 +155,7 @@ def test_profile_and_snapshot_flags_are_checked(tmp_path):
     for extra, msg in (
         (["--profile", "5", "--memory-snapshot", "5"], "give one"),
         (["--profile", "50"], "must be in 4..--steps"),
+        (["--variants", "same,fast"], "unknown variants ['fast']"),
     ):
         out = subprocess.run(
             [sys.executable, script, "--out", str(tmp_path), "--steps", "10", "--dry-run", *extra],

@@ -160,7 +160,7 @@ def _check(cfg: JobConfig, ngpu: int) -> tuple[ParallelDims, ModelArgs, int, str
     """
     import torch
 
-    from titanrush.trainer import check_config, resolve_model_args
+    from titanrush.trainer import check_ac_blocks, check_config, resolve_model_args
 
     try:
         dims, args, accum = check_config(cfg, ngpu)
@@ -175,6 +175,7 @@ def _check(cfg: JobConfig, ngpu: int) -> tuple[ParallelDims, ModelArgs, int, str
     dims.check_model(
         n_heads=args.n_heads, n_kv_heads=args.kv_heads, n_layers=args.n_layers, seq_len=t.seq_len
     )
+    check_ac_blocks(cfg, args)
     per_step = t.local_batch_size * dims.dp
     gbs = per_step if t.global_batch_size == -1 else t.global_batch_size
     if gbs % per_step:
