@@ -53,7 +53,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from bench_runs import environment  # noqa: E402
 
 from titanrush import config as cfgmod  # noqa: E402
-from titanrush.tools.rush_runner import parse_with_overrides, read_metrics, run_child  # noqa: E402
+from titanrush.tools.rush_runner import detect_oom, parse_with_overrides, read_metrics, run_child  # noqa: E402
 
 SAVE_STEP = 2  # the measured save; the run has one more step
 MODES = ("disabled", "async", "async_pinned")
@@ -81,7 +81,7 @@ def launch(name: str, args: list[str], out: Path, ngpu: int, timeout: float) -> 
         row["status"] = "timeout"
     elif rc != 0:
         text = log.read_text(errors="replace")
-        row["status"] = "OOM" if "out of memory" in text or "OutOfMemoryError" in text else f"failed ({rc})"
+        row["status"] = "OOM" if detect_oom(text) else f"failed ({rc})"
     else:
         row["status"] = "ok"
     row["metrics"] = read_metrics(out / "runs" / name / "metrics.jsonl")  # a torn last line dropped

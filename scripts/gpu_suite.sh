@@ -36,26 +36,27 @@ PHASE=${1:?phase A to P}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT" /tmp/suite
+S=/tmp/suite  # every phase's logs and run folders
+mkdir -p "$OUT" $S
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > /tmp/suite/env.txt
-python3 -c "import torch; print('torch', torch.__version__)" >> /tmp/suite/env.txt
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $S/env.txt
+python3 -c "import torch; print('torch', torch.__version__)" >> $S/env.txt
 
 B1="--config train_configs/llama1b_single.toml"
 B8="--config train_configs/llama8b_fsdp.toml --training.steps 10"
 bench() {  # bench SECONDS OUTDIR NGPU STEPS WARMUP --run ... : one bench_runs.py call, its log beside it
   local limit=$1 out=$2 ngpu=$3 steps=$4 warmup=$5; shift 5
-  timeout "$limit" python3 scripts/bench_runs.py --out "/tmp/suite/$out" --ngpu "$ngpu" --steps "$steps" --warmup "$warmup" "$@" \
-    > "/tmp/suite/$out.log" 2>&1
-  cp "/tmp/suite/$out/results.md" "$OUT/$out.md" 2>/dev/null
+  timeout "$limit" python3 scripts/bench_runs.py --out "$S/$out" --ngpu "$ngpu" --steps "$steps" --warmup "$warmup" "$@" \
+    > "$S/$out.log" 2>&1
+  cp "$S/$out/results.md" "$OUT/$out.md" 2>/dev/null
 }
 if [ "$PHASE" = A ]; then
   # Stage 1, in parallel: the 1B single-GPU figures on GPUs 0 and 1, the GPU tests on GPUs 2-3.
   (CUDA_VISIBLE_DEVICES=2,3 timeout 300 python3 -m pytest tests/gpu -q -p no:cacheprovider \
-     > /tmp/suite/gpu_tests.txt 2>&1; cp /tmp/suite/gpu_tests.txt "$OUT/") &
+     > $S/gpu_tests.txt 2>&1; cp $S/gpu_tests.txt "$OUT/") &
   (CUDA_VISIBLE_DEVICES=0 bench 280 b1_gpu0 1 14 5 \
     --run "compile: $B1" \
     --run "compile_float8_tensorwise: $B1 --float8.enable" \
@@ -73,7 +74,6 @@ if [ "$PHASE" = A ]; then
     --run "fsdp2_tp2_compile: $B8 --parallelism.tp 2" \
     --run "cp2_fsdp2_compile: $B8 --parallelism.cp 2"
 elif [ "$PHASE" = C ]; then
-  S=/tmp/suite
   (CUDA_VISIBLE_DEVICES=0,1 timeout 330 python3 scripts/side_by_side.py --out $S/sbs1b --gpus 0,1 --repeats 1 \
      --rows 1b_eager,1b_compile,1b_compile_float8,1b_compile_b16 --steps 30 --measure-from 15 \
      > $S/sbs1b.log 2>&1; cp $S/sbs1b/results.md "$OUT/sbs1b.md") &
@@ -94,7 +94,6 @@ elif [ "$PHASE" = C ]; then
   timeout 280 python3 scripts/side_by_side.py --out $S/sbs8b --rows 8b_compile --variants ac_alternate \
      --steps 16 --measure-from 8 --timeout-per-run 140 > $S/sbs8b.log 2>&1; cp $S/sbs8b/results.md "$OUT/sbs8b.md"
 elif [ "$PHASE" = D ]; then
-  S=/tmp/suite
   (CUDA_VISIBLE_DEVICES=0,1 timeout 260 python3 scripts/side_by_side.py --out $S/sbs1b --gpus 0,1 --repeats 1 \
      --rows 1b_eager,1b_compile,1b_compile_float8,1b_compile_b16 --steps 24 --measure-from 12 \
      --timeout-per-run 120 > $S/sbs1b.log 2>&1; cp $S/sbs1b/results.md "$OUT/sbs1b.md") &
@@ -112,7 +111,6 @@ elif [ "$PHASE" = B ]; then
     --run "pp2_fsdp2_compile: $B8 --parallelism.pp 2 --training.local_batch_size 4" \
     --run "fsdp4_compile_float8: $B8 --float8.enable"
 elif [ "$PHASE" = F ]; then
-  S=/tmp/suite
   (CUDA_VISIBLE_DEVICES=2,3 timeout 200 python3 -m pytest tests/gpu/test_checkpoint_gpu.py -q -rs \
      -p no:cacheprovider > $S/gpu_tests_ckpt.txt 2>&1; cp $S/gpu_tests_ckpt.txt "$OUT/") &
   CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 scripts/side_by_side.py --out $S/sbs1b --gpus 0,1 --repeats 2 \
@@ -123,7 +121,6 @@ elif [ "$PHASE" = F ]; then
     --sweep-results docs/benchmarks/sweep/sweep8b_h200x4.jsonl --output $S/rushdist > $S/rushdist.log 2>&1
   cp $S/rushdist/report.md "$OUT/rushdist.md"; cp $S/rushdist/results.jsonl "$OUT/rushdist.jsonl"
 elif [ "$PHASE" = G ]; then
-  S=/tmp/suite
   mkdir -p /tmp/fa && cp .fa1/* /tmp/fa/ 2>/dev/null
   (CUDA_VISIBLE_DEVICES=2,3 timeout 270 python3 -m pytest tests/gpu/test_checkpoint_gpu.py -q -rs \
      -p no:cacheprovider > $S/gpu_tests_ckpt.txt 2>&1; cp $S/gpu_tests_ckpt.txt "$OUT/"
@@ -142,7 +139,6 @@ elif [ "$PHASE" = G ]; then
     >> $S/mem_peaks.txt 2>&1
   cp $S/mem_peaks.txt "$OUT/"; cp $S/snap1b/results.md "$OUT/snap1b.md" 2>/dev/null
 elif [ "$PHASE" = H ]; then
-  S=/tmp/suite
   cp .fa2/* /tmp/fa/ && cat /tmp/fa/cu13.part1 /tmp/fa/cu13.part2 > /tmp/fa/$(cat /tmp/fa/cu13.name) \
     && (cd /tmp/fa && sha256sum -c cu13.sha256) > $S/flash_install.txt 2>&1
   rm -f /tmp/fa/cu13.part*
@@ -165,7 +161,6 @@ elif [ "$PHASE" = H ]; then
   cp $S/rushdist/report.md "$OUT/rushdist.md"; cp $S/rushdist/results.jsonl "$OUT/rushdist.jsonl"
   cp $S/rushdist/*.png "$OUT/" 2>/dev/null
 elif [ "$PHASE" = I ]; then
-  S=/tmp/suite
   timeout 330 python3 scripts/side_by_side.py --out $S/sbs8b --rows 8b_eager,8b_compile_float8 \
      --steps 14 --measure-from 7 --timeout-per-run 100 > $S/sbs8b.log 2>&1; cp $S/sbs8b/results.md "$OUT/sbs8b.md"
   PROF="--profiling.enable --profiling.freq 8 --profiling.active_steps 2"
@@ -173,7 +168,6 @@ elif [ "$PHASE" = I ]; then
      --run "fsdp4_compile_profiled: $B8 $PROF"
   for f in $S/b8_i/runs/*/profile/step-*/rank0.summary.txt; do echo "== $f"; cat "$f"; done > "$OUT/profiles8b.txt" 2>/dev/null
 elif [ "$PHASE" = J ]; then
-  S=/tmp/suite
   (CUDA_VISIBLE_DEVICES=2,3 timeout 150 python3 -m pytest tests/gpu/test_attention_gpu.py \
      tests/gpu/test_context_parallel_gpu.py -q -rs -p no:cacheprovider > $S/gpu_tests_j.txt 2>&1
    cp $S/gpu_tests_j.txt "$OUT/") &
@@ -184,7 +178,6 @@ elif [ "$PHASE" = J ]; then
   timeout 330 python3 scripts/side_by_side.py --out $S/sbs8b --rows 8b_eager,8b_compile_float8 \
      --steps 14 --measure-from 7 --timeout-per-run 100 > $S/sbs8b.log 2>&1; cp $S/sbs8b/results.md "$OUT/sbs8b.md"
 elif [ "$PHASE" = K ]; then
-  S=/tmp/suite
   V="timeout 200 python3 scripts/validate_estimator.py --steps 8 --gpu-mem 139.8"
   R="--model.flavor 1B --data.dataset synthetic --training.seq_len 2048 --training.local_batch_size 4"
   R="$R --training.precision bf16 --optimizer.implementation fused --compile.enable true --training.global_batch_size -1"
@@ -202,7 +195,6 @@ elif [ "$PHASE" = K ]; then
   wait
   cat $S/val_tied/validation.md $S/val_untied/validation.md $S/val_dp/validation.md > "$OUT/validation.md" 2>/dev/null
 elif [ "$PHASE" = L ]; then
-  S=/tmp/suite
   L="--model.flavor 1B --data.dataset synthetic --training.seq_len 2048 --training.precision bf16"
   L="$L --model.attn_backend sdpa --optimizer.implementation fused --float8.enable false --training.global_batch_size -1"
   (CUDA_VISIBLE_DEVICES=1 timeout 150 python3 -m pytest tests/gpu/test_attention_gpu.py tests/gpu/test_float8_gpu.py \
@@ -217,7 +209,6 @@ elif [ "$PHASE" = L ]; then
      --variants ac_alternate --steps 14 --measure-from 7 --timeout-per-run 100 > $S/sbs8b.log 2>&1
   cp $S/sbs8b/results.md "$OUT/sbs8b.md"
 elif [ "$PHASE" = M ]; then
-  S=/tmp/suite
   # Both trainers' 8B at torchtitan's AC policy, eager and compiled, with a trace of step 9 of 10 each.
   timeout 290 python3 scripts/side_by_side.py --out $S/sbs8b_prof --rows 8b_eager,8b_compile --variants ac_alternate \
      --steps 10 --measure-from 5 --profile 9 --timeout-per-run 110 > $S/sbs8b_prof.log 2>&1
@@ -228,7 +219,6 @@ elif [ "$PHASE" = M ]; then
      --variants ac_none --steps 12 --measure-from 6 --timeout-per-run 100 > $S/sbs8b_best.log 2>&1
   cp $S/sbs8b_best/results.md "$OUT/sbs8b_best.md"
 elif [ "$PHASE" = N ]; then
-  S=/tmp/suite
   # 8B eager: the chunked loss's freed memory (torchtitan keeps fp32 logits) spent on keeping matmul outputs.
   timeout 230 python3 scripts/side_by_side.py --out $S/sbs8b_lean --rows 8b_eager --variants chunked_all,chunked_last24 \
      --steps 12 --measure-from 6 --timeout-per-run 75 > $S/sbs8b_lean.log 2>&1; cp $S/sbs8b_lean/results.md "$OUT/sbs8b_lean.md"
@@ -239,7 +229,6 @@ elif [ "$PHASE" = N ]; then
   timeout 150 python3 scripts/side_by_side.py --out $S/sbs8b_z2 --rows 8b_compile_float8 --variants ac_none_zero2 \
      --steps 12 --measure-from 6 --timeout-per-run 75 > $S/sbs8b_z2.log 2>&1; cp $S/sbs8b_z2/results.md "$OUT/sbs8b_z2.md"
 elif [ "$PHASE" = O ]; then
-  S=/tmp/suite
   SB="timeout 260 python3 scripts/side_by_side.py --repeats 1 --steps 20 --measure-from 10 --timeout-per-run 80"
   (CUDA_VISIBLE_DEVICES=0,1 $SB --out $S/sbs1b --gpus 0,1 --rows 1b_eager,1b_compile,1b_compile_float8,1b_compile_b16 \
      > $S/sbs1b.log 2>&1; cp $S/sbs1b/results.md "$OUT/sbs1b.md") &
@@ -252,12 +241,10 @@ elif [ "$PHASE" = O ]; then
      --steps 10 --measure-from 5 --profile 9 --timeout-per-run 85 > $S/sbs8b_prof.log 2>&1
   cp $S/sbs8b_prof/profiles.txt "$OUT/profiles8b.txt"
 elif [ "$PHASE" = P ]; then
-  S=/tmp/suite
   timeout 280 python3 scripts/side_by_side.py --out $S/sbs8b_best2 --rows 8b_compile_float8 \
      --variants ac_none_zero2,f8out_none_zero2 --steps 12 --measure-from 6 --timeout-per-run 85 > $S/sbs8b_best2.log 2>&1
   cp $S/sbs8b_best2/results.md "$OUT/sbs8b_best2.md"
 else  # E
-  S=/tmp/suite
   timeout 80 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider -k 4gpu > $S/gpu_tests_4.txt 2>&1
   cp $S/gpu_tests_4.txt "$OUT/"
   bench 70 b8_loss 4 6 2 --run "fsdp4_compile_chunked_loss: $B8 --training.loss chunked"
@@ -273,7 +260,7 @@ else  # E
   cp $S/rushdist/report.md "$OUT/rushdist.md"; cp $S/rushdist/results.jsonl "$OUT/rushdist.jsonl"
   cp $S/rushdist/*.png "$OUT/" 2>/dev/null
 fi
-cp /tmp/suite/env.txt "$OUT/"
+cp $S/env.txt "$OUT/"
 tar czf "$OUT/logs_$PHASE.tgz" --exclude='*.distcp' --exclude='tb' --exclude='*.trace.json.gz' --exclude='*_trace.json' \
   --exclude='corpus' --exclude='tokenizer' --exclude='*.pickle' -C /tmp suite 2>/dev/null
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null | tail -60

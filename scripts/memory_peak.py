@@ -41,7 +41,7 @@ import argparse
 import json
 import pickle
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -175,23 +175,24 @@ def _requested(block: dict[str, Any]) -> int:
     return block.get("requested_size", block["size"])
 
 
-def live_at_dump(snapshot: Snapshot, device: int) -> dict[int, Block]:
-    live = {}
+def _blocks_at_dump(snapshot: Snapshot, device: int, states: Iterable[str]) -> Iterator[tuple[int, dict]]:
+    """(address, block) of the device's blocks at the dump whose state is one of `states`."""
     for seg in device_segments(snapshot, device):
         for addr, b in _segment_blocks(seg):
-            if b["state"] in ALLOCATED_STATES:
-                live[addr] = Block(_requested(b), list(b.get("frames", [])))
-    return live
+            if b["state"] in states:
+                yield addr, b
+
+
+def live_at_dump(snapshot: Snapshot, device: int) -> dict[int, Block]:
+    return {
+        addr: Block(_requested(b), list(b.get("frames", [])))
+        for addr, b in _blocks_at_dump(snapshot, device, ALLOCATED_STATES)
+    }
 
 
 def rounded_allocated_at_dump(snapshot: Snapshot, device: int) -> int:
     """What torch.cuda.memory_allocated() would say: the allocator's block sizes, not the requested ones."""
-    return sum(
-        b["size"]
-        for seg in device_segments(snapshot, device)
-        for _, b in _segment_blocks(seg)
-        if b["state"] in ALLOCATED_STATES
-    )
+    return sum(b["size"] for _, b in _blocks_at_dump(snapshot, device, ALLOCATED_STATES))
 
 
 def reserved_at_dump(snapshot: Snapshot, device: int) -> int:
@@ -200,13 +201,7 @@ def reserved_at_dump(snapshot: Snapshot, device: int) -> int:
 
 def inactive_block_sizes(snapshot: Snapshot, device: int) -> list[int]:
     """Sizes of the free-but-reserved blocks at the dump, largest first (a fragmentation hint)."""
-    sizes = [
-        b["size"]
-        for seg in device_segments(snapshot, device)
-        for _, b in _segment_blocks(seg)
-        if b["state"] == "inactive"
-    ]
-    return sorted(sizes, reverse=True)
+    return sorted((b["size"] for _, b in _blocks_at_dump(snapshot, device, ("inactive",))), reverse=True)
 
 
 def pick_device(snapshot: Snapshot) -> int:
@@ -240,9 +235,15 @@ def alloc_frames_of_frees(trace: Sequence[Event]) -> dict[int, list[Frame]]:
 class Rewind:
     """The allocator's state, moved from the dump back to earlier points by undoing events."""
 
-    def __init__(self, trace: Sequence[Event], live: dict[int, Block], reserved: int) -> None:
+    def __init__(
+        self,
+        trace: Sequence[Event],
+        live: dict[int, Block],
+        reserved: int,
+        alloc_frames: dict[int, list[Frame]] | None = None,  # alloc_frames_of_frees(trace), if known
+    ) -> None:
         self.trace = trace
-        self.alloc_frames = alloc_frames_of_frees(trace)
+        self.alloc_frames = alloc_frames_of_frees(trace) if alloc_frames is None else alloc_frames
         self.live = dict(live)
         self.allocated = sum(b.size for b in live.values())
         self.reserved = reserved
@@ -289,8 +290,13 @@ class Timeline:
     inconsistent: int
 
 
-def timeline(trace: Sequence[Event], live: dict[int, Block], reserved: int) -> Timeline:
-    r = Rewind(trace, live, reserved)
+def timeline(
+    trace: Sequence[Event],
+    live: dict[int, Block],
+    reserved: int,
+    alloc_frames: dict[int, list[Frame]] | None = None,
+) -> Timeline:
+    r = Rewind(trace, live, reserved, alloc_frames)
     allocated, reserved_at = [r.allocated], [r.reserved]
     while r.point > 0:
         r.step_back()
@@ -317,10 +323,11 @@ def analyze(
     live = live_at_dump(snapshot, device)
     reserved = reserved_at_dump(snapshot, device)
 
-    tl = timeline(trace, live, reserved)
+    frames = alloc_frames_of_frees(trace)
+    tl = timeline(trace, live, reserved, frames)
     allocated_at, reserved_at = tl.allocated, tl.reserved
     peak_point = max(range(len(allocated_at)), key=lambda k: (allocated_at[k], -k))  # the first of equals
-    rewind = Rewind(trace, live, reserved)
+    rewind = Rewind(trace, live, reserved, frames)  # a second walk: a rewind cannot step forward again
     rewind.rewind_to(peak_point)
     peak_live = rewind.live
     peak = allocated_at[peak_point]

@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_runs import environment  # noqa: E402
 
-from titanrush.tools.rush_runner import child_env, kill_group, read_metrics, speedup  # noqa: E402
+from titanrush.tools.rush_runner import child_env, detect_oom, kill_group, read_metrics, speedup  # noqa: E402
 
 
 @dataclass
@@ -93,6 +93,7 @@ _8B_VARIANTS = {
     ],
 }
 _1B_VARIANTS = {"chunked": ["--training.loss", "chunked"]}  # no fp32 logits in eager either
+VARIANTS = ("same", *_1B_VARIANTS, *_8B_VARIANTS)
 ROWS = {
     r.name: r
     for r in [
@@ -311,10 +312,7 @@ def titanrush_args(row: Row) -> list[str]:
 
 def snapshot_args(step: int) -> list[str]:
     """titanrush's flags for a CUDA memory snapshot dumped after `step` (none for 0)."""
-    if not step:
-        return []
-    return ["--profiling.enable", "--profiling.memory_snapshot", "--profiling.freq", str(step),
-            "--profiling.active_steps", "1"]  # fmt: skip
+    return [*profile_args(step), "--profiling.memory_snapshot"] if step else []
 
 
 def profile_args(step: int) -> list[str]:
@@ -363,6 +361,15 @@ class Run:
     log: Path
     metrics: Path | None = None  # titanrush's metrics.jsonl
     result: dict = field(default_factory=dict)
+
+    @property
+    def tag(self) -> str:
+        return run_tag(self.row, self.variant)
+
+
+def run_tag(row: str, variant: str) -> str:
+    """A run's name: the row, with `+variant` for a titanrush variant (its job name and log name)."""
+    return row if variant in ("same", "-") else f"{row}+{variant}"
 
 
 def execute(run: Run, timeout: float, gpu: str | None = None) -> None:
@@ -415,7 +422,7 @@ def execute(run: Run, timeout: float, gpu: str | None = None) -> None:
             run.metrics.rename(run.metrics.with_name(f"metrics.gpu{gpu}.jsonl"))
     if rc == 0:
         status = "ok"
-    elif any(k in log_path.read_text(errors="replace") for k in ("out of memory", "OutOfMemoryError")):
+    elif detect_oom(log_path.read_text(errors="replace")):
         status = "OOM"
     else:
         status = "timeout" if time.monotonic() - t0 >= timeout else f"failed ({rc})"
@@ -547,9 +554,9 @@ def plan(rows: list[Row], trainers: list[str], a: argparse.Namespace, work: Path
         if "titanrush" in trainers:
             variants = {"same": [], **row.titanrush_variants}
             for variant, extra in variants.items():
-                if variant not in a.variants.split(","):
+                if variant not in a.variants:
                     continue
-                tag = row.name if variant == "same" else f"{row.name}+{variant}"
+                tag = run_tag(row.name, variant)
                 dump = work / "tr_dump"
                 args = [
                     *titanrush_args(row),
@@ -592,7 +599,7 @@ def main() -> int:
     ap.add_argument(
         "--variants",
         default="same,ac_alternate",
-        help="titanrush variants, from: same," + ",".join([*_1B_VARIANTS, *_8B_VARIANTS]),
+        help="titanrush variants, from: " + ",".join(VARIANTS),
     )
     ap.add_argument("--timeout-per-run", type=float, default=400)
     ap.add_argument(
@@ -616,10 +623,10 @@ def main() -> int:
         "--dry-run", action="store_true", help="write the configs, print the commands, run nothing"
     )
     a = ap.parse_args()
-    known = {"same", *_1B_VARIANTS, *_8B_VARIANTS}
-    bad = [v for v in a.variants.split(",") if v not in known]
+    a.variants = a.variants.split(",")
+    bad = [v for v in a.variants if v not in VARIANTS]
     if bad:
-        ap.error(f"unknown variants {bad}; choose from {', '.join(sorted(known))}")
+        ap.error(f"unknown variants {bad}; choose from {', '.join(VARIANTS)}")
     unknown = [r for r in a.rows.split(",") if r not in ROWS]
     if unknown:
         ap.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
@@ -682,10 +689,7 @@ def main() -> int:
     print(header)
     print(md)
     if a.profile:
-        names = {r.row for r in runs if r.trainer == "torchtitan"} | {
-            r.log.stem.removeprefix("tr_") for r in runs if r.trainer == "titanrush"
-        }
-        write_profiles(work, a.profile, names, a.top_kernels)
+        write_profiles(work, a.profile, {r.tag for r in runs}, a.top_kernels)
     return 0
 
 

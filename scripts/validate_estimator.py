@@ -48,8 +48,7 @@ def predict(args: list[str], ngpu: int, gpu_mem: float | None) -> dict:
     est = estimate(cfgmod.load(path, overrides), ngpu, gpu_mem)
     # The trainer's metrics.jsonl is rank 0's: with pipeline parallel, compare the first stage's prediction
     # (the estimate's peak is the largest over the pipeline ranks).
-    alloc = est.rank_peaks_gib[0] if est.rank_peaks_gib else est.peak_allocated_gib
-    slack = est.rank_slack_gib[0] if est.rank_slack_gib else est.allocator_slack_gib
+    alloc, slack = est.rank_peaks_gib[0], est.rank_slack_gib[0]
     return {
         "pred_alloc": alloc,
         "pred_reserved": alloc + slack,
