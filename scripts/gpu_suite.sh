@@ -30,9 +30,12 @@
 #   phase O: the 1B rows side by side (GPUs 0-1) beside the 1B eager with the chunked loss (GPUs 2-3); the
 #            8B eager with 30 blocks keeping every matmul; both trainers' compiled 8B profiled (synced)
 #   phase P: the 8B best row again beside float8 for the output projection too
+#   phase Q (2 GPUs): the host link's bandwidth, the activation offload GPU tests, then the 8B compiled on
+#            FSDP2 side by side (a proxy where 4 GPUs are not lent): torchtitan's AC policy, and the first
+#            blocks offloaded paying for the last ones keeping every matmul output
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to P}
+PHASE=${1:?phase A to Q}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -244,6 +247,14 @@ elif [ "$PHASE" = P ]; then
   timeout 280 python3 scripts/side_by_side.py --out $S/sbs8b_best2 --rows 8b_compile_float8 \
      --variants ac_none_zero2,f8out_none_zero2 --steps 12 --measure-from 6 --timeout-per-run 85 > $S/sbs8b_best2.log 2>&1
   cp $S/sbs8b_best2/results.md "$OUT/sbs8b_best2.md"
+elif [ "$PHASE" = Q ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout 60 python3 scripts/host_link.py > $S/host_link.txt 2>&1; cp $S/host_link.txt "$OUT/"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest tests/gpu/test_activation_offload_gpu.py -q -rs -s \
+     -p no:cacheprovider > $S/gpu_tests_offload.txt 2>&1; cp $S/gpu_tests_offload.txt "$OUT/"
+  timeout 330 python3 scripts/side_by_side.py --out $S/sbs8b_off --rows 8b_compile --ngpu 2 \
+     --variants ac_alternate,off8_last11,off12_last17 --steps 12 --measure-from 6 --timeout-per-run 100 \
+     > $S/sbs8b_off.log 2>&1
+  cp $S/sbs8b_off/results.md "$OUT/sbs8b_off.md"
 else  # E
   timeout 80 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider -k 4gpu > $S/gpu_tests_4.txt 2>&1
   cp $S/gpu_tests_4.txt "$OUT/"

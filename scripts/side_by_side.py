@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import dataclasses
 import json
 import os
 import re
@@ -86,6 +87,15 @@ _8B_VARIANTS = {
         *("--activation_checkpoint.mode", "none"),
         *("--parallelism.fsdp_reshard_after_forward", "never"),
     ],
+    # Activation offload: the first K blocks' saved tensors (every matmul output kept) wait in host
+    # memory, which pays for the last M blocks keeping every matmul output too (alternate elsewhere).
+    **{
+        f"off{k}_last{m}": [
+            *("--activation_checkpoint.op_matmuls", "alternate"),
+            *("--activation_checkpoint.op_all_last", str(m), "--activation_checkpoint.offload_first", str(k)),
+        ]
+        for k, m in ((6, 8), (8, 11), (10, 14), (12, 17))
+    },
     # ... and with float8 for the output projection too (torchtitan keeps it in bf16)
     "f8out_none_zero2": [
         *("--activation_checkpoint.mode", "none"),
@@ -601,6 +611,13 @@ def main() -> int:
         default="same,ac_alternate",
         help="titanrush variants, from: " + ",".join(VARIANTS),
     )
+    ap.add_argument(
+        "--ngpu",
+        type=int,
+        default=0,
+        help="run the multi-GPU rows on this many GPUs instead of theirs (a proxy where fewer are lent; the "
+        "header names the count)",
+    )
     ap.add_argument("--timeout-per-run", type=float, default=400)
     ap.add_argument(
         "--memory-snapshot",
@@ -631,6 +648,9 @@ def main() -> int:
     if unknown:
         ap.error(f"unknown rows {unknown}; choose from {', '.join(ROWS)}")
     rows = [ROWS[r] for r in a.rows.split(",")]
+    if a.ngpu:
+        rows = [dataclasses.replace(r, ngpu=a.ngpu) if r.ngpu > 1 else r for r in rows]
+    ngpu = {r.name: r.ngpu for r in rows}
     if a.profile and a.memory_snapshot:
         ap.error("--profile and --memory-snapshot share each trainer's profiling settings: give one")
     if a.profile and not 4 <= a.profile <= a.steps:
@@ -666,7 +686,7 @@ def main() -> int:
     while pending:
         run = pending.pop(0)
         partner = next((p for p in pending if p.row == run.row and p.trainer != run.trainer), None)
-        if len(gpus) >= 2 and ROWS[run.row].ngpu == 1 and partner is not None:
+        if len(gpus) >= 2 and ngpu[run.row] == 1 and partner is not None:
             pending.remove(partner)
             for order in range(a.repeats):  # with 2: each trainer on each GPU once
                 pair = [(run, gpus[order]), (partner, gpus[1 - order])]

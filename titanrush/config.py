@@ -183,6 +183,11 @@ class ActivationCheckpoint:
     """selective `op` with op_matmuls = alternate: the last N blocks keep every matmul output anyway.
     Spends memory freed elsewhere (e.g. by training.loss = chunked) on less recomputation, a block at a
     time; `titanrush estimate` says how many fit. 0: every block alternates."""
+    offload_first: int = 0
+    """The model's first N blocks are not checkpointed; what they save for backward waits in pinned host
+    memory instead (copied on a side stream during forward, fetched back two blocks ahead in backward).
+    Trades host-link traffic for GPU memory and recomputation; needs a CUDA GPU. Takes precedence over
+    the other keys for those blocks; `titanrush estimate` gives the memory and the traffic. 0: off."""
 
 
 @dataclass
@@ -564,6 +569,10 @@ def validate(cfg: JobConfig) -> None:
         )
     if ac.op_all_last < 0:
         raise ConfigError(f"activation_checkpoint.op_all_last = {ac.op_all_last}: use 0 or a positive count")
+    if ac.offload_first < 0:
+        raise ConfigError(
+            f"activation_checkpoint.offload_first = {ac.offload_first}: use 0 or a positive count"
+        )
     if ac.op_all_last and not (ac.mode == "selective" and sel == "op" and ac.op_matmuls == "alternate"):
         raise ConfigError(
             f"activation_checkpoint.op_all_last = {ac.op_all_last} only applies to selective op "

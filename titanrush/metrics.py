@@ -158,6 +158,7 @@ _FORMATS = [
     ("mem_active_gib", "mem {:.2f}GiB"),
     ("mem_active_pct", "({:.0f}%)"),
     ("mem_reserved_gib", "reserved {:.2f}GiB"),
+    ("offload_gib", "offload {:.1f}GiB"),
     ("data_wait_pct", "data {:.1f}%"),
     ("step_time", "step {:.3f}s"),
     ("ckpt_mode", "checkpoint ({})"),

@@ -124,6 +124,11 @@ def check_config(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, ModelAr
             raise ConfigError("parallelism.cp > 1 with parallelism.pp > 1 is not supported yet")
     _check_combinations(cfg, dims, args)
     _check_attention(cfg.model.attn_backend)
+    if cfg.activation_checkpoint.offload_first and not torch.cuda.is_available():
+        raise ConfigError(
+            "activation_checkpoint.offload_first needs a CUDA GPU (it moves activations to host memory); "
+            "set it to 0 here"
+        )
     if cfg.float8.enable and cfg.training.precision != "bf16":
         raise ConfigError("float8.enable needs training.precision = 'bf16'")
     if cfg.compile.enable is False and p.async_tp:
@@ -174,13 +179,15 @@ def _check_combinations(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> 
 
 
 def check_ac_blocks(cfg: JobConfig, args: ModelArgs) -> None:
-    """`activation_checkpoint.op_all_last` counts blocks of the model: at most its number of blocks."""
-    last = cfg.activation_checkpoint.op_all_last
-    if last > args.n_layers:
-        raise ConfigError(
-            f"activation_checkpoint.op_all_last = {last}: the {cfg.model.flavor} model has {args.n_layers} "
-            f"blocks; use 0..{args.n_layers}"
-        )
+    """`activation_checkpoint.op_all_last` and `offload_first` count blocks of the model: at most its
+    number of blocks."""
+    ac = cfg.activation_checkpoint
+    for key, count in (("op_all_last", ac.op_all_last), ("offload_first", ac.offload_first)):
+        if count > args.n_layers:
+            raise ConfigError(
+                f"activation_checkpoint.{key} = {count}: the {cfg.model.flavor} model has {args.n_layers} "
+                f"blocks; use 0..{args.n_layers}"
+            )
 
 
 class Trainer:
@@ -230,6 +237,7 @@ class Trainer:
                 ac=cfg.activation_checkpoint,
                 float8=cfg.float8,
                 precision=cfg.training.precision,
+                device=self.device,
             )
 
         self.pipeline: PipelinedLlama | None = None
@@ -251,6 +259,7 @@ class Trainer:
         else:
             model = parallelize(model)
             self.model_parts = [model]
+        self.offloaders = [o for p in self.model_parts if (o := getattr(p, "activation_offloader", None))]
         # FSDP's CPU offload keeps the sharded parameters in host memory (buffers stay on the device).
         param_device = torch.device("cpu") if cfg.parallelism.fsdp_cpu_offload else self.device
         for part in self.model_parts:
@@ -531,6 +540,8 @@ class Trainer:
             self.step += 1
             if t.gc_freq > 0 and self.step % t.gc_freq == 0:
                 gc.collect(1)
+            for offloader in self.offloaders:  # the traffic of the step about to run
+                offloader.bytes_offloaded = 0
             loss, grad_norm, data_wait = self.train_step(data_iter)
             self.profiler.step()
             throughput.add(self.tokens_per_gpu_step, data_wait)
@@ -550,6 +561,8 @@ class Trainer:
                     "mem_active_pct": mem.active_pct,
                     "mem_reserved_pct": mem.reserved_pct,
                 }
+                if self.offloaders:  # activation offload: GiB this rank moved to the host (and back)
+                    record["offload_gib"] = sum(o.bytes_offloaded for o in self.offloaders) / 2**30
                 self.metrics.log(self.step, record)
                 throughput.reset()
             if self.cfg.validation.freq and self.step % self.cfg.validation.freq == 0:

@@ -84,7 +84,14 @@ def wrap_block(block: nn.Module, *, selective_op: bool = False, op_matmuls: str 
 
 
 def apply_ac(
-    model: nn.Module, *, mode: str, selective: str = "op", op_matmuls: str = "all", op_all_last: int = 0
+    model: nn.Module,
+    *,
+    mode: str,
+    selective: str = "op",
+    op_matmuls: str = "all",
+    op_all_last: int = 0,
+    offload_first: int = 0,
+    compiled: bool = False,
 ) -> None:
     """Wrap the transformer blocks of `model.layers` for activation checkpointing, in place.
 
@@ -98,14 +105,22 @@ def apply_ac(
         op_matmuls: With `op`: `all` keeps every matmul output, `alternate` every other one.
         op_all_last: With `op` and `alternate`: the last N blocks of the whole model (by their global
             index, the key in `model.layers`; `model.args.n_layers` blocks in all) keep every matmul output.
+        offload_first: The model's first N blocks (global indices), whose saved tensors activation
+            offload moves to the host (`activation_offload.apply_offload`), whatever `mode` says: with
+            `compiled`, selective `op` keeping every matmul output (the compiled block's saved tensors are
+            what the policy keeps, so the offload moves those and the block recomputes no matmul);
+            in eager left unwrapped (the checkpoint keeps its tensors out of reach of the offload's hooks).
+        compiled: Whether the blocks will be compiled (see `offload_first`).
 
     Raises:
         ConfigError: An unknown mode, or a `selective` value that is neither `op` nor a positive integer.
     """
-    if mode == "none":
+    if mode == "none" and not (offload_first and compiled):
         return
-    if mode == "full":
-        wrap: Callable[[int, str, nn.Module], nn.Module | None] = lambda i, name, b: wrap_block(b)
+    if mode in ("none", "full"):
+        wrap: Callable[[int, str, nn.Module], nn.Module | None] = lambda i, name, b: (
+            wrap_block(b) if mode == "full" else None
+        )
     elif mode == "selective" and selective == "op":
         if op_matmuls not in ("all", "alternate"):
             raise ConfigError(f"activation_checkpoint.op_matmuls = {op_matmuls!r}: use all or alternate")
@@ -124,7 +139,10 @@ def apply_ac(
     else:
         raise ConfigError(f"activation_checkpoint.mode = {mode!r}: use none, full or selective")
     for i, (name, block) in enumerate(list(model.layers.items())):
-        wrapped = wrap(i, name, block)
+        if int(name) < offload_first:
+            wrapped = wrap_block(block, selective_op=True, op_matmuls="all") if compiled else None
+        else:
+            wrapped = wrap(i, name, block)
         if wrapped is not None:
             model.layers.register_module(name, wrapped)
 

@@ -1,6 +1,6 @@
 """The ONE place that fixes the order of parallelisms for the Llama, and its tensor-parallel plan.
 
-Order: float8 -> TP -> CP -> AC -> compile -> FSDP/HSDP or DDP, because
+Order: float8 -> TP -> CP -> AC -> compile -> FSDP/HSDP or DDP -> activation offload, because
 - float8 swaps `nn.Linear` for float8 linears, which the TP styles and FSDP then shard as they are;
 - TP rewrites parameters into DTensors on the `tp` mesh, which FSDP then shards again over `dp` (2-D);
 - CP is applied per step by the trainer (sequence-sharded batch, ring attention in SDPA), so here it
@@ -8,7 +8,9 @@ Order: float8 -> TP -> CP -> AC -> compile -> FSDP/HSDP or DDP, because
 - AC wraps each block, and compile then traces the checkpointed block (so the recomputation is
   compiled too);
 - FSDP/DDP go last: their hooks wrap the outermost block modules (outside the compiled graphs), and
-  FSDP must see the final parameters (after TP) to shard them.
+  FSDP must see the final parameters (after TP) to shard them;
+- activation offload hooks each block last: FSDP's forward hooks must have gathered the parameters
+  before it sorts what a block saves into parameters (left alone) and activations (moved to the host).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from torch.distributed.tensor.parallel import (
 from titanrush.config import ActivationCheckpoint, Compile, ConfigError, Float8, Parallelism
 from titanrush.models.llama.attention import uses_graph_break
 from titanrush.parallel.activation_checkpoint import apply_ac
+from titanrush.parallel.activation_offload import apply_offload
 from titanrush.parallel.compile import apply_compile
 from titanrush.parallel.ddp import apply_ddp
 from titanrush.parallel.float8 import apply_float8
@@ -55,6 +58,7 @@ def parallelize_llama(
     ac: ActivationCheckpoint,
     float8: Float8,
     precision: str,
+    device: torch.device | None = None,
 ) -> nn.Module:
     """Apply float8, TP, CP, AC, compile and FSDP/HSDP or DDP to a Llama, in that order, in place.
 
@@ -69,6 +73,7 @@ def parallelize_llama(
         ac: The `[activation_checkpoint]` section.
         float8: The `[float8]` section.
         precision: `fp32`, or `bf16` (FSDP then all-gathers bf16 parameters and reduces in fp32).
+        device: The device the model will compute on (activation offload copies to and from it).
 
     Returns:
         The same model, changed in place.
@@ -114,7 +119,13 @@ def parallelize_llama(
 
     # 4-5. Activation checkpointing, then compile (which traces the checkpointed blocks).
     apply_ac(
-        model, mode=ac.mode, selective=ac.selective, op_matmuls=ac.op_matmuls, op_all_last=ac.op_all_last
+        model,
+        mode=ac.mode,
+        selective=ac.selective,
+        op_matmuls=ac.op_matmuls,
+        op_all_last=ac.op_all_last,
+        offload_first=ac.offload_first,
+        compiled=compile.enable,
     )
     if compile.enable:
         backend = model.args.attn_backend
@@ -136,6 +147,13 @@ def parallelize_llama(
         )
     elif mesh is not None and dims.ddp_enabled:
         apply_ddp(model, mesh["dp_replicate"])
+
+    # 7. Activation offload of the first blocks (left unwrapped by AC above): its hooks go after FSDP's,
+    #    which gather a block's parameters before the offload decides what to leave on the GPU.
+    if ac.offload_first:  # (the trainer reads its traffic from the attribute)
+        model.activation_offloader = apply_offload(
+            model, ac.offload_first, device or torch.device("cuda", torch.cuda.current_device())
+        )
     return model
 
 
