@@ -248,11 +248,11 @@ elif [ "$PHASE" = P ]; then
      --variants ac_none_zero2,f8out_none_zero2 --steps 12 --measure-from 6 --timeout-per-run 85 > $S/sbs8b_best2.log 2>&1
   cp $S/sbs8b_best2/results.md "$OUT/sbs8b_best2.md"
 elif [ "$PHASE" = Q ]; then
-  CUDA_VISIBLE_DEVICES=0 timeout 60 python3 scripts/host_link.py > $S/host_link.txt 2>&1; cp $S/host_link.txt "$OUT/"
-  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest tests/gpu/test_activation_offload_gpu.py -q -rs -s \
+  CUDA_VISIBLE_DEVICES=0 timeout 40 python3 scripts/host_link.py > $S/host_link.txt 2>&1; cp $S/host_link.txt "$OUT/"
+  CUDA_VISIBLE_DEVICES=0 timeout 100 python3 -m pytest tests/gpu/test_activation_offload_gpu.py -q -rs -s \
      -p no:cacheprovider > $S/gpu_tests_offload.txt 2>&1; cp $S/gpu_tests_offload.txt "$OUT/"
-  timeout 330 python3 scripts/side_by_side.py --out $S/sbs8b_off --rows 8b_compile --ngpu 2 \
-     --variants ac_alternate,off8_last11,off12_last17 --steps 12 --measure-from 6 --timeout-per-run 100 \
+  timeout 420 python3 scripts/side_by_side.py --out $S/sbs8b_off --rows 8b_compile --ngpu 2 \
+     --variants ac_alternate,off12_last14,off12_last17,off16_last22 --steps 12 --measure-from 6 --timeout-per-run 100 \
      > $S/sbs8b_off.log 2>&1
   cp $S/sbs8b_off/results.md "$OUT/sbs8b_off.md"
 else  # E

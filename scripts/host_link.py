@@ -45,28 +45,38 @@ def main() -> None:
     side = torch.cuda.Stream()
     gb = n * numel * 2 / 1e9
     x = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    reps = 20
     for _ in range(2):  # warm-up
         copies(gpu, host, side).synchronize()
         matmuls(x, 5)
     d2h = gb / timed(lambda: copies(gpu, host, side).synchronize())
     h2d = gb / timed(lambda: copies(host, gpu, side).synchronize())
+    per_mm = timed(lambda: matmuls(x, 20)) / 20
+    reps = max(20, round(gb / min(d2h, h2d) / per_mm))  # matmuls lasting about as long as the copies
     alone = timed(lambda: matmuls(x, reps))
     tflops = 2 * 8192**3 * reps / alone / 1e12
-
-    def both(src, dst):
-        ev = copies(src, dst, side)
-        matmuls(x, reps)
-        ev.synchronize()
-
-    beside_d2h = timed(lambda: both(gpu, host))
-    beside_h2d = timed(lambda: both(host, gpu))
     name = torch.cuda.get_device_name()
     print(f"{name}, torch {torch.__version__}, {gb:.1f} GB in {a.chunk_mib} MiB chunks")
     print(f"pinned copies alone: device->host {d2h:.1f} GB/s, host->device {h2d:.1f} GB/s")
     print(f"bf16 matmuls (8192^3) alone: {alone * 1e3:.0f} ms for {reps} ({tflops:.0f} TFLOP/s)")
-    for way, t in (("device->host", beside_d2h), ("host->device", beside_h2d)):
-        print(f"{reps} matmuls beside {gb:.1f} GB {way}: {t * 1e3:.0f} ms ({t / alone:.3f}x alone)")
+    for way, src, dst in (("device->host", gpu, host), ("host->device", host, gpu)):
+        torch.cuda.synchronize()
+        start = torch.cuda.Event(enable_timing=True)
+        mm_end = torch.cuda.Event(enable_timing=True)
+        copy_end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        side.wait_event(start)
+        with torch.cuda.stream(side):
+            for s_, d_ in zip(src, dst):
+                d_.copy_(s_, non_blocking=True)
+            copy_end.record()
+        matmuls(x, reps)
+        mm_end.record()
+        torch.cuda.synchronize()
+        mm_s, copy_s = start.elapsed_time(mm_end) / 1e3, start.elapsed_time(copy_end) / 1e3
+        print(
+            f"beside each other, {way}: copies {gb / copy_s:.1f} GB/s, matmuls {mm_s * 1e3:.0f} ms "
+            f"({mm_s / alone:.3f}x alone)"
+        )
 
 
 if __name__ == "__main__":

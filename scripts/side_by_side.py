@@ -94,7 +94,7 @@ _8B_VARIANTS = {
             *("--activation_checkpoint.op_matmuls", "alternate"),
             *("--activation_checkpoint.op_all_last", str(m), "--activation_checkpoint.offload_first", str(k)),
         ]
-        for k, m in ((6, 8), (8, 11), (10, 14), (12, 17))
+        for k, m in ((6, 8), (8, 11), (10, 14), (12, 14), (12, 17), (16, 22))
     },
     # ... and with float8 for the output projection too (torchtitan keeps it in bf16)
     "f8out_none_zero2": [
@@ -537,8 +537,14 @@ def plan(rows: list[Row], trainers: list[str], a: argparse.Namespace, work: Path
         tt_path = str(compat)
     except ImportError:  # the stand-in (torchtitan_compat/shim/datasets) goes on the path
         tt_path = f"{compat}:{compat / 'shim'}"
-    tt_env = child_env(PYTHONPATH=os.pathsep.join(p for p in (tt_path, os.environ.get("PYTHONPATH")) if p))
-    tr_env = child_env()
+    # Both trainers get the same allocator: `expandable`, as both launchers set it (torchtitan's
+    # run_train.sh exports it; titanrush's trainer sets it by default); `default`, neither (the issue's
+    # reference figures and this script's runs before 2026-11-21's offload work).
+    alloc = {"PYTORCH_ALLOC_CONF": "expandable_segments:True"} if a.allocator == "expandable" else {}
+    tt_path = os.pathsep.join(p for p in (tt_path, os.environ.get("PYTHONPATH")) if p)
+    tt_env = child_env(PYTHONPATH=tt_path, **alloc)
+    tr_env = child_env(**alloc)
+    tr_alloc = [] if alloc else ["--training.expandable_segments", "false"]
     for row in rows:
         if "torchtitan" in trainers:
             toml = work / f"tt_{row.name}.toml"
@@ -570,6 +576,7 @@ def plan(rows: list[Row], trainers: list[str], a: argparse.Namespace, work: Path
                 dump = work / "tr_dump"
                 args = [
                     *titanrush_args(row),
+                    *tr_alloc,
                     *extra,
                     *snapshot_args(a.memory_snapshot),
                     *profile_args(a.profile),
@@ -617,6 +624,13 @@ def main() -> int:
         default=0,
         help="run the multi-GPU rows on this many GPUs instead of theirs (a proxy where fewer are lent; the "
         "header names the count)",
+    )
+    ap.add_argument(
+        "--allocator",
+        choices=("expandable", "default"),
+        default="expandable",
+        help="the CUDA caching allocator of both trainers: expandable segments (both launchers' setting) "
+        "or PyTorch's default (the issue's reference figures)",
     )
     ap.add_argument("--timeout-per-run", type=float, default=400)
     ap.add_argument(
@@ -702,7 +716,8 @@ def main() -> int:
     md = ratio_table(results)
     header = (
         f"{env['date']}, {env['gpus']} x {env['device']}, torch {env['torch']}, titanrush commit "
-        f"{env['commit']}, torchtitan {_tt_version()}; {a.steps} steps, means over steps >= {a.measure_from}"
+        f"{env['commit']}, torchtitan {_tt_version()}; {a.steps} steps, means over steps >= "
+        f"{a.measure_from}; allocator: {a.allocator}"
     )
     commands = "\n".join(f"- {r['trainer']} {r['row']} ({r['variant']}): `{r['command']}`" for r in results)
     (work / "results.md").write_text(f"{header}\n\n{md}\n\nCommands:\n\n{commands}\n")

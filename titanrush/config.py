@@ -76,6 +76,10 @@ class Training:
     """Cross-entropy: plain (full fp32 logits) or chunked (over token chunks, never all logits at once)."""
     loss_chunk_size: int = 4096
     """Tokens per chunk when training.loss = chunked."""
+    expandable_segments: bool = True
+    """CUDA: let the caching allocator grow its segments in place (`expandable_segments:True`, as
+    torchtitan's launcher sets it): far less memory reserved beyond what is allocated. Ignored where the
+    PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF environment variable is set (that wins)."""
     gc_freq: int = 50
     """Run Python's garbage collector every N steps (it is disabled in between); 0 leaves it automatic."""
 

@@ -190,6 +190,20 @@ def check_ac_blocks(cfg: JobConfig, args: ModelArgs) -> None:
             )
 
 
+def set_allocator(*, expandable: bool) -> None:
+    """The CUDA caching allocator's segments: expandable unless the environment configures the allocator."""
+    env = [k for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF") if os.environ.get(k)]
+    if env:
+        logger.info(f"allocator: {env[0]}={os.environ[env[0]]} (training.expandable_segments not applied)")
+        return
+    setting = f"expandable_segments:{expandable}"
+    set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.12
+    if set_settings is not None:
+        set_settings(setting)
+    else:
+        torch.cuda.memory._set_allocator_settings(setting)
+
+
 class Trainer:
     """Owns the model, optimizer, data and metrics of one run."""
 
@@ -202,6 +216,7 @@ class Trainer:
         self.dims, self.model_args, self.accum = check_config(cfg, self.world_size)
         if torch.cuda.is_available():
             self.device = torch.device("cuda", local_rank)
+            set_allocator(expandable=cfg.training.expandable_segments)
             torch.cuda.set_device(self.device)
         else:
             self.device = torch.device("cpu")

@@ -17,8 +17,9 @@ from titanrush.trainer import Trainer
 
 
 def step(offload_first: int):
-    """One compiled bf16 step of an 8-block Llama (1B widths) keeping every matmul output: loss, gradients,
-    peak allocated bytes over forward and backward, bytes offloaded."""
+    """Steps of a compiled bf16 8-block Llama (1B widths) keeping every matmul output, the first blocks
+    offloaded: loss, gradients, peak allocated bytes over a step, allocated bytes after a forward whose
+    copies are done, and bytes offloaded in a step."""
     device = torch.device("cuda")
     torch.manual_seed(0)
     args = model_args("1B", n_layers=8, vocab_size=8192, tie_embeddings=False)
@@ -29,9 +30,9 @@ def step(offload_first: int):
     model.to_empty(device=device)
     model.init_weights(seed=1, buffer_device=device)
     offloader = apply_offload(model, offload_first, device)
-    tokens = torch.randint(0, args.vocab_size, (4, 2048), device=device, generator=None)
-    loss_fn = torch.nn.functional.cross_entropy
-    for _ in range(2):  # the first step compiles and allocates the pinned buffers
+    tokens = torch.randint(0, args.vocab_size, (4, 2048), device=device)
+    out = {}
+    for i in range(3):  # 0: compiles and allocates the pinned buffers; 1: the peak; 2: after forward
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -40,29 +41,41 @@ def step(offload_first: int):
             offloader.bytes_offloaded = 0
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = model(tokens)
-        loss = loss_fn(logits.flatten(0, 1).float(), tokens.flatten())
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
         del logits
+        if i == 2:
+            torch.cuda.synchronize()  # every copy out is done: the next release drops every device tensor
+            if offloader is not None:
+                offloader._release(wait=False)
+            out["after_forward"] = torch.cuda.memory_allocated() - base
         loss.backward()
         torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    grads = {_canonical(n): p.grad.clone() for n, p in model.named_parameters()}
-    return loss.item(), grads, peak, offloader.bytes_offloaded if offloader else 0
+        if i == 1:
+            out["peak"] = torch.cuda.max_memory_allocated() - base
+            out["moved"] = offloader.bytes_offloaded if offloader else 0
+            out["loss"] = loss.item()
+            out["grads"] = {_canonical(n): p.grad.clone() for n, p in model.named_parameters()}
+    return out
 
 
 def test_offload_same_gradients_less_memory():
-    loss, grads, peak, _ = step(0)
-    loss_off, grads_off, peak_off, moved = step(4)
-    assert loss_off == loss
-    for name, g in grads.items():
-        torch.testing.assert_close(grads_off[name], g, rtol=0, atol=0, msg=name)
-    # Half the blocks' saved tensors wait on the host at the peak (the end of forward): the peak falls
-    # by most of what they moved (their copies out may still be finishing as forward ends).
-    gib = 1 << 30
+    ref, off = step(0), step(4)
+    assert off["loss"] == ref["loss"]
+    for name, g in ref["grads"].items():
+        # The embedding's backward accumulates with atomics: its order (and last bits) varies run to run.
+        exact = 0 if "tok_embeddings" not in name else None
+        torch.testing.assert_close(off["grads"][name], g, rtol=exact, atol=exact, msg=name)
+    gib, moved = 1 << 30, off["moved"]
     assert moved > 4 * 0.2 * gib, f"moved only {moved / gib:.2f} GiB"
-    assert peak - peak_off > 0.6 * moved, (
-        f"peak {peak / gib:.2f} -> {peak_off / gib:.2f} GiB for {moved / gib:.2f} GiB moved"
+    # Once the copies are done, the offloaded blocks hold nothing on the device.
+    freed = ref["after_forward"] - off["after_forward"]
+    assert freed > 0.95 * moved, f"{freed / gib:.2f} GiB freed after forward for {moved / gib:.2f} GiB moved"
+    # At the peak (the end of forward, the copies racing the last blocks) most of it is free too.
+    print(
+        f"moved {moved / gib:.2f} GiB; after forward {ref['after_forward'] / gib:.2f} -> "
+        f"{off['after_forward'] / gib:.2f} GiB; peak {ref['peak'] / gib:.2f} -> {off['peak'] / gib:.2f} GiB"
     )
-    print(f"peak {peak / gib:.2f} GiB -> {peak_off / gib:.2f} GiB, {moved / gib:.2f} GiB moved each way")
+    assert ref["peak"] - off["peak"] > 0.5 * moved
 
 
 def test_the_trainer_offloads_on_cuda(tmp_path):

@@ -3,9 +3,11 @@ backward, instead of on the GPU or being recomputed.
 
 A block chosen for offload is not checkpointed. While it runs forward, a `saved_tensors_hooks` context
 catches every tensor autograd saves for its backward (under compile: what the compiled block's
-partitioner keeps) and copies it to pinned host memory on a side stream; the GPU copy is freed once that
-copy is done, while later blocks compute. In backward each block, offloaded or not, starts the copies
-back of the offloaded blocks that come `ahead` blocks after it, so they arrive while it computes.
+partitioner keeps) and copies it to pinned host memory on a side stream; the GPU tensor is released
+once that copy is done (polled as later blocks start; backward waits for any still running), so its
+memory goes straight back to the compute stream's pool. In backward each block, offloaded or not,
+starts the copies back of the offloaded blocks that come `ahead` blocks after it, so they arrive while
+it computes.
 
 Left on the GPU: parameters (FSDP frees and re-gathers them itself), tensor subclasses (DTensor,
 float8), tensors with gaps in their storage and tensors below `min_bytes`. The copies spend host-link
@@ -44,6 +46,8 @@ class _Group:
     def __init__(self, call: int, position: int) -> None:
         self.call, self.position = call, position
         self.saved: list[weakref.ref[_Saved]] = []
+        self.stash: list[torch.Tensor] = []  # the device tensors being copied out (CUDA)
+        self.copied: Any = None  # the side stream's event after the copies out (CUDA)
         self.ready: Any = None  # the side stream's event after the fetch (CUDA)
         self.fetched = False
 
@@ -67,6 +71,7 @@ class ActivationOffloader:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._calls = itertools.count()
         self._groups: dict[int, _Group] = {}  # by call number, offloaded calls only
+        self._copying: list[_Group] = []  # groups whose device tensors wait for their copies out
         self._positions: dict[int, int] = {}  # call number -> block position, every call
         self.bytes_offloaded = 0  # since the last `reset_stats`: the traffic each way
 
@@ -76,6 +81,7 @@ class ActivationOffloader:
         state: dict[str, Any] = {}
 
         def pre(module: nn.Module, args: Any) -> None:
+            self._release(wait=False)
             call = next(self._calls)
             state["call"] = call
             self._positions[call] = position
@@ -88,12 +94,16 @@ class ActivationOffloader:
                     lambda t: self._pack(t, group, keep), self._unpack
                 )
                 ctx.__enter__()
-                state["ctx"] = ctx
+                state["ctx"], state["group"] = ctx, group
 
         def post(module: nn.Module, args: Any, output: Any) -> None:
             ctx = state.pop("ctx", None)
             if ctx is not None:
                 ctx.__exit__(None, None, None)
+                group = state.pop("group")
+                if group.stash:
+                    group.copied = self.stream.record_event()
+                    self._copying.append(group)
             call = state.pop("call")
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(lambda grad: self._before_backward(call))
@@ -109,7 +119,7 @@ class ActivationOffloader:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.stream):
                 host.copy_(t, non_blocking=True)
-            t.record_stream(self.stream)  # its memory is reused only after the copy
+            group.stash.append(t)  # released after the copy (`_release`)
         else:
             host = t.detach().clone()
         saved = _Saved(group, host)
@@ -126,9 +136,25 @@ class ActivationOffloader:
             and t.untyped_storage().data_ptr() not in keep
         )
 
+    def _release(self, *, wait: bool) -> None:
+        """Drop the device tensors whose copies out are done (`wait`: all of them, the compute stream
+        waiting for the copies). Freed on the compute stream after the copy, their memory is at once
+        reusable there (record_stream instead would hold it until the allocator next polls the events)."""
+        still = []
+        for group in self._copying:
+            if wait:
+                torch.cuda.current_stream(self.device).wait_event(group.copied)
+            elif not group.copied.query():
+                still.append(group)
+                continue
+            group.stash.clear()
+        self._copying = still
+
     # -- backward ------------------------------------------------------------------------------------------
     def _before_backward(self, call: int) -> None:
         """Block `call` starts its backward: fetch the offloaded calls up to `ahead` blocks before it."""
+        if self._copying:
+            self._release(wait=True)
         position = self._positions.pop(call, None)
         if position is None:
             return
@@ -161,6 +187,8 @@ class ActivationOffloader:
             return packed
         saved: _Saved = packed
         group = saved.group
+        if self._copying:
+            self._release(wait=True)
         if saved.device is None:  # not fetched ahead (the first offloaded block of the backward), or again
             self._fetch(group.live() if not saved.used else [saved])
             group.fetched = True
