@@ -30,7 +30,7 @@
 #   phase O: the 1B rows side by side (GPUs 0-1) beside the 1B eager with the chunked loss (GPUs 2-3); the
 #            8B eager with 30 blocks keeping every matmul; both trainers' compiled 8B profiled (synced)
 #   phase P: the 8B best row again beside float8 for the output projection too
-#   phase Q (2 GPUs): the host link's bandwidth, the activation offload GPU tests, then the 8B compiled on
+#   phase Q (2 GPUs): the host link's bandwidth (with HOST_LINK=1), the activation offload GPU tests, then the 8B compiled on
 #            FSDP2 side by side (a proxy where 4 GPUs are not lent): torchtitan's AC policy, and the first
 #            blocks offloaded paying for the last ones keeping every matmul output
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
@@ -248,11 +248,13 @@ elif [ "$PHASE" = P ]; then
      --variants ac_none_zero2,f8out_none_zero2 --steps 12 --measure-from 6 --timeout-per-run 85 > $S/sbs8b_best2.log 2>&1
   cp $S/sbs8b_best2/results.md "$OUT/sbs8b_best2.md"
 elif [ "$PHASE" = Q ]; then
-  CUDA_VISIBLE_DEVICES=0 timeout 40 python3 scripts/host_link.py > $S/host_link.txt 2>&1; cp $S/host_link.txt "$OUT/"
+  if [ -n "${HOST_LINK:-}" ]; then
+    CUDA_VISIBLE_DEVICES=0 timeout 40 python3 scripts/host_link.py > $S/host_link.txt 2>&1; cp $S/host_link.txt "$OUT/"
+  fi
   CUDA_VISIBLE_DEVICES=0 timeout 100 python3 -m pytest tests/gpu/test_activation_offload_gpu.py -q -rs -s \
      -p no:cacheprovider > $S/gpu_tests_offload.txt 2>&1; cp $S/gpu_tests_offload.txt "$OUT/"
-  timeout 420 python3 scripts/side_by_side.py --out $S/sbs8b_off --rows 8b_compile --ngpu 2 \
-     --variants ac_alternate,off12_last14,off12_last17,off16_last22 --steps 12 --measure-from 6 --timeout-per-run 100 \
+  timeout 440 python3 scripts/side_by_side.py --out $S/sbs8b_off --rows 8b_compile --ngpu 2 \
+     --variants ac_alternate,off12e1_last17,off24e3_last11,off24e2_last17,off30e2_last32 --steps 12 --measure-from 6 --timeout-per-run 100 \
      > $S/sbs8b_off.log 2>&1
   cp $S/sbs8b_off/results.md "$OUT/sbs8b_off.md"
 else  # E

@@ -87,14 +87,24 @@ _8B_VARIANTS = {
         *("--activation_checkpoint.mode", "none"),
         *("--parallelism.fsdp_reshard_after_forward", "never"),
     ],
-    # Activation offload: the first K blocks' saved tensors (every matmul output kept) wait in host
-    # memory, which pays for the last M blocks keeping every matmul output too (alternate elsewhere).
+    # Activation offload: every E-th of the first F blocks keeps every matmul output in host memory,
+    # which pays for the last M blocks keeping every matmul output too (alternate elsewhere).
     **{
-        f"off{k}_last{m}": [
-            *("--activation_checkpoint.op_matmuls", "alternate"),
-            *("--activation_checkpoint.op_all_last", str(m), "--activation_checkpoint.offload_first", str(k)),
+        f"off{f}e{e}_last{m}": [
+            *(
+                "--activation_checkpoint.op_matmuls",
+                "alternate",
+                "--activation_checkpoint.op_all_last",
+                str(m),
+            ),
+            *(
+                "--activation_checkpoint.offload_first",
+                str(f),
+                "--activation_checkpoint.offload_every",
+                str(e),
+            ),
         ]
-        for k, m in ((6, 8), (8, 11), (10, 14), (12, 14), (12, 17), (16, 22))
+        for f, e, m in ((12, 1, 17), (24, 3, 11), (24, 2, 17), (30, 2, 32))
     },
     # ... and with float8 for the output projection too (torchtitan keeps it in bf16)
     "f8out_none_zero2": [

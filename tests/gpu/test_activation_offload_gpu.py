@@ -58,13 +58,18 @@ def step(offload_first: int):
     return out
 
 
+def deviation(a: dict, b: dict) -> float:
+    """The largest difference between two sets of gradients, relative to each tensor's largest entry."""
+    return max(float((a[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)) for n, g in b.items())
+
+
 def test_offload_same_gradients_less_memory():
-    ref, off = step(0), step(4)
-    assert off["loss"] == ref["loss"]
-    for name, g in ref["grads"].items():
-        # The embedding's backward accumulates with atomics: its order (and last bits) varies run to run.
-        exact = 0 if "tok_embeddings" not in name else None
-        torch.testing.assert_close(off["grads"][name], g, rtol=exact, atol=exact, msg=name)
+    ref, again, off = step(0), step(0), step(4)
+    assert off["loss"] == ref["loss"]  # the forward is bitwise the same
+    # Attention's and the embedding's backward accumulate with atomics, so gradients vary in their last
+    # bits from run to run: offloading must stay within that noise.
+    noise = deviation(again["grads"], ref["grads"])
+    assert deviation(off["grads"], ref["grads"]) <= 4 * noise + 1e-6, noise
     gib, moved = 1 << 30, off["moved"]
     assert moved > 4 * 0.2 * gib, f"moved only {moved / gib:.2f} GiB"
     # Once the copies are done, the offloaded blocks hold nothing on the device.

@@ -15,6 +15,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from titanrush.config import ConfigError
+from titanrush.parallel.activation_offload import offloaded
 
 
 def _ops_to_save() -> set[Any]:
@@ -91,6 +92,7 @@ def apply_ac(
     op_matmuls: str = "all",
     op_all_last: int = 0,
     offload_first: int = 0,
+    offload_every: int = 1,
     compiled: bool = False,
 ) -> None:
     """Wrap the transformer blocks of `model.layers` for activation checkpointing, in place.
@@ -105,8 +107,9 @@ def apply_ac(
         op_matmuls: With `op`: `all` keeps every matmul output, `alternate` every other one.
         op_all_last: With `op` and `alternate`: the last N blocks of the whole model (by their global
             index, the key in `model.layers`; `model.args.n_layers` blocks in all) keep every matmul output.
-        offload_first: The model's first N blocks (global indices), whose saved tensors activation
-            offload moves to the host (`activation_offload.apply_offload`), whatever `mode` says: with
+        offload_first, offload_every: Every `offload_every`-th of the model's first `offload_first` blocks
+            (global indices), whose saved tensors activation offload moves to the host
+            (`activation_offload.apply_offload`), whatever `mode` says: with
             `compiled`, selective `op` keeping every matmul output (the compiled block's saved tensors are
             what the policy keeps, so the offload moves those and the block recomputes no matmul);
             in eager left unwrapped (the checkpoint keeps its tensors out of reach of the offload's hooks).
@@ -139,7 +142,7 @@ def apply_ac(
     else:
         raise ConfigError(f"activation_checkpoint.mode = {mode!r}: use none, full or selective")
     for i, (name, block) in enumerate(list(model.layers.items())):
-        if int(name) < offload_first:
+        if offloaded(int(name), offload_first, offload_every):
             wrapped = wrap_block(block, selective_op=True, op_matmuls="all") if compiled else None
         else:
             wrapped = wrap(i, name, block)

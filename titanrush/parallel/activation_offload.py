@@ -1,18 +1,22 @@
-"""Activation offload: the first blocks' saved activations wait in pinned host memory between forward and
+"""Activation offload: chosen blocks' saved activations wait in pinned host memory between forward and
 backward, instead of on the GPU or being recomputed.
 
 A block chosen for offload is not checkpointed. While it runs forward, a `saved_tensors_hooks` context
 catches every tensor autograd saves for its backward (under compile: what the compiled block's
-partitioner keeps) and copies it to pinned host memory on a side stream; the GPU tensor is released
-once that copy is done (polled as later blocks start; backward waits for any still running), so its
-memory goes straight back to the compute stream's pool. In backward each block, offloaded or not,
-starts the copies back of the offloaded blocks that come `ahead` blocks after it, so they arrive while
-it computes.
+partitioner keeps) and copies it to pinned host memory on a side stream. The GPU tensors are released
+when the block `behind` places later starts: the compute stream first waits for their copies, so the
+memory goes straight back to its pool, reusable in stream order. (The CPU runs ahead of the GPU, so
+polling the copies from the CPU would find them unfinished and free nothing during forward; and
+`record_stream` would keep the memory from the allocator until it polls, which it answers by reserving
+more.) Copies slower than `behind` blocks of compute hold the compute stream back: spread the offloaded
+blocks out (`every`) so that each copy has the compute of the blocks between them to hide behind. In
+backward each block, offloaded or not, starts the copies back of the offloaded blocks that come `ahead`
+blocks after it, so they arrive while it computes.
 
-Left on the GPU: parameters (FSDP frees and re-gathers them itself), tensor subclasses (DTensor,
-float8), tensors with gaps in their storage and tensors below `min_bytes`. The copies spend host-link
-bandwidth instead of GPU memory and recomputation: a block is worth offloading when its saved bytes
-cross the link in less time than the blocks after it take to compute (docs/parallelisms.md).
+Left on the GPU: parameters (FSDP frees and re-gathers them itself), tensor subclasses (DTensor, float8),
+tensors with gaps in their storage and tensors below `min_bytes`. The copies spend host-link bandwidth
+instead of GPU memory and recomputation: a block is worth offloading when its saved bytes cross the link
+in less time than the blocks after it take to compute (docs/parallelisms.md).
 
 On a CPU device the "host copy" is a second CPU tensor and nothing is asynchronous: the bookkeeping is
 the same, which the CPU tests check; the trainer allows offload only on CUDA.
@@ -62,11 +66,15 @@ class ActivationOffloader:
         device: The device the model computes on.
         ahead: In backward, fetch an offloaded block's tensors when the block `ahead` places after it
             starts its backward (more: earlier arrival, more GPU memory held by fetched blocks).
+        behind: In forward, the block this many places after an offloaded one waits for its copies out
+            and frees its device tensors.
         min_bytes: Tensors smaller than this stay on the device.
     """
 
-    def __init__(self, device: torch.device, *, ahead: int = 2, min_bytes: int = 1 << 20) -> None:
-        self.device, self.ahead, self.min_bytes = device, ahead, min_bytes
+    def __init__(
+        self, device: torch.device, *, ahead: int = 2, behind: int = 2, min_bytes: int = 1 << 20
+    ) -> None:
+        self.device, self.ahead, self.behind, self.min_bytes = device, ahead, behind, min_bytes
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._calls = itertools.count()
@@ -81,8 +89,8 @@ class ActivationOffloader:
         state: dict[str, Any] = {}
 
         def pre(module: nn.Module, args: Any) -> None:
-            self._release(wait=False)
             call = next(self._calls)
+            self._release(before=call - self.behind + 1)
             state["call"] = call
             self._positions[call] = position
             if offload and torch.is_grad_enabled():
@@ -136,17 +144,16 @@ class ActivationOffloader:
             and t.untyped_storage().data_ptr() not in keep
         )
 
-    def _release(self, *, wait: bool) -> None:
-        """Drop the device tensors whose copies out are done (`wait`: all of them, the compute stream
-        waiting for the copies). Freed on the compute stream after the copy, their memory is at once
-        reusable there (record_stream instead would hold it until the allocator next polls the events)."""
+    def _release(self, before: int | None = None) -> None:
+        """Free the device tensors of the groups of calls before `before` (None: all), the compute stream
+        first waiting for their copies out."""
         still = []
         for group in self._copying:
-            if wait:
-                torch.cuda.current_stream(self.device).wait_event(group.copied)
-            elif not group.copied.query():
+            if before is not None and group.call >= before:
                 still.append(group)
                 continue
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_event(group.copied)
             group.stash.clear()
         self._copying = still
 
@@ -154,7 +161,7 @@ class ActivationOffloader:
     def _before_backward(self, call: int) -> None:
         """Block `call` starts its backward: fetch the offloaded calls up to `ahead` blocks before it."""
         if self._copying:
-            self._release(wait=True)
+            self._release()
         position = self._positions.pop(call, None)
         if position is None:
             return
@@ -188,7 +195,7 @@ class ActivationOffloader:
         saved: _Saved = packed
         group = saved.group
         if self._copying:
-            self._release(wait=True)
+            self._release()
         if saved.device is None:  # not fetched ahead (the first offloaded block of the backward), or again
             self._fetch(group.live() if not saved.used else [saved])
             group.fetched = True
@@ -235,18 +242,28 @@ def _storages(params: Iterable[torch.Tensor]) -> set[int]:
     return out
 
 
-def apply_offload(model: nn.Module, first: int, device: torch.device) -> ActivationOffloader | None:
-    """Offload the saved activations of the model's first `first` blocks (global indices), in place.
+def offloaded(index: int, first: int, every: int) -> bool:
+    """Whether the block with this global index is offloaded: every `every`-th of the first `first`."""
+    return index < first and index % every == 0
 
-    Every block of `model.layers` gets the backward hook that fetches ahead; those with a global index
-    below `first` also offload. Apply after FSDP (its forward hooks gather the parameters first).
+
+def apply_offload(
+    model: nn.Module, first: int, device: torch.device, *, every: int = 1
+) -> ActivationOffloader | None:
+    """Offload the saved activations of every `every`-th block of the model's first `first` blocks (global
+    indices: 0, every, 2 every, ... below first), in place.
+
+    Every block of `model.layers` gets the hooks that release and fetch; the chosen ones also offload.
+    Apply after FSDP (its forward hooks gather the parameters first).
 
     Returns:
         The offloader (its `bytes_offloaded` counts the traffic), or None when `first` is 0.
     """
     if first <= 0:
         return None
-    offloader = ActivationOffloader(device)
+    # A group frees its device tensors when the block after the next offloaded one starts: its copy hides
+    # behind the `every` blocks in between.
+    offloader = ActivationOffloader(device, behind=every + 1)
     for position, (name, block) in enumerate(model.layers.items()):
-        offloader.track(block, position, offload=int(name) < first)
+        offloader.track(block, position, offload=offloaded(int(name), first, every))
     return offloader

@@ -125,6 +125,7 @@ def parallelize_llama(
         op_matmuls=ac.op_matmuls,
         op_all_last=ac.op_all_last,
         offload_first=ac.offload_first,
+        offload_every=ac.offload_every,
         compiled=compile.enable,
     )
     if compile.enable:
@@ -152,7 +153,10 @@ def parallelize_llama(
     #    which gather a block's parameters before the offload decides what to leave on the GPU.
     if ac.offload_first:  # (the trainer reads its traffic from the attribute)
         model.activation_offloader = apply_offload(
-            model, ac.offload_first, device or torch.device("cuda", torch.cuda.current_device())
+            model,
+            ac.offload_first,
+            device or torch.device("cuda", torch.cuda.current_device()),
+            every=ac.offload_every,
         )
     return model
 
