@@ -46,7 +46,7 @@ def step(offload_first: int):
         if i == 2:
             torch.cuda.synchronize()  # every copy out is done: the next release drops every device tensor
             if offloader is not None:
-                offloader._release(wait=False)
+                offloader._release()
             out["after_forward"] = torch.cuda.memory_allocated() - base
         loss.backward()
         torch.cuda.synchronize()
