@@ -33,9 +33,10 @@
 #   phase Q (2 GPUs): the host link's bandwidth (with HOST_LINK=1), the activation offload GPU tests, then the 8B compiled on
 #            FSDP2 side by side (a proxy where 4 GPUs are not lent): torchtitan's AC policy, and the first
 #            blocks offloaded paying for the last ones keeping every matmul output
+#   phase R (2 GPUs): the offload GPU tests; a memory snapshot of an offload variant, its peak explained
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to Q}
+PHASE=${1:?phase A to R}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -257,6 +258,14 @@ elif [ "$PHASE" = Q ]; then
      --variants ac_alternate,off12e1_last17,off24e3_last11,off24e2_last17,off30e2_last32 --steps 12 --measure-from 6 --timeout-per-run 100 \
      > $S/sbs8b_off.log 2>&1
   cp $S/sbs8b_off/results.md "$OUT/sbs8b_off.md"
+elif [ "$PHASE" = R ]; then  # 2 GPUs: where the offload variant's peak comes from
+  CUDA_VISIBLE_DEVICES=0 timeout 100 python3 -m pytest tests/gpu/test_activation_offload_gpu.py -q -rs -s \
+     -p no:cacheprovider > $S/gpu_tests_offload.txt 2>&1; cp $S/gpu_tests_offload.txt "$OUT/"
+  timeout 200 python3 scripts/side_by_side.py --out $S/sbs8b_offsnap --rows 8b_compile --ngpu 2 --trainers titanrush \
+     --variants off24e3_last11 --steps 5 --measure-from 3 --memory-snapshot 4 --timeout-per-run 180 > $S/sbs8b_offsnap.log 2>&1
+  snap=$(find $S/sbs8b_offsnap -name "step-4-rank0.pickle" | head -1)
+  python3 scripts/memory_peak.py "$snap" --top 30 > "$OUT/offsnap_peak.txt" 2>&1
+  rm -f $S/sbs8b_offsnap/tr_dump/*/memory_snapshot/*.pickle
 else  # E
   timeout 80 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider -k 4gpu > $S/gpu_tests_4.txt 2>&1
   cp $S/gpu_tests_4.txt "$OUT/"
