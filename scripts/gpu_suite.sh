@@ -255,7 +255,7 @@ elif [ "$PHASE" = Q ]; then
   CUDA_VISIBLE_DEVICES=0 timeout 100 python3 -m pytest tests/gpu/test_activation_offload_gpu.py -q -rs -s \
      -p no:cacheprovider > $S/gpu_tests_offload.txt 2>&1; cp $S/gpu_tests_offload.txt "$OUT/"
   timeout 440 python3 scripts/side_by_side.py --out $S/sbs8b_off --rows 8b_compile --ngpu 2 \
-     --variants ac_alternate,off12e1_last17,off24e3_last11,off24e2_last17,off30e2_last32 --steps 12 --measure-from 6 --timeout-per-run 100 \
+     --variants ${VARIANTS:-ac_alternate,off24e3_last14,off24e2_last20,off30e2_last32} --steps 12 --measure-from 6 --timeout-per-run 100 \
      > $S/sbs8b_off.log 2>&1
   cp $S/sbs8b_off/results.md "$OUT/sbs8b_off.md"
 elif [ "$PHASE" = R ]; then  # 2 GPUs: where the offload variant's peak comes from

@@ -104,7 +104,7 @@ _8B_VARIANTS = {
                 str(e),
             ),
         ]
-        for f, e, m in ((12, 1, 17), (24, 3, 11), (24, 2, 17), (30, 2, 32))
+        for f, e, m in ((12, 1, 17), (24, 3, 11), (24, 3, 14), (24, 2, 17), (24, 2, 20), (30, 2, 32))
     },
     # ... and with float8 for the output projection too (torchtitan keeps it in bf16)
     "f8out_none_zero2": [

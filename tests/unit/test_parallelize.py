@@ -327,3 +327,29 @@ def test_fsdp_bf16_casts_block_inputs_but_not_the_rope_table(fake_world):
     with torch.no_grad():
         model(torch.randint(0, 8192, (2, 16)))  # a fake world: values are garbage, dtypes are real
     assert seen == {"x": torch.bfloat16, "rope": torch.complex64}
+
+
+def test_compiled_blocks_keep_their_own_selective_policy():
+    # Every block runs the same forward code: under torch.compile the blocks share one cache of graphs,
+    # told apart by guards. With the policy hidden in a closure, every block ran the graph compiled for
+    # block 0 (op_all_last had no effect, or made every block keep all). aot_eager runs the compiled
+    # graphs op by op, so the dispatch mode sees the backward's matmuls.
+    import torch._dynamo
+
+    def compiled_backward_mms(op_all_last: int) -> int:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Llama(model_args("debug", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, vocab_size=128))
+        model.init_weights(seed=1)
+        apply_ac(model, mode="selective", selective="op", op_matmuls="alternate", op_all_last=op_all_last)
+        for name, block in list(model.layers.items()):
+            model.layers.register_module(name, torch.compile(block, backend="aot_eager", fullgraph=True))
+        tokens = torch.randint(0, 128, (2, 16))
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        with CountMM() as counter:
+            loss.backward()
+        return counter.n
+
+    eager = [backward_mms("selective", "op", op_matmuls="alternate", op_all_last=k)[0] for k in (0, 2, 4)]
+    assert eager[0] - eager[1] == 2 * 3 and eager[1] - eager[2] == 2 * 3  # 3 recomputed mms per block
+    assert [compiled_backward_mms(k) for k in (0, 2, 4)] == eager

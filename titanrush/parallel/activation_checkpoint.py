@@ -11,8 +11,12 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from titanrush.config import ConfigError
 from titanrush.parallel.activation_offload import offloaded
@@ -72,15 +76,48 @@ def _selective_op_context(op_matmuls: str = "all") -> Any:
 _SAVE = _ops_to_save()
 
 
+class SelectiveOpCheckpoint(CheckpointWrapper):
+    """A block under selective op checkpointing, its policy (`op_matmuls`) an attribute the forward reads.
+
+    Every block runs the same forward code, so torch.compile keeps one cache of graphs for all of them and
+    picks a graph by its guards. A policy hidden in a `context_fn` closure is invisible to them: every
+    block would run the graph compiled for the first, whatever its own policy (measured: with op_all_last
+    under compile all blocks recomputed as block 0 did). Reading the policy here makes dynamo guard on
+    it: one graph per policy.
+    """
+
+    def __init__(self, block: nn.Module, op_matmuls: str) -> None:
+        super().__init__(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=None)
+        if op_matmuls not in ("all", "alternate"):
+            raise ConfigError(f"activation_checkpoint.op_matmuls = {op_matmuls!r}: use all or alternate")
+        self.op_matmuls = op_matmuls
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        # A branch on the attribute (an unused read would not be guarded), to module-level functions
+        # (dynamo's checkpoint takes those, not a closure made while tracing).
+        context_fn = _keep_every_matmul if self.op_matmuls == "all" else _keep_alternate_matmuls
+        return checkpoint(
+            self._checkpoint_wrapped_module,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=False,
+            context_fn=context_fn,
+            **kwargs,
+        )
+
+
+def _keep_every_matmul() -> Any:
+    return _selective_op_context("all")
+
+
+def _keep_alternate_matmuls() -> Any:
+    return _selective_op_context("alternate")
+
+
 def wrap_block(block: nn.Module, *, selective_op: bool = False, op_matmuls: str = "all") -> nn.Module:
     """One block wrapped for non-reentrant checkpointing (recompute all, or only the cheap ops)."""
     if selective_op:
-        return checkpoint_wrapper(
-            block,
-            checkpoint_impl=CheckpointImpl.NO_REENTRANT,
-            context_fn=lambda: _selective_op_context(op_matmuls),
-            preserve_rng_state=False,
-        )
+        return SelectiveOpCheckpoint(block, op_matmuls)
     return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False)
 
 

@@ -74,6 +74,8 @@ class ActivationOffloader:
     def __init__(
         self, device: torch.device, *, ahead: int = 2, behind: int = 2, min_bytes: int = 1 << 20
     ) -> None:
+        if device.type == "cuda" and device.index is None:  # tensors name their index: compare like with like
+            device = torch.device("cuda", torch.cuda.current_device())
         self.device, self.ahead, self.behind, self.min_bytes = device, ahead, behind, min_bytes
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.Stream(device) if self.cuda else None
