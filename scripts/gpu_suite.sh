@@ -34,9 +34,11 @@
 #            FSDP2 side by side (a proxy where 4 GPUs are not lent): torchtitan's AC policy, and the first
 #            blocks offloaded paying for the last ones keeping every matmul output
 #   phase R (2 GPUs): the offload GPU tests; a memory snapshot of an offload variant, its peak explained
+#   phase S: the offload GPU tests, then the 8B compiled row side by side with every 3rd of the first 24
+#            blocks offloaded and the last 13 or 14 keeping every matmul output
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to R}
+PHASE=${1:?phase A to S}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -266,6 +268,12 @@ elif [ "$PHASE" = R ]; then  # 2 GPUs: where the offload variant's peak comes fr
   snap=$(find $S/sbs8b_offsnap -name "step-4-rank0.pickle" | head -1)
   python3 scripts/memory_peak.py "$snap" --top 30 > "$OUT/offsnap_peak.txt" 2>&1
   rm -f $S/sbs8b_offsnap/tr_dump/*/memory_snapshot/*.pickle
+elif [ "$PHASE" = S ]; then  # 4 GPUs: the 8B compiled row with activation offload
+  CUDA_VISIBLE_DEVICES=0 timeout 60 python3 -m pytest tests/gpu/test_activation_offload_gpu.py -q -rs -s \
+     -p no:cacheprovider > $S/gpu_tests_offload.txt 2>&1; cp $S/gpu_tests_offload.txt "$OUT/"
+  timeout 250 python3 scripts/side_by_side.py --out $S/sbs8b_off4 --rows 8b_compile \
+     --variants off24e3_last13,off24e3_last14 --steps 12 --measure-from 6 --timeout-per-run 80 > $S/sbs8b_off4.log 2>&1
+  cp $S/sbs8b_off4/results.md "$OUT/sbs8b_off4.md"
 else  # E
   timeout 80 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider -k 4gpu > $S/gpu_tests_4.txt 2>&1
   cp $S/gpu_tests_4.txt "$OUT/"

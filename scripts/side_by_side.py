@@ -64,6 +64,10 @@ class Row:
     titanrush_variants: dict[str, list[str]] = field(default_factory=dict)
 
 
+# (first, every, last): every E-th of the first F blocks offloaded, the last M keeping every matmul output
+_OFFLOAD_VARIANTS = (
+    (12, 1, 17), (24, 3, 11), (24, 3, 13), (24, 3, 14), (24, 2, 17), (24, 2, 20), (30, 2, 32),
+)  # fmt: skip
 _8B_VARIANTS = {
     # torchtitan's per-op policy keeps every other matmul output; ours keeps all by default.
     "ac_alternate": ["--activation_checkpoint.op_matmuls", "alternate"],
@@ -104,7 +108,7 @@ _8B_VARIANTS = {
                 str(e),
             ),
         ]
-        for f, e, m in ((12, 1, 17), (24, 3, 11), (24, 3, 14), (24, 2, 17), (24, 2, 20), (30, 2, 32))
+        for f, e, m in _OFFLOAD_VARIANTS
     },
     # ... and with float8 for the output projection too (torchtitan keeps it in bf16)
     "f8out_none_zero2": [
