@@ -510,3 +510,16 @@ def test_op_all_last_beyond_the_model_is_a_config_error(capsys):
             ac + "op_all_last", "5"]  # fmt: skip
     assert est_mod.main(argv) == 2
     assert "op_all_last = 5: the debug model has 4 blocks; use 0..4" in capsys.readouterr().err
+
+
+def test_offloaded_blocks_hold_nothing_at_the_peak():
+    # 8B FSDP4 compiled, alternate: offloading every 3rd of the first 24 blocks (0, 3, ..., 21) takes those
+    # 8 blocks' saved tensors off the peak; the blocks keep what they keep in host memory instead.
+    s = Setup(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", fsdp_shard=4,
+              ac_mode="selective", compile=True, ac_op_matmuls="alternate")  # fmt: skip
+    off = dataclasses.replace(s, ac_offload_first=24, ac_offload_every=3)
+    per_block = sum(block_saved(s, 2 * 8192, 2, "op").values())
+    assert analyze(s).peak_phase == analyze(off).peak_phase
+    assert analyze(s).peak - analyze(off).peak == 8 * per_block
+    # The trace (one CPU process, no offloader) keeps them: its model does too.
+    assert analyze(s, as_traced=True).peak == analyze(off, as_traced=True).peak

@@ -124,6 +124,8 @@ def build_setup(cfg: JobConfig, ngpu: int) -> tuple[mm.Setup, str, int, str]:
         ac_selective=cfg.activation_checkpoint.selective,
         ac_op_matmuls=cfg.activation_checkpoint.op_matmuls,
         ac_op_all_last=cfg.activation_checkpoint.op_all_last,
+        ac_offload_first=cfg.activation_checkpoint.offload_first,
+        ac_offload_every=cfg.activation_checkpoint.offload_every,
         compile=cfg.compile.enable,
         float8=f8.enable,
         float8_all_gather=f8.enable and f8.recipe == "tensorwise" and f8.fsdp_float8_all_gather and shard > 1,

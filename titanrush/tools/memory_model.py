@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from titanrush.models.llama.model import ModelArgs
+from titanrush.parallel.activation_offload import offloaded
 
 GIB = 1024**3
 LOWBIT = {"adamw8bit": (1.0, 256, 256), "adamw4bit": (0.5, 128, 16)}  # code bytes, block size, qmap size
@@ -58,6 +59,8 @@ class Setup:
     ac_selective: str = "op"
     ac_op_matmuls: str = "all"  # selective op: keep every matmul output, or every other one (alternate)
     ac_op_all_last: int = 0  # with alternate: the model's last N blocks keep every matmul output anyway
+    ac_offload_first: int = 0  # activation offload: every ac_offload_every-th of the first N blocks
+    ac_offload_every: int = 1
     compile: bool = False
     float8: bool = False
     float8_all_gather: bool = False
@@ -530,7 +533,9 @@ def analyze_rank(s: Setup, plan: RankPlan, *, as_traced: bool = False) -> Breakd
     n = b * s.seq_len // s.cp  # tokens of one micro-batch on this rank
     modes = [layer_mode(s, i, as_traced=as_traced) for i in range(len(plan.layers))] or ["full"]
     saved = [
-        sum(block_saved(s, n, b, m, as_traced=as_traced, keep_all=keeps_all_matmuls(s, layer)).values())
+        0  # offloaded: its saved tensors wait in host memory (the trace, on one CPU process, keeps them)
+        if not as_traced and offloaded(layer, s.ac_offload_first, s.ac_offload_every)
+        else sum(block_saved(s, n, b, m, as_traced=as_traced, keep_all=keeps_all_matmuls(s, layer)).values())
         for m, layer in zip(modes, plan.layers or [0])
     ]
     bwd_ws = [block_working_set(s, n, b, m, backward=True, as_traced=as_traced) for m in modes]
