@@ -35,9 +35,9 @@ def run(offload_first: int, *, compiled: bool, ac: str = "none", fetches: list |
         if fetches is not None:
             fetch = offloader._fetch
 
-            def record(items):
+            def record(group, items):
                 fetches.append(sorted({s.group.position for s in items}))
-                fetch(items)
+                fetch(group, items)
 
             offloader._fetch = record
     tokens = torch.randint(0, 128, (2, 16))

@@ -155,8 +155,6 @@ def apply_ac(
     Raises:
         ConfigError: An unknown mode, or a `selective` value that is neither `op` nor a positive integer.
     """
-    if mode == "none" and not (offload_first and compiled):
-        return
     if mode in ("none", "full"):
         wrap: Callable[[int, str, nn.Module], nn.Module | None] = lambda i, name, b: (
             wrap_block(b) if mode == "full" else None

@@ -1,22 +1,23 @@
 """Activation offload: chosen blocks' saved activations wait in pinned host memory between forward and
 backward, instead of on the GPU or being recomputed.
 
-A block chosen for offload is not checkpointed. While it runs forward, a `saved_tensors_hooks` context
-catches every tensor autograd saves for its backward (under compile: what the compiled block's
-partitioner keeps) and copies it to pinned host memory on a side stream. The GPU tensors are released
-when the block `behind` places later starts: the compute stream first waits for their copies, so the
-memory goes straight back to its pool, reusable in stream order. (The CPU runs ahead of the GPU, so
-polling the copies from the CPU would find them unfinished and free nothing during forward; and
-`record_stream` would keep the memory from the allocator until it polls, which it answers by reserving
-more.) Copies slower than `behind` blocks of compute hold the compute stream back: spread the offloaded
-blocks out (`every`) so that each copy has the compute of the blocks between them to hide behind. In
-backward each block, offloaded or not, starts the copies back of the offloaded blocks that come `ahead`
-blocks after it, so they arrive while it computes.
+A block chosen for offload recomputes no matmul (compiled: selective op keeping every matmul output;
+eager: not checkpointed, see `activation_checkpoint.apply_ac`). While it runs forward, a
+`saved_tensors_hooks` context catches every tensor autograd saves for its backward (under compile: what
+the compiled block's partitioner keeps) and copies it to pinned host memory on a side stream. The GPU
+tensors are released when the block `behind` places later starts: the compute stream first waits for
+their copies, so the memory goes straight back to its pool, reusable in stream order. (The CPU runs ahead
+of the GPU, so polling the copies from the CPU would find them unfinished and free nothing during
+forward; and `record_stream` would keep the memory from the allocator until it polls, which it answers by
+reserving more.) Copies slower than `behind` blocks of compute hold the compute stream back: spread the
+offloaded blocks out (`every`) so that each copy has the compute of the blocks between them to hide
+behind. In backward each block, offloaded or not, starts the copies back of the offloaded blocks that
+come `ahead` blocks after it, so they arrive while it computes.
 
 Left on the GPU: parameters (FSDP frees and re-gathers them itself), tensor subclasses (DTensor, float8),
 tensors with gaps in their storage and tensors below `min_bytes`. The copies spend host-link bandwidth
 instead of GPU memory and recomputation: a block is worth offloading when its saved bytes cross the link
-in less time than the blocks after it take to compute (docs/parallelisms.md).
+in less time than the blocks after it take to compute (docs/parallelism.md).
 
 On a CPU device the "host copy" is a second CPU tensor and nothing is asynchronous: the bookkeeping is
 the same, which the CPU tests check; the trainer allows offload only on CUDA.
@@ -170,10 +171,11 @@ class ActivationOffloader:
         for back in range(1, self.ahead + 1):
             group = self._groups.get(call - back)
             if group is not None and group.position == position - back and not group.fetched:
-                self._fetch(group.live())
+                self._fetch(group, group.live())
                 group.fetched = True
 
-    def _fetch(self, items: list[_Saved]) -> None:
+    def _fetch(self, group: _Group, items: list[_Saved]) -> None:
+        """Start the copies back of these tensors of `group` (those not already on the device or used)."""
         items = [s for s in items if s.device is None and not s.used]
         if not items:
             return
@@ -187,9 +189,7 @@ class ActivationOffloader:
         with torch.cuda.stream(self.stream):
             for s in items:
                 s.device.copy_(s.host, non_blocking=True)
-            event = self.stream.record_event()
-        for s in items:
-            s.group.ready = event
+            group.ready = self.stream.record_event()
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -199,7 +199,7 @@ class ActivationOffloader:
         if self._copying:
             self._release()
         if saved.device is None:  # not fetched ahead (the first offloaded block of the backward), or again
-            self._fetch(group.live() if not saved.used else [saved])
+            self._fetch(group, group.live() if not saved.used else [saved])
             group.fetched = True
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(group.ready)

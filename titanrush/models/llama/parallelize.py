@@ -155,7 +155,7 @@ def parallelize_llama(
         model.activation_offloader = apply_offload(
             model,
             ac.offload_first,
-            device or torch.device("cuda", torch.cuda.current_device()),
+            device or torch.device("cuda"),
             every=ac.offload_every,
         )
     return model
