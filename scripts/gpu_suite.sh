@@ -36,9 +36,13 @@
 #   phase R (2 GPUs): the offload GPU tests; a memory snapshot of an offload variant, its peak explained
 #   phase S: the offload GPU tests, then the 8B compiled row side by side with every 3rd of the first 24
 #            blocks offloaded and the last 13 or 14 keeping every matmul output
+#   phase T: the chunked-loss and offload GPU tests, then the 8B compiled row side by side with the chunked
+#            loss (gradients in forward) alone and with offload and the last 17 or 18 blocks keeping all
+#   phase U: the 8B compiled float8 row side by side, the chunked loss with offload and the last 16-18
+#            blocks keeping every matmul output
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to S}
+PHASE=${1:?phase A to U}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -274,6 +278,19 @@ elif [ "$PHASE" = S ]; then  # 4 GPUs: the issue's 8B compiled row with activati
   timeout 250 python3 scripts/side_by_side.py --out $S/sbs8b_off4 --rows 8b_compile \
      --variants off24e3_last13,off24e3_last14 --steps 12 --measure-from 6 --timeout-per-run 80 > $S/sbs8b_off4.log 2>&1
   cp $S/sbs8b_off4/results.md "$OUT/sbs8b_off4.md"
+elif [ "$PHASE" = T ]; then  # 4 GPUs: the chunked loss's freed memory on the compiled row
+  CUDA_VISIBLE_DEVICES=0 timeout 100 python3 -m pytest tests/gpu/test_loss_gpu.py \
+     tests/gpu/test_activation_offload_gpu.py -q -rs -s -p no:cacheprovider > $S/gpu_tests_loss.txt 2>&1
+  cp $S/gpu_tests_loss.txt "$OUT/"
+  timeout 400 python3 scripts/side_by_side.py --out $S/sbs8b_closs --rows 8b_compile \
+     --variants ${VARIANTS:-chunked_alternate,c_off24e3_last17,c_off24e3_last18} --steps 12 --measure-from 6 \
+     --timeout-per-run 85 > $S/sbs8b_closs.log 2>&1
+  cp $S/sbs8b_closs/results.md "$OUT/sbs8b_closs.md"
+elif [ "$PHASE" = U ]; then  # 4 GPUs: the same on the compiled float8 row
+  timeout 420 python3 scripts/side_by_side.py --out $S/sbs8b_f8loss --rows 8b_compile_float8 \
+     --variants ${VARIANTS:-c_off24e3_last16,c_off24e3_last17,c_off24e3_last18} --steps 12 --measure-from 6 \
+     --timeout-per-run 90 > $S/sbs8b_f8loss.log 2>&1
+  cp $S/sbs8b_f8loss/results.md "$OUT/sbs8b_f8loss.md"
 else  # E
   timeout 80 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider -k 4gpu > $S/gpu_tests_4.txt 2>&1
   cp $S/gpu_tests_4.txt "$OUT/"

@@ -68,6 +68,18 @@ class Row:
 _OFFLOAD_VARIANTS = (
     (12, 1, 17), (24, 3, 11), (24, 3, 13), (24, 3, 14), (24, 2, 17), (24, 2, 20), (30, 2, 32),
 )  # fmt: skip
+# ... with the chunked loss (gradients in forward, no full logits), whose freed memory keeps more blocks'
+_CHUNKED_OFFLOAD_VARIANTS = ((24, 3, 16), (24, 3, 17), (24, 3, 18))  # matmul outputs
+
+
+def _offload_flags(first: int, every: int, last: int) -> list[str]:
+    ac = "--activation_checkpoint."
+    return [
+        *(ac + "op_matmuls", "alternate", ac + "op_all_last", str(last)),
+        *(ac + "offload_first", str(first), ac + "offload_every", str(every)),
+    ]
+
+
 _8B_VARIANTS = {
     # torchtitan's per-op policy keeps every other matmul output; ours keeps all by default.
     "ac_alternate": ["--activation_checkpoint.op_matmuls", "alternate"],
@@ -93,23 +105,13 @@ _8B_VARIANTS = {
     ],
     # Activation offload: every E-th of the first F blocks keeps every matmul output in host memory,
     # which pays for the last M blocks keeping every matmul output too (alternate elsewhere).
+    **{f"off{f}e{e}_last{m}": _offload_flags(f, e, m) for f, e, m in _OFFLOAD_VARIANTS},
     **{
-        f"off{f}e{e}_last{m}": [
-            *(
-                "--activation_checkpoint.op_matmuls",
-                "alternate",
-                "--activation_checkpoint.op_all_last",
-                str(m),
-            ),
-            *(
-                "--activation_checkpoint.offload_first",
-                str(f),
-                "--activation_checkpoint.offload_every",
-                str(e),
-            ),
-        ]
-        for f, e, m in _OFFLOAD_VARIANTS
+        f"c_off{f}e{e}_last{m}": ["--training.loss", "chunked", *_offload_flags(f, e, m)]
+        for f, e, m in _CHUNKED_OFFLOAD_VARIANTS
     },
+    # The chunked loss alone at torchtitan's policy: what the loss itself costs or saves.
+    "chunked_alternate": ["--training.loss", "chunked", "--activation_checkpoint.op_matmuls", "alternate"],
     # ... and with float8 for the output projection too (torchtitan keeps it in bf16)
     "f8out_none_zero2": [
         *("--activation_checkpoint.mode", "none"),

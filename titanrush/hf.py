@@ -38,7 +38,14 @@ INFO_FILE = "titanrush.json"
 # Conversion runs in one process without a process group on purpose; DCP warns about exactly that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 # Fields that do not change the weights' layout or the function the model computes.
-_RUNTIME_FIELDS = ("attn_backend", "loss_chunk_size", "max_seq_len", "vocab_size", "tie_embeddings")
+_RUNTIME_FIELDS = (
+    "attn_backend",
+    "loss_chunk_size",
+    "compile_loss",
+    "max_seq_len",
+    "vocab_size",
+    "tie_embeddings",
+)
 
 
 def save_safetensors(

@@ -76,6 +76,7 @@ def resolve_model_args(cfg: JobConfig, tokenizer_words: int) -> ModelArgs:
         over["tie_embeddings"] = m.tie_embeddings == "tied"
     if t.loss == "chunked":
         over["loss_chunk_size"] = t.loss_chunk_size
+        over["compile_loss"] = cfg.compile.enable
     args = model_args(m.flavor, **over)
     if args.vocab_size < tokenizer_words:
         raise ConfigError(

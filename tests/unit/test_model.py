@@ -274,14 +274,41 @@ def test_chunked_loss_matches_plain_loss_and_gradients():
     assert_same_grads(g1, g2)
 
 
-def test_chunked_cross_entropy_function_equals_f_cross_entropy():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_chunked_cross_entropy_function_equals_f_cross_entropy(compiled):
     h = torch.randn(3, 10, 16, requires_grad=True)
     w = torch.randn(50, 16, requires_grad=True)
     labels = torch.randint(0, 50, (3, 10))
+    labels[0, :4] = -100  # ignored tokens: no loss, no gradient, not in the mean's count
     ref = F.cross_entropy((h @ w.t()).flatten(0, 1), labels.flatten())
-    got = chunked_cross_entropy(h, w, labels, chunk_size=7)
+    got = chunked_cross_entropy(h, w, labels, chunk_size=7, compiled=compiled)
     torch.testing.assert_close(got, ref)
-    gh, gw = torch.autograd.grad(got, (h, w))
-    rh, rw = torch.autograd.grad(ref, (h, w))
+    # An upstream gradient other than 1 (the trainer divides by the accumulation steps) scales both.
+    gh, gw = torch.autograd.grad(got * 0.25, (h, w))
+    rh, rw = torch.autograd.grad(ref * 0.25, (h, w))
     torch.testing.assert_close(gh, rh)
     torch.testing.assert_close(gw, rw)
+    assert gh[0, :4].abs().max() == 0  # the ignored tokens' hidden states get no gradient
+
+
+def test_chunked_cross_entropy_under_autocast_matches_the_bf16_projection():
+    """Under autocast the chunks run in bf16 like autocast's own matmul; the gradients come back in the
+    inputs' dtypes (fp32 here), the weight's summed over chunks in fp32."""
+    torch.manual_seed(0)
+    h = torch.randn(64, 32, requires_grad=True)
+    w = (0.2 * torch.randn(300, 32)).requires_grad_()
+    labels = torch.randint(0, 300, (64,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = chunked_cross_entropy(h, w, labels, chunk_size=16)
+        ref = cross_entropy((h @ w.t()).unsqueeze(0), labels.unsqueeze(0))
+    gh, gw = torch.autograd.grad(got, (h, w))
+    rh, rw = torch.autograd.grad(ref, (h, w))
+    assert gh.dtype == gw.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
+    for a, b in ((gh, rh), (gw, rw)):  # bf16 rounding of the logits' gradient, relative to the largest entry
+        assert (a - b).abs().max() <= 2e-2 * b.abs().max()
+
+
+def test_chunked_cross_entropy_rejects_a_chunk_size_below_one():
+    with pytest.raises(ValueError, match="chunk_size must be >= 1"):
+        chunked_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), 0)

@@ -424,7 +424,7 @@ def _ring_transient(s: Setup, n: int, mode: str, *, backward: bool) -> int:
 
 
 LATER = ", later micro-batch"  # the moments of a pipelined rank's later micro-batches (see analyze_rank)
-LOSS_KEYS = ("saved", "log_softmax", "forward", "backward", "rows", "vocab")
+LOSS_KEYS = ("saved", "log_softmax", "forward", "backward", "rows", "vocab", "kept")
 
 
 def loss_bytes(s: Setup, n: int, *, as_traced: bool) -> dict[str, int]:
@@ -434,7 +434,9 @@ def loss_bytes(s: Setup, n: int, *, as_traced: bool) -> dict[str, int]:
     vocab = math.ceil(a.vocab_size / tp) if tp > 1 and (s.loss_parallel or as_traced) else a.vocab_size
     chunked = s.loss == "chunked"
     rows = min(n, s.loss_chunk) if chunked else n
-    head_in = (2 if s.autocast and not chunked else r) * n * a.dim
+    if chunked:
+        return _chunked_loss_bytes(s, n, n_sp, rows, vocab, as_traced=as_traced)
+    head_in = (2 if s.autocast else r) * n * a.dim
     saved = 4 * n_sp * a.dim + 4 * n_sp + head_in
     if s.compiled_loss and not as_traced:
         # Compiled, the fp32 upcast, log-softmax and nll_loss fuse into row reductions: the loss keeps the
@@ -442,18 +444,48 @@ def loss_bytes(s: Setup, n: int, *, as_traced: bool) -> dict[str, int]:
         # backward writes the logits' gradient in the compute dtype directly. No (n, V) fp32 tensor.
         logits, stats = c * n * vocab, 8 * n
         return {"saved": saved, "log_softmax": logits + stats, "forward": logits + stats,
-                "backward": 2 * logits + stats, "rows": n, "vocab": vocab}  # fmt: skip
+                "backward": 2 * logits + stats, "rows": n, "vocab": vocab, "kept": 0}  # fmt: skip
     return {
         "saved": saved,
-        "log_softmax": 0 if chunked else 4 * rows * vocab,  # kept per micro-batch until its backward
-        # logits in the compute dtype (a chunk's are freed once cast), their fp32 copy, the log-softmax
-        "forward": rows * vocab * (8 if c == 4 or chunked else c + 8),
-        # log-softmax output + the gradients of nll_loss and log_softmax, all (rows, V) fp32; chunked: the
-        # full-size gradient of the hidden states that the chunks' gradients are summed into
-        "backward": 12 * rows * vocab + (r * n * a.dim if chunked else 0),
+        "log_softmax": 4 * rows * vocab,  # kept per micro-batch until its backward
+        # logits in the compute dtype, their fp32 copy, the log-softmax
+        "forward": rows * vocab * (8 if c == 4 else c + 8),
+        # log-softmax output + the gradients of nll_loss and log_softmax, all (rows, V) fp32
+        "backward": 12 * rows * vocab,
         "rows": rows,
         "vocab": vocab,
+        "kept": 0,
     }
+
+
+def _chunked_loss_bytes(
+    s: Setup, n: int, n_sp: int, rows: int, vocab: int, *, as_traced: bool
+) -> dict[str, int]:
+    """The chunked loss (titanrush/models/llama/loss.py) computes both gradients in forward: it keeps the
+    hidden states' gradient (compute dtype) and the weight's (fp32) for backward, and nothing of size
+    (rows, V) beyond its chunk."""
+    a, c, r = s.args, s.c, s.r
+    w_grad = 4 * vocab * a.dim  # summed over the chunks in fp32
+    saved = 4 * n_sp * a.dim + 4 * n_sp + c * n * a.dim + w_grad
+    if s.compile and not as_traced:  # compiled per-chunk math: the chunk's logits and their gradient only
+        per_row = 2 * c
+    else:  # eager: the logits, their fp32 copy turned into the gradient in place, its cast (bf16)
+        per_row = 4 if c == 4 else 2 * c + 4
+    single = rows >= n  # one chunk: the weight's gradient does not exist yet during the chunk's math
+    chunk_math = rows * vocab * per_row - (w_grad if single else 0)
+    # Then the weight's gradient: the chunk's logits gradient is alive; off CUDA (the trace) the product is
+    # a bf16 tensor, then cast to fp32 (the first chunk's cast is the sum itself), then added.
+    dw_step = rows * vocab * c
+    if as_traced and c == 2:
+        dw_step += c * vocab * a.dim + (0 if single else 4 * vocab * a.dim)
+    fwd = max(chunk_math, dw_step)
+    # The weight's gradient in its dtype (bf16 under FSDP's mixed precision, else fp32 master weights),
+    # the hidden states' gradient scaled (and cast back to the residual dtype under autocast).
+    w_bytes = 2 if s.fsdp and s.precision == "bf16" else 4
+    bwd = w_bytes * vocab * a.dim + c * n * a.dim + (r * n * a.dim if r != c else 0)
+    kept = w_grad + c * n * a.dim
+    return {"saved": saved, "log_softmax": 0, "forward": fwd, "backward": bwd, "rows": rows, "vocab": vocab,
+            "kept": kept}  # fmt: skip
 
 
 def _units(s: Setup, plan: RankPlan) -> tuple[list[list[tuple[int, bool, str]]], list[tuple[int, bool, str]]]:
@@ -599,15 +631,7 @@ def analyze_rank(s: Setup, plan: RankPlan, *, as_traced: bool = False) -> Breakd
         add("forward end" + tag, grads(0), activations=a_blocks + a_emb + a_head, logits=loss["forward"])
         if plan.head:
             everything = a_blocks + a_emb + a_head
-            if s.loss == "chunked" and not as_traced:  # measured on H200: the first chunk's backward peaks,
-                # with the chunk's bf16 logits still alive (or, in later chunks, the output weight's gradient)
-                dw = (2 if s.fsdp and s.precision == "bf16" else 4) * loss["vocab"] * a.dim
-                chunk_extra = max(dw, 2 * loss["rows"] * loss["vocab"] if s.c == 2 else 0)
-                add("loss backward" + tag, grads(0), activations=everything,
-                    logits=loss["backward"] + chunk_extra)  # fmt: skip
-            else:
-                chunk_g = head_g if s.loss == "chunked" else 0
-                add("loss backward" + tag, grads(chunk_g), activations=everything, logits=loss["backward"])
+            add("loss backward" + tag, grads(0), activations=everything, logits=loss["backward"])
             logits_grad = s.c * loss["rows"] * loss["vocab"]
             out_g = 0 if s.fsdp and not as_traced else head_g  # FSDP: they come after the norm's backward
             # A float8 output projection (filter_fqns without "output") runs eager, outside the compiled
@@ -615,8 +639,12 @@ def analyze_rank(s: Setup, plan: RankPlan, *, as_traced: bool = False) -> Breakd
             # measured on H200 as 8 bytes per element above the bf16 projection (8B, 15.3 GiB).
             f8_head = "output" in float8_linears(s) and not as_traced
             f8_out = 8 * loss["rows"] * loss["vocab"] if f8_head else 0
-            add("output backward" + tag, grads(out_g), activations=everything, logits=logits_grad,
-                float8=f8_out, transient=conv * vocab // 4)  # fmt: skip
+            if s.loss == "chunked":  # no output matmul in backward: the head's gradients, what the loss
+                # kept freed (FSDP: its unsharded gradient is in the FSDP buffers)
+                add("output backward" + tag, grads(out_g), activations=everything - loss["kept"])
+            else:
+                add("output backward" + tag, grads(out_g), activations=everything, logits=logits_grad,
+                    float8=f8_out, transient=conv * vocab // 4)  # fmt: skip
         add("first block backward" + tag, grads(head_g + w2_grad), activations=a_blocks - saved[-1] + a_emb,
             float8=f8, transient=bwd_ws[-1] + conv * w2 + recast[-1])  # fmt: skip
         add("last block backward" + tag, grads(g_all - emb_g), activations=(kk - 1) * sum(saved) + a_emb,
@@ -669,8 +697,8 @@ def _autocast_copies(
     """autocast's bf16 weight copies at each moment, and each block's re-cast in its recomputation.
 
     autocast caches the copy of each weight it casts until the outermost autocast exits. On CUDA,
-    backward runs on another thread, where the first checkpoint recomputation (a chunk of the chunked loss,
-    or a checkpointed block) leaves autocast at nesting 0 and clears that cache (measured on H200); from
+    backward runs on another thread, where the first checkpoint recomputation (a checkpointed block)
+    leaves autocast at nesting 0 and clears that cache (measured on H200); from
     then on only copies that autograd saved (blocks that are not checkpointed, the output layer until its
     backward) stay, and a recomputed block casts its weights again. Compiled blocks cast inside the graph:
     no cache. A CPU trace runs backward on the calling thread, where the cache survives (`as_traced`).
@@ -691,13 +719,14 @@ def _autocast_copies(
              "last block backward", "embedding backward"]  # fmt: skip
     if as_traced:
         cleared = len(order)
-    elif s.loss == "chunked" and plan.head:
-        cleared = order.index("loss backward")
     else:
         cleared = order.index("first block backward") if any(ckpt) else len(order)
     copies = {"optimizer step": 0}
     for i, name in enumerate(order):
-        with_out = name in ("forward end", "loss backward", "output backward") or (as_traced and i > 0)
+        if s.loss == "chunked":  # the chunked loss casts the weight itself, for its forward only
+            with_out = name == "forward end"
+        else:
+            with_out = name in ("forward end", "loss backward", "output backward") or (as_traced and i > 0)
         copies[name] = (cached if i < cleared else 0) + kept + (out if with_out else 0)
     again = not as_traced and (cleared < len(order) or s.compile)
     return copies, [block if c and again else 0 for c in ckpt] or [0]

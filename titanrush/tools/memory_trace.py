@@ -192,7 +192,8 @@ def build_local_model(s: Setup, plan: RankPlan) -> Llama:
     """The rank's share of the Llama as a single-device model: its layers, TP-local shapes, AC applied."""
     a = s.args
     backend = "math" if a.attn_backend == "math" else "sdpa"  # flash, cudnn, flex: no CPU backward
-    model = Llama(dataclasses.replace(a, n_layers=len(plan.layers), attn_backend=backend))
+    # compile_loss off: the trace runs eager (the analytic model says what compile changes)
+    model = Llama(dataclasses.replace(a, n_layers=len(plan.layers), attn_backend=backend, compile_loss=False))
     if s.tp > 1:  # what each TP rank holds: its heads, its FFN columns, its vocabulary rows
         d, hd, tp = a.dim, a.head_dim, s.tp
         hq, hkv, f = a.n_heads // tp * hd, a.kv_heads // tp * hd, math.ceil(a.ffn_hidden / tp)

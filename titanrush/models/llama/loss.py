@@ -1,10 +1,22 @@
-"""Cross-entropy losses: the plain one over full logits, and a chunked one that never holds them all."""
+"""Cross-entropy losses: the plain one over full logits, and a chunked one that never holds them all.
+
+The chunked loss fuses the output projection with the loss and computes both gradients in forward, one
+chunk of tokens at a time: per chunk, the logits, the loss and the logits' gradient (softmax minus the
+one-hot label), then that gradient's products with the weight (the hidden states' gradient) and with the
+chunk's hidden states (added to the weight's gradient, accumulated in fp32). Backward only scales the two
+gradients it kept. No (tokens, vocabulary) tensor outlives its chunk and no matmul runs twice: the plain
+loss keeps the logits for backward and then allocates their gradient beside them, two (tokens,
+vocabulary) tensors at the peak; the chunked loss keeps one fp32 copy of the weight's gradient instead.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100  # F.cross_entropy's default: labels with this value add nothing to the loss
 
 
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -12,23 +24,102 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
-def _chunk_loss_sum(h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    logits = (h @ weight.t()).float()  # (N, V) for this chunk only
-    return F.cross_entropy(logits, labels, reduction="sum")
+def chunk_loss_and_grad(
+    logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy of the chunk, d(loss * scale)/d(logits) in the logits' dtype), math in fp32.
+
+    Compiled, this becomes row-wise kernels that read the logits twice and write the gradient once.
+    Eager, the fp32 copy of the logits becomes the gradient in place (fp32 logits are overwritten): one
+    (rows, V) fp32 buffer and no other.
+    """
+    lf = logits.float()
+    valid = labels != IGNORE_INDEX
+    target = labels.clamp_min(0).unsqueeze(1)
+    row_scale = (scale * valid).unsqueeze(1)  # 0 for ignored tokens
+    target_logit = lf.gather(1, target)
+    if torch.compiler.is_compiling():
+        lse = torch.logsumexp(lf, dim=1, keepdim=True)
+        cols = torch.arange(lf.shape[1], device=lf.device).unsqueeze(0)
+        p = torch.exp(lf - lse)
+        grad = torch.where(cols == target, p - 1.0, p) * row_scale
+    else:
+        row_max = lf.amax(1, keepdim=True)
+        grad = lf.sub_(row_max).exp_()  # exp(logit - max), in place
+        sum_exp = grad.sum(1, keepdim=True)
+        lse = row_max + sum_exp.log()
+        grad.mul_(row_scale / sum_exp).scatter_add_(1, target, -row_scale)  # (softmax - one-hot) * scale
+    loss_sum = ((lse - target_logit).squeeze(1) * valid).sum()
+    return loss_sum, grad.to(logits.dtype)
+
+
+_compiled_chunk: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+def _chunk_fn(compiled: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    global _compiled_chunk
+    if not compiled:
+        return chunk_loss_and_grad
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(chunk_loss_and_grad, dynamic=False)
+    return _compiled_chunk
+
+
+def _add_weight_grad(dw: torch.Tensor | None, grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """dw (fp32) + grad.T @ h. On CUDA, cuBLAS adds the bf16 product into the fp32 sum itself (no
+    low-precision copy of the product, no extra kernel); elsewhere the product is cast and added."""
+    if grad.dtype == torch.float32:
+        return grad.t() @ h if dw is None else dw.addmm_(grad.t(), h)
+    if grad.is_cuda:
+        if dw is None:
+            return torch.mm(grad.t(), h, out_dtype=torch.float32)
+        return torch.addmm(dw, grad.t(), h, out_dtype=torch.float32, out=dw)
+    part = (grad.t() @ h).float()
+    return part if dw is None else dw.add_(part)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, labels, chunk_size, compiled):  # type: ignore[override]
+        dev = h.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else h.dtype
+        with torch.autocast(dev, enabled=False):
+            hc, wc = h.to(dtype), weight.to(dtype)  # under autocast: its bf16 copies, once
+            n_valid = (labels != IGNORE_INDEX).sum().clamp_min(1)
+            scale = 1.0 / n_valid.float()
+            fn = _chunk_fn(compiled)
+            total = torch.zeros((), dtype=torch.float32, device=h.device)
+            dh = torch.empty_like(hc)
+            dw = None
+            for start in range(0, hc.shape[0], chunk_size):
+                rows = slice(start, start + chunk_size)
+                loss_sum, grad = fn(hc[rows] @ wc.t(), labels[rows], scale)
+                total += loss_sum
+                torch.mm(grad, wc, out=dh[rows])
+                dw = _add_weight_grad(dw, grad, hc[rows])
+                del grad
+        ctx.save_for_backward(dh, dw)
+        ctx.dtypes = (h.dtype, weight.dtype)
+        return total * scale
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        dh, dw = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        # Cast, then scale the cast copy: no second fp32 copy of the weight's gradient.
+        dw = dw * g if w_dtype == torch.float32 else dw.to(w_dtype).mul_(g)
+        return (dh * g).to(h_dtype), dw, None, None, None
 
 
 def chunked_cross_entropy(
-    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int, *, compiled: bool = False
 ) -> torch.Tensor:
     """Mean cross-entropy of the output projection h @ weight.T against labels, chunk by chunk.
 
-    Each chunk's logits are recomputed in backward (activation checkpointing per chunk), so at most one
-    chunk of (chunk_size, V) fp32 logits is alive at a time instead of (B * T, V).
+    h (..., D), weight (V, D), labels (...) with IGNORE_INDEX for tokens that do not count. Equals
+    `cross_entropy(h @ weight.T, labels)` and its gradients; at most one chunk of (chunk_size, V) logits
+    and their gradient exist at a time. `compiled`: torch.compile the per-chunk loss and gradient.
     """
-    h = h.flatten(0, 1)
-    labels = labels.flatten(0, 1)
-    total = h.new_zeros((), dtype=torch.float32)
-    for start in range(0, h.shape[0], chunk_size):
-        sl = slice(start, start + chunk_size)
-        total = total + checkpoint(_chunk_loss_sum, h[sl], weight, labels[sl], use_reentrant=False)
-    return total / labels.numel()
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _LinearCrossEntropy.apply(h.flatten(0, -2), weight, labels.flatten(), chunk_size, compiled)

@@ -41,6 +41,7 @@ class ModelArgs:
     tie_embeddings: bool = False
     attn_backend: str = "sdpa"
     loss_chunk_size: int = 0  # > 0: forward(labels=...) returns the chunked cross-entropy loss
+    compile_loss: bool = False  # torch.compile the chunked loss's per-chunk math
 
     @property
     def head_dim(self) -> int:
@@ -209,7 +210,9 @@ class Llama(nn.Module):
         if self.output is None:
             return h
         if labels is not None and self.args.loss_chunk_size > 0:
-            return chunked_cross_entropy(h, self.output.weight, labels, self.args.loss_chunk_size)
+            return chunked_cross_entropy(
+                h, self.output.weight, labels, self.args.loss_chunk_size, compiled=self.args.compile_loss
+            )
         return self.output(h)
 
     def param_inits(self) -> dict[str, Callable[[torch.Tensor, torch.Generator], None]]:
