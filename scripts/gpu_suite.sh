@@ -40,9 +40,11 @@
 #            loss (gradients in forward) alone and with offload and the last 17 or 18 blocks keeping all
 #   phase U: the 8B compiled float8 row side by side, the chunked loss with offload and the last 16-18
 #            blocks keeping every matmul output
+#   phase V: both compiled rows again: offload with the last 18 or 20 blocks keeping all (bf16); float8
+#            with the chunked loss and the last 6 keeping all, or every 6th of the first 24 offloaded
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to U}
+PHASE=${1:?phase A to V}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -291,6 +293,13 @@ elif [ "$PHASE" = U ]; then  # 4 GPUs: the same on the compiled float8 row
      --variants ${VARIANTS:-c_off24e3_last16,c_off24e3_last17,c_off24e3_last18} --steps 12 --measure-from 6 \
      --timeout-per-run 90 > $S/sbs8b_f8loss.log 2>&1
   cp $S/sbs8b_f8loss/results.md "$OUT/sbs8b_f8loss.md"
+elif [ "$PHASE" = V ]; then  # 4 GPUs: both compiled rows again, more blocks keeping every matmul output
+  timeout 270 python3 scripts/side_by_side.py --out $S/sbs8b_v --rows 8b_compile \
+     --variants c_off24e3_last18,c_off24e3_last20 --steps 12 --measure-from 6 --timeout-per-run 85 > $S/sbs8b_v.log 2>&1
+  cp $S/sbs8b_v/results.md "$OUT/sbs8b_v.md"
+  timeout 270 python3 scripts/side_by_side.py --out $S/sbs8b_f8v --rows 8b_compile_float8 \
+     --variants c_last6,c_off24e6_last10 --steps 12 --measure-from 6 --timeout-per-run 85 > $S/sbs8b_f8v.log 2>&1
+  cp $S/sbs8b_f8v/results.md "$OUT/sbs8b_f8v.md"
 else  # E
   timeout 80 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider -k 4gpu > $S/gpu_tests_4.txt 2>&1
   cp $S/gpu_tests_4.txt "$OUT/"

@@ -69,7 +69,7 @@ _OFFLOAD_VARIANTS = (
     (12, 1, 17), (24, 3, 11), (24, 3, 13), (24, 3, 14), (24, 2, 17), (24, 2, 20), (30, 2, 32),
 )  # fmt: skip
 # ... with the chunked loss (gradients in forward, no full logits), whose freed memory keeps more blocks'
-_CHUNKED_OFFLOAD_VARIANTS = ((24, 3, 16), (24, 3, 17), (24, 3, 18))  # matmul outputs
+_CHUNKED_OFFLOAD_VARIANTS = (*((24, 3, m) for m in range(16, 23)), (24, 6, 10), (24, 6, 12))  # matmul outputs
 
 
 def _offload_flags(first: int, every: int, last: int) -> list[str]:
@@ -109,6 +109,18 @@ _8B_VARIANTS = {
     **{
         f"c_off{f}e{e}_last{m}": ["--training.loss", "chunked", *_offload_flags(f, e, m)]
         for f, e, m in _CHUNKED_OFFLOAD_VARIANTS
+    },
+    # ... without offload: the chunked loss's memory alone paying for the last M blocks
+    **{
+        f"c_last{m}": [
+            "--training.loss",
+            "chunked",
+            "--activation_checkpoint.op_matmuls",
+            "alternate",
+            "--activation_checkpoint.op_all_last",
+            str(m),
+        ]  # fmt: skip
+        for m in range(4, 9)
     },
     # The chunked loss alone at torchtitan's policy: what the loss itself costs or saves.
     "chunked_alternate": ["--training.loss", "chunked", "--activation_checkpoint.op_matmuls", "alternate"],
