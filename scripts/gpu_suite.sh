@@ -42,9 +42,11 @@
 #            blocks keeping every matmul output
 #   phase V: both compiled rows again: offload with the last 18 or 20 blocks keeping all (bf16); float8
 #            with the chunked loss and the last 6 keeping all, or every 6th of the first 24 offloaded
+#   phase W: the compiled row's offload variants with each rank bound to its GPU's NUMA node (last 18, 20,
+#            21 keeping all), and float8 with the chunked loss and the last 5 keeping all
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to V}
+PHASE=${1:?phase A to W}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -300,6 +302,15 @@ elif [ "$PHASE" = V ]; then  # 4 GPUs: both compiled rows again, more blocks kee
   timeout 270 python3 scripts/side_by_side.py --out $S/sbs8b_f8v --rows 8b_compile_float8 \
      --variants c_last6,c_off24e6_last10 --steps 12 --measure-from 6 --timeout-per-run 85 > $S/sbs8b_f8v.log 2>&1
   cp $S/sbs8b_f8v/results.md "$OUT/sbs8b_f8v.md"
+elif [ "$PHASE" = W ]; then  # 4 GPUs: offload with each rank bound to its GPU's NUMA node; float8 last 5
+  (nvidia-smi topo -m; lscpu | grep -i numa) > "$OUT/topology.txt" 2>&1
+  timeout 330 python3 scripts/side_by_side.py --out $S/sbs8b_w --rows 8b_compile \
+     --variants c_off24e3_last20,c_off24e3_last18,c_off24e3_last21 --steps 12 --measure-from 6 \
+     --timeout-per-run 85 > $S/sbs8b_w.log 2>&1
+  cp $S/sbs8b_w/results.md "$OUT/sbs8b_w.md"
+  timeout 180 python3 scripts/side_by_side.py --out $S/sbs8b_f8w --rows 8b_compile_float8 \
+     --variants c_last5 --steps 12 --measure-from 6 --timeout-per-run 85 > $S/sbs8b_f8w.log 2>&1
+  cp $S/sbs8b_f8w/results.md "$OUT/sbs8b_f8w.md"
 else  # E
   timeout 80 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider -k 4gpu > $S/gpu_tests_4.txt 2>&1
   cp $S/gpu_tests_4.txt "$OUT/"

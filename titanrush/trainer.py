@@ -47,6 +47,7 @@ from titanrush.models.llama.loss import cross_entropy
 from titanrush.models.llama.parallelize import check_combinations, parallelize_llama
 from titanrush.models.llama.pipeline import PipelinedLlama, pipeline_llama
 from titanrush.optim import build_lr_scheduler, build_optimizer
+from titanrush.parallel.activation_offload import bind_near_gpu
 from titanrush.parallel.context_parallel import context_parallel_step, set_rotate_method
 from titanrush.parallel.float8 import precompute_float8_scales
 from titanrush.parallel.grad_clip import clip_grad_norm_
@@ -219,6 +220,10 @@ class Trainer:
             self.device = torch.device("cuda", local_rank)
             set_allocator(expandable=cfg.training.expandable_segments)
             torch.cuda.set_device(self.device)
+            if cfg.activation_checkpoint.offload_first > 0:  # pinned host memory next to this GPU
+                cpus = bind_near_gpu(self.device)
+                if cpus is not None:
+                    logger.info(f"activation offload: bound to the GPU's {len(cpus)} NUMA-local CPUs")
         else:
             self.device = torch.device("cpu")
         if self.world_size > 1 and not dist.is_initialized():

@@ -15,7 +15,12 @@ from titanrush.models.init import _canonical
 from titanrush.models.llama import Llama, model_args
 from titanrush.parallel import activation_offload
 from titanrush.parallel.activation_checkpoint import apply_ac
-from titanrush.parallel.activation_offload import ActivationOffloader, apply_offload
+from titanrush.parallel.activation_offload import (
+    ActivationOffloader,
+    apply_offload,
+    bind_near_gpu,
+    parse_cpulist,
+)
 from titanrush.parallel.compile import apply_compile
 
 CPU = torch.device("cpu")
@@ -111,3 +116,34 @@ def test_offload_config_errors():
         cfg = config.load(None, ["--activation_checkpoint.offload_first", "1"])
         with pytest.raises(ConfigError, match="offload_first needs a CUDA GPU"):
             check_config(cfg, 1)
+
+
+def test_parse_cpulist():
+    assert parse_cpulist("0-3,8,10-11\n") == {0, 1, 2, 3, 8, 10, 11}
+    assert parse_cpulist("") == set()
+
+
+def test_bind_near_gpu_reads_the_gpu_node_cpus_from_sysfs(tmp_path, monkeypatch):
+    import os
+    import types
+
+    now = os.sched_getaffinity(0)
+    props = types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x1B, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: props)
+    dev = tmp_path / "0000:1b:00.0"
+    dev.mkdir()
+    mine = min(now)
+    (dev / "local_cpulist").write_text(f"{mine}\n")
+    try:
+        got = bind_near_gpu(torch.device("cuda", 0), sysfs=str(tmp_path))
+        assert got == ({mine} if len(now) > 1 else None)
+        assert os.sched_getaffinity(0) == {mine}
+    finally:
+        os.sched_setaffinity(0, now)
+    # Unknown device (no sysfs entry) or a node with none of our CPUs: nothing changes.
+    props.pci_bus_id = 0x2C
+    assert bind_near_gpu(torch.device("cuda", 0), sysfs=str(tmp_path)) is None
+    (dev / "local_cpulist").write_text("100000-100001\n")
+    props.pci_bus_id = 0x1B
+    assert bind_near_gpu(torch.device("cuda", 0), sysfs=str(tmp_path)) is None
+    assert os.sched_getaffinity(0) == now

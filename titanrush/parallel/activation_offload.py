@@ -269,3 +269,39 @@ def apply_offload(
     for position, (name, block) in enumerate(model.layers.items()):
         offloader.track(block, position, offload=offloaded(int(name), first, every))
     return offloader
+
+
+def parse_cpulist(text: str) -> set[int]:
+    """CPUs of a Linux cpulist ("0-15,32-47")."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def bind_near_gpu(device: torch.device, sysfs: str = "/sys/bus/pci/devices") -> set[int] | None:
+    """Run this process on the CPUs of the GPU's NUMA node, so that the pinned host memory it allocates
+    (first touched by these CPUs) sits next to the GPU's PCIe root instead of across the socket link.
+
+    Returns the CPUs bound to, or None where the GPU's node is unknown or shares no CPU with the
+    current affinity (nothing changed).
+    """
+    import os
+
+    props = torch.cuda.get_device_properties(device)
+    ids = [getattr(props, k, None) for k in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    if any(i is None for i in ids):
+        return None
+    path = f"{sysfs}/{ids[0]:04x}:{ids[1]:02x}:{ids[2]:02x}.0/local_cpulist"
+    try:
+        with open(path) as f:
+            local = parse_cpulist(f.read())
+    except OSError:
+        return None
+    cpus = local & os.sched_getaffinity(0)
+    if not cpus or cpus == os.sched_getaffinity(0):
+        return None
+    os.sched_setaffinity(0, cpus)
+    return cpus
