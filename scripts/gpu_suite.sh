@@ -44,9 +44,10 @@
 #            with the chunked loss and the last 6 keeping all, or every 6th of the first 24 offloaded
 #   phase W: the compiled row's offload variants with each rank bound to its GPU's NUMA node (last 18, 20,
 #            21 keeping all), and float8 with the chunked loss and the last 5 keeping all
+#   phase X (1 GPU): the 1B eager with the plain and the chunked loss, and the estimator's chunked row
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to W}
+PHASE=${1:?phase A to X}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -311,6 +312,11 @@ elif [ "$PHASE" = W ]; then  # 4 GPUs: offload with each rank bound to its GPU's
   timeout 180 python3 scripts/side_by_side.py --out $S/sbs8b_f8w --rows 8b_compile_float8 \
      --variants c_last5 --steps 12 --measure-from 6 --timeout-per-run 85 > $S/sbs8b_f8w.log 2>&1
   cp $S/sbs8b_f8w/results.md "$OUT/sbs8b_f8w.md"
+elif [ "$PHASE" = X ]; then  # 1 GPU: the chunked loss (change 15) on the 1B, eager: memory and speed
+  bench 230 b1_closs 1 12 4 \
+    --run "eager_plain: $B1 --training.local_batch_size 8 --compile.enable false" \
+    --run "eager_chunked: $B1 --training.local_batch_size 8 --compile.enable false --training.loss chunked" \
+    --run "full_chunked_b8: $B1 --training.local_batch_size 8 --compile.enable false --activation_checkpoint.mode full --training.loss chunked"
 else  # E
   timeout 80 python3 -m pytest tests/gpu -q -rs -p no:cacheprovider -k 4gpu > $S/gpu_tests_4.txt 2>&1
   cp $S/gpu_tests_4.txt "$OUT/"

@@ -73,7 +73,9 @@ class Training:
     deterministic: bool = False
     """Use deterministic algorithms (slower; for bitwise-reproducible tests)."""
     loss: Literal["plain", "chunked"] = "plain"
-    """Cross-entropy: plain (full fp32 logits) or chunked (over token chunks, never all logits at once)."""
+    """Cross-entropy: plain (full logits, fp32 unless compiled) or chunked (the output projection and the
+    loss fused, both gradients computed in forward one token chunk at a time: no full logits, no
+    recomputation; 8B FSDP4 compiled: 3.6 GiB less at the same speed)."""
     loss_chunk_size: int = 4096
     """Tokens per chunk when training.loss = chunked."""
     expandable_segments: bool = True
