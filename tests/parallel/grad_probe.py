@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanrush.config import ActivationCheckpoint, Compile, Float8, Parallelism
@@ -38,6 +39,8 @@ MESHES: dict[str, dict[str, Any]] = {
     "hsdp2x2": {"dp_replicate": 2, "dp_shard": 2},
     "fsdp2_tp2_ac_op": {"tp": 2, "_ac": "selective"},
     "fsdp2_tp2_tied": {"tp": 2, "_tied": True},
+    # the chunked loss (gradients computed in forward, uneven chunks) under FSDP against the plain loss
+    "fsdp4_chunked": {"_chunk": 24},
 }
 BATCH, SEQ = 4, 32
 
@@ -51,7 +54,7 @@ def grads_of(model: torch.nn.Module, mesh: Any, dims: ParallelDims, p: Paralleli
         n, r = BATCH // dims.dp, mesh["dp"].get_local_rank()
         x, y = x[r * n : (r + 1) * n], y[r * n : (r + 1) * n]
     with loss_parallel_context(mesh, dims, p):
-        loss = cross_entropy(model(x), y)
+        loss = model(x, labels=y) if model.args.loss_chunk_size else cross_entropy(model(x), y)
         loss.backward()
     loss = loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
     if mesh is not None and dims.dp > 1:
@@ -64,9 +67,9 @@ def grads_of(model: torch.nn.Module, mesh: Any, dims: ParallelDims, p: Paralleli
     return loss.item(), grads
 
 
-def build(dims: ParallelDims, mesh: Any, p: Parallelism, ac: str, tied: bool) -> torch.nn.Module:
+def build(dims: ParallelDims, mesh: Any, p: Parallelism, ac: str, tied: bool, chunk: int = 0) -> nn.Module:
     with torch.device("meta"):
-        model = Llama(model_args("debug", n_layers=2, tie_embeddings=tied))
+        model = Llama(model_args("debug", n_layers=2, tie_embeddings=tied, loss_chunk_size=chunk))
     parallelize_llama(
         model, dims, mesh, parallelism=p, compile=Compile(), ac=ActivationCheckpoint(mode=ac),
         float8=Float8(), precision="fp32",
@@ -85,11 +88,11 @@ def main(out_path: str) -> None:
     report: dict[str, dict[str, Any]] = {}
     for name, over in MESHES.items():
         over = dict(over)
-        ac, tied = over.pop("_ac", "none"), over.pop("_tied", False)
+        ac, tied, chunk = over.pop("_ac", "none"), over.pop("_tied", False), over.pop("_chunk", 0)
         p = Parallelism(**over)
         dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, world)
         mesh = dims.build_mesh("cpu")
-        loss, grads = grads_of(build(dims, mesh, p, ac, tied), mesh, dims, p)
+        loss, grads = grads_of(build(dims, mesh, p, ac, tied, chunk), mesh, dims, p)
         if rank == 0:
             ref_loss, ref = grads_of(build(one, None, Parallelism(), "none", tied), None, one, Parallelism())
             assert grads.keys() == ref.keys(), sorted(set(grads) ^ set(ref))

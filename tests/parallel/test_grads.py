@@ -31,7 +31,7 @@ def test_every_gradient_matches_on_every_mesh(tmp_path):
     res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-6000:]
     report = json.loads(out.read_text())
-    assert set(report) >= {"fsdp4", "ddp4", "tp4", "fsdp2_tp2", "hsdp2x2"}
+    assert set(report) >= {"fsdp4", "ddp4", "tp4", "fsdp2_tp2", "hsdp2x2", "fsdp4_chunked"}
     for mesh, r in report.items():
         print(f"\ngradients {mesh}: max deviation {r['max_grad_dev']:.1e} ({r['worst']})")
         assert r["max_grad_dev"] <= GRAD_RTOL, (mesh, r)
