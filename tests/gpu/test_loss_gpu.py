@@ -64,3 +64,27 @@ def test_chunked_loss_matches_plain_and_holds_no_full_logits(compiled):
     assert p_peak >= 2 * logits
     bound = 512 * V * (2 + 2 + 4) + V * D * (4 + 2) + 2 * 2 * N * D + (16 << 20)
     assert c_peak <= bound < 2 * logits, (c_peak / 2**20, bound / 2**20)
+
+
+def test_chunked_loss_under_autocast_with_fp32_weights():
+    """The single-GPU / DDP path: fp32 master weights under bf16 autocast. The weight's gradient comes
+    back in fp32 (summed over chunks in fp32 by cuBLAS, then scaled), as close to fp32 math as autocast's
+    own bf16 projection with the compiled plain loss."""
+    ref_loss, ref_gh, ref_gw = _fp32_reference()
+
+    def run(fn):
+        h, w, labels = _inputs()
+        hf, wf = h.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = fn(hf, wf, labels)
+        (loss * 0.5).backward()
+        return loss.detach(), hf.grad, wf.grad
+
+    p_loss, p_gh, p_gw = run(_plain)
+    c_loss, c_gh, c_gw = run(lambda h, w, y: chunked_cross_entropy(h, w, y, 512, compiled=True))
+    assert c_gh.dtype == c_gw.dtype == torch.float32
+    torch.testing.assert_close(c_loss, ref_loss, rtol=2e-3, atol=2e-3)
+    for got, plain, ref in ((c_gh, p_gh, ref_gh), (c_gw, p_gw, ref_gw)):
+        err_c = (got - ref).abs().max().item()
+        err_p = (plain.float() - ref).abs().max().item()
+        assert err_c <= 1.5 * err_p + 1e-6, (err_c, err_p)

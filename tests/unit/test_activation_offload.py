@@ -124,7 +124,9 @@ def test_parse_cpulist():
 
 
 def test_bind_near_gpu_reads_the_gpu_node_cpus_from_sysfs(tmp_path, monkeypatch):
+    import contextlib
     import os
+    import threading
     import types
 
     now = os.sched_getaffinity(0)
@@ -134,12 +136,27 @@ def test_bind_near_gpu_reads_the_gpu_node_cpus_from_sysfs(tmp_path, monkeypatch)
     dev.mkdir()
     mine = min(now)
     (dev / "local_cpulist").write_text(f"{mine}\n")
+    done = threading.Event()
+    other = threading.Thread(target=done.wait)  # a thread started before the binding
+    other.start()
+
+    def restore() -> None:
+        for tid in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError):
+                os.sched_setaffinity(int(tid), now)
+
     try:
         got = bind_near_gpu(torch.device("cuda", 0), sysfs=str(tmp_path))
-        assert got == ({mine} if len(now) > 1 else None)
-        assert os.sched_getaffinity(0) == {mine}
+        if len(now) > 1:
+            assert got == {mine}
+            assert os.sched_getaffinity(0) == {mine}
+            assert os.sched_getaffinity(other.native_id) == {mine}  # every thread, not only this one
+        else:
+            assert got is None
     finally:
-        os.sched_setaffinity(0, now)
+        restore()
+        done.set()
+        other.join()
     # Unknown device (no sysfs entry) or a node with none of our CPUs: nothing changes.
     props.pci_bus_id = 0x2C
     assert bind_near_gpu(torch.device("cuda", 0), sysfs=str(tmp_path)) is None

@@ -281,7 +281,11 @@ def test_chunked_cross_entropy_function_equals_f_cross_entropy(compiled):
     labels = torch.randint(0, 50, (3, 10))
     labels[0, :4] = -100  # ignored tokens: no loss, no gradient, not in the mean's count
     ref = F.cross_entropy((h @ w.t()).flatten(0, 1), labels.flatten())
+    torch._dynamo.reset()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     got = chunked_cross_entropy(h, w, labels, chunk_size=7, compiled=compiled)
+    # compiled: the chunk math ran as dynamo graphs (full chunks and the shorter last one), not eager
+    assert (torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs) == compiled
     torch.testing.assert_close(got, ref)
     # An upstream gradient other than 1 (the trainer divides by the accumulation steps) scales both.
     gh, gw = torch.autograd.grad(got * 0.25, (h, w))
@@ -307,6 +311,18 @@ def test_chunked_cross_entropy_under_autocast_matches_the_bf16_projection():
     torch.testing.assert_close(got, ref, rtol=1e-2, atol=1e-2)
     for a, b in ((gh, rh), (gw, rw)):  # bf16 rounding of the logits' gradient, relative to the largest entry
         assert (a - b).abs().max() <= 2e-2 * b.abs().max()
+
+
+def test_chunked_cross_entropy_in_fp64_passes_gradcheck():
+    h = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 5, dtype=torch.float64, requires_grad=True)
+    labels = torch.tensor([0, 3, -100, 10, 7, 1])
+    assert torch.autograd.gradcheck(lambda a, b: chunked_cross_entropy(a, b, labels, chunk_size=4), (h, w))
+
+
+def test_chunked_cross_entropy_rejects_negative_labels_other_than_ignore_index():
+    with pytest.raises((RuntimeError, IndexError)):
+        chunked_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.tensor([1, -1, 2, 3]), 2)
 
 
 def test_chunked_cross_entropy_rejects_a_chunk_size_below_one():

@@ -25,6 +25,7 @@ the same, which the CPU tests check; the trainer allows offload only on CUDA.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
 from collections.abc import Iterable
@@ -303,5 +304,9 @@ def bind_near_gpu(device: torch.device, sysfs: str = "/sys/bus/pci/devices") -> 
     cpus = local & os.sched_getaffinity(0)
     if not cpus or cpus == os.sched_getaffinity(0):
         return None
-    os.sched_setaffinity(0, cpus)
+    # Every thread of the process (affinity is per thread; threads started later inherit it).
+    tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]
+    for tid in tasks:
+        with contextlib.suppress(OSError):  # a thread that has exited since the listing
+            os.sched_setaffinity(int(tid), cpus)
     return cpus

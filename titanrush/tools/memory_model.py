@@ -478,7 +478,8 @@ def _chunked_loss_bytes(
     dw_step = rows * vocab * c
     if as_traced and c == 2:
         dw_step += c * vocab * a.dim + (0 if single else 4 * vocab * a.dim)
-    fwd = max(chunk_math, dw_step)
+    # Beside them the loss's input, the final norm's output, and under autocast its bf16 copy.
+    fwd = max(chunk_math, dw_step) + r * n * a.dim + (c * n * a.dim if r != c else 0)
     # The weight's gradient in its dtype (bf16 under FSDP's mixed precision, else fp32 master weights),
     # the hidden states' gradient scaled (and cast back to the residual dtype under autocast).
     w_bytes = 2 if s.fsdp and s.precision == "bf16" else 4

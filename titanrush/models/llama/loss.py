@@ -33,10 +33,10 @@ def chunk_loss_and_grad(
     Eager, the fp32 copy of the logits becomes the gradient in place (fp32 logits are overwritten): one
     (rows, V) fp32 buffer and no other.
     """
-    lf = logits.float()
+    lf = logits.to(torch.promote_types(logits.dtype, torch.float32))
     valid = labels != IGNORE_INDEX
-    target = labels.clamp_min(0).unsqueeze(1)
-    row_scale = (scale * valid).unsqueeze(1)  # 0 for ignored tokens
+    target = torch.where(valid, labels, 0).unsqueeze(1)  # other negative labels fail in gather, as in F
+    row_scale = (scale * valid).to(lf.dtype).unsqueeze(1)  # 0 for ignored tokens
     target_logit = lf.gather(1, target)
     if torch.compiler.is_compiling():
         lse = torch.logsumexp(lf, dim=1, keepdim=True)
@@ -66,9 +66,10 @@ def _chunk_fn(compiled: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]
 
 
 def _add_weight_grad(dw: torch.Tensor | None, grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """dw (fp32) + grad.T @ h. On CUDA, cuBLAS adds the bf16 product into the fp32 sum itself (no
-    low-precision copy of the product, no extra kernel); elsewhere the product is cast and added."""
-    if grad.dtype == torch.float32:
+    """dw + grad.T @ h, dw in fp32 for bf16/fp16 gradients. On CUDA, cuBLAS adds the bf16 product into the
+    fp32 sum itself (no low-precision copy of the product, no extra kernel); elsewhere the product is
+    cast and added."""
+    if grad.dtype not in (torch.bfloat16, torch.float16):  # fp32, fp64: summed in their own dtype
         return grad.t() @ h if dw is None else dw.addmm_(grad.t(), h)
     if grad.is_cuda:
         if dw is None:
@@ -86,9 +87,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(dev, enabled=False):
             hc, wc = h.to(dtype), weight.to(dtype)  # under autocast: its bf16 copies, once
             n_valid = (labels != IGNORE_INDEX).sum().clamp_min(1)
-            scale = 1.0 / n_valid.float()
+            math_dtype = torch.promote_types(dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+            scale = 1.0 / n_valid.to(math_dtype)
             fn = _chunk_fn(compiled)
-            total = torch.zeros((), dtype=torch.float32, device=h.device)
+            total = torch.zeros((), dtype=math_dtype, device=h.device)
             dh = torch.empty_like(hc)
             dw = None
             for start in range(0, hc.shape[0], chunk_size):
@@ -107,7 +109,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         dh, dw = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
         # Cast, then scale the cast copy: no second fp32 copy of the weight's gradient.
-        dw = dw * g if w_dtype == torch.float32 else dw.to(w_dtype).mul_(g)
+        dw = dw * g if w_dtype == dw.dtype else dw.to(w_dtype).mul_(g)
         return (dh * g).to(h_dtype), dw, None, None, None
 
 
