@@ -72,12 +72,16 @@ _OFFLOAD_VARIANTS = (
 _CHUNKED_OFFLOAD_VARIANTS = (*((24, 3, m) for m in range(16, 23)), (24, 6, 10), (24, 6, 12))  # matmul outputs
 
 
+_AC = "--activation_checkpoint."
+
+
+def _last_flags(last: int) -> list[str]:
+    """torchtitan's alternate policy, the last `last` blocks keeping every matmul output."""
+    return [_AC + "op_matmuls", "alternate", _AC + "op_all_last", str(last)]
+
+
 def _offload_flags(first: int, every: int, last: int) -> list[str]:
-    ac = "--activation_checkpoint."
-    return [
-        *(ac + "op_matmuls", "alternate", ac + "op_all_last", str(last)),
-        *(ac + "offload_first", str(first), ac + "offload_every", str(every)),
-    ]
+    return [*_last_flags(last), _AC + "offload_first", str(first), _AC + "offload_every", str(every)]
 
 
 _8B_VARIANTS = {
@@ -111,17 +115,7 @@ _8B_VARIANTS = {
         for f, e, m in _CHUNKED_OFFLOAD_VARIANTS
     },
     # ... without offload: the chunked loss's memory alone paying for the last M blocks
-    **{
-        f"c_last{m}": [
-            "--training.loss",
-            "chunked",
-            "--activation_checkpoint.op_matmuls",
-            "alternate",
-            "--activation_checkpoint.op_all_last",
-            str(m),
-        ]  # fmt: skip
-        for m in range(4, 9)
-    },
+    **{f"c_last{m}": ["--training.loss", "chunked", *_last_flags(m)] for m in range(4, 9)},
     # The chunked loss alone at torchtitan's policy: what the loss itself costs or saves.
     "chunked_alternate": ["--training.loss", "chunked", "--activation_checkpoint.op_matmuls", "alternate"],
     # ... and with float8 for the output projection too (torchtitan keeps it in bf16)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -289,8 +290,6 @@ def bind_near_gpu(device: torch.device, sysfs: str = "/sys/bus/pci/devices") -> 
     Returns the CPUs bound to, or None where the GPU's node is unknown or shares no CPU with the
     current affinity (nothing changed).
     """
-    import os
-
     props = torch.cuda.get_device_properties(device)
     ids = [getattr(props, k, None) for k in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
     if any(i is None for i in ids):
@@ -301,8 +300,9 @@ def bind_near_gpu(device: torch.device, sysfs: str = "/sys/bus/pci/devices") -> 
             local = parse_cpulist(f.read())
     except OSError:
         return None
-    cpus = local & os.sched_getaffinity(0)
-    if not cpus or cpus == os.sched_getaffinity(0):
+    now = os.sched_getaffinity(0)
+    cpus = local & now
+    if not cpus or cpus == now:
         return None
     # Every thread of the process (affinity is per thread; threads started later inherit it).
     tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else ["0"]

@@ -432,10 +432,8 @@ def loss_bytes(s: Setup, n: int, *, as_traced: bool) -> dict[str, int]:
     a, tp, c, r = s.args, s.tp, s.c, s.r
     n_sp = _sp(s, n, as_traced)
     vocab = math.ceil(a.vocab_size / tp) if tp > 1 and (s.loss_parallel or as_traced) else a.vocab_size
-    chunked = s.loss == "chunked"
-    rows = min(n, s.loss_chunk) if chunked else n
-    if chunked:
-        return _chunked_loss_bytes(s, n, n_sp, rows, vocab, as_traced=as_traced)
+    if s.loss == "chunked":
+        return _chunked_loss_bytes(s, n, n_sp, min(n, s.loss_chunk), vocab, as_traced=as_traced)
     head_in = (2 if s.autocast else r) * n * a.dim
     saved = 4 * n_sp * a.dim + 4 * n_sp + head_in
     if s.compiled_loss and not as_traced:
@@ -447,12 +445,12 @@ def loss_bytes(s: Setup, n: int, *, as_traced: bool) -> dict[str, int]:
                 "backward": 2 * logits + stats, "rows": n, "vocab": vocab, "kept": 0}  # fmt: skip
     return {
         "saved": saved,
-        "log_softmax": 4 * rows * vocab,  # kept per micro-batch until its backward
+        "log_softmax": 4 * n * vocab,  # kept per micro-batch until its backward
         # logits in the compute dtype, their fp32 copy, the log-softmax
-        "forward": rows * vocab * (8 if c == 4 else c + 8),
-        # log-softmax output + the gradients of nll_loss and log_softmax, all (rows, V) fp32
-        "backward": 12 * rows * vocab,
-        "rows": rows,
+        "forward": n * vocab * (8 if c == 4 else c + 8),
+        # log-softmax output + the gradients of nll_loss and log_softmax, all (n, V) fp32
+        "backward": 12 * n * vocab,
+        "rows": n,
         "vocab": vocab,
         "kept": 0,
     }
