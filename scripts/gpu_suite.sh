@@ -45,9 +45,16 @@
 #   phase W: the compiled row's offload variants with each rank bound to its GPU's NUMA node (last 18, 20,
 #            21 keeping all), and float8 with the chunked loss and the last 5 keeping all
 #   phase X (1 GPU): the 1B eager with the plain and the chunked loss, and the estimator's chunked row
+#   phase Y: pinning speed (4 processes at once, cudaHostAlloc vs malloc + register), the loss GPU tests
+#            and the early release of FSDP's reduce-scatter inputs (2 GPUs); then the compiled float8 row
+#            with the chunked loss and the last 6, 8 or 9 blocks keeping all. Keeps .fa1 in /tmp/fa.
+#   phase Z: flash-attn-4 from /tmp/fa + .fa2; the best row (float8, no AC, ZeRO-2) with cuDNN's and with
+#            flash-attn's attention beside torchtitan's float8 row; the package's GPU tests
+#   phase AA: the compiled row's offload variant with pinning by register threads and by cudaHostAlloc,
+#            and with more blocks keeping all (time to first step, speed, memory)
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to X}
+PHASE=${1:?phase A to AA}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -312,6 +319,43 @@ elif [ "$PHASE" = W ]; then  # 4 GPUs: offload with each rank bound to its GPU's
   timeout 180 python3 scripts/side_by_side.py --out $S/sbs8b_f8w --rows 8b_compile_float8 \
      --variants c_last5 --steps 12 --measure-from 6 --timeout-per-run 85 > $S/sbs8b_f8w.log 2>&1
   cp $S/sbs8b_f8w/results.md "$OUT/sbs8b_f8w.md"
+elif [ "$PHASE" = Y ]; then  # 4 GPUs: pinning, the release GPU test, float8 with more blocks keeping all
+  mkdir -p /tmp/fa && cp .fa1/* /tmp/fa/ 2>/dev/null
+  for m in default register8; do
+    for g in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$g timeout 90 python3 scripts/pin_bench.py --gib 12.5 --mode $m & done
+    wait
+  done > $S/pin_bench.txt 2>&1
+  cp $S/pin_bench.txt "$OUT/"
+  (CUDA_VISIBLE_DEVICES=0 timeout 150 python3 -m pytest tests/gpu/test_loss_gpu.py -q -rs -s -p no:cacheprovider \
+     > $S/gpu_tests_loss.txt 2>&1) &
+  CUDA_VISIBLE_DEVICES=2,3 timeout 200 python3 -m pytest tests/gpu/test_parallel_gpu.py -k early_release -q -rs -s \
+     -p no:cacheprovider > $S/gpu_tests_release.txt 2>&1
+  wait
+  cat $S/gpu_tests_loss.txt $S/gpu_tests_release.txt > "$OUT/gpu_tests_y.txt"
+  timeout 330 python3 scripts/side_by_side.py --out $S/sbs8b_f8y --rows 8b_compile_float8 \
+     --variants ${VARIANTS:-c_last6,c_last8,c_last9} --steps 12 --measure-from 6 --timeout-per-run 85 \
+     > $S/sbs8b_f8y.log 2>&1
+  cp $S/sbs8b_f8y/results.md "$OUT/sbs8b_f8y.md"
+elif [ "$PHASE" = Z ]; then  # 4 GPUs: flash-attn-4 on the best row
+  cp .fa2/* /tmp/fa/ && cat /tmp/fa/cu13.part1 /tmp/fa/cu13.part2 > /tmp/fa/$(cat /tmp/fa/cu13.name) \
+    && (cd /tmp/fa && sha256sum -c cu13.sha256) > $S/flash_install.txt 2>&1
+  rm -f /tmp/fa/cu13.part*
+  python3 -m pip install --no-index --no-deps --target /tmp/fasite /tmp/fa/*.whl >> $S/flash_install.txt 2>&1
+  export PYTHONPATH=/tmp/fasite:$PYTHONPATH
+  export PYTHONPATH=/tmp/fasite/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH  # (the wheel's .pth; --target skips it)
+  python3 -c "import flash_attn.cute as f; print('flash_attn.cute', f.flash_attn_func)" >> $S/flash_install.txt 2>&1
+  cp $S/flash_install.txt "$OUT/"
+  timeout 300 python3 scripts/side_by_side.py --out $S/sbs8b_best --rows 8b_compile_float8 \
+     --variants ${VARIANTS:-ac_none_zero2,ac_none_zero2_flash} --steps 12 --measure-from 6 --timeout-per-run 95 \
+     > $S/sbs8b_best.log 2>&1
+  cp $S/sbs8b_best/results.md "$OUT/sbs8b_best.md"
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest tests/gpu/test_attention_gpu.py -k flash -q -rs \
+     -p no:cacheprovider > "$OUT/gpu_tests_flash.txt" 2>&1
+elif [ "$PHASE" = AA ]; then  # 4 GPUs: the compiled row's offload variant: pinning, more blocks keeping all
+  timeout 330 python3 scripts/side_by_side.py --out $S/sbs8b_aa --rows 8b_compile \
+     --variants ${VARIANTS:-c_off24e3_last21,c_off24e3_last21_pin0,c_off24e3_last24} --steps 12 --measure-from 6 \
+     --timeout-per-run 85 > $S/sbs8b_aa.log 2>&1
+  cp $S/sbs8b_aa/results.md "$OUT/sbs8b_aa.md"
 elif [ "$PHASE" = X ]; then  # 1 GPU: the chunked loss (change 15) on the 1B, eager: memory and speed
   bench 230 b1_closs 1 12 4 \
     --run "eager_plain: $B1 --training.local_batch_size 8 --compile.enable false" \

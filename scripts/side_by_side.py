@@ -69,7 +69,7 @@ _OFFLOAD_VARIANTS = (
     (12, 1, 17), (24, 3, 11), (24, 3, 13), (24, 3, 14), (24, 2, 17), (24, 2, 20), (30, 2, 32),
 )  # fmt: skip
 # ... with the chunked loss (gradients in forward, no full logits), whose freed memory keeps more blocks'
-_CHUNKED_OFFLOAD_VARIANTS = (*((24, 3, m) for m in range(16, 23)), (24, 6, 10), (24, 6, 12))  # matmul outputs
+_CHUNKED_OFFLOAD_VARIANTS = (*((24, 3, m) for m in range(16, 26)), (24, 6, 10), (24, 6, 12))  # matmul outputs
 
 
 _AC = "--activation_checkpoint."
@@ -107,6 +107,11 @@ _8B_VARIANTS = {
         *("--activation_checkpoint.mode", "none"),
         *("--parallelism.fsdp_reshard_after_forward", "never"),
     ],
+    # ... with flash-attn's kernels (the package installed beside torch) instead of cuDNN's
+    "ac_none_zero2_flash": [
+        *("--activation_checkpoint.mode", "none"),
+        *("--parallelism.fsdp_reshard_after_forward", "never", "--model.attn_backend", "flash"),
+    ],
     # Activation offload: every E-th of the first F blocks keeps every matmul output in host memory,
     # which pays for the last M blocks keeping every matmul output too (alternate elsewhere).
     **{f"off{f}e{e}_last{m}": _offload_flags(f, e, m) for f, e, m in _OFFLOAD_VARIANTS},
@@ -115,7 +120,20 @@ _8B_VARIANTS = {
         for f, e, m in _CHUNKED_OFFLOAD_VARIANTS
     },
     # ... without offload: the chunked loss's memory alone paying for the last M blocks
-    **{f"c_last{m}": ["--training.loss", "chunked", *_last_flags(m)] for m in range(4, 9)},
+    **{f"c_last{m}": ["--training.loss", "chunked", *_last_flags(m)] for m in range(4, 15)},
+    # ... with FSDP's own timing for releasing the reduce-scatter inputs (before change 17)
+    "c_last6_late": [
+        "--training.loss",
+        "chunked",
+        *_last_flags(6),
+        "--parallelism.fsdp_free_reduce_inputs",
+        "false",
+    ],
+    # offload's first-step pinning by cudaHostAlloc, not malloc + register by 8 threads (before change 18)
+    "c_off24e3_last21_pin0": [
+        *("--training.loss", "chunked", *_offload_flags(24, 3, 21)),
+        *("--activation_checkpoint.offload_pin_threads", "0"),
+    ],
     # The chunked loss alone at torchtitan's policy: what the loss itself costs or saves.
     "chunked_alternate": ["--training.loss", "chunked", "--activation_checkpoint.op_matmuls", "alternate"],
     # ... and with float8 for the output projection too (torchtitan keeps it in bf16)

@@ -146,6 +146,10 @@ class Parallelism:
     the last block."""
     fsdp_cpu_offload: bool = False
     """Keep FSDP parameters, gradients and optimizer states on the CPU."""
+    fsdp_free_reduce_inputs: bool = True
+    """Release each unit's fp32 reduce-scatter input as the next block's backward starts, not after it
+    (the caching allocator waits for the collective): the output layer's (2 GiB on the 8B) leaves the
+    last block's backward, usually the step's peak. false = FSDP's own timing."""
     sequence_parallel: bool = True
     """With tp > 1: shard the norms' activations over the sequence."""
     loss_parallel: bool = True
@@ -199,6 +203,10 @@ class ActivationCheckpoint:
     """With offload_first: offload every N-th of those blocks (0, N, 2N, ...). A block's copy out hides
     behind the compute of the N blocks after it; spread them out where one block computes faster than
     its activations cross the host link (an 8B block: about 13 ms against 30 ms on an H200)."""
+    offload_pin_threads: int = 8
+    """With offload_first: the host memory the first step pins (GiB per rank) is allocated with malloc,
+    its pages touched by this many threads, then registered with CUDA (`pinned_use_cuda_host_register`),
+    instead of one cudaHostAlloc per tensor. A power of two up to 128; 0: cudaHostAlloc."""
 
 
 @dataclass
@@ -580,6 +588,11 @@ def validate(cfg: JobConfig) -> None:
         )
     if ac.op_all_last < 0:
         raise ConfigError(f"activation_checkpoint.op_all_last = {ac.op_all_last}: use 0 or a positive count")
+    threads = ac.offload_pin_threads
+    if threads < 0 or threads > 128 or threads & (threads - 1):
+        raise ConfigError(
+            f"activation_checkpoint.offload_pin_threads = {threads}: use 0 or a power of two up to 128"
+        )
     if ac.offload_every < 1:
         raise ConfigError(f"activation_checkpoint.offload_every = {ac.offload_every}: use a positive integer")
     if ac.offload_first < 0:

@@ -192,13 +192,20 @@ def check_ac_blocks(cfg: JobConfig, args: ModelArgs) -> None:
             )
 
 
-def set_allocator(*, expandable: bool) -> None:
-    """The CUDA caching allocator's segments: expandable unless the environment configures the allocator."""
+def set_allocator(*, expandable: bool, pin_threads: int = 0) -> None:
+    """The CUDA caching allocator's segments: expandable unless the environment configures the allocator;
+    with `pin_threads`, pinned host memory from malloc + cudaHostRegister, its pages touched by that many
+    threads."""
     env = [k for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF") if os.environ.get(k)]
     if env:
-        logger.info(f"allocator: {env[0]}={os.environ[env[0]]} (training.expandable_segments not applied)")
+        logger.info(
+            f"allocator: {env[0]}={os.environ[env[0]]} (training.expandable_segments and "
+            "activation_checkpoint.offload_pin_threads not applied)"
+        )
         return
     setting = f"expandable_segments:{expandable}"
+    if pin_threads:
+        setting += f",pinned_use_cuda_host_register:True,pinned_num_register_threads:{pin_threads}"
     set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.12
     if set_settings is not None:
         set_settings(setting)
@@ -218,7 +225,9 @@ class Trainer:
         self.dims, self.model_args, self.accum = check_config(cfg, self.world_size)
         if torch.cuda.is_available():
             self.device = torch.device("cuda", local_rank)
-            set_allocator(expandable=cfg.training.expandable_segments)
+            ac = cfg.activation_checkpoint
+            pin_threads = ac.offload_pin_threads if ac.offload_first > 0 else 0
+            set_allocator(expandable=cfg.training.expandable_segments, pin_threads=pin_threads)
             torch.cuda.set_device(self.device)
             if cfg.activation_checkpoint.offload_first > 0:  # pinned host memory next to this GPU
                 cpus = bind_near_gpu(self.device)

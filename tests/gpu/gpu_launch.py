@@ -40,17 +40,22 @@ def launch(
         timeout: Seconds before the run counts as failed.
         entry: What the processes run: the trainer's module, or a script and its own arguments.
     """
+    res = torchrun(ngpu, [*entry, "--job.dump_folder", str(tmp), "--job.name", name, *args], timeout)
+    rows = [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
+    return rows, res.stdout + res.stderr
+
+
+def torchrun(ngpu: int, argv: list[str], timeout: float) -> subprocess.CompletedProcess:
+    """`python argv` under `ngpu` processes (1: no launcher), asserting a zero exit."""
     env = dict(
         os.environ, NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", TORCH_SYMM_MEM_DISABLE_MULTICAST="1"
     )
     launcher = ["-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={ngpu}",
                 "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}"]  # fmt: skip
-    cmd = [sys.executable, *(launcher if ngpu > 1 else []), *entry,
-           "--job.dump_folder", str(tmp), "--job.name", name, *args]  # fmt: skip
+    cmd = [sys.executable, *(launcher if ngpu > 1 else []), *argv]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout[-2000:]}\n{res.stderr[-8000:]}"
-    rows = [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
-    return rows, res.stdout + res.stderr
+    return res
 
 
 def max_dev(rows: list[dict], ref: list[dict], key: str) -> float:

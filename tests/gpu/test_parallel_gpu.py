@@ -7,10 +7,11 @@ gradient norm from metrics.jsonl with a one-GPU run.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-from gpu_launch import launch
+from gpu_launch import launch, torchrun
 from gpu_launch import max_dev as dev
 
 pytestmark = pytest.mark.multigpu
@@ -75,3 +76,22 @@ def test_bf16_meshes_train_like_one_gpu(name, tmp_path, refs):
     assert dev(rows, refs["bf16"], "loss") <= BF16_RTOL, [r["loss"] for r in rows]
     assert rows[-1]["loss"] < rows[0]["loss"]
     print(f"{name}: loss {dev(rows, refs['bf16'], 'loss'):.2e}")
+
+
+def test_early_release_of_reduce_scatter_inputs(tmp_path):
+    """On NCCL, as the last block's backward starts, the output layer's fp32 reduce-scatter input is gone
+    with the early release and still held without it; the gradients are the same either way."""
+    out = {}
+    for free in ("true", "false"):
+        path = tmp_path / f"{free}.json"
+        torchrun(2, [str(Path(__file__).with_name("release_probe.py")), str(path), free], timeout=300)
+        out[free] = json.loads(path.read_text())
+    early, late = out["true"], out["false"]
+    head_input = 4 * 131072 * 256  # bytes: the output layer's unsharded fp32 gradient
+    drop = late["allocated_at_last_block_backward"] - early["allocated_at_last_block_backward"]
+    print(f"torch {early['torch']}: released {early['released']}, {drop / 2**20:.0f} MiB less at the moment")
+    assert early["released"] >= 3 * 3, early  # 3 steps x (head + blocks 3, 2) at least
+    assert late["released"] is None, late
+    assert drop >= 0.9 * head_input, (early, late)
+    assert early["losses"] == pytest.approx(late["losses"], rel=1e-6)
+    assert early["grad_norm"] == pytest.approx(late["grad_norm"], rel=1e-5)

@@ -103,6 +103,8 @@ def test_extends_cycle_is_an_error(tmp_path):
             "only applies to selective op checkpointing with op_matmuls = alternate",
         ),
         (["--parallelism.dp_shard", "0"], "parallelism.dp_shard must be -1 or >= 1"),
+        (["--activation_checkpoint.offload_pin_threads", "6"], "offload_pin_threads = 6: use 0 or a power"),
+        (["--activation_checkpoint.offload_pin_threads", "256"], "offload_pin_threads = 256: use 0 or"),
     ],
 )
 def test_cli_errors(args, pattern):

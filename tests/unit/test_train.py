@@ -8,6 +8,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 
 from titanrush import config
 from titanrush.trainer import Trainer
@@ -162,3 +163,23 @@ def test_time_summary_counts_kernels_once_and_by_kind():
     kinds = {line.split()[0]: float(line.split()[1]) for line in head[1:]}
     assert kinds == {"matmul": 3.0, "compiled": 1.0, "communication": 0.5}
     assert "ProfilerStep" not in summary and "CompiledFxGraph" not in summary
+
+
+def test_set_allocator_pins_by_host_register_with_threads(monkeypatch):
+    """Activation offload's pinned memory: malloc + cudaHostRegister with N threads; the environment wins."""
+    from titanrush import trainer
+
+    seen = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", seen.append, raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", seen.append)
+    for key in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(key, raising=False)
+    trainer.set_allocator(expandable=True, pin_threads=8)
+    trainer.set_allocator(expandable=False)
+    assert seen == [
+        "expandable_segments:True,pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
+        "expandable_segments:False",
+    ]
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    trainer.set_allocator(expandable=True, pin_threads=8)
+    assert len(seen) == 2

@@ -5,11 +5,19 @@ and the root (whatever is left: the tied embedding table, buffers). Each unit al
 before its forward, frees them after (unless told to keep them), all-gathers again in backward and
 reduce-scatters the gradients. A 2-D mesh (dp_replicate x dp_shard) gives HSDP: parameters are sharded
 within each replica group and gradients are also all-reduced across the groups.
+
+FSDP holds each unit's fp32 reduce-scatter input until the next unit's backward has ended, so that the
+compute stream cannot reuse that memory while the collective still reads it. For the output layer that
+is 4 bytes x vocab x dim (2 GiB on the 8B) through the whole backward of the last block, the step's
+peak. `release_reduce_inputs` drops it as each block's backward starts, leaving the wait to the caching
+allocator (`record_stream` on the reduce-scatter stream): the memory is reused as soon as the collective
+is done, with no stall of the compute stream.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import warnings
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -29,6 +37,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: ReshardPolicy = "default",
     cpu_offload: bool = False,
+    free_reduce_inputs: bool = True,
 ) -> None:
     """Shard `model` with FSDP2 over `mesh`, in place.
 
@@ -48,6 +57,8 @@ def apply_fsdp(
         cpu_offload: Keep the sharded parameters, gradients and optimizer states in host memory; each
             unit is copied to the device for its all-gather (and its gradients back after the
             reduce-scatter). The optimizer step then runs on the CPU.
+        free_reduce_inputs: Release the reduce-scatter inputs still in flight as each block's backward
+            starts (`release_reduce_inputs`; the model's `fsdp_released_reduce_inputs` counts them).
 
     Raises:
         ConfigError: An unknown `reshard_after_forward`.
@@ -85,6 +96,52 @@ def apply_fsdp(
     # The root gathers what no unit claimed; FSDP never frees the root after forward.
     fully_shard(model, **common)
     _set_prefetch(model, units)
+    if free_reduce_inputs:
+        release_reduce_inputs(model, blocks)
+
+
+def release_reduce_inputs(root: nn.Module, blocks: list[nn.Module]) -> None:
+    """As each of `blocks` starts its backward, release the reduce-scatter inputs FSDP still holds.
+
+    The hook sits on each block's output: its gradient is ready once the unit after the block (the next
+    block, or the output layer) has run its post-backward, which issued that unit's reduce-scatter. Each
+    held input is marked as in use by the reduce-scatter stream, then dropped from FSDP's state: the
+    caching allocator hands its memory out again only after the collective, and FSDP's own wait on it
+    in the next post-backward has nothing left to wait for. The count of released inputs goes to
+    `root.fsdp_released_reduce_inputs` (tests read it).
+
+    The held inputs are FSDP internals: a list `reduce_scatter_states` (torch >= 2.12) or a single
+    `reduce_scatter_state` (earlier) on the shared communication context. Where neither exists this
+    warns once and does nothing, which costs memory, never correctness.
+    """
+    assert isinstance(root, FSDPModule)
+    root.fsdp_released_reduce_inputs = 0
+
+    def release(grad: torch.Tensor) -> None:
+        ctx = root._get_fsdp_state()._comm_ctx
+        if hasattr(ctx, "reduce_scatter_states"):
+            held, clear = list(ctx.reduce_scatter_states), ctx.reduce_scatter_states.clear
+        elif hasattr(ctx, "reduce_scatter_state"):
+            held = [ctx.reduce_scatter_state] if ctx.reduce_scatter_state is not None else []
+            clear = lambda: setattr(ctx, "reduce_scatter_state", None)  # noqa: E731
+        else:
+            msg = "FSDP keeps no reduce_scatter_state(s) in this torch: reduce-scatter inputs released late"
+            warnings.warn(msg, stacklevel=1)
+            for handle in handles:
+                handle.remove()
+            return
+        for state in held:
+            buf = state.reduce_scatter_input
+            if buf.is_cuda:  # (gloo on CPU reduce-scatters synchronously: nothing in flight)
+                buf.record_stream(ctx.reduce_scatter_stream)
+        clear()
+        root.fsdp_released_reduce_inputs += len(held)
+
+    def on_output(module: nn.Module, args: Any, output: Any) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(release)
+
+    handles = [block.register_forward_hook(on_output) for block in blocks]
 
 
 def _set_prefetch(root: nn.Module, units: list[nn.Module]) -> None:

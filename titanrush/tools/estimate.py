@@ -116,6 +116,7 @@ def build_setup(cfg: JobConfig, ngpu: int) -> tuple[mm.Setup, str, int, str]:
         loss_parallel=p.loss_parallel,
         reshard=reshard,
         cpu_offload=p.fsdp_cpu_offload,
+        free_reduce_inputs=p.fsdp_free_reduce_inputs,
         pp_schedule=p.pp_schedule,
         pp_microbatches=p.pp_microbatches,
         pp_stages_per_rank=p.pp_stages_per_rank,

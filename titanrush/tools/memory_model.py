@@ -51,6 +51,7 @@ class Setup:
     loss_parallel: bool = True
     reshard: str = "default"
     cpu_offload: bool = False
+    free_reduce_inputs: bool = True  # FSDP's reduce-scatter inputs released as the next block starts
     pp_schedule: str = "1F1B"
     pp_microbatches: int = 0
     pp_stages_per_rank: int = 0
@@ -460,11 +461,14 @@ def _chunked_loss_bytes(
     s: Setup, n: int, n_sp: int, rows: int, vocab: int, *, as_traced: bool
 ) -> dict[str, int]:
     """The chunked loss (titanrush/models/llama/loss.py) computes both gradients in forward: it keeps the
-    hidden states' gradient (compute dtype) and the weight's (fp32) for backward, and nothing of size
-    (rows, V) beyond its chunk."""
+    hidden states' gradient (compute dtype) and the weight's (summed in fp32, kept in the weight's dtype)
+    for backward, and nothing of size (rows, V) beyond its chunk."""
     a, c, r = s.args, s.c, s.r
     w_grad = 4 * vocab * a.dim  # summed over the chunks in fp32
-    saved = 4 * n_sp * a.dim + 4 * n_sp + c * n * a.dim + w_grad
+    # The weight's dtype: bf16 under FSDP's mixed precision, else the fp32 master weights.
+    w_bytes = 2 if s.fsdp and s.precision == "bf16" else 4
+    kept_w = w_bytes * vocab * a.dim
+    saved = 4 * n_sp * a.dim + 4 * n_sp + c * n * a.dim + kept_w
     if s.compile and not as_traced:  # compiled per-chunk math: the chunk's logits and their gradient only
         per_row = 2 * c
     else:  # eager: the logits, their fp32 copy turned into the gradient in place, its cast (bf16)
@@ -477,12 +481,12 @@ def _chunked_loss_bytes(
     if as_traced and c == 2:
         dw_step += c * vocab * a.dim + (0 if single else 4 * vocab * a.dim)
     # Beside them the loss's input, the final norm's output, and under autocast its bf16 copy.
-    fwd = max(chunk_math, dw_step) + r * n * a.dim + (c * n * a.dim if r != c else 0)
-    # The weight's gradient in its dtype (bf16 under FSDP's mixed precision, else fp32 master weights),
-    # the hidden states' gradient scaled (and cast back to the residual dtype under autocast).
-    w_bytes = 2 if s.fsdp and s.precision == "bf16" else 4
-    bwd = w_bytes * vocab * a.dim + c * n * a.dim + (r * n * a.dim if r != c else 0)
-    kept = w_grad + c * n * a.dim
+    # (the fp32 sum is a transient of the loop; `saved` holds its cast)
+    fwd = max(chunk_math, dw_step) + w_grad - kept_w + r * n * a.dim + (c * n * a.dim if r != c else 0)
+    # The weight's gradient scaled, the hidden states' gradient scaled (and cast back to the residual
+    # dtype under autocast).
+    bwd = kept_w + c * n * a.dim + (r * n * a.dim if r != c else 0)
+    kept = kept_w + c * n * a.dim
     return {"saved": saved, "log_softmax": 0, "forward": fwd, "backward": bwd, "rows": rows, "vocab": vocab,
             "kept": kept}  # fmt: skip
 
@@ -528,9 +532,10 @@ def fsdp_buffers(s: Setup, plan: RankPlan, *, later: bool = False) -> dict[str, 
         if kind == "grad":  # the unsharded gradients alone, before the unit's post-backward
             per = pc
         elif pipelined:  # the bf16 gradient and its fp32 copy (the copy then counts as a gradient)
-            per = {"reduce": pc if later else pc + 4, "in flight": 0}[kind]
-        else:  # grads + reduce-scatter input; previous input
-            per = {"reduce": pc + 4, "in flight": 4}[kind]
+            per = {"reduce": pc if later else pc + 4, "in flight": 0, "held": 0}[kind]
+        else:  # grads + reduce-scatter input; the previous unit's input, which a block's backward releases
+            # early (the allocator reuses it once the collective is done, a few ms into the block's backward)
+            per = {"reduce": pc + 4, "in flight": 0 if s.free_reduce_inputs else 4, "held": 4}[kind]
         return per * sum(x for x, _, _ in units[i])
 
     root_all = 2 * pc * sum(x for x, _, _ in root)  # never resharded; its unsharded gradient accumulates
@@ -554,7 +559,7 @@ def fsdp_buffers(s: Setup, plan: RankPlan, *, later: bool = False) -> dict[str, 
         "last block backward": gathered(first, first - 1)
         + unit(first, "reduce")
         + unit(first + 1, "in flight"),
-        "embedding backward": gathered(0) + unit(0, "reduce") + unit(1, "in flight"),
+        "embedding backward": gathered(0) + unit(0, "reduce") + unit(1, "held"),
     }
 
 

@@ -100,17 +100,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 torch.mm(grad, wc, out=dh[rows])
                 dw = _add_weight_grad(dw, grad, hc[rows])
                 del grad
+            # Kept until backward in the weight's dtype (bf16 under FSDP's mixed precision: half the
+            # memory), which is what backward did first anyway: cast, then scale the cast copy.
+            dw = dw.to(weight.dtype)
         ctx.save_for_backward(dh, dw)
-        ctx.dtypes = (h.dtype, weight.dtype)
+        ctx.h_dtype = h.dtype
         return total * scale
 
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         dh, dw = ctx.saved_tensors
-        h_dtype, w_dtype = ctx.dtypes
-        # Cast, then scale the cast copy: no second fp32 copy of the weight's gradient.
-        dw = dw * g if w_dtype == dw.dtype else dw.to(w_dtype).mul_(g)
-        return (dh * g).to(h_dtype), dw, None, None, None
+        h_dtype = ctx.h_dtype
+        return (dh * g).to(h_dtype), dw * g, None, None, None
 
 
 def chunked_cross_entropy(

@@ -145,6 +145,7 @@ def parallelize_llama(
             reduce_dtype=torch.float32,
             reshard_after_forward=parallelism.fsdp_reshard_after_forward,
             cpu_offload=parallelism.fsdp_cpu_offload,
+            free_reduce_inputs=parallelism.fsdp_free_reduce_inputs,
         )
     elif mesh is not None and dims.ddp_enabled:
         apply_ddp(model, mesh["dp_replicate"])

@@ -1,0 +1,46 @@
+"""How long pinning host memory takes, the way activation offload's first step asks for it.
+
+`python scripts/pin_bench.py --gib 12.5 --mode default|register8` times allocating that much pinned host
+memory in 448 MiB and 128 MiB tensors (the sizes of an 8B block's largest saved activations) through
+PyTorch's caching host allocator, in a fresh process: `default` (cudaHostAlloc) or `register8` (malloc,
+pages touched by 8 threads, then cudaHostRegister: `pinned_use_cuda_host_register`). Prints one JSON line.
+Run one process per GPU at once to see what four ranks pinning together cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+MODES = {"default": "", "register8": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gib", type=float, default=12.5)
+    ap.add_argument("--mode", choices=sorted(MODES), default="default")
+    a = ap.parse_args()
+    if MODES[a.mode]:
+        torch.cuda.memory._set_allocator_settings(MODES[a.mode])
+    torch.cuda.init()
+    sizes, total = [], 0
+    while total < a.gib * 2**30:  # the pattern of one block: 448, 128, 128, 448, 128 MiB ...
+        size = (448 if len(sizes) % 3 == 0 else 128) * 2**20
+        sizes.append(size)
+        total += size
+    t0 = time.perf_counter()
+    kept = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for size in sizes]
+    seconds = time.perf_counter() - t0
+    assert all(t.is_pinned() for t in kept)
+    print(
+        json.dumps(
+            {"mode": a.mode, "gib": total / 2**30, "tensors": len(sizes), "seconds": round(seconds, 2)}
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

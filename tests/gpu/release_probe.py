@@ -1,0 +1,78 @@
+"""What FSDP holds as the last block's backward starts, with and without the early release (NCCL, 2 GPUs).
+
+Run under torchrun: `torchrun --nproc_per_node=2 tests/gpu/release_probe.py OUT.json true|false`.
+Builds the debug Llama with a large untied vocabulary (so the output layer's fp32 reduce-scatter input,
+4 x 131072 x 256 bytes = 128 MiB, dwarfs the blocks'), shards it over the 2 GPUs in bf16 with the
+chunked loss, and runs three forward/backward passes. A hook registered after FSDP's on the last
+block's output records the memory allocated once the GPU has caught up, as that block's backward
+starts. Rank 0 writes that figure (the last step's), the count of released inputs, the losses and the
+gradients' norm.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from titanrush.config import ActivationCheckpoint, Compile, Float8, Parallelism
+from titanrush.models.llama import Llama, model_args
+from titanrush.models.llama.parallelize import parallelize_llama
+from titanrush.parallel.parallel_dims import ParallelDims
+
+VOCAB, BATCH, SEQ = 131072, 2, 1024
+
+
+def main(out_path: str, free: bool) -> None:
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl")
+    device = torch.device("cuda", rank)
+    p = Parallelism(fsdp_free_reduce_inputs=free)
+    dims = ParallelDims(1, world, 1, 1, 1, world)
+    mesh = dims.build_mesh("cuda")
+    with torch.device("meta"):
+        model = Llama(model_args("debug", vocab_size=VOCAB, tie_embeddings=False, loss_chunk_size=512))
+    parallelize_llama(
+        model, dims, mesh, parallelism=p, compile=Compile(), ac=ActivationCheckpoint(mode="none"),
+        float8=Float8(), precision="bf16", device=device,
+    )  # fmt: skip
+    model.to_empty(device=device)
+    model.init_weights(seed=7)
+    at_start: list[int] = []
+
+    def probe(grad: torch.Tensor) -> None:
+        torch.cuda.synchronize()
+        torch.empty(1, device=device)  # an allocation: the allocator retires what the streams finished
+        at_start.append(torch.cuda.memory_allocated())
+
+    last = list(model.layers.values())[-1]
+    last.register_forward_hook(lambda m, a, out: out.register_hook(probe))  # after FSDP's and the release's
+    gen = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(3):
+        tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen).to(device)
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+        loss.backward()
+        losses.append(loss.item())
+    norm = torch.stack([
+        (g.full_tensor() if isinstance(g, DTensor) else g).float().norm() for g in
+        (q.grad for q in model.parameters())
+    ]).norm().item()  # fmt: skip
+    if rank == 0:
+        report = {
+            "free": free, "allocated_at_last_block_backward": at_start[-1], "losses": losses,
+            "grad_norm": norm, "released": getattr(model, "fsdp_released_reduce_inputs", None),
+            "torch": torch.__version__,
+        }  # fmt: skip
+        with open(out_path, "w") as f:
+            json.dump(report, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2] == "true")
