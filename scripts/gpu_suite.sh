@@ -352,7 +352,11 @@ elif [ "$PHASE" = Z ]; then  # 4 GPUs: flash-attn-4 on the best row
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest tests/gpu/test_attention_gpu.py -k flash -q -rs \
      -p no:cacheprovider > "$OUT/gpu_tests_flash.txt" 2>&1
 elif [ "$PHASE" = AA ]; then  # 4 GPUs: the compiled row's offload variant: pinning, more blocks keeping all
-  timeout 330 python3 scripts/side_by_side.py --out $S/sbs8b_aa --rows 8b_compile \
+  if [ -n "${RELEASE_TEST:-}" ]; then
+    CUDA_VISIBLE_DEVICES=0,1 timeout 150 python3 -m pytest tests/gpu/test_parallel_gpu.py -k early_release -q -rs -s \
+       -p no:cacheprovider > "$OUT/gpu_tests_release.txt" 2>&1
+  fi
+  timeout 380 python3 scripts/side_by_side.py --out $S/sbs8b_aa --rows 8b_compile \
      --variants ${VARIANTS:-c_off24e3_last21,c_off24e3_last21_pin0,c_off24e3_last24} --steps 12 --measure-from 6 \
      --timeout-per-run 85 > $S/sbs8b_aa.log 2>&1
   cp $S/sbs8b_aa/results.md "$OUT/sbs8b_aa.md"

@@ -129,6 +129,10 @@ _8B_VARIANTS = {
         "--parallelism.fsdp_free_reduce_inputs",
         "false",
     ],
+    # ... with the loss in 2,048-token chunks (half the chunk's logits and their gradient at its peak)
+    "c2k_off24e3_last21": [
+        *("--training.loss", "chunked", "--training.loss_chunk_size", "2048", *_offload_flags(24, 3, 21)),
+    ],
     # offload's first-step pinning by cudaHostAlloc, not malloc + register by 8 threads (before change 18)
     "c_off24e3_last21_pin0": [
         *("--training.loss", "chunked", *_offload_flags(24, 3, 21)),

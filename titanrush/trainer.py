@@ -197,15 +197,14 @@ def set_allocator(*, expandable: bool, pin_threads: int = 0) -> None:
     with `pin_threads`, pinned host memory from malloc + cudaHostRegister, its pages touched by that many
     threads."""
     env = [k for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF") if os.environ.get(k)]
+    settings = [] if env else [f"expandable_segments:{expandable}"]
     if env:
-        logger.info(
-            f"allocator: {env[0]}={os.environ[env[0]]} (training.expandable_segments and "
-            "activation_checkpoint.offload_pin_threads not applied)"
-        )
+        logger.info(f"allocator: {env[0]}={os.environ[env[0]]} (training.expandable_segments not applied)")
+    if pin_threads and not any("pinned_" in os.environ[k] for k in env):
+        settings += ["pinned_use_cuda_host_register:True", f"pinned_num_register_threads:{pin_threads}"]
+    if not settings:
         return
-    setting = f"expandable_segments:{expandable}"
-    if pin_threads:
-        setting += f",pinned_use_cuda_host_register:True,pinned_num_register_threads:{pin_threads}"
+    setting = ",".join(settings)
     set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.12
     if set_settings is not None:
         set_settings(setting)

@@ -50,8 +50,10 @@ def main(out_path: str, free: bool) -> None:
         torch.empty(1, device=device)  # an allocation: the allocator retires what the streams finished
         at_start.append(torch.cuda.memory_allocated())
 
-    last = list(model.layers.values())[-1]
-    last.register_forward_hook(lambda m, a, out: out.register_hook(probe))  # after FSDP's and the release's
+    def on_output(module: torch.nn.Module, args: object, out: torch.Tensor) -> None:
+        out.register_hook(probe)  # after FSDP's and the release's hooks on the same tensor
+
+    list(model.layers.values())[-1].register_forward_hook(on_output)
     gen = torch.Generator().manual_seed(rank)
     losses = []
     for _ in range(3):

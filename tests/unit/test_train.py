@@ -180,6 +180,11 @@ def test_set_allocator_pins_by_host_register_with_threads(monkeypatch):
         "expandable_segments:True,pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
         "expandable_segments:False",
     ]
+    # The environment's allocator settings win for the keys they name; offload's pinning still applies.
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
     trainer.set_allocator(expandable=True, pin_threads=8)
-    assert len(seen) == 2
+    trainer.set_allocator(expandable=True)
+    assert seen[2:] == ["pinned_use_cuda_host_register:True,pinned_num_register_threads:8"]
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "pinned_use_cuda_host_register:False")
+    trainer.set_allocator(expandable=True, pin_threads=8)
+    assert len(seen) == 3
