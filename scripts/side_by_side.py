@@ -133,6 +133,11 @@ _8B_VARIANTS = {
     "c2k_off24e3_last21": [
         *("--training.loss", "chunked", "--training.loss_chunk_size", "2048", *_offload_flags(24, 3, 21)),
     ],
+    # ... with FSDP's own timing for releasing the reduce-scatter inputs (before change 17)
+    "c_off24e3_last21_late": [
+        *("--training.loss", "chunked", *_offload_flags(24, 3, 21)),
+        *("--parallelism.fsdp_free_reduce_inputs", "false"),
+    ],
     # offload's first-step pinning by cudaHostAlloc, not malloc + register by 8 threads (before change 18)
     "c_off24e3_last21_pin0": [
         *("--training.loss", "chunked", *_offload_flags(24, 3, 21)),
