@@ -148,8 +148,8 @@ class Parallelism:
     """Keep FSDP parameters, gradients and optimizer states on the CPU."""
     fsdp_free_reduce_inputs: bool = True
     """Release each unit's fp32 reduce-scatter input as the next block's backward starts, not after it
-    (the caching allocator waits for the collective): the output layer's (2 GiB on the 8B) leaves the
-    last block's backward, usually the step's peak. false = FSDP's own timing."""
+    (the caching allocator waits for the collective): the output layer's (2 GiB on the 8B) is gone
+    during the last block's backward. false = FSDP's own timing."""
     sequence_parallel: bool = True
     """With tp > 1: shard the norms' activations over the sequence."""
     loss_parallel: bool = True
