@@ -328,3 +328,23 @@ def test_chunked_cross_entropy_rejects_negative_labels_other_than_ignore_index()
 def test_chunked_cross_entropy_rejects_a_chunk_size_below_one():
     with pytest.raises(ValueError, match="chunk_size must be >= 1"):
         chunked_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.zeros(4, dtype=torch.long), 0)
+
+
+def test_chunked_cross_entropy_keeps_the_weight_gradient_in_the_weight_dtype():
+    """bf16 weights (FSDP's mixed precision): the fp32 sum over chunks is cast before it is saved for
+    backward, so what waits for backward is half the size; the gradient equals cast-then-scale."""
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(40, 16, generator=gen).bfloat16().requires_grad_()
+    w = torch.randn(96, 16, generator=gen).bfloat16().requires_grad_()
+    y = torch.randint(0, 96, (40,), generator=gen)
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        loss = chunked_cross_entropy(h, w, y, chunk_size=16)
+    weight_shaped = [t for t in saved if t.shape == w.shape]
+    assert [t.dtype for t in weight_shaped] == [torch.bfloat16]
+    (loss * 0.5).backward()
+    # fp32 reference of the same math: the fp32 sum of the chunks' products, cast, then scaled
+    logits = h.detach().float() @ w.detach().float().t()
+    g = (torch.softmax(logits, -1) - F.one_hot(y, 96).float()) / 40
+    ref = (g.t() @ h.detach().float()).bfloat16() * 0.5
+    torch.testing.assert_close(w.grad, ref, atol=2e-2, rtol=2e-2)
