@@ -48,13 +48,15 @@
 #   phase Y: pinning speed (4 processes at once, cudaHostAlloc vs malloc + register), the loss GPU tests
 #            and the early release of FSDP's reduce-scatter inputs (2 GPUs); then the compiled float8 row
 #            with the chunked loss and the last 6, 8 or 9 blocks keeping all. Keeps .fa1 in /tmp/fa.
-#   phase Z: flash-attn-4 from /tmp/fa + .fa2; the best row (float8, no AC, ZeRO-2) with cuDNN's and with
+#   phase Z: flash-attn-4 from /tmp/fa + .fa2 + .fa3 (carry both; REPEATS=N side-by-side runs); the best row (float8, no AC, ZeRO-2) with cuDNN's and with
 #            flash-attn's attention beside torchtitan's float8 row; the package's GPU tests
 #   phase AA: the compiled row's offload variant with pinning by register threads and by cudaHostAlloc,
 #            and with more blocks keeping all (time to first step, speed, memory)
+#   phase AC: the compiled row's offload variant alone: a rank-0 memory snapshot (what sets reserved), then
+#            a profiled step beside the chunked loss at torchtitan's policy (where a slow machine's time goes)
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to AA}
+PHASE=${1:?phase A to AC}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -161,9 +163,11 @@ elif [ "$PHASE" = G ]; then
     >> $S/mem_peaks.txt 2>&1
   cp $S/mem_peaks.txt "$OUT/"; cp $S/snap1b/results.md "$OUT/snap1b.md" 2>/dev/null
 elif [ "$PHASE" = H ]; then
-  cp .fa2/* /tmp/fa/ && cat /tmp/fa/cu13.part1 /tmp/fa/cu13.part2 > /tmp/fa/$(cat /tmp/fa/cu13.name) \
+  # all of flash-attn-4's wheels in one install: a second `pip --target` skips folders that exist
+  cp .fa2/* .fa3/* /tmp/fa/ && cat /tmp/fa/cu13.part1 /tmp/fa/cu13.part2 > /tmp/fa/$(cat /tmp/fa/cu13.name) \
     && (cd /tmp/fa && sha256sum -c cu13.sha256) > $S/flash_install.txt 2>&1
   rm -f /tmp/fa/cu13.part*
+  rm -rf /tmp/fasite
   python3 -m pip install --no-index --no-deps --target /tmp/fasite /tmp/fa/*.whl >> $S/flash_install.txt 2>&1
   export PYTHONPATH=/tmp/fasite:$PYTHONPATH
   python3 -c "import flash_attn.cute as f; print('flash_attn.cute', f.flash_attn_func)" >> $S/flash_install.txt 2>&1
@@ -337,18 +341,22 @@ elif [ "$PHASE" = Y ]; then  # 4 GPUs: pinning, the release GPU test, float8 wit
      > $S/sbs8b_f8y.log 2>&1
   cp $S/sbs8b_f8y/results.md "$OUT/sbs8b_f8y.md"
 elif [ "$PHASE" = Z ]; then  # 4 GPUs: flash-attn-4 on the best row
-  cp .fa2/* /tmp/fa/ && cat /tmp/fa/cu13.part1 /tmp/fa/cu13.part2 > /tmp/fa/$(cat /tmp/fa/cu13.name) \
+  # all of flash-attn-4's wheels in one install: a second `pip --target` skips folders that exist
+  cp .fa2/* .fa3/* /tmp/fa/ && cat /tmp/fa/cu13.part1 /tmp/fa/cu13.part2 > /tmp/fa/$(cat /tmp/fa/cu13.name) \
     && (cd /tmp/fa && sha256sum -c cu13.sha256) > $S/flash_install.txt 2>&1
   rm -f /tmp/fa/cu13.part*
+  rm -rf /tmp/fasite
   python3 -m pip install --no-index --no-deps --target /tmp/fasite /tmp/fa/*.whl >> $S/flash_install.txt 2>&1
   export PYTHONPATH=/tmp/fasite:$PYTHONPATH
   export PYTHONPATH=/tmp/fasite/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH  # (the wheel's .pth; --target skips it)
   python3 -c "import flash_attn.cute as f; print('flash_attn.cute', f.flash_attn_func)" >> $S/flash_install.txt 2>&1
   cp $S/flash_install.txt "$OUT/"
-  timeout 300 python3 scripts/side_by_side.py --out $S/sbs8b_best --rows 8b_compile_float8 \
-     --variants ${VARIANTS:-ac_none_zero2,ac_none_zero2_flash} --steps 12 --measure-from 6 --timeout-per-run 95 \
-     > $S/sbs8b_best.log 2>&1
-  cp $S/sbs8b_best/results.md "$OUT/sbs8b_best.md"
+  for r in $(seq 1 ${REPEATS:-1}); do  # each repeat with its own torchtitan run
+    timeout 300 python3 scripts/side_by_side.py --out $S/sbs8b_best$r --rows 8b_compile_float8 \
+       --variants ${VARIANTS:-ac_none_zero2,ac_none_zero2_flash} --steps 12 --measure-from 6 --timeout-per-run 120 \
+       > $S/sbs8b_best$r.log 2>&1
+    cp $S/sbs8b_best$r/results.md "$OUT/sbs8b_best$r.md"
+  done
   CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest tests/gpu/test_attention_gpu.py -k flash -q -rs \
      -p no:cacheprovider > "$OUT/gpu_tests_flash.txt" 2>&1
 elif [ "$PHASE" = AA ]; then  # 4 GPUs: the compiled row's offload variant: pinning, more blocks keeping all
@@ -360,6 +368,16 @@ elif [ "$PHASE" = AA ]; then  # 4 GPUs: the compiled row's offload variant: pinn
      --variants ${VARIANTS:-c_off24e3_last21,c_off24e3_last21_pin0,c_off24e3_last24} --steps 12 --measure-from 6 \
      --timeout-per-run 85 > $S/sbs8b_aa.log 2>&1
   cp $S/sbs8b_aa/results.md "$OUT/sbs8b_aa.md"
+elif [ "$PHASE" = AC ]; then  # 4 GPUs: the offload row's memory snapshot and a profiled step (titanrush alone)
+  timeout 200 python3 scripts/side_by_side.py --out $S/snap_off --rows 8b_compile --trainers titanrush \
+     --variants c_off24e3_last21 --steps 8 --measure-from 4 --memory-snapshot 6 --timeout-per-run 100 \
+     > $S/snap_off.log 2>&1
+  for f in $(find $S/snap_off -name '*rank0*.pickle'); do echo "== $f"; timeout 150 python3 scripts/memory_peak.py "$f"; done \
+     > "$OUT/mem_peak_off.txt" 2>&1
+  timeout 240 python3 scripts/side_by_side.py --out $S/prof_off --rows 8b_compile --trainers titanrush \
+     --variants c_off24e3_last21,chunked_alternate --steps 10 --measure-from 5 --profile 9 --timeout-per-run 100 \
+     > $S/prof_off.log 2>&1
+  cp $S/prof_off/profiles.txt "$OUT/" 2>/dev/null
 elif [ "$PHASE" = X ]; then  # 1 GPU: the chunked loss (change 15) on the 1B, eager: memory and speed
   bench 230 b1_closs 1 12 4 \
     --run "eager_plain: $B1 --training.local_batch_size 8 --compile.enable false" \
