@@ -54,9 +54,11 @@
 #            and with more blocks keeping all (time to first step, speed, memory)
 #   phase AC: the compiled row's offload variant alone: a rank-0 memory snapshot (what sets reserved), then
 #            a profiled step beside the chunked loss at torchtitan's policy (where a slow machine's time goes)
+#   phase AD: the GPU tests of FSDP's memory changes, then a compiled row (ROW, default 8b_compile) with the
+#            sharded gradients in the compute pool and 6, 14 or 18 blocks keeping every matmul, no offload
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to AC}
+PHASE=${1:?phase A to AD}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -368,6 +370,13 @@ elif [ "$PHASE" = AA ]; then  # 4 GPUs: the compiled row's offload variant: pinn
      --variants ${VARIANTS:-c_off24e3_last21,c_off24e3_last21_pin0,c_off24e3_last24} --steps 12 --measure-from 6 \
      --timeout-per-run 85 > $S/sbs8b_aa.log 2>&1
   cp $S/sbs8b_aa/results.md "$OUT/sbs8b_aa.md"
+elif [ "$PHASE" = AD ]; then  # 4 GPUs: the sharded gradients in the compute pool (change 21)
+  CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 -m pytest tests/gpu/test_parallel_gpu.py -k "early_release or compute_pool" \
+     -q -rs -s -p no:cacheprovider > "$OUT/gpu_tests_pool.txt" 2>&1
+  timeout 330 python3 scripts/side_by_side.py --out $S/sbs8b_pool --rows ${ROW:-8b_compile} \
+     --variants ${VARIANTS:-c_last6_pool,c_last14_pool,c_last18_pool} --steps 12 --measure-from 6 --timeout-per-run 85 \
+     > $S/sbs8b_pool.log 2>&1
+  cp $S/sbs8b_pool/results.md "$OUT/sbs8b_pool.md"
 elif [ "$PHASE" = AC ]; then  # 4 GPUs: the offload row's memory snapshot and a profiled step (titanrush alone)
   timeout 200 python3 scripts/side_by_side.py --out $S/snap_off --rows 8b_compile --trainers titanrush \
      --variants c_off24e3_last21 --steps 8 --measure-from 4 --memory-snapshot 6 --timeout-per-run 100 \

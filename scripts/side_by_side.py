@@ -121,6 +121,16 @@ _8B_VARIANTS = {
     },
     # ... without offload: the chunked loss's memory alone paying for the last M blocks
     **{f"c_last{m}": ["--training.loss", "chunked", *_last_flags(m)] for m in range(4, 15)},
+    # ... with the sharded gradients in the compute stream's pool (change 21): reserved memory for more
+    **{
+        f"c_last{m}_pool": [
+            "--training.loss",
+            "chunked",
+            *_last_flags(m),
+            "--parallelism.fsdp_grads_in_compute_pool",
+        ]
+        for m in (6, 10, 12, 14, 16, 18, 20, 22)
+    },
     # ... with FSDP's own timing for releasing the reduce-scatter inputs (before change 17)
     "c_last6_late": [
         "--training.loss",

@@ -150,6 +150,11 @@ class Parallelism:
     """Release each unit's fp32 reduce-scatter input as the next block's backward starts, not after it
     (the caching allocator waits for the collective): the output layer's (2 GiB on the 8B) is gone
     during the last block's backward. false = FSDP's own timing."""
+    fsdp_grads_in_compute_pool: bool = False
+    """Allocate FSDP's reduce-scatter outputs (the sharded fp32 gradients, 7.5 GiB per GPU for the 8B on
+    4) from the compute stream's memory pool instead of the reduce-scatter stream's, where they sit
+    reserved but unused from the optimizer step through the next forward. Lowers reserved memory, not
+    allocated; FSDP (1-D) without CPU offload only."""
     sequence_parallel: bool = True
     """With tp > 1: shard the norms' activations over the sequence."""
     loss_parallel: bool = True

@@ -78,15 +78,17 @@ def test_bf16_meshes_train_like_one_gpu(name, tmp_path, refs):
     print(f"{name}: loss {dev(rows, refs['bf16'], 'loss'):.2e}")
 
 
+def _fsdp_probe(tmp_path: Path, free: bool, pool: bool) -> dict:
+    path = tmp_path / f"free{free}_pool{pool}.json"
+    probe = str(Path(__file__).with_name("fsdp_memory_probe.py"))
+    torchrun(2, [probe, str(path), str(free).lower(), str(pool).lower()], timeout=300)
+    return json.loads(path.read_text())
+
+
 def test_early_release_of_reduce_scatter_inputs(tmp_path):
     """On NCCL, as the last block's backward starts, the output layer's fp32 reduce-scatter input is gone
     with the early release and still held without it; the gradients are the same either way."""
-    out = {}
-    for free in ("true", "false"):
-        path = tmp_path / f"{free}.json"
-        torchrun(2, [str(Path(__file__).with_name("release_probe.py")), str(path), free], timeout=300)
-        out[free] = json.loads(path.read_text())
-    early, late = out["true"], out["false"]
+    early, late = _fsdp_probe(tmp_path, True, False), _fsdp_probe(tmp_path, False, False)
     head_input = 4 * 131072 * 256  # bytes: the output layer's unsharded fp32 gradient
     drop = late["allocated_at_last_block_backward"] - early["allocated_at_last_block_backward"]
     print(f"torch {early['torch']}: released {early['released']}, {drop / 2**20:.0f} MiB less at the moment")
@@ -95,3 +97,16 @@ def test_early_release_of_reduce_scatter_inputs(tmp_path):
     assert drop >= 0.9 * head_input, (early, late)
     assert early["losses"] == pytest.approx(late["losses"], rel=1e-6)
     assert early["grad_norm"] == pytest.approx(late["grad_norm"], rel=1e-5)
+
+
+def test_gradients_in_the_compute_pool_lower_reserved_memory(tmp_path):
+    """The sharded gradients from the compute stream's pool: the same training, less memory reserved (the
+    next forward reuses what the gradients held)."""
+    pool, own = _fsdp_probe(tmp_path, True, True), _fsdp_probe(tmp_path, True, False)
+    grads = 4 * sum((131072 * 256 * 2, 4 * 800_000)) // 2  # bytes per rank: fp32, sharded over 2 (about)
+    saved = own["max_reserved"] - pool["max_reserved"]
+    print(f"torch {pool['torch']}: {pool['rs_calls']} reduce-scatters, {saved / 2**20:.0f} MiB less reserved")
+    assert pool["rs_calls"] and pool["rs_calls"] >= 3 * 6, pool  # 3 steps x (embedding, 4 blocks, head)
+    assert saved >= 0.5 * grads, (pool, own)
+    assert pool["losses"] == pytest.approx(own["losses"], rel=1e-6)
+    assert pool["grad_norm"] == pytest.approx(own["grad_norm"], rel=1e-5)

@@ -43,6 +43,8 @@ MESHES: dict[str, dict[str, Any]] = {
     "fsdp4_chunked": {"_chunk": 24},
     # FSDP's own timing for releasing the reduce-scatter inputs (the others release them early)
     "fsdp4_late_release": {"fsdp_free_reduce_inputs": False},
+    # the reduce-scatter through titanrush's compute-pool comm (on CPU: its collective, plain buffers)
+    "fsdp4_grads_pool": {"fsdp_grads_in_compute_pool": True, "_chunk": 24},
 }
 BATCH, SEQ = 4, 32
 
@@ -97,13 +99,14 @@ def main(out_path: str) -> None:
         model = build(dims, mesh, p, ac, tied, chunk)
         loss, grads = grads_of(model, mesh, dims, p)
         released = getattr(model, "fsdp_released_reduce_inputs", None)
+        rs_calls = getattr(getattr(model, "fsdp_reduce_scatter", None), "calls", None)
         if rank == 0:
             ref_loss, ref = grads_of(build(one, None, Parallelism(), "none", tied), None, one, Parallelism())
             assert grads.keys() == ref.keys(), sorted(set(grads) ^ set(ref))
             dev = {k: ((grads[k] - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref}
             worst = max(dev, key=dev.get)
             report[name] = {"loss": loss, "ref_loss": ref_loss, "max_grad_dev": dev[worst], "worst": worst,
-                            "released": released}  # fmt: skip
+                            "released": released, "rs_calls": rs_calls}  # fmt: skip
         dist.barrier()
     if rank == 0:
         with open(out_path, "w") as f:

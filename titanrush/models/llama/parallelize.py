@@ -146,6 +146,7 @@ def parallelize_llama(
             reshard_after_forward=parallelism.fsdp_reshard_after_forward,
             cpu_offload=parallelism.fsdp_cpu_offload,
             free_reduce_inputs=parallelism.fsdp_free_reduce_inputs,
+            grads_in_compute_pool=parallelism.fsdp_grads_in_compute_pool,
         )
     elif mesh is not None and dims.ddp_enabled:
         apply_ddp(model, mesh["dp_replicate"])

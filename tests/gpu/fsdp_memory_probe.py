@@ -1,12 +1,13 @@
-"""What FSDP holds as the last block's backward starts, with and without the early release (NCCL, 2 GPUs).
+"""FSDP's memory on NCCL with and without titanrush's two changes to it (2 GPUs).
 
-Run under torchrun: `torchrun --nproc_per_node=2 tests/gpu/release_probe.py OUT.json true|false`.
+Run under torchrun: `torchrun --nproc_per_node=2 tests/gpu/fsdp_memory_probe.py OUT.json FREE POOL`, FREE
+and POOL true or false: `parallelism.fsdp_free_reduce_inputs` and `fsdp_grads_in_compute_pool`.
 Builds the debug Llama with a large untied vocabulary (so the output layer's fp32 reduce-scatter input,
 4 x 131072 x 256 bytes = 128 MiB, dwarfs the blocks'), shards it over the 2 GPUs in bf16 with the
-chunked loss, and runs three forward/backward passes. A hook registered after FSDP's on the last
-block's output records the memory allocated once the GPU has caught up, as that block's backward
-starts. Rank 0 writes that figure (the last step's), the count of released inputs, the losses and the
-gradients' norm.
+chunked loss, and runs three training steps (AdamW, gradients set to None after each step). A hook
+registered after FSDP's on the last block's output records the memory allocated once the GPU has caught
+up, as that block's backward starts. Rank 0 writes that figure (the last step's), the peak reserved
+memory, the count of released inputs, the losses and the gradients' norm before the last step.
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ from titanrush.parallel.parallel_dims import ParallelDims
 VOCAB, BATCH, SEQ = 131072, 2, 1024
 
 
-def main(out_path: str, free: bool) -> None:
+def main(out_path: str, free: bool, pool: bool) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl")
     device = torch.device("cuda", rank)
-    p = Parallelism(fsdp_free_reduce_inputs=free)
+    p = Parallelism(fsdp_free_reduce_inputs=free, fsdp_grads_in_compute_pool=pool)
     dims = ParallelDims(1, world, 1, 1, 1, world)
     mesh = dims.build_mesh("cuda")
     with torch.device("meta"):
@@ -55,21 +56,26 @@ def main(out_path: str, free: bool) -> None:
 
     list(model.layers.values())[-1].register_forward_hook(on_output)
     gen = torch.Generator().manual_seed(rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     losses = []
     for _ in range(3):
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=gen).to(device)
         loss = model(tokens[:, :-1], labels=tokens[:, 1:])
         loss.backward()
         losses.append(loss.item())
-    norm = torch.stack([
-        (g.full_tensor() if isinstance(g, DTensor) else g).float().norm() for g in
-        (q.grad for q in model.parameters())
-    ]).norm().item()  # fmt: skip
+        norm = torch.stack([
+            (g.full_tensor() if isinstance(g, DTensor) else g).float().norm() for g in
+            (q.grad for q in model.parameters())
+        ]).norm().item()  # fmt: skip
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
     if rank == 0:
         report = {
             "free": free, "allocated_at_last_block_backward": at_start[-1], "losses": losses,
             "grad_norm": norm, "released": getattr(model, "fsdp_released_reduce_inputs", None),
-            "torch": torch.__version__,
+            "max_reserved": torch.cuda.max_memory_reserved(), "torch": torch.__version__,
+            "rs_calls": getattr(getattr(model, "fsdp_reduce_scatter", None), "calls", None),
         }  # fmt: skip
         with open(out_path, "w") as f:
             json.dump(report, f)
@@ -77,4 +83,4 @@ def main(out_path: str, free: bool) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2] == "true")
+    main(sys.argv[1], sys.argv[2] == "true", sys.argv[3] == "true")
