@@ -197,13 +197,15 @@ def set_allocator(*, expandable: bool, pin_threads: int = 0) -> None:
     with `pin_threads`, pinned host memory from malloc + cudaHostRegister, its pages touched by that many
     threads."""
     env = [k for k in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF") if os.environ.get(k)]
-    settings = [] if env else [f"expandable_segments:{expandable}"]
+    pinned = ["pinned_use_cuda_host_register:True", f"pinned_num_register_threads:{pin_threads}"]
     if env:
         logger.info(f"allocator: {env[0]}={os.environ[env[0]]} (training.expandable_segments not applied)")
-    if pin_threads and not any("pinned_" in os.environ[k] for k in env):
-        settings += ["pinned_use_cuda_host_register:True", f"pinned_num_register_threads:{pin_threads}"]
-    if not settings:
-        return
+        if not pin_threads or "pinned_" in os.environ[env[0]]:
+            return
+        # Each call resets the keys it does not name to their defaults: repeat the environment's.
+        settings = [os.environ[env[0]], *pinned]
+    else:
+        settings = [f"expandable_segments:{expandable}", *(pinned if pin_threads else [])]
     setting = ",".join(settings)
     set_settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.12
     if set_settings is not None:

@@ -92,11 +92,12 @@ def test_early_release_of_reduce_scatter_inputs(tmp_path):
     head_input = 4 * 131072 * 256  # bytes: the output layer's unsharded fp32 gradient
     drop = late["allocated_at_last_block_backward"] - early["allocated_at_last_block_backward"]
     print(f"torch {early['torch']}: released {early['released']}, {drop / 2**20:.0f} MiB less at the moment")
-    assert early["released"] >= 3 * 3, early  # 3 steps x (head + blocks 3, 2) at least
+    assert early["released"] == 3 * 4, early  # 3 steps x (the head's, blocks 3, 2, 1's at blocks 3-0)
     assert late["released"] is None, late
     assert drop >= 0.9 * head_input, (early, late)
-    assert early["losses"] == pytest.approx(late["losses"], rel=1e-6)
-    assert early["grad_norm"] == pytest.approx(late["grad_norm"], rel=1e-5)
+    # (separate runs: attention's backward is not bitwise deterministic)
+    assert early["losses"] == pytest.approx(late["losses"], rel=1e-4)
+    assert early["grad_norm"] == pytest.approx(late["grad_norm"], rel=1e-3)
 
 
 def test_gradients_in_the_compute_pool_lower_reserved_memory(tmp_path):
@@ -106,7 +107,7 @@ def test_gradients_in_the_compute_pool_lower_reserved_memory(tmp_path):
     grads = 4 * sum((131072 * 256 * 2, 4 * 800_000)) // 2  # bytes per rank: fp32, sharded over 2 (about)
     saved = own["max_reserved"] - pool["max_reserved"]
     print(f"torch {pool['torch']}: {pool['rs_calls']} reduce-scatters, {saved / 2**20:.0f} MiB less reserved")
-    assert pool["rs_calls"] and pool["rs_calls"] >= 3 * 6, pool  # 3 steps x (embedding, 4 blocks, head)
+    assert pool["rs_calls"] == 3 * 6, pool  # 3 steps x (embedding, 4 blocks, [norm, output])
     assert saved >= 0.5 * grads, (pool, own)
-    assert pool["losses"] == pytest.approx(own["losses"], rel=1e-6)
-    assert pool["grad_norm"] == pytest.approx(own["grad_norm"], rel=1e-5)
+    assert pool["losses"] == pytest.approx(own["losses"], rel=1e-4)
+    assert pool["grad_norm"] == pytest.approx(own["grad_norm"], rel=1e-3)

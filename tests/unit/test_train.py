@@ -180,11 +180,15 @@ def test_set_allocator_pins_by_host_register_with_threads(monkeypatch):
         "expandable_segments:True,pinned_use_cuda_host_register:True,pinned_num_register_threads:8",
         "expandable_segments:False",
     ]
-    # The environment's allocator settings win for the keys they name; offload's pinning still applies.
-    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")
+    # The environment's allocator settings win and are repeated with offload's pinning (a call resets
+    # the keys it does not name, e.g. max_split_size_mb, to their defaults).
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False,max_split_size_mb:512")
     trainer.set_allocator(expandable=True, pin_threads=8)
     trainer.set_allocator(expandable=True)
-    assert seen[2:] == ["pinned_use_cuda_host_register:True,pinned_num_register_threads:8"]
+    assert seen[2:] == [
+        "expandable_segments:False,max_split_size_mb:512,"
+        "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+    ]
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "pinned_use_cuda_host_register:False")
     trainer.set_allocator(expandable=True, pin_threads=8)
     assert len(seen) == 3

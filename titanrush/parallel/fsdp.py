@@ -100,7 +100,13 @@ def apply_fsdp(
     # The root gathers what no unit claimed; FSDP never frees the root after forward.
     fully_shard(model, **common)
     _set_prefetch(model, units)
-    if grads_in_compute_pool and mesh.ndim == 1 and not cpu_offload:
+    if grads_in_compute_pool and (mesh.ndim != 1 or cpu_offload):
+        warnings.warn(
+            "parallelism.fsdp_grads_in_compute_pool applies to FSDP on one mesh dimension without CPU "
+            "offload: not applied (HSDP's all-reduce stream would use the buffers unrecorded)",
+            stacklevel=2,
+        )
+    elif grads_in_compute_pool:
         comm = compute_pool_reduce_scatter()
         for module in (*units, model) if comm is not None else ():
             module.set_custom_reduce_scatter(comm)
@@ -131,16 +137,21 @@ def compute_pool_reduce_scatter() -> Any:
 
     class ComputePoolReduceScatter(ReduceScatter):
         calls = 0
+        compute: Any = None  # the stream FSDP's post-backward runs on (the reduce-scatter input's)
 
         def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
             if device.type != "cuda":
                 return torch.empty(*size, dtype=dtype, device=device)
-            current, compute = torch.cuda.current_stream(device), torch.cuda.default_stream(device)
-            if current == compute:  # the reduce-scatter input: allocated by the compute stream already
+            current = torch.cuda.current_stream(device)
+            if self.compute is None:  # FSDP allocates the input first, on its post-backward's stream
+                self.compute = current
+            if current == self.compute:
                 return torch.empty(*size, dtype=dtype, device=device)
-            with torch.cuda.stream(compute):
+            # The output, under the reduce-scatter stream, which FSDP made wait for the compute stream
+            # first: from the compute stream's pool, the allocator told that this stream uses it.
+            with torch.cuda.stream(self.compute):
                 out = torch.empty(*size, dtype=dtype, device=device)
-            out.record_stream(current)  # (FSDP made `current` wait for the compute stream before this)
+            out.record_stream(current)
             return out
 
         def __call__(
@@ -148,11 +159,17 @@ def compute_pool_reduce_scatter() -> Any:
             async_op: bool = False,
         ) -> Any:  # fmt: skip
             self.calls += 1
-            return dist.reduce_scatter_tensor(
-                output_tensor, input_tensor, op=op, group=group, async_op=async_op
-            )
+            return _reduce_scatter(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
     return ComputePoolReduceScatter()
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, **kwargs: Any) -> Any:
+    """`dist.reduce_scatter_single` where it exists (torch >= 2.12), else `reduce_scatter_tensor`."""
+    single = getattr(dist, "reduce_scatter_single", None)
+    if single is not None:
+        return single(output=output, input=input, **kwargs)
+    return dist.reduce_scatter_tensor(output, input, **kwargs)
 
 
 def release_reduce_inputs(root: nn.Module, blocks: list[nn.Module]) -> None:
@@ -161,9 +178,10 @@ def release_reduce_inputs(root: nn.Module, blocks: list[nn.Module]) -> None:
     The hook sits on each block's output: its gradient is ready once the unit after the block (the next
     block, or the output layer) has run its post-backward, which issued that unit's reduce-scatter. Each
     held input is marked as in use by the reduce-scatter stream, then dropped from FSDP's state: the
-    caching allocator hands its memory out again only after the collective, and FSDP's own wait on it
-    in the next post-backward has nothing left to wait for. The count of released inputs goes to
-    `root.fsdp_released_reduce_inputs` (tests read it).
+    caching allocator hands its memory out again only after the collective. FSDP's own wait on it, which
+    keeps the reduce-scatters from falling behind the compute (one in flight), moves one block later:
+    the next release makes the compute stream wait for the collectives of the inputs released before.
+    The count of released inputs goes to `root.fsdp_released_reduce_inputs` (tests read it).
 
     The held inputs are FSDP internals: a list `reduce_scatter_states` (torch >= 2.12) or a single
     `reduce_scatter_state` (earlier) on the shared communication context. Where neither exists this
@@ -171,6 +189,7 @@ def release_reduce_inputs(root: nn.Module, blocks: list[nn.Module]) -> None:
     """
     assert isinstance(root, FSDPModule)
     root.fsdp_released_reduce_inputs = 0
+    waits: list[Any] = []  # the events of the reduce-scatters whose inputs the last release dropped
 
     def release(grad: torch.Tensor) -> None:
         ctx = root._get_fsdp_state()._comm_ctx
@@ -185,10 +204,15 @@ def release_reduce_inputs(root: nn.Module, blocks: list[nn.Module]) -> None:
             for handle in handles:
                 handle.remove()
             return
+        for event in waits:  # where FSDP would have waited: at most one block's collectives behind
+            torch.cuda.current_stream().wait_event(event)
+        waits.clear()
         for state in held:
             buf = state.reduce_scatter_input
             if buf.is_cuda:  # (gloo on CPU reduce-scatters synchronously: nothing in flight)
                 buf.record_stream(ctx.reduce_scatter_stream)
+                if state.event is not None:
+                    waits.append(state.event)
         clear()
         root.fsdp_released_reduce_inputs += len(held)
 

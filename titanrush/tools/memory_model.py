@@ -481,8 +481,10 @@ def _chunked_loss_bytes(
     if as_traced and c == 2:
         dw_step += c * vocab * a.dim + (0 if single else 4 * vocab * a.dim)
     # Beside them the loss's input, the final norm's output, and under autocast its bf16 copy.
-    # (the fp32 sum is a transient of the loop; `saved` holds its cast)
-    fwd = max(chunk_math, dw_step) + w_grad - kept_w + r * n * a.dim + (c * n * a.dim if r != c else 0)
+    # (the fp32 sum is a transient of the loop; `saved` holds its cast, made beside the sum at the end)
+    loop = max(chunk_math, dw_step) + w_grad - kept_w
+    cast = w_grad if kept_w != w_grad else 0
+    fwd = max(loop, cast) + r * n * a.dim + (c * n * a.dim if r != c else 0)
     # The weight's gradient scaled, the hidden states' gradient scaled (and cast back to the residual
     # dtype under autocast).
     bwd = kept_w + c * n * a.dim + (r * n * a.dim if r != c else 0)
@@ -559,7 +561,8 @@ def fsdp_buffers(s: Setup, plan: RankPlan, *, later: bool = False) -> dict[str, 
         "last block backward": gathered(first, first - 1)
         + unit(first, "reduce")
         + unit(first + 1, "in flight"),
-        "embedding backward": gathered(0) + unit(0, "reduce") + unit(1, "held"),
+        # (a block's backward released the input of the unit after it; the embedding's does not)
+        "embedding backward": gathered(0) + unit(0, "reduce") + unit(1, "held" if first else "in flight"),
     }
 
 
