@@ -129,7 +129,9 @@ def compute_pool_reduce_scatter() -> Any:
     """
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-    except ImportError:
+
+        assert hasattr(FSDPModule, "set_custom_reduce_scatter")
+    except (ImportError, AssertionError):
         warnings.warn(
             "this torch's FSDP takes no custom reduce-scatter: gradients stay in its pool", stacklevel=2
         )
