@@ -129,12 +129,11 @@ def compute_pool_reduce_scatter() -> Any:
     """
     try:
         from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
-
-        assert hasattr(FSDPModule, "set_custom_reduce_scatter")
-    except (ImportError, AssertionError):
-        warnings.warn(
-            "this torch's FSDP takes no custom reduce-scatter: gradients stay in its pool", stacklevel=2
-        )
+    except ImportError:
+        ReduceScatter = None
+    if ReduceScatter is None or not hasattr(FSDPModule, "set_custom_reduce_scatter"):
+        msg = "this torch's FSDP takes no custom reduce-scatter: the gradients stay in its stream's pool"
+        warnings.warn(msg, stacklevel=2)
         return None
 
     class ComputePoolReduceScatter(ReduceScatter):
