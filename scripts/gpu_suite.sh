@@ -14,7 +14,7 @@
 #   phase G: the 1B side by side, swapped (GPUs 0-1), beside the checkpoint GPU tests and then both
 #            trainers' 1B memory snapshots (GPUs 2-3); then the 8B PP2 x FSDP2 with a rank-0 snapshot.
 #            Keeps the first half of the flash-attn wheels (.fa1, carried) in /tmp/fa for phase H.
-#   phase H: flash-attn-4 installed from /tmp/fa + .fa2: the attention GPU tests with the package (GPU 0)
+#   phase H: flash-attn-4 installed from /tmp/fa + .fa2 + .fa3: the attention GPU tests with the package (GPU 0)
 #            beside the 1B with each backend (GPUs 1-3); then the distributed rush
 #   phase I: the 8B side by side, eager and float8 rows; TP2 x PP2 again; a profiled 8B FSDP4 step
 #   phase J: after SDPA's grouped K/V (enable_gqa): the 1B side by side (GPUs 0-1) beside the attention and
@@ -69,6 +69,18 @@ if [ -d .whl ]; then
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $S/env.txt
+
+# flash-attn-4 from /tmp/fa (.fa1, kept by an earlier phase of the same machine) + .fa2 + .fa3 (carried):
+# every wheel in one install, since a second `pip --target` skips the folders that exist; the cutlass
+# DSL's packages folder on the path by hand (its wheel's .pth, which --target does not run).
+install_flash() {
+  cp .fa2/* .fa3/* /tmp/fa/ && cat /tmp/fa/cu13.part1 /tmp/fa/cu13.part2 > /tmp/fa/$(cat /tmp/fa/cu13.name) \
+    && (cd /tmp/fa && sha256sum -c cu13.sha256) > $S/flash_install.txt 2>&1
+  rm -f /tmp/fa/cu13.part* && rm -rf /tmp/fasite
+  python3 -m pip install --no-index --no-deps --target /tmp/fasite /tmp/fa/*.whl >> $S/flash_install.txt 2>&1
+  export PYTHONPATH=/tmp/fasite/nvidia_cutlass_dsl/dsl_packages:/tmp/fasite:$PYTHONPATH
+  python3 -c "import flash_attn.cute as f; print('flash_attn.cute', f.flash_attn_func)" >> $S/flash_install.txt 2>&1
+}
 python3 -c "import torch; print('torch', torch.__version__)" >> $S/env.txt
 
 B1="--config train_configs/llama1b_single.toml"
@@ -165,14 +177,7 @@ elif [ "$PHASE" = G ]; then
     >> $S/mem_peaks.txt 2>&1
   cp $S/mem_peaks.txt "$OUT/"; cp $S/snap1b/results.md "$OUT/snap1b.md" 2>/dev/null
 elif [ "$PHASE" = H ]; then
-  # all of flash-attn-4's wheels in one install: a second `pip --target` skips folders that exist
-  cp .fa2/* .fa3/* /tmp/fa/ && cat /tmp/fa/cu13.part1 /tmp/fa/cu13.part2 > /tmp/fa/$(cat /tmp/fa/cu13.name) \
-    && (cd /tmp/fa && sha256sum -c cu13.sha256) > $S/flash_install.txt 2>&1
-  rm -f /tmp/fa/cu13.part*
-  rm -rf /tmp/fasite
-  python3 -m pip install --no-index --no-deps --target /tmp/fasite /tmp/fa/*.whl >> $S/flash_install.txt 2>&1
-  export PYTHONPATH=/tmp/fasite:$PYTHONPATH
-  python3 -c "import flash_attn.cute as f; print('flash_attn.cute', f.flash_attn_func)" >> $S/flash_install.txt 2>&1
+  install_flash
   (CUDA_VISIBLE_DEVICES=0 timeout 300 python3 -m pytest tests/gpu/test_attention_gpu.py -q -rs -s \
      -p no:cacheprovider > $S/gpu_tests_flash.txt 2>&1; cp $S/gpu_tests_flash.txt "$OUT/") &
   (CUDA_VISIBLE_DEVICES=1 bench 300 b1_flash_c 1 14 5 --run "compile_flash: $B1 --model.attn_backend flash" \
@@ -343,15 +348,7 @@ elif [ "$PHASE" = Y ]; then  # 4 GPUs: pinning, the release GPU test, float8 wit
      > $S/sbs8b_f8y.log 2>&1
   cp $S/sbs8b_f8y/results.md "$OUT/sbs8b_f8y.md"
 elif [ "$PHASE" = Z ]; then  # 4 GPUs: flash-attn-4 on the best row
-  # all of flash-attn-4's wheels in one install: a second `pip --target` skips folders that exist
-  cp .fa2/* .fa3/* /tmp/fa/ && cat /tmp/fa/cu13.part1 /tmp/fa/cu13.part2 > /tmp/fa/$(cat /tmp/fa/cu13.name) \
-    && (cd /tmp/fa && sha256sum -c cu13.sha256) > $S/flash_install.txt 2>&1
-  rm -f /tmp/fa/cu13.part*
-  rm -rf /tmp/fasite
-  python3 -m pip install --no-index --no-deps --target /tmp/fasite /tmp/fa/*.whl >> $S/flash_install.txt 2>&1
-  export PYTHONPATH=/tmp/fasite:$PYTHONPATH
-  export PYTHONPATH=/tmp/fasite/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH  # (the wheel's .pth; --target skips it)
-  python3 -c "import flash_attn.cute as f; print('flash_attn.cute', f.flash_attn_func)" >> $S/flash_install.txt 2>&1
+  install_flash
   cp $S/flash_install.txt "$OUT/"
   for r in $(seq 1 ${REPEATS:-1}); do  # each repeat with its own torchtitan run
     timeout 300 python3 scripts/side_by_side.py --out $S/sbs8b_best$r --rows 8b_compile_float8 \
