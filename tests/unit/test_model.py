@@ -207,6 +207,33 @@ def test_flash_backend_calls_the_packages_interface_right(monkeypatch, module, r
     assert_same_grads(g1, g2)
 
 
+def test_flash_backend_turns_on_the_kernel_cache_unless_told(monkeypatch):
+    """FA4 reads FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED when imported: set before the import, kept if set."""
+    import os
+
+    from titanrush.models.llama import attention as attn
+
+    key = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
+    seen = {}
+
+    class Spy:  # a stand-in `flash_attn.cute` whose import records the variable at that moment
+        def __getattr__(self, name):
+            seen[name] = os.environ.get(key)
+            return lambda *a, **k: None
+
+    for value in (None, "0"):
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+        _install_flash(monkeypatch, "flash_attn.cute", Spy())
+        try:
+            attn.flash_attn_func()
+        finally:
+            attn.flash_attn_func.cache_clear()
+        assert seen.pop("flash_attn_func") == (value or "1")
+
+
 def test_compiled_blocks_run_the_flash_package_between_graphs(monkeypatch):
     # The package's kernels cannot be traced (FA4's CuTe kernels are autograd Functions over a JIT):
     # a compiled block must run the call eagerly, and the model must train as the eager one does.

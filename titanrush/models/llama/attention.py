@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -50,7 +51,13 @@ def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
 
 @functools.cache
 def flash_attn_func() -> Callable[..., Any]:
-    """The newest flash-attn interface that imports (FA4, FA3, FA2)."""
+    """The newest flash-attn interface that imports (FA4, FA3, FA2).
+
+    FA4 compiles its CuTe kernels at their first call (20+ s of an 8B run's first step); its disk cache of
+    compiled kernels (`FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED`, read when it is imported) is turned on
+    here unless the environment says otherwise, as inductor's cache is, so later runs load them.
+    """
+    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
     for module, name in (("flash_attn.cute", "flash_attn_func"), ("flash_attn_interface", "flash_attn_func")):
         try:
             mod = __import__(module, fromlist=[name])
