@@ -15,7 +15,10 @@ import time
 
 import torch
 
-MODES = {"default": "", "register8": "pinned_use_cuda_host_register:True,pinned_num_register_threads:8"}
+from titanrush.trainer import set_allocator
+
+# register threads (the trainer's offload_pin_threads); 0: cudaHostAlloc
+MODES = {"default": 0, "register8": 8}
 
 
 def main() -> None:
@@ -24,7 +27,7 @@ def main() -> None:
     ap.add_argument("--mode", choices=sorted(MODES), default="default")
     a = ap.parse_args()
     if MODES[a.mode]:
-        torch.cuda.memory._set_allocator_settings(MODES[a.mode])
+        set_allocator(expandable=True, pin_threads=MODES[a.mode])
     torch.cuda.init()
     sizes, total = [], 0
     while total < a.gib * 2**30:  # the pattern of one block: 448, 128, 128, 448, 128 MiB ...

@@ -230,7 +230,7 @@ class Trainer:
             pin_threads = ac.offload_pin_threads if ac.offload_first > 0 else 0
             set_allocator(expandable=cfg.training.expandable_segments, pin_threads=pin_threads)
             torch.cuda.set_device(self.device)
-            if cfg.activation_checkpoint.offload_first > 0:  # pinned host memory next to this GPU
+            if ac.offload_first > 0:  # pinned host memory next to this GPU
                 cpus = bind_near_gpu(self.device)
                 if cpus is not None:
                     logger.info(f"activation offload: bound to the GPU's {len(cpus)} NUMA-local CPUs")

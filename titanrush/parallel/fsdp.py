@@ -8,10 +8,11 @@ within each replica group and gradients are also all-reduced across the groups.
 
 FSDP holds each unit's fp32 reduce-scatter input until the next unit's backward has ended, so that the
 compute stream cannot reuse that memory while the collective still reads it. For the output layer that
-is 4 bytes x vocab x dim (2 GiB on the 8B) through the whole backward of the last block, the step's
-peak. `release_reduce_inputs` drops it as each block's backward starts, leaving the wait to the caching
+is 4 bytes x vocab x dim (2 GiB on the 8B) through the whole backward of the last block.
+`release_reduce_inputs` drops it as each block's backward starts, leaving the wait to the caching
 allocator (`record_stream` on the reduce-scatter stream): the memory is reused as soon as the collective
-is done, with no stall of the compute stream.
+is done. `compute_pool_reduce_scatter` (opt-in) takes the sharded gradients from the compute stream's
+memory pool instead of the reduce-scatter stream's.
 """
 
 from __future__ import annotations
@@ -108,8 +109,9 @@ def apply_fsdp(
         )
     elif grads_in_compute_pool:
         comm = compute_pool_reduce_scatter()
-        for module in (*units, model) if comm is not None else ():
-            module.set_custom_reduce_scatter(comm)
+        if comm is not None:
+            for module in (*units, model):
+                module.set_custom_reduce_scatter(comm)
         model.fsdp_reduce_scatter = comm  # (its `calls` count the reduce-scatters it ran; tests read it)
     if free_reduce_inputs:
         release_reduce_inputs(model, blocks)

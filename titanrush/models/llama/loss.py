@@ -110,8 +110,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):  # type: ignore[override]
         dh, dw = ctx.saved_tensors
-        h_dtype = ctx.h_dtype
-        return (dh * g).to(h_dtype), dw * g, None, None, None
+        return (dh * g).to(ctx.h_dtype), dw * g, None, None, None
 
 
 def chunked_cross_entropy(
