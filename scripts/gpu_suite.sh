@@ -56,17 +56,22 @@
 #            a profiled step beside the chunked loss at torchtitan's policy (where a slow machine's time goes)
 #   phase AD: the GPU tests of FSDP's memory changes, then a compiled row (ROW, default 8b_compile) with the
 #            sharded gradients in the compute pool and 6, 14 or 18 blocks keeping every matmul, no offload
+#   phase AE (with .fa1 carried): the GPU tests of FSDP's memory changes (early release, gradients in the
+#            compute pool); keeps .fa1 in /tmp/fa
+#   phase AF (with .fa2 + .fa3 carried, same machine): flash-attn-4 installed; the compiled float8 row with
+#            the gradients in the compute pool, flash-attn-4's attention and/or 2,048-token loss chunks
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to AD}
+PHASE=${1:?phase A to AF}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
 S=/tmp/suite  # every phase's logs and run folders
 mkdir -p "$OUT" $S
-if [ -d .whl ]; then
+if [ -d .whl ]; then  # (a later call on the same machine may carry other files: /tmp/site stays)
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
+[ -d .whl ] || [ ! -d /tmp/site ] || export PYTHONPATH=/tmp/site:$PWD
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $S/env.txt
 
@@ -374,6 +379,16 @@ elif [ "$PHASE" = AD ]; then  # 4 GPUs: the sharded gradients in the compute poo
      --variants ${VARIANTS:-c_last6_pool,c_last14_pool,c_last18_pool} --steps 12 --measure-from 6 --timeout-per-run 85 \
      > $S/sbs8b_pool.log 2>&1
   cp $S/sbs8b_pool/results.md "$OUT/sbs8b_pool.md"
+elif [ "$PHASE" = AE ]; then  # 2 GPUs: the GPU tests of FSDP's memory changes; keeps .fa1 in /tmp/fa for AF
+  mkdir -p /tmp/fa && cp .fa1/* /tmp/fa/ 2>/dev/null
+  CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 -m pytest tests/gpu/test_parallel_gpu.py -k "early_release or compute_pool" \
+     -q -rs -s -p no:cacheprovider > "$OUT/gpu_tests_pool.txt" 2>&1
+elif [ "$PHASE" = AF ]; then  # 4 GPUs: the compiled float8 row with the compute pool, flash-attn-4 and 2k chunks
+  install_flash
+  timeout 400 python3 scripts/side_by_side.py --out $S/sbs8b_af --rows 8b_compile_float8 \
+     --variants ${VARIANTS:-c_last14_pool_flash,c2k_last16_pool_flash,c2k_last18_pool} --steps 12 --measure-from 6 \
+     --timeout-per-run 95 > $S/sbs8b_af.log 2>&1
+  cp $S/sbs8b_af/results.md "$OUT/sbs8b_af.md"
 elif [ "$PHASE" = AC ]; then  # 4 GPUs: the offload row's memory snapshot and a profiled step (titanrush alone)
   timeout 200 python3 scripts/side_by_side.py --out $S/snap_off --rows 8b_compile --trainers titanrush \
      --variants c_off24e3_last21 --steps 8 --measure-from 4 --memory-snapshot 6 --timeout-per-run 100 \

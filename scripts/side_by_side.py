@@ -131,6 +131,15 @@ _8B_VARIANTS = {
         ]
         for m in (6, 10, 12, 14, 16, 18, 20, 22)
     },
+    # ... and with 2,048-token loss chunks (0.98 GiB off the chunk loop, the peak) and/or flash-attn-4
+    **{
+        f"{c}_last{m}_pool{fl}": [
+            *("--training.loss", "chunked", *_last_flags(m), "--parallelism.fsdp_grads_in_compute_pool"),
+            *(["--training.loss_chunk_size", "2048"] if c == "c2k" else []),
+            *(["--model.attn_backend", "flash"] if fl else []),
+        ]
+        for c, m, fl in (("c2k", 18, ""), ("c", 14, "_flash"), ("c2k", 16, "_flash"), ("c", 16, "_flash"))
+    },
     # ... with FSDP's own timing for releasing the reduce-scatter inputs (before change 17)
     "c_last6_late": [
         "--training.loss",

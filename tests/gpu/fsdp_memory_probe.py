@@ -7,7 +7,9 @@ Builds the debug Llama with a large untied vocabulary (so the output layer's fp3
 chunked loss, and runs three training steps (AdamW, gradients set to None after each step). A hook
 registered after FSDP's on the last block's output records the memory allocated once the GPU has caught
 up, as that block's backward starts. Rank 0 writes that figure (the last step's), the peak reserved
-memory, the count of released inputs, the losses and the gradients' norm before the last step.
+memory, the count of released inputs, the losses, the gradients' norm before the last step, the bytes
+of the sharded gradients by the allocator pool that holds them (the compute stream's or another's)
+and the reserved bytes by pool at the end.
 """
 
 from __future__ import annotations
@@ -67,19 +69,47 @@ def main(out_path: str, free: bool, pool: bool) -> None:
             (g.full_tensor() if isinstance(g, DTensor) else g).float().norm() for g in
             (q.grad for q in model.parameters())
         ]).norm().item()  # fmt: skip
+        grad_streams = _grad_bytes_by_pool(model)
         opt.step()
         opt.zero_grad(set_to_none=True)
     torch.cuda.synchronize()
+    reserved = _reserved_by_pool()
     if rank == 0:
         report = {
             "free": free, "allocated_at_last_block_backward": at_start[-1], "losses": losses,
             "grad_norm": norm, "released": getattr(model, "fsdp_released_reduce_inputs", None),
             "max_reserved": torch.cuda.max_memory_reserved(), "torch": torch.__version__,
             "rs_calls": getattr(getattr(model, "fsdp_reduce_scatter", None), "calls", None),
+            "grad_bytes": grad_streams, "reserved": reserved,
         }  # fmt: skip
         with open(out_path, "w") as f:
             json.dump(report, f)
     dist.destroy_process_group()
+
+
+def _pool(stream: int) -> str:
+    return "compute" if stream == torch.cuda.current_stream().cuda_stream else "other"
+
+
+def _grad_bytes_by_pool(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the rank's sharded gradients by the pool (stream) of the segment that holds them."""
+    segments = [(s["address"], s["address"] + s["total_size"], _pool(s["stream"])) for s in
+                torch.cuda.memory_snapshot()]  # fmt: skip
+    out = {"compute": 0, "other": 0}
+    for q in model.parameters():
+        g = q.grad.to_local() if isinstance(q.grad, DTensor) else q.grad
+        where = [pool for lo, hi, pool in segments if lo <= g.data_ptr() < hi]
+        assert len(where) == 1, (g.data_ptr(), where)
+        out[where[0]] += g.numel() * g.element_size()
+    return out
+
+
+def _reserved_by_pool() -> dict[str, int]:
+    """Reserved bytes by pool: the compute stream's and the others' (the collectives' streams)."""
+    out = {"compute": 0, "other": 0}
+    for s in torch.cuda.memory_snapshot():
+        out[_pool(s["stream"])] += s["total_size"]
+    return out
 
 
 if __name__ == "__main__":

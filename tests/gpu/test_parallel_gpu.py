@@ -100,14 +100,22 @@ def test_early_release_of_reduce_scatter_inputs(tmp_path):
     assert early["grad_norm"] == pytest.approx(late["grad_norm"], rel=1e-3)
 
 
-def test_gradients_in_the_compute_pool_lower_reserved_memory(tmp_path):
-    """The sharded gradients from the compute stream's pool: the same training, less memory reserved (the
-    next forward reuses what the gradients held)."""
+def test_gradients_in_the_compute_pool(tmp_path):
+    """The sharded gradients come from the compute stream's pool, no longer from the reduce-scatter
+    stream's, which then reserves that much less (the next forward reuses the memory; on the 8B FSDP4 rows
+    the side by side measures what that buys); the same training otherwise."""
     pool, own = _fsdp_probe(tmp_path, True, True), _fsdp_probe(tmp_path, True, False)
-    grads = 4 * sum((131072 * 256 * 2, 4 * 800_000)) // 2  # bytes per rank: fp32, sharded over 2 (about)
-    saved = own["max_reserved"] - pool["max_reserved"]
-    print(f"torch {pool['torch']}: {pool['rs_calls']} reduce-scatters, {saved / 2**20:.0f} MiB less reserved")
+    grads = sum(own["grad_bytes"].values())
+    freed = own["reserved"]["other"] - pool["reserved"]["other"]
+    print(
+        f"torch {pool['torch']}: {pool['rs_calls']} reduce-scatters; gradients by pool {pool['grad_bytes']}"
+        f" against FSDP's {own['grad_bytes']}; the other streams reserve {freed / 2**20:.0f} MiB less, "
+        f"peak reserved {(own['max_reserved'] - pool['max_reserved']) / 2**20:.0f} MiB less"
+    )
     assert pool["rs_calls"] == 3 * 6, pool  # 3 steps x (embedding, 4 blocks, [norm, output])
-    assert saved >= 0.5 * grads, (pool, own)
+    assert grads >= 4 * 131072 * 256, own  # (fp32, the two 131072 x 256 tables sharded over 2, and more)
+    assert pool["grad_bytes"] == {"compute": grads, "other": 0}, pool
+    assert own["grad_bytes"] == {"compute": 0, "other": grads}, own
+    assert freed >= grads, (pool["reserved"], own["reserved"])
     assert pool["losses"] == pytest.approx(own["losses"], rel=1e-4)
     assert pool["grad_norm"] == pytest.approx(own["grad_norm"], rel=1e-3)
