@@ -60,9 +60,12 @@
 #            compute pool); keeps .fa1 in /tmp/fa
 #   phase AF (with .fa2 + .fa3 carried, same machine): flash-attn-4 installed; the compiled float8 row with
 #            the gradients in the compute pool, flash-attn-4's attention and/or 2,048-token loss chunks
+#   phase AG (1 GPU, .fa2 + .fa3 carried after a call that copied .fa1 to /tmp/fa): flash-attn-4 as
+#            titanrush's operator: the flash GPU tests, then the 1B compiled with selective op AC, cuDNN
+#            against flash-attn-4 (twice: the second run loads FA4's cached kernels)
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to AF}
+PHASE=${1:?phase A to AG}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -389,6 +392,14 @@ elif [ "$PHASE" = AF ]; then  # 4 GPUs: the compiled float8 row with the compute
      --variants ${VARIANTS:-c_last14_pool_flash,c2k_last16_pool_flash,c2k_last18_pool} --steps 12 --measure-from 6 \
      --timeout-per-run 95 > $S/sbs8b_af.log 2>&1
   cp $S/sbs8b_af/results.md "$OUT/sbs8b_af.md"
+elif [ "$PHASE" = AG ]; then  # 1 GPU, after a call that kept .fa1 in /tmp/fa: FA4 as titanrush's operator
+  install_flash
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest tests/gpu/test_attention_gpu.py -k flash -q -rs -s \
+     -p no:cacheprovider > "$OUT/gpu_tests_flash.txt" 2>&1
+  CUDA_VISIBLE_DEVICES=0 bench 260 b1_flash_op 1 12 4 \
+    --run "cudnn_ac_op: $B1 --model.attn_backend cudnn --activation_checkpoint.mode selective" \
+    --run "flash_ac_op: $B1 --model.attn_backend flash --activation_checkpoint.mode selective" \
+    --run "flash_ac_op_again: $B1 --model.attn_backend flash --activation_checkpoint.mode selective"
 elif [ "$PHASE" = AC ]; then  # 4 GPUs: the offload row's memory snapshot and a profiled step (titanrush alone)
   timeout 200 python3 scripts/side_by_side.py --out $S/snap_off --rows 8b_compile --trainers titanrush \
      --variants c_off24e3_last21 --steps 8 --measure-from 4 --memory-snapshot 6 --timeout-per-run 100 \

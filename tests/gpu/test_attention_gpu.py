@@ -3,6 +3,7 @@ and FlexAttention's block-causal training."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
@@ -64,11 +65,13 @@ def test_flex_block_causal_training_isolates_documents():
 
 
 @pytest.mark.skipif(not HAVE_FLASH, reason="flash-attn (FA2, FA3 or flash-attn-4) is not installed")
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled", ["eager", "compiled", "compiled_ac_op"])
 def test_flash_package_at_llama_head_dim(compiled):
-    """The package at Llama's head dim (128) with grouped K/V heads, eager and in compiled blocks (where
-    the call runs between graphs), against the unfused baseline."""
-    from titanrush.models.llama.attention import flash_attn_func
+    """The package at Llama's head dim (128) with grouped K/V heads, eager and in compiled blocks (FA4 as
+    titanrush's operator inside the graph, fullgraph; FA3 and FA2 between graphs), also under selective op
+    checkpointing, against the unfused baseline."""
+    from titanrush.models.llama.attention import flash_attn_func, uses_graph_break
+    from titanrush.parallel.activation_checkpoint import apply_ac
     from titanrush.parallel.compile import apply_compile
 
     print("flash interface:", flash_attn_func().__module__)
@@ -78,12 +81,15 @@ def test_flash_package_at_llama_head_dim(compiled):
     y = torch.randint(0, 8192, (2, 1024), device="cuda")
     ref_loss, ref_grads = loss_and_grads(build("math", **shape), x, y)
     model = build("flash", **shape)
-    if compiled:
+    if compiled == "compiled_ac_op":
+        apply_ac(model, mode="selective", compiled=True)
+    if compiled != "eager":
         torch._dynamo.reset()
-        apply_compile(model, fullgraph=False)
+        apply_compile(model, fullgraph=not uses_graph_break("flash"))
     for _ in range(2):  # the second call runs the compiled graphs (and FA4's cached kernels)
         loss, grads = loss_and_grads(model, x, y)
-    grads = {n.replace("_orig_mod.", ""): g for n, g in grads.items()}
+    strip = ("_orig_mod.", "_checkpoint_wrapped_module.")
+    grads = {functools.reduce(lambda k, w: k.replace(w, ""), strip, n): g for n, g in grads.items()}
     torch.testing.assert_close(loss, ref_loss, rtol=2e-3, atol=2e-3)
     for n in ref_grads:
         rel = (grads[n] - ref_grads[n]).norm() / ref_grads[n].norm()

@@ -43,8 +43,9 @@ MESHES: dict[str, dict[str, Any]] = {
     "fsdp4_chunked": {"_chunk": 24},
     # FSDP's own timing for releasing the reduce-scatter inputs (the others release them early)
     "fsdp4_late_release": {"fsdp_free_reduce_inputs": False},
-    # the reduce-scatter through titanrush's compute-pool comm (on CPU: its collective, plain buffers)
-    "fsdp4_grads_pool": {"fsdp_grads_in_compute_pool": True, "_chunk": 24},
+    # FSDP's own reduce-scatter (the others run titanrush's compute-pool comm: on CPU its collective
+    # with plain buffers)
+    "fsdp4_own_reduce_scatter": {"fsdp_grads_in_compute_pool": False, "_chunk": 24},
 }
 BATCH, SEQ = 4, 32
 

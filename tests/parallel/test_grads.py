@@ -49,6 +49,9 @@ def test_every_gradient_matches_on_every_mesh(tmp_path):
     assert report["fsdp4"]["released"] == 2, report["fsdp4"]
     assert report["fsdp4_chunked"]["released"] == 2, report["fsdp4_chunked"]
     assert report["fsdp4_late_release"]["released"] is None, report["fsdp4_late_release"]
-    # The compute-pool reduce-scatter ran every unit's: the embedding, 2 blocks, [norm, output].
-    assert report["fsdp4_grads_pool"]["rs_calls"] == 4, report["fsdp4_grads_pool"]
-    assert report["fsdp4"]["rs_calls"] is None, report["fsdp4"]
+    # The compute-pool reduce-scatter (the default) ran every unit's: the embedding, 2 blocks, [norm,
+    # output]; off, or under HSDP, FSDP's own ran.
+    assert report["fsdp4"]["rs_calls"] == 4, report["fsdp4"]
+    assert report["fsdp4_chunked"]["rs_calls"] == 4, report["fsdp4_chunked"]
+    assert report["fsdp4_own_reduce_scatter"]["rs_calls"] is None, report["fsdp4_own_reduce_scatter"]
+    assert report["hsdp2x2"]["rs_calls"] is None, report["hsdp2x2"]

@@ -187,6 +187,7 @@ def _install_flash(monkeypatch, module: str, fake) -> None:
         monkeypatch.setitem(sys.modules, name, None)  # None: "not importable"
     monkeypatch.setitem(sys.modules, module, fake)
     attn.flash_attn_func.cache_clear()
+    attn.flash_kernels.cache_clear()
 
 
 @pytest.mark.parametrize("module, returns_lse", [("flash_attn", False), ("flash_attn_interface", True)])
@@ -277,6 +278,82 @@ def test_compiled_blocks_run_the_flash_package_between_graphs(monkeypatch):
     torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
     g2 = {n.replace("_orig_mod.", ""): g for n, g in g2.items()}
     assert_same_grads(g1, g2)
+
+
+def _fake_flash4(calls: dict):
+    """A stand-in for flash-attn-4's `flash_attn.cute.interface`: `_flash_attn_fwd` and `_flash_attn_bwd`
+    with the package's argument order and results (out, logsumexp (B, H, T) fp32; dq, dk, dv laid out
+    like q, k, v), computed by explicit softmax; `calls` counts each."""
+    import types
+
+    math_attn = _fake_flash_attn(True).flash_attn_func
+
+    def _flash_attn_fwd(q, k, v, causal=False, return_lse=False):
+        calls["fwd"] += 1
+        assert causal and return_lse
+        out, lse = math_attn(q, k, v, causal=True)
+        return out.contiguous(), lse.float().contiguous(), None, None, None
+
+    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False):
+        calls["bwd"] += 1
+        assert causal and softmax_scale is None and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+        # (runs below autograd, as the real kernel does): the softmax rebuilt from the saved logsumexp
+        b, t, h, d = q.shape
+        rep = h // k.shape[2]
+        kr, vr = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, kr) / math.sqrt(d)
+        p = (scores - lse[..., None]).exp().masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), 0)
+        dv = torch.einsum("bhqk,bqhd->bkhd", p, dout)
+        dp = torch.einsum("bqhd,bkhd->bhqk", dout, vr)
+        ds = p * (dp - (dout * out).sum(-1).transpose(1, 2)[..., None]) / math.sqrt(d)
+        dq, dk = torch.einsum("bhqk,bkhd->bqhd", ds, kr), torch.einsum("bhqk,bqhd->bkhd", ds, q)
+        grouped = [g.unflatten(2, (h // rep, rep)).sum(3) for g in (dk, dv)]
+        return tuple(torch.empty_like(x).copy_(g) for x, g in zip((q, k, v), (dq, *grouped)))
+
+    interface = types.SimpleNamespace(_flash_attn_fwd=_flash_attn_fwd, _flash_attn_bwd=_flash_attn_bwd)
+    return types.SimpleNamespace(flash_attn_func=math_attn, interface=interface), interface
+
+
+def test_flash4_runs_as_one_operator_compiled_whole_and_kept_by_selective_checkpointing(monkeypatch):
+    # FA4 through titanrush's custom operator: trains as SDPA does; a compiled block with selective op
+    # checkpointing compiles whole (fullgraph) and keeps the attention output, so that backward runs the
+    # package's backward once per block and its forward never again (the recompute skips it).
+    import sys
+
+    from titanrush.config import ActivationCheckpoint, Compile, Float8, Parallelism
+    from titanrush.models.llama import attention as attn
+    from titanrush.models.llama.parallelize import parallelize_llama
+    from titanrush.parallel.parallel_dims import ParallelDims
+
+    calls = {"fwd": 0, "bwd": 0}
+    cute, interface = _fake_flash4(calls)
+    _install_flash(monkeypatch, "flash_attn.cute", cute)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    torch._dynamo.reset()
+    x = torch.randint(0, 8192, (2, 64))
+    labels = torch.randint(0, 8192, (2, 64))
+    try:
+        l1, g1 = loss_and_grads(build(0, attn_backend="sdpa"), x, labels)
+        for compiled in (False, True):
+            model = build(0, attn_backend="flash")
+            assert not attn.uses_graph_break("flash")
+            parallelize_llama(
+                model, ParallelDims(1, 1, 1, 1, 1, 1), None, parallelism=Parallelism(),
+                compile=Compile(enable=compiled, fullgraph=True), ac=ActivationCheckpoint(mode="selective"),
+                float8=Float8(), precision="fp32",
+            )  # fmt: skip
+            loss_and_grads(model, x, labels)  # (the compiled model's first step compiles)
+            calls.update(fwd=0, bwd=0)
+            l2, g2 = loss_and_grads(model, x, labels)
+            n = len(model.layers)
+            assert calls == {"fwd": n, "bwd": n}, (compiled, calls)
+            torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
+            assert_same_grads(g1, {k.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", ""): g
+                                   for k, g in g2.items()})  # fmt: skip
+    finally:
+        attn.flash_attn_func.cache_clear()
+        attn.flash_kernels.cache_clear()
+        torch._dynamo.reset()
 
 
 def test_flex_forward_matches_sdpa_on_cpu_and_respects_documents():

@@ -11,12 +11,14 @@ compute stream cannot reuse that memory while the collective still reads it. For
 is 4 bytes x vocab x dim (2 GiB on the 8B) through the whole backward of the last block.
 `release_reduce_inputs` drops it as each block's backward starts, leaving the wait to the caching
 allocator (`record_stream` on the reduce-scatter stream): the memory is reused as soon as the collective
-is done. `compute_pool_reduce_scatter` (opt-in) takes the sharded gradients from the compute stream's
-memory pool instead of the reduce-scatter stream's.
+is done. `compute_pool_reduce_scatter` takes the sharded gradients from the compute stream's memory pool
+instead of the reduce-scatter stream's, so that the next forward reuses them (on by default; not under
+HSDP or CPU offload).
 """
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Any, Literal
 
@@ -28,6 +30,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from titanrush.config import ConfigError
 
+logger = logging.getLogger("titanrush")
 ReshardPolicy = Literal["default", "always", "never"]
 
 
@@ -40,7 +43,7 @@ def apply_fsdp(
     reshard_after_forward: ReshardPolicy = "default",
     cpu_offload: bool = False,
     free_reduce_inputs: bool = True,
-    grads_in_compute_pool: bool = False,
+    grads_in_compute_pool: bool = True,
 ) -> None:
     """Shard `model` with FSDP2 over `mesh`, in place.
 
@@ -63,7 +66,8 @@ def apply_fsdp(
         free_reduce_inputs: Release the reduce-scatter inputs still in flight as each block's backward
             starts (`release_reduce_inputs`; the model's `fsdp_released_reduce_inputs` counts them).
         grads_in_compute_pool: Allocate the reduce-scatter outputs, i.e. the sharded gradients, from the
-            compute stream's memory pool (`ComputePoolReduceScatter`). Not with HSDP or CPU offload.
+            compute stream's memory pool (`ComputePoolReduceScatter`). Not with HSDP or CPU offload (logged
+            and skipped there).
 
     Raises:
         ConfigError: An unknown `reshard_after_forward`.
@@ -102,10 +106,9 @@ def apply_fsdp(
     fully_shard(model, **common)
     _set_prefetch(model, units)
     if grads_in_compute_pool and (mesh.ndim != 1 or cpu_offload):
-        warnings.warn(
+        logger.info(
             "parallelism.fsdp_grads_in_compute_pool applies to FSDP on one mesh dimension without CPU "
-            "offload: not applied (HSDP's all-reduce stream would use the buffers unrecorded)",
-            stacklevel=2,
+            "offload: not applied (HSDP's all-reduce stream would use the buffers unrecorded)"
         )
     elif grads_in_compute_pool:
         comm = compute_pool_reduce_scatter()

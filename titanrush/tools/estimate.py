@@ -117,6 +117,7 @@ def build_setup(cfg: JobConfig, ngpu: int) -> tuple[mm.Setup, str, int, str]:
         reshard=reshard,
         cpu_offload=p.fsdp_cpu_offload,
         free_reduce_inputs=p.fsdp_free_reduce_inputs,
+        grads_pool=p.fsdp_grads_in_compute_pool and dims.dp_replicate == 1 and not p.fsdp_cpu_offload,
         pp_schedule=p.pp_schedule,
         pp_microbatches=p.pp_microbatches,
         pp_stages_per_rank=p.pp_stages_per_rank,
@@ -201,13 +202,14 @@ def _context_bytes(ngpu: int) -> int:
 
 
 def slack(s: mm.Setup, b: mm.Breakdown) -> int:
-    """Caching-allocator slack (reserved minus allocated at the peak): a heuristic fitted to nine H200 runs
-    (docs/estimator.md): 5% of the peak, 10% more with collectives (their streams keep their own blocks),
-    8% more with fully checkpointed blocks (recomputation churns block-sized temporaries); under pipeline
-    parallel with FSDP, at a later micro-batch's backward, the first backward's activations stranded in
-    the cache (`memory_model.stranded_after_first_backward`)."""
+    """Caching-allocator slack (reserved minus allocated at the peak): a heuristic fitted to H200 runs
+    (docs/estimator.md): 5% of the peak, 10% more with collectives (their streams keep their own blocks:
+    DDP's, TP's, PP's, CP's, and FSDP's sharded gradients unless they come from the compute stream's pool,
+    `grads_pool`), 8% more with fully checkpointed blocks (recomputation churns block-sized temporaries);
+    under pipeline parallel with FSDP, at a later micro-batch's backward, the first backward's
+    activations stranded in the cache (`memory_model.stranded_after_first_backward`)."""
     frac = 0.05
-    if s.fsdp or s.ddp or s.tp > 1 or s.pp > 1 or s.cp > 1:
+    if (s.fsdp and not s.grads_pool) or s.ddp or s.tp > 1 or s.pp > 1 or s.cp > 1:
         frac += 0.10
     if s.ac_mode == "full" or (s.ac_mode == "selective" and s.ac_selective != "op"):
         frac += 0.08

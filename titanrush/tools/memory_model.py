@@ -52,6 +52,7 @@ class Setup:
     reshard: str = "default"
     cpu_offload: bool = False
     free_reduce_inputs: bool = True  # FSDP's reduce-scatter inputs released as the next block starts
+    grads_pool: bool = True  # FSDP's sharded gradients from the compute stream's pool (1-D, no offload)
     pp_schedule: str = "1F1B"
     pp_microbatches: int = 0
     pp_stages_per_rank: int = 0

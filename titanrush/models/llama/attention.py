@@ -5,7 +5,8 @@ q is (B, T, H, D), k and v are (B, T, Hkv, D); the result is (B, T, H, D). Backe
   kernel reads each K/V head for its group of query heads (`enable_gqa`), so K and V are never copied
   n_rep times (except under context parallel, whose ring attention wants equal head counts).
 - cudnn: SDPA restricted to the cuDNN kernel (K/V heads repeated first).
-- flash: the flash-attn package (FA4 cute, FA3 hopper, or FA2 interface, whichever imports).
+- flash: the flash-attn package (FA4 cute, FA3 hopper, or FA2 interface, whichever imports); FA4 as a
+  custom operator that compiles inside the block and that selective checkpointing keeps.
 - flex: FlexAttention with a block-causal mask over document boundaries (see `build_mask`).
 - math: the unfused baseline: scores materialized, masked, softmaxed in fp32.
 """
@@ -74,21 +75,90 @@ def flash_attn_func() -> Callable[..., Any]:
     return fa2
 
 
-@torch.compiler.disable
-def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The flash-attn package's causal attention, kept out of compiled graphs.
+_FA4: tuple[Callable[..., Any], Callable[..., Any]] | None = None  # set by flash_kernels()
 
-    FA4's CuTe kernels (and FA3's hopper build) are autograd Functions that dynamo cannot trace and
-    fake tensors cannot run, so the call runs eagerly between two compiled graphs of the block: one
-    graph break per block, which is why compile drops `fullgraph` for this backend (`uses_graph_break`).
-    """
+
+@functools.cache
+def flash_kernels() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """FA4's forward and backward functions (`flash_attn.cute.interface`), or None where the flash-attn
+    package that imports is FA3's or FA2's. Also sets `_FA4`, which compiled code reads as a constant."""
+    global _FA4
+    flash_attn_func()  # the kernel cache's variable first; the clear error where nothing imports
+    try:
+        from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+    except (ImportError, AttributeError, OSError):
+        _FA4 = None
+    else:
+        _FA4 = (_flash_attn_fwd, _flash_attn_bwd)
+    return _FA4
+
+
+# FA4 as one opaque operator (torch.library): dynamo and inductor place it in the compiled block's graph
+# from its shapes (`register_fake`), so the block compiles whole, and selective checkpointing sees it as
+# one op whose outputs it keeps (`activation_checkpoint`), as it keeps SDPA's.
+@torch.library.custom_op("titanrush::flash_attn", mutates_args=())
+def flash_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of q (B, T, H, D) over k, v (B, T, Hkv, D) by FA4: (out, logsumexp (B, H, T))."""
+    fwd, _ = flash_kernels()
+    out, lse = fwd(q, k, v, causal=True, return_lse=True)[:2]
+    return out, lse
+
+
+@flash_attn_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    b, t, h, _ = q.shape
+    return q.new_empty(b, t, h, v.shape[-1]), q.new_empty(b, h, t, dtype=torch.float32)
+
+
+@torch.library.custom_op("titanrush::flash_attn_backward", mutates_args=())
+def flash_attn_backward_op(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """FA4's backward of `flash_attn_op`: (dq, dk, dv)."""
+    _, bwd = flash_kernels()
+    dq, dk, dv = bwd(q, k, v, out, dout, lse, None, True)[:3]
+    return dq, dk, dv
+
+
+@flash_attn_backward_op.register_fake
+def _(dout, q, k, v, out, lse):  # noqa: ANN001, ANN202
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _flash_setup(ctx: Any, inputs: tuple, output: tuple) -> None:
+    ctx.save_for_backward(*inputs, *output)
+
+
+def _flash_backward(ctx: Any, dout: torch.Tensor, dlse: Any) -> tuple[torch.Tensor, ...]:
+    q, k, v, out, lse = ctx.saved_tensors
+    return flash_attn_backward_op(dout.contiguous(), q, k, v, out, lse)
+
+
+flash_attn_op.register_autograd(_flash_backward, setup_context=_flash_setup)
+
+
+def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """The flash-attn package's causal attention: FA4 through `flash_attn_op`, FA3 and FA2 eagerly."""
+    if not torch.compiler.is_compiling():
+        flash_kernels()  # (compiled blocks read the result of the call `uses_graph_break` made)
+    if _FA4 is not None:
+        return flash_attn_op(q, k, v)[0]
+    return _flash_attention_eager(q, k, v)
+
+
+@torch.compiler.disable
+def _flash_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """FA3's hopper build or FA2, kept out of compiled graphs: autograd Functions that dynamo cannot
+    trace and fake tensors cannot run, so the call runs eagerly between two compiled graphs of the block
+    (one graph break per block: compile drops `fullgraph`, see `uses_graph_break`)."""
     out = flash_attn_func()(q, k, v, causal=True)
     return out[0] if isinstance(out, tuple) else out
 
 
 def uses_graph_break(backend: str) -> bool:
-    """Whether a block with this attention backend must compile without `fullgraph`."""
-    return backend == "flash"
+    """Whether a block with this attention backend must compile without `fullgraph` (FA3, FA2)."""
+    return backend == "flash" and flash_kernels() is None
 
 
 @functools.cache
