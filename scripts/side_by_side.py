@@ -84,6 +84,11 @@ def _offload_flags(first: int, every: int, last: int) -> list[str]:
     return [*_last_flags(last), _AC + "offload_first", str(first), _AC + "offload_every", str(every)]
 
 
+# The memory-tuned variants measured before change 21 keep FSDP's own gradient allocation, so that they
+# reproduce their recorded figures; the `_pool` ones take the default (the compute stream's pool).
+_OWN = ["--parallelism.fsdp_grads_in_compute_pool", "false"]
+
+
 _8B_VARIANTS = {
     # torchtitan's per-op policy keeps every other matmul output; ours keeps all by default.
     "ac_alternate": ["--activation_checkpoint.op_matmuls", "alternate"],
@@ -114,13 +119,13 @@ _8B_VARIANTS = {
     ],
     # Activation offload: every E-th of the first F blocks keeps every matmul output in host memory,
     # which pays for the last M blocks keeping every matmul output too (alternate elsewhere).
-    **{f"off{f}e{e}_last{m}": _offload_flags(f, e, m) for f, e, m in _OFFLOAD_VARIANTS},
+    **{f"off{f}e{e}_last{m}": [*_offload_flags(f, e, m), *_OWN] for f, e, m in _OFFLOAD_VARIANTS},
     **{
-        f"c_off{f}e{e}_last{m}": ["--training.loss", "chunked", *_offload_flags(f, e, m)]
+        f"c_off{f}e{e}_last{m}": ["--training.loss", "chunked", *_offload_flags(f, e, m), *_OWN]
         for f, e, m in _CHUNKED_OFFLOAD_VARIANTS
     },
     # ... without offload: the chunked loss's memory alone paying for the last M blocks
-    **{f"c_last{m}": ["--training.loss", "chunked", *_last_flags(m)] for m in range(4, 15)},
+    **{f"c_last{m}": ["--training.loss", "chunked", *_last_flags(m), *_OWN] for m in range(4, 15)},
     # ... with the sharded gradients in the compute stream's pool (change 21): reserved memory for more
     **{
         f"c_last{m}_pool": [
@@ -147,20 +152,22 @@ _8B_VARIANTS = {
         *_last_flags(6),
         "--parallelism.fsdp_free_reduce_inputs",
         "false",
+        *_OWN,
     ],
     # ... with the loss in 2,048-token chunks (half the chunk's logits and their gradient at its peak)
     "c2k_off24e3_last21": [
         *("--training.loss", "chunked", "--training.loss_chunk_size", "2048", *_offload_flags(24, 3, 21)),
+        *_OWN,
     ],
     # ... with FSDP's own timing for releasing the reduce-scatter inputs (before change 17)
     "c_off24e3_last21_late": [
         *("--training.loss", "chunked", *_offload_flags(24, 3, 21)),
-        *("--parallelism.fsdp_free_reduce_inputs", "false"),
+        *("--parallelism.fsdp_free_reduce_inputs", "false", *_OWN),
     ],
     # offload's first-step pinning by cudaHostAlloc, not malloc + register by 8 threads (before change 18)
     "c_off24e3_last21_pin0": [
         *("--training.loss", "chunked", *_offload_flags(24, 3, 21)),
-        *("--activation_checkpoint.offload_pin_threads", "0"),
+        *("--activation_checkpoint.offload_pin_threads", "0", *_OWN),
     ],
     # The chunked loss alone at torchtitan's policy: what the loss itself costs or saves.
     "chunked_alternate": ["--training.loss", "chunked", "--activation_checkpoint.op_matmuls", "alternate"],

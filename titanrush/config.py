@@ -45,8 +45,8 @@ class Model:
     """Model size: debug, 1B, 3B, 8B, 70B, 405B (Llama 3.x shapes)."""
     attn_backend: Literal["sdpa", "cudnn", "flash", "flex", "math"] = "sdpa"
     """Attention kernel: sdpa (PyTorch picks; grouped K/V heads), cudnn, flash (the flash-attn package:
-    FA4, FA3 or FA2; under compile it runs between the block's graphs), flex (block-causal FlexAttention
-    over document boundaries), math (the unfused baseline)."""
+    FA4 as an operator inside compiled blocks; FA3 or FA2 between the block's graphs under compile), flex
+    (block-causal FlexAttention over document boundaries), math (the unfused baseline)."""
     vocab_size: int = 0
     """Override the flavor's vocabulary size (0 keeps the flavor's). Must cover the tokenizer's."""
     tie_embeddings: Literal["flavor", "tied", "untied"] = "flavor"

@@ -451,10 +451,12 @@ def test_8b_fsdp_estimate_fits_h200_not_h100():
 def test_fsdp_gradients_in_the_compute_pool_take_the_collective_slack_off():
     """FSDP's sharded gradients from the compute stream's pool (the default) leave no collective's pool
     reserved beside the peak; FSDP's own allocation, HSDP (where the pool does not apply) and TP keep it."""
-    slack_of = lambda *over: est_mod.slack(est_mod.build_setup(config.load(LLAMA8B, list(over)), 4)[0], b)  # noqa: E731
     b = type("B", (), {"peak": 100 * GIB, "peak_phase": "loss forward", "first_backward_freed": 0})()
-    pooled = slack_of()
-    assert pooled == pytest.approx(0.05 * b.peak, rel=1e-6)
+
+    def slack_of(*over: str) -> int:
+        return est_mod.slack(est_mod.build_setup(config.load(LLAMA8B, list(over)), 4)[0], b)
+
+    assert slack_of() == pytest.approx(0.05 * b.peak, rel=1e-6)
     own = slack_of("--parallelism.fsdp_grads_in_compute_pool", "false")
     hsdp = slack_of("--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2")
     tp = slack_of("--parallelism.tp", "2")

@@ -181,11 +181,16 @@ def _install_flash(monkeypatch, module: str, fake) -> None:
     """Make `fake` the only flash-attn interface that imports (as `module`), for this test."""
     import sys
 
-    from titanrush.models.llama import attention as attn
-
     for name in ("flash_attn", "flash_attn.cute", "flash_attn_interface"):
         monkeypatch.setitem(sys.modules, name, None)  # None: "not importable"
     monkeypatch.setitem(sys.modules, module, fake)
+    _clear_flash_caches()
+
+
+def _clear_flash_caches() -> None:
+    """Forget which flash-attn interface imported (each test installs its own stand-in)."""
+    from titanrush.models.llama import attention as attn
+
     attn.flash_attn_func.cache_clear()
     attn.flash_kernels.cache_clear()
 
@@ -194,7 +199,6 @@ def _install_flash(monkeypatch, module: str, fake) -> None:
 def test_flash_backend_calls_the_packages_interface_right(monkeypatch, module, returns_lse):
     # The flash-attn package is not installable on our machines (no wheel; GPU.md): this checks our
     # adapter (layout, causality, grouped K/V heads, FA3's tuple) against the documented interface.
-    from titanrush.models.llama import attention as attn
 
     _install_flash(monkeypatch, module, _fake_flash_attn(returns_lse))
     try:
@@ -203,7 +207,7 @@ def test_flash_backend_calls_the_packages_interface_right(monkeypatch, module, r
         l1, g1 = loss_and_grads(build(0, attn_backend="sdpa"), x, labels)
         l2, g2 = loss_and_grads(build(0, attn_backend="flash"), x, labels)
     finally:
-        attn.flash_attn_func.cache_clear()
+        _clear_flash_caches()
     torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
     assert_same_grads(g1, g2)
 
@@ -231,7 +235,7 @@ def test_flash_backend_turns_on_the_kernel_cache_unless_told(monkeypatch):
         try:
             attn.flash_attn_func()
         finally:
-            attn.flash_attn_func.cache_clear()
+            _clear_flash_caches()
         assert seen.pop("flash_attn_func") == (value or "1")
 
 
@@ -241,7 +245,6 @@ def test_compiled_blocks_run_the_flash_package_between_graphs(monkeypatch):
     import types
 
     from titanrush.config import ActivationCheckpoint, Compile, Float8, Parallelism
-    from titanrush.models.llama import attention as attn
     from titanrush.models.llama.parallelize import parallelize_llama
     from titanrush.parallel.parallel_dims import ParallelDims
 
@@ -272,7 +275,7 @@ def test_compiled_blocks_run_the_flash_package_between_graphs(monkeypatch):
         calls.clear()
         l2, g2 = loss_and_grads(compiled, x, labels)
     finally:
-        attn.flash_attn_func.cache_clear()
+        _clear_flash_caches()
         torch._dynamo.reset()
     assert calls and not any(calls)  # called once per block, never inside a traced graph
     torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
@@ -351,8 +354,7 @@ def test_flash4_runs_as_one_operator_compiled_whole_and_kept_by_selective_checkp
             assert_same_grads(g1, {k.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", ""): g
                                    for k, g in g2.items()})  # fmt: skip
     finally:
-        attn.flash_attn_func.cache_clear()
-        attn.flash_kernels.cache_clear()
+        _clear_flash_caches()
         torch._dynamo.reset()
 
 

@@ -6,7 +6,6 @@ it. Parameter names gain `_checkpoint_wrapped_module.`, which checkpoint loading
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -48,15 +47,21 @@ def _ops_to_save() -> set[Any]:
     flex = getattr(torch._higher_order_ops, "flex_attention", None)
     if flex is not None:
         ops.add(flex)
-    # flash-attn-4 as titanrush's operator (models/llama/attention.py), once that module registered it
-    flash = getattr(torch.ops.titanrush, "flash_attn", None)
-    if flash is not None:
-        ops.add(flash.default)
     return ops
 
 
+# Operators of titanrush's own whose outputs are kept too, by name (registered where the model is built):
+# flash-attn-4's attention (models/llama/attention.py).
+_SAVE_BY_NAME = frozenset({"titanrush::flash_attn"})
+
+
+def _kept(func: Any) -> bool:
+    return func in _SAVE or (isinstance(func, torch._ops.OpOverload) and func.name() in _SAVE_BY_NAME)
+
+
 def _selective_op_context(op_matmuls: str = "all") -> Any:
-    """Contexts for one checkpointed call of a block: keep the outputs of the ops in `_saved_ops()`.
+    """Contexts for one checkpointed call of a block: keep the outputs of the ops in `_SAVE` (and of
+    titanrush's operators named in `_SAVE_BY_NAME`).
 
     We keep every matmul output by default rather than torchtitan's every other one: the point of
     `op` mode is to recompute only the cheap element-wise work and never a matmul. `alternate` keeps
@@ -67,7 +72,7 @@ def _selective_op_context(op_matmuls: str = "all") -> Any:
     counts = {False: 0, True: 0}
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if func not in _saved_ops():
+        if not _kept(func):
             return CheckpointPolicy.PREFER_RECOMPUTE
         if op_matmuls == "alternate" and func is torch.ops.aten.mm.default:
             counts[ctx.is_recompute] += 1
@@ -78,10 +83,7 @@ def _selective_op_context(op_matmuls: str = "all") -> Any:
     return create_selective_checkpoint_contexts(policy)
 
 
-@functools.cache
-def _saved_ops() -> frozenset[Any]:
-    """`_ops_to_save`, looked up at the first checkpointed call (after the model registered its ops)."""
-    return frozenset(_ops_to_save())
+_SAVE = _ops_to_save()
 
 
 class SelectiveOpCheckpoint(CheckpointWrapper):

@@ -75,22 +75,32 @@ def flash_attn_func() -> Callable[..., Any]:
     return fa2
 
 
-_FA4: tuple[Callable[..., Any], Callable[..., Any]] | None = None  # set by flash_kernels()
-
-
 @functools.cache
 def flash_kernels() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
     """FA4's forward and backward functions (`flash_attn.cute.interface`), or None where the flash-attn
-    package that imports is FA3's or FA2's. Also sets `_FA4`, which compiled code reads as a constant."""
-    global _FA4
+    package that imports is FA3's or FA2's."""
     flash_attn_func()  # the kernel cache's variable first; the clear error where nothing imports
     try:
         from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
     except (ImportError, AttributeError, OSError):
-        _FA4 = None
-    else:
-        _FA4 = (_flash_attn_fwd, _flash_attn_bwd)
-    return _FA4
+        return None
+    return _flash_attn_fwd, _flash_attn_bwd
+
+
+@torch.compiler.assume_constant_result
+def _fa4_available() -> bool:
+    """Whether FA4 runs the flash backend (compiled code takes the answer as a constant of the graph)."""
+    return flash_kernels() is not None
+
+
+def _fa4() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    kernels = flash_kernels()
+    if kernels is None:
+        raise RuntimeError(
+            "titanrush::flash_attn needs flash-attn-4 (flash_attn.cute.interface), which does not import; "
+            "use model.attn_backend = 'cudnn' or 'sdpa'"
+        )
+    return kernels
 
 
 # FA4 as one opaque operator (torch.library): dynamo and inductor place it in the compiled block's graph
@@ -99,7 +109,7 @@ def flash_kernels() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
 @torch.library.custom_op("titanrush::flash_attn", mutates_args=())
 def flash_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of q (B, T, H, D) over k, v (B, T, Hkv, D) by FA4: (out, logsumexp (B, H, T))."""
-    fwd, _ = flash_kernels()
+    fwd, _ = _fa4()
     out, lse = fwd(q, k, v, causal=True, return_lse=True)[:2]
     return out, lse
 
@@ -116,8 +126,8 @@ def flash_attn_backward_op(
     lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """FA4's backward of `flash_attn_op`: (dq, dk, dv)."""
-    _, bwd = flash_kernels()
-    dq, dk, dv = bwd(q, k, v, out, dout, lse, None, True)[:3]
+    _, bwd = _fa4()
+    dq, dk, dv = bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=True)[:3]
     return dq, dk, dv
 
 
@@ -140,9 +150,7 @@ flash_attn_op.register_autograd(_flash_backward, setup_context=_flash_setup)
 
 def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """The flash-attn package's causal attention: FA4 through `flash_attn_op`, FA3 and FA2 eagerly."""
-    if not torch.compiler.is_compiling():
-        flash_kernels()  # (compiled blocks read the result of the call `uses_graph_break` made)
-    if _FA4 is not None:
+    if _fa4_available():
         return flash_attn_op(q, k, v)[0]
     return _flash_attention_eager(q, k, v)
 
