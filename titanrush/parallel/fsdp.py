@@ -105,7 +105,7 @@ def apply_fsdp(
     # The root gathers what no unit claimed; FSDP never frees the root after forward.
     fully_shard(model, **common)
     _set_prefetch(model, units)
-    if grads_in_compute_pool and (mesh.ndim != 1 or cpu_offload):
+    if grads_in_compute_pool and not compute_pool_applies(hsdp=mesh.ndim != 1, cpu_offload=cpu_offload):
         logger.info(
             "parallelism.fsdp_grads_in_compute_pool applies to FSDP on one mesh dimension without CPU "
             "offload: not applied (HSDP's all-reduce stream would use the buffers unrecorded)"
@@ -118,6 +118,12 @@ def apply_fsdp(
         model.fsdp_reduce_scatter = comm  # (its `calls` count the reduce-scatters it ran; tests read it)
     if free_reduce_inputs:
         release_reduce_inputs(model, blocks)
+
+
+def compute_pool_applies(*, hsdp: bool, cpu_offload: bool) -> bool:
+    """Whether the sharded gradients can come from the compute stream's pool: not under HSDP (its
+    all-reduce stream would use the buffers unrecorded) nor with CPU offload (they live on the host)."""
+    return not hsdp and not cpu_offload
 
 
 def compute_pool_reduce_scatter() -> Any:

@@ -21,6 +21,7 @@ from titanrush import config as cfgmod
 from titanrush.config import ConfigError, JobConfig
 from titanrush.data import build_tokenizer
 from titanrush.models.llama import ModelArgs
+from titanrush.parallel.fsdp import compute_pool_applies
 from titanrush.parallel.parallel_dims import ParallelDims
 from titanrush.tools import memory_model as mm
 
@@ -117,7 +118,8 @@ def build_setup(cfg: JobConfig, ngpu: int) -> tuple[mm.Setup, str, int, str]:
         reshard=reshard,
         cpu_offload=p.fsdp_cpu_offload,
         free_reduce_inputs=p.fsdp_free_reduce_inputs,
-        grads_pool=p.fsdp_grads_in_compute_pool and dims.dp_replicate == 1 and not p.fsdp_cpu_offload,
+        grads_pool=p.fsdp_grads_in_compute_pool
+        and compute_pool_applies(hsdp=dims.dp_replicate > 1, cpu_offload=p.fsdp_cpu_offload),
         pp_schedule=p.pp_schedule,
         pp_microbatches=p.pp_microbatches,
         pp_stages_per_rank=p.pp_stages_per_rank,

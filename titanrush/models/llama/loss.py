@@ -11,6 +11,7 @@ vocabulary) tensors at the peak; the chunked loss keeps one fp32 copy of the wei
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -53,16 +54,13 @@ def chunk_loss_and_grad(
     return loss_sum, grad.to(logits.dtype)
 
 
-_compiled_chunk: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+@functools.cache
+def _compiled_chunk() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    return torch.compile(chunk_loss_and_grad, dynamic=False)
 
 
 def _chunk_fn(compiled: bool) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    global _compiled_chunk
-    if not compiled:
-        return chunk_loss_and_grad
-    if _compiled_chunk is None:
-        _compiled_chunk = torch.compile(chunk_loss_and_grad, dynamic=False)
-    return _compiled_chunk
+    return _compiled_chunk() if compiled else chunk_loss_and_grad
 
 
 def _add_weight_grad(dw: torch.Tensor | None, grad: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
