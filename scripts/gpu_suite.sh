@@ -63,9 +63,12 @@
 #   phase AG (1 GPU, .fa2 + .fa3 carried after a call that copied .fa1 to /tmp/fa): flash-attn-4 as
 #            titanrush's operator: the flash GPU tests, then the 1B compiled with selective op AC, cuDNN
 #            against flash-attn-4 (twice: the second run loads FA4's cached kernels)
+#   phase AH (with .whl + .fa1 carried): keeps .fa1 in /tmp/fa for AF or Z; the compiled float8 row with
+#            empty compile caches for every run (time to first step as on a fresh machine): torchtitan,
+#            titanrush with its compile workers started at launch (change 23) and with inductor's own
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to AG}
+PHASE=${1:?phase A to AH}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -392,6 +395,12 @@ elif [ "$PHASE" = AF ]; then  # 4 GPUs: the compiled float8 row with the compute
      --variants ${VARIANTS:-c_last14_pool_flash,c2k_last16_pool_flash,c2k_last18_pool} --steps 12 --measure-from 6 \
      --timeout-per-run 95 > $S/sbs8b_af.log 2>&1
   cp $S/sbs8b_af/results.md "$OUT/sbs8b_af.md"
+elif [ "$PHASE" = AH ]; then  # 4 GPUs: time to first step from empty compile caches; keeps .fa1 for AF/Z
+  mkdir -p /tmp/fa && cp .fa1/* /tmp/fa/ 2>/dev/null
+  timeout 420 python3 scripts/side_by_side.py --out $S/sbs8b_cold --rows 8b_compile_float8 --fresh-compile-caches \
+     --variants ${VARIANTS:-c_last16_pool,c_last16_pool_inductor_workers} --steps 10 --measure-from 5 \
+     --timeout-per-run 130 > $S/sbs8b_cold.log 2>&1
+  cp $S/sbs8b_cold/results.md "$OUT/sbs8b_cold.md"
 elif [ "$PHASE" = AG ]; then  # 1 GPU, after a call that kept .fa1 in /tmp/fa: FA4 as titanrush's operator
   install_flash
   CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest tests/gpu/test_attention_gpu.py -k flash -q -rs -s \
@@ -432,6 +441,6 @@ else  # E
   cp $S/rushdist/*.png "$OUT/" 2>/dev/null
 fi
 cp $S/env.txt "$OUT/"
-tar czf "$OUT/logs_$PHASE.tgz" --exclude='*.distcp' --exclude='tb' --exclude='*.trace.json.gz' --exclude='*_trace.json' \
+tar czf "$OUT/logs_$PHASE.tgz" --exclude='*.distcp' --exclude='compile_caches' --exclude='tb' --exclude='*.trace.json.gz' --exclude='*_trace.json' \
   --exclude='corpus' --exclude='tokenizer' --exclude='*.pickle' -C /tmp suite 2>/dev/null
 cat "$OUT"/*.md "$OUT"/*.txt 2>/dev/null | tail -60

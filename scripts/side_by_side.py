@@ -35,6 +35,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -143,8 +144,20 @@ _8B_VARIANTS = {
             *(["--training.loss_chunk_size", "2048"] if c == "c2k" else []),
             *(["--model.attn_backend", "flash"] if fl else []),
         ]
-        for c, m, fl in (("c2k", 18, ""), ("c", 14, "_flash"), ("c2k", 16, "_flash"), ("c", 16, "_flash"))
+        for c, m, fl in (
+            ("c2k", 18, ""),
+            ("c", 12, "_flash"),
+            ("c", 14, "_flash"),
+            ("c2k", 16, "_flash"),
+            ("c", 16, "_flash"),
+            ("c", 18, "_flash"),
+        )
     },
+    # ... with inductor's own compile workers (up to 32 per rank, started at the first compile): the
+    # time to first step before change 23 (its share of the cores per rank, started at launch)
+    "c_last16_pool_inductor_workers": [
+        *("--training.loss", "chunked", *_last_flags(16), "--compile.workers", "-1"),
+    ],
     # ... with FSDP's own timing for releasing the reduce-scatter inputs (before change 17)
     "c_last6_late": [
         "--training.loss",
@@ -457,17 +470,30 @@ def run_tag(row: str, variant: str) -> str:
     return row if variant in ("same", "-") else f"{row}+{variant}"
 
 
-def execute(run: Run, timeout: float, gpu: str | None = None) -> None:
+def fresh_compile_caches(base: Path | None, tag: str) -> dict[str, str]:
+    """With `base`: a new, empty folder under it for inductor's caches and another for Triton's, as the
+    variables that point a run at them (each run then compiles from nothing, as on a fresh machine);
+    without: nothing (the machine's caches, warm from the runs before)."""
+    if base is None:
+        return {}
+    base.mkdir(parents=True, exist_ok=True)
+    folder = Path(tempfile.mkdtemp(prefix=tag.replace("+", "_") + ".", dir=base))
+    return {"TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"), "TRITON_CACHE_DIR": str(folder / "triton")}
+
+
+def execute(run: Run, timeout: float, gpu: str | None = None, caches: Path | None = None) -> None:
     """Run the command, timestamping each log line; fill run.result with the steady-state figures.
 
     With `gpu`, the run sees only that GPU, its log is named after it, and titanrush's metrics file is
     moved aside afterwards (to `metrics.gpu<G>.jsonl`), so a repeat on the other GPU starts a fresh one.
+    With `caches`, the run compiles into empty cache folders made there (`fresh_compile_caches`).
     """
     t0 = time.monotonic()
     first_step_s = None
     steps: list[dict] = []
     pat = _TT_STEP if run.trainer == "torchtitan" else _TR_STEP
     env = run.env if gpu is None else {**run.env, "CUDA_VISIBLE_DEVICES": gpu}
+    env = {**env, **fresh_compile_caches(caches, f"{run.trainer}_{run.tag}")}
     log_path = run.log if gpu is None else run.log.with_name(f"{run.log.stem}.gpu{gpu}{run.log.suffix}")
     with open(log_path, "w") as log:
         log.write("$ " + shlex.join(run.cmd) + "\n")
@@ -709,6 +735,12 @@ def main() -> int:
     )
     ap.add_argument("--timeout-per-run", type=float, default=400)
     ap.add_argument(
+        "--fresh-compile-caches",
+        action="store_true",
+        help="each run compiles into empty inductor and Triton cache folders (DIR/compile_caches/): time to "
+        "first step as on a fresh machine, for both trainers alike",
+    )
+    ap.add_argument(
         "--memory-snapshot",
         type=int,
         default=0,
@@ -758,6 +790,8 @@ def main() -> int:
     env = environment()
     results: list[dict] = []
     gpus = [g for g in a.gpus.split(",") if g]
+    caches = work / "compile_caches" if a.fresh_compile_caches else None
+    cache_note = "fresh per run" if caches else "the machine's (warm after its first runs)"
 
     def record(run: Run, gpu: str | None) -> None:
         s = summarize(run, a.measure_from)
@@ -779,20 +813,22 @@ def main() -> int:
             pending.remove(partner)
             for order in range(a.repeats):  # with 2: each trainer on each GPU once
                 pair = [(run, gpus[order]), (partner, gpus[1 - order])]
-                threads = [threading.Thread(target=execute, args=(r, a.timeout_per_run, g)) for r, g in pair]
+                threads = [
+                    threading.Thread(target=execute, args=(r, a.timeout_per_run, g, caches)) for r, g in pair
+                ]
                 for t in threads:
                     t.start()
                 for t, (r, g) in zip(threads, pair):
                     t.join()
                     record(r, g)
         else:
-            execute(run, a.timeout_per_run)
+            execute(run, a.timeout_per_run, caches=caches)
             record(run, os.environ.get("CUDA_VISIBLE_DEVICES"))
     md = ratio_table(results)
     header = (
         f"{env['date']}, {env['gpus']} x {env['device']}, torch {env['torch']}, titanrush commit "
         f"{env['commit']}, torchtitan {_tt_version()}; {a.steps} steps, means over steps >= "
-        f"{a.measure_from}; allocator: {a.allocator}"
+        f"{a.measure_from}; allocator: {a.allocator}; compile caches: {cache_note}"
     )
     commands = "\n".join(f"- {r['trainer']} {r['row']} ({r['variant']}): `{r['command']}`" for r in results)
     (work / "results.md").write_text(f"{header}\n\n{md}\n\nCommands:\n\n{commands}\n")

@@ -182,6 +182,11 @@ class Compile:
     """torch.compile each transformer block (and the loss)."""
     fullgraph: bool = True
     """Compile each block as one graph (an error if it breaks)."""
+    workers: int = 0
+    """Inductor's compile worker processes per rank, started at launch (beside model build and data) so
+    they are ready when the first graph is lowered. 0: this rank's share of the CPU cores, at most 32;
+    -1: inductor's own choice (up to 32 per rank whatever the ranks per machine, started at the first
+    compile). The TORCHINDUCTOR_COMPILE_THREADS variable, where set, wins."""
 
 
 @dataclass
@@ -573,6 +578,11 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(f"{key} must be >= 0, got {value}")
     if cfg.parallelism.dp_shard == 0 or cfg.parallelism.dp_shard < -1:
         raise ConfigError(f"parallelism.dp_shard must be -1 or >= 1, got {cfg.parallelism.dp_shard}")
+    if cfg.compile.workers < -1:
+        raise ConfigError(
+            f"compile.workers must be -1 (inductor's choice), 0 (this rank's share of the cores) or a count, "
+            f"got {cfg.compile.workers}"
+        )
     if t.global_batch_size != -1 and t.global_batch_size <= 0:
         raise ConfigError(f"training.global_batch_size must be -1 or > 0, got {t.global_batch_size}")
     if not cfg.optimizer.lr > 0.0:

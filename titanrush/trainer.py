@@ -48,6 +48,7 @@ from titanrush.models.llama.parallelize import check_combinations, parallelize_l
 from titanrush.models.llama.pipeline import PipelinedLlama, pipeline_llama
 from titanrush.optim import build_lr_scheduler, build_optimizer
 from titanrush.parallel.activation_offload import bind_near_gpu
+from titanrush.parallel.compile import start_compile_workers
 from titanrush.parallel.context_parallel import context_parallel_step, set_rotate_method
 from titanrush.parallel.float8 import precompute_float8_scales
 from titanrush.parallel.grad_clip import clip_grad_norm_
@@ -236,6 +237,9 @@ class Trainer:
                     logger.info(f"activation offload: bound to the GPU's {len(cpus)} NUMA-local CPUs")
         else:
             self.device = torch.device("cpu")
+        if cfg.compile.enable:  # the compile workers start up beside everything below
+            ranks_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            start_compile_workers(cfg.compile.workers, ranks_per_host=ranks_per_host)
         if self.world_size > 1 and not dist.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, device_id=self.device if backend == "nccl" else None)

@@ -93,6 +93,7 @@ def test_extends_cycle_is_an_error(tmp_path):
         (["--training.steps", "-3"], "training.steps must be > 0"),
         (["--training.precision", "fp16"], "training.precision = 'fp16' is not one of fp32, bf16"),
         (["--compile.enable=maybe"], "compile.enable must be true or false"),
+        (["--compile.workers", "-2"], r"compile.workers must be -1 \(inductor's choice\), 0"),
         (["--no-training.steps"], "only applies to true/false keys"),
         (["--training.seq_len"], "needs a value"),
         (["steps=3"], "overrides look like --section.key value"),

@@ -353,3 +353,34 @@ def test_compiled_blocks_keep_their_own_selective_policy():
     eager = [backward_mms("selective", "op", op_matmuls="alternate", op_all_last=k)[0] for k in (0, 2, 4)]
     assert eager[0] - eager[1] == 2 * 3 and eager[1] - eager[2] == 2 * 3  # 3 recomputed mms per block
     assert [compiled_backward_mms(k) for k in (0, 2, 4)] == eager
+
+
+def test_compile_workers_take_the_ranks_share_of_the_cores_and_start_at_launch(monkeypatch):
+    import os
+
+    from torch._inductor import async_compile
+    from torch._inductor import config as inductor_config
+
+    from titanrush.parallel.compile import start_compile_workers
+
+    started = []
+    monkeypatch.setattr(
+        async_compile, "maybe_warm_pool", lambda: started.append(inductor_config.compile_threads)
+    )
+    monkeypatch.setattr(inductor_config, "compile_threads", 7)
+    monkeypatch.setattr(torch.utils._triton, "has_triton_package", lambda: True)  # a CUDA build's pool
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+
+    assert start_compile_workers(-1, ranks_per_host=4) is None  # inductor's own choice: nothing touched
+    assert inductor_config.compile_threads == 7 and started == []
+    assert start_compile_workers(0, ranks_per_host=4) == 16  # 64 cores over 4 ranks
+    assert started == [16]
+    assert start_compile_workers(0, ranks_per_host=1) == 32  # capped as inductor caps it
+    assert start_compile_workers(3, ranks_per_host=4) == 3 and inductor_config.compile_threads == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert start_compile_workers(0, ranks_per_host=2) == 1  # one core each: inductor compiles in process
+    assert started == [16, 32, 3]  # no pool to start for a single worker
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "5")  # the user's variable wins
+    assert start_compile_workers(0, ranks_per_host=4) == 5 and inductor_config.compile_threads == 1
+    assert started == [16, 32, 3, 1]  # started, with the count inductor read from the variable at import

@@ -124,6 +124,24 @@ def test_execute_on_one_gpu_names_the_log_and_moves_the_metrics_aside(tmp_path):
     assert sbs.summarize(run, measure_from=1)["tps"] == 10.0
 
 
+def test_fresh_compile_caches_give_each_execution_its_own_empty_folders(tmp_path):
+    code = "import os\nprint(os.environ['TORCHINDUCTOR_CACHE_DIR'], os.environ['TRITON_CACHE_DIR'])"
+    run = sbs.Run("titanrush", "r", "v", [sys.executable, "-c", code], {}, tmp_path / "run.log")
+    seen = []
+    for _ in range(2):  # the same run twice (as --repeats 2 does): a new folder each time
+        sbs.execute(run, timeout=60, caches=tmp_path / "caches")
+        seen.append(run.log.read_text().splitlines()[-1].split())
+    (ind1, tri1), (ind2, tri2) = seen
+    assert ind1 != ind2 and tri1 != tri2 and ind1 != tri1
+    assert all(Path(p).parent.parent == tmp_path / "caches" for p in (ind1, ind2, tri1, tri2))
+    assert not any(Path(p).exists() for p in (ind1, ind2, tri1, tri2))  # nothing in them before the run
+    plain = sbs.Run(
+        "titanrush", "r", "v", [sys.executable, "-c", "import os\nprint(os.environ)"], {}, tmp_path / "l"
+    )
+    sbs.execute(plain, timeout=60)
+    assert "TORCHINDUCTOR_CACHE_DIR" not in plain.log.read_text()
+
+
 def test_profile_option_configures_both_trainers_and_finds_their_traces(tmp_path):
     row = sbs.ROWS["8b_eager"]
     cfg = tomllib.loads(sbs.torchtitan_toml(row, 10, tmp_path, tmp_path, tmp_path / "d", profile_step=8))
