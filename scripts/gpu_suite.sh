@@ -85,7 +85,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > 
 # every wheel in one install, since a second `pip --target` skips the folders that exist; the cutlass
 # DSL's packages folder on the path by hand (its wheel's .pth, which --target does not run).
 install_flash() {
-  cp .fa2/* .fa3/* /tmp/fa/ && cat /tmp/fa/cu13.part1 /tmp/fa/cu13.part2 > /tmp/fa/$(cat /tmp/fa/cu13.name) \
+  if [ -d /tmp/fasite/flash_attn ]; then  # installed by an earlier call on this machine
+    export PYTHONPATH=/tmp/fasite/nvidia_cutlass_dsl/dsl_packages:/tmp/fasite:$PYTHONPATH; return
+  fi
+  cp .fa2/* .fa3/* /tmp/fa/ && [ -f /tmp/fa/cu13.part1 ] && cat /tmp/fa/cu13.part1 /tmp/fa/cu13.part2 > /tmp/fa/$(cat /tmp/fa/cu13.name) \
     && (cd /tmp/fa && sha256sum -c cu13.sha256) > $S/flash_install.txt 2>&1
   rm -f /tmp/fa/cu13.part* && rm -rf /tmp/fasite
   python3 -m pip install --no-index --no-deps --target /tmp/fasite /tmp/fa/*.whl >> $S/flash_install.txt 2>&1
