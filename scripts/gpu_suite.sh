@@ -66,9 +66,12 @@
 #   phase AH (with .whl + .fa1 carried): keeps .fa1 in /tmp/fa for AF or Z; the compiled float8 row with
 #            empty compile caches for every run (time to first step as on a fresh machine): torchtitan,
 #            titanrush with its compile workers started at launch (change 23) and with inductor's own
+#   phase STAGE (with .whl + .fa1 carried): only keeps .fa1 in /tmp/fa (and the wheels in /tmp/site)
+#   phase AI (with .fa2 + .fa3 carried after STAGE): the compiled float8 row with flash-attn-4 and the last
+#            14 or 16 blocks keeping all; the best row with flash-attn-4 inside and between the graphs
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to AH}
+PHASE=${1:?phase A to AI, or STAGE}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -404,6 +407,19 @@ elif [ "$PHASE" = AH ]; then  # 4 GPUs: time to first step from empty compile ca
      --variants ${VARIANTS:-c_last16_pool,c_last16_pool_inductor_workers} --steps 10 --measure-from 5 \
      --timeout-per-run 130 > $S/sbs8b_cold.log 2>&1
   cp $S/sbs8b_cold/results.md "$OUT/sbs8b_cold.md"
+elif [ "$PHASE" = STAGE ]; then  # .fa1 kept for a later call's install_flash
+  mkdir -p /tmp/fa && cp .fa1/* /tmp/fa/ && ls /tmp/fa > "$OUT/staged.txt"
+elif [ "$PHASE" = AI ]; then  # 4 GPUs: flash-attn-4 on the float8 row and inside/between graphs on the best row
+  install_flash
+  cp $S/flash_install.txt "$OUT/" 2>/dev/null
+  timeout 280 python3 scripts/side_by_side.py --out $S/sbs8b_f8fl --rows 8b_compile_float8 \
+     --variants ${VARIANTS:-c_last14_pool_flash,c_last16_pool_flash} --steps 12 --measure-from 6 \
+     --timeout-per-run 95 > $S/sbs8b_f8fl.log 2>&1
+  cp $S/sbs8b_f8fl/results.md "$OUT/sbs8b_f8fl.md"
+  timeout 280 python3 scripts/side_by_side.py --out $S/sbs8b_bestfl --rows 8b_compile_float8 \
+     --variants ${BEST_VARIANTS:-ac_none_zero2_flash,ac_none_zero2_flash_between} --steps 12 --measure-from 6 \
+     --timeout-per-run 95 > $S/sbs8b_bestfl.log 2>&1
+  cp $S/sbs8b_bestfl/results.md "$OUT/sbs8b_bestfl.md"
 elif [ "$PHASE" = AG ]; then  # 1 GPU, after a call that kept .fa1 in /tmp/fa: FA4 as titanrush's operator
   install_flash
   CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest tests/gpu/test_attention_gpu.py -k flash -q -rs -s \

@@ -118,6 +118,11 @@ _8B_VARIANTS = {
         *("--activation_checkpoint.mode", "none"),
         *("--parallelism.fsdp_reshard_after_forward", "never", "--model.attn_backend", "flash"),
     ],
+    # ... with flash-attn-4 called between the block's compiled graphs (its own autograd function)
+    "ac_none_zero2_flash_between": [
+        *("--activation_checkpoint.mode", "none", "--parallelism.fsdp_reshard_after_forward", "never"),
+        *("--model.attn_backend", "flash", "--no-model.flash_in_graph"),
+    ],
     # Activation offload: every E-th of the first F blocks keeps every matmul output in host memory,
     # which pays for the last M blocks keeping every matmul output too (alternate elsewhere).
     **{f"off{f}e{e}_last{m}": [*_offload_flags(f, e, m), *_OWN] for f, e, m in _OFFLOAD_VARIANTS},

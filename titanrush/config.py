@@ -47,6 +47,10 @@ class Model:
     """Attention kernel: sdpa (PyTorch picks; grouped K/V heads), cudnn, flash (the flash-attn package:
     FA4 as an operator inside compiled blocks; FA3 or FA2 between the block's graphs under compile), flex
     (block-causal FlexAttention over document boundaries), math (the unfused baseline)."""
+    flash_in_graph: bool = True
+    """attn_backend = flash with flash-attn-4: call it inside the compiled block's graph, as titanrush's
+    operator (true), or between the block's compiled graphs, as the package's own autograd function (false:
+    a graph break per block; not with selective op checkpointing, whose blocks would then run eagerly)."""
     vocab_size: int = 0
     """Override the flavor's vocabulary size (0 keeps the flavor's). Must cover the tokenizer's."""
     tie_embeddings: Literal["flavor", "tied", "untied"] = "flavor"
@@ -621,6 +625,18 @@ def validate(cfg: JobConfig) -> None:
             "checkpointing with op_matmuls = alternate: set mode = 'selective', selective = 'op', "
             "op_matmuls = 'alternate', or op_all_last = 0"
         )
+    if not cfg.model.flash_in_graph:
+        if cfg.model.attn_backend != "flash":
+            raise ConfigError(
+                f"model.flash_in_graph = false only applies to attn_backend = 'flash' (not "
+                f"{cfg.model.attn_backend!r}): remove it or set attn_backend = 'flash'"
+            )
+        if cfg.compile.enable and ac.mode == "selective" and sel == "op":
+            raise ConfigError(
+                "model.flash_in_graph = false puts a graph break inside every checkpointed block, which "
+                "selective op checkpointing then runs eagerly (measured at half speed): keep "
+                "flash_in_graph = true, or use activation_checkpoint.mode = 'none' or 'full'"
+            )
 
 
 def to_toml(cfg: JobConfig) -> str:

@@ -71,7 +71,7 @@ def resolve_model_args(cfg: JobConfig, tokenizer_words: int) -> ModelArgs:
         near = near or difflib.get_close_matches(m.flavor, list(FLAVORS), n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
         raise ConfigError(f"model.flavor = {m.flavor!r} is not one of {', '.join(FLAVORS)}{hint}")
-    over: dict[str, Any] = {"attn_backend": m.attn_backend}
+    over: dict[str, Any] = {"attn_backend": m.attn_backend, "flash_in_graph": m.flash_in_graph}
     if m.vocab_size:
         over["vocab_size"] = m.vocab_size
     if m.tie_embeddings != "flavor":

@@ -93,6 +93,17 @@ def test_extends_cycle_is_an_error(tmp_path):
         (["--training.steps", "-3"], "training.steps must be > 0"),
         (["--training.precision", "fp16"], "training.precision = 'fp16' is not one of fp32, bf16"),
         (["--compile.enable=maybe"], "compile.enable must be true or false"),
+        (
+            ["--no-model.flash_in_graph"],
+            "model.flash_in_graph = false only applies to attn_backend = 'flash'",
+        ),
+        (
+            [
+                *("--model.attn_backend", "flash", "--no-model.flash_in_graph", "--compile.enable"),
+                *("--activation_checkpoint.mode", "selective"),
+            ],
+            "graph break inside every checkpointed block",
+        ),
         (["--compile.workers", "-2"], r"compile.workers must be -1 \(inductor's choice\), 0"),
         (["--no-training.steps"], "only applies to true/false keys"),
         (["--training.seq_len"], "needs a value"),

@@ -358,6 +358,49 @@ def test_flash4_runs_as_one_operator_compiled_whole_and_kept_by_selective_checkp
         torch._dynamo.reset()
 
 
+def test_flash4_between_graphs_calls_the_packages_function_and_compiles_with_a_break(monkeypatch):
+    # model.flash_in_graph = false: FA4's own autograd function (the stand-in's flash_attn_func), between
+    # the compiled graphs of each block, trains as SDPA does; titanrush's operator never runs.
+    import sys
+
+    from titanrush.config import ActivationCheckpoint, Compile, Float8, Parallelism
+    from titanrush.models.llama import attention as attn
+    from titanrush.models.llama.parallelize import parallelize_llama
+    from titanrush.parallel.parallel_dims import ParallelDims
+
+    calls = {"fwd": 0, "bwd": 0, "func": 0}
+    cute, interface = _fake_flash4(calls)
+    op_math = cute.flash_attn_func
+
+    def counted(*a, **kw):
+        calls["func"] += 1
+        return op_math(*a, **kw)
+
+    cute.flash_attn_func = counted
+    _install_flash(monkeypatch, "flash_attn.cute", cute)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    torch._dynamo.reset()
+    x = torch.randint(0, 8192, (2, 64))
+    labels = torch.randint(0, 8192, (2, 64))
+    try:
+        l1, g1 = loss_and_grads(build(0, attn_backend="sdpa"), x, labels)
+        assert attn.uses_graph_break("flash", flash_in_graph=False) and not attn.uses_graph_break("flash")
+        model = build(0, attn_backend="flash", flash_in_graph=False)
+        parallelize_llama(
+            model, ParallelDims(1, 1, 1, 1, 1, 1), None, parallelism=Parallelism(),
+            compile=Compile(enable=True, fullgraph=True), ac=ActivationCheckpoint(mode="none"),
+            float8=Float8(), precision="fp32",
+        )  # fmt: skip
+        l2, g2 = loss_and_grads(model, x, labels)  # compiles without fullgraph (it would raise at the break)
+        n = len(model.layers)
+        assert calls == {"fwd": 0, "bwd": 0, "func": n}
+        torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
+        assert_same_grads(g1, {k.replace("_orig_mod.", ""): g for k, g in g2.items()})
+    finally:
+        _clear_flash_caches()
+        torch._dynamo.reset()
+
+
 def test_flex_forward_matches_sdpa_on_cpu_and_respects_documents():
     x = torch.randint(0, 8192, (2, 128))
     sdpa, flex = build(0, attn_backend="sdpa"), build(0, attn_backend="flex")

@@ -148,25 +148,28 @@ def _flash_backward(ctx: Any, dout: torch.Tensor, dlse: Any) -> tuple[torch.Tens
 flash_attn_op.register_autograd(_flash_backward, setup_context=_flash_setup)
 
 
-def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """The flash-attn package's causal attention: FA4 through `flash_attn_op`, FA3 and FA2 eagerly."""
-    if _fa4_available():
+def _flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, in_graph: bool) -> torch.Tensor:
+    """The flash-attn package's causal attention: FA4 through `flash_attn_op` (or, not `in_graph`, as the
+    package's own function between compiled graphs), FA3 and FA2 eagerly."""
+    if in_graph and _fa4_available():
         return flash_attn_op(q, k, v)[0]
     return _flash_attention_eager(q, k, v)
 
 
 @torch.compiler.disable
 def _flash_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """FA3's hopper build or FA2, kept out of compiled graphs: autograd Functions that dynamo cannot
-    trace and fake tensors cannot run, so the call runs eagerly between two compiled graphs of the block
-    (one graph break per block: compile drops `fullgraph`, see `uses_graph_break`)."""
+    """FA3's hopper build or FA2 (or FA4 with `model.flash_in_graph = false`), kept out of compiled graphs:
+    autograd Functions that dynamo cannot trace and fake tensors cannot run, so the call runs eagerly
+    between two compiled graphs of the block (one graph break per block: compile drops `fullgraph`, see
+    `uses_graph_break`)."""
     out = flash_attn_func()(q, k, v, causal=True)
     return out[0] if isinstance(out, tuple) else out
 
 
-def uses_graph_break(backend: str) -> bool:
-    """Whether a block with this attention backend must compile without `fullgraph` (FA3, FA2)."""
-    return backend == "flash" and flash_kernels() is None
+def uses_graph_break(backend: str, flash_in_graph: bool = True) -> bool:
+    """Whether a block with this attention backend must compile without `fullgraph` (FA3, FA2, or FA4
+    called between graphs)."""
+    return backend == "flash" and (not flash_in_graph or flash_kernels() is None)
 
 
 @functools.cache
@@ -202,11 +205,18 @@ def _device_str() -> str:
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str, n_rep: int, mask: Any = None
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    backend: str,
+    n_rep: int,
+    mask: Any = None,
+    flash_in_graph: bool = True,
 ):
     """Causal attention of q (B, T, H, D) over k, v (B, T, Hkv, D) -> (B, T, H, D)."""
     if backend == "flash":
-        return _flash_attention(q, k, v)
+        return _flash_attention(q, k, v, flash_in_graph)
     if backend == "flex":
         out = _compiled_flex()(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask, enable_gqa=n_rep > 1

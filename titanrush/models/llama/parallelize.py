@@ -130,7 +130,7 @@ def parallelize_llama(
     )
     if compile.enable:
         backend = model.args.attn_backend
-        fullgraph = compile.fullgraph and not uses_graph_break(backend)
+        fullgraph = compile.fullgraph and not uses_graph_break(backend, model.args.flash_in_graph)
         if compile.fullgraph and not fullgraph:
             logger.info(f"compile: attn_backend={backend} runs between compiled graphs (a break per block)")
         apply_compile(model, fullgraph=fullgraph)
