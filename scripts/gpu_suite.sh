@@ -65,7 +65,7 @@
 #            against flash-attn-4 (twice: the second run loads FA4's cached kernels)
 #   phase AH (with .whl + .fa1 carried): keeps .fa1 in /tmp/fa for AF or Z; the compiled float8 row with
 #            empty compile caches for every run (time to first step as on a fresh machine): torchtitan,
-#            titanrush with its compile workers started at launch (change 23) and with inductor's own
+#            titanrush with its compile workers started at launch (change 23) and with inductor's own pool
 #   phase STAGE (with .whl + .fa1 carried): only keeps .fa1 in /tmp/fa (and the wheels in /tmp/site)
 #   phase AI (with .fa2 + .fa3 carried after STAGE): the compiled float8 row with flash-attn-4 and the last
 #            14 or 16 blocks keeping all; the best row with flash-attn-4 inside and between the graphs

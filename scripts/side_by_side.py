@@ -158,8 +158,8 @@ _8B_VARIANTS = {
             ("c", 18, "_flash"),
         )
     },
-    # ... with inductor's own compile workers (up to 32 per rank, started at the first compile): the
-    # time to first step before change 23 (its share of the cores per rank, started at launch)
+    # ... with inductor's own compile workers (up to 32 per rank, started at the first compile), as before
+    # change 23 gave each rank its share of the cores, started at launch: what that change buys
     "c_last16_pool_inductor_workers": [
         *("--training.loss", "chunked", *_last_flags(16), "--compile.workers", "-1"),
     ],
@@ -743,7 +743,8 @@ def main() -> int:
         "--fresh-compile-caches",
         action="store_true",
         help="each run compiles into empty inductor and Triton cache folders (DIR/compile_caches/): time to "
-        "first step as on a fresh machine, for both trainers alike",
+        "first step as on a fresh machine, for both trainers alike (flash-attn-4's own kernel cache is "
+        "not emptied)",
     )
     ap.add_argument(
         "--memory-snapshot",

@@ -50,7 +50,8 @@ class Model:
     flash_in_graph: bool = True
     """attn_backend = flash with flash-attn-4: call it inside the compiled block's graph, as titanrush's
     operator (true), or between the block's compiled graphs, as the package's own autograd function (false:
-    a graph break per block; not with selective op checkpointing, whose blocks would then run eagerly)."""
+    a graph break per block; refused under compile with selective op checkpointing, whose blocks would
+    then run eagerly)."""
     vocab_size: int = 0
     """Override the flavor's vocabulary size (0 keeps the flavor's). Must cover the tokenizer's."""
     tie_embeddings: Literal["flavor", "tied", "untied"] = "flavor"
@@ -635,7 +636,8 @@ def validate(cfg: JobConfig) -> None:
             raise ConfigError(
                 "model.flash_in_graph = false puts a graph break inside every checkpointed block, which "
                 "selective op checkpointing then runs eagerly (measured at half speed): keep "
-                "flash_in_graph = true, or use activation_checkpoint.mode = 'none' or 'full'"
+                "flash_in_graph = true, or checkpoint otherwise (activation_checkpoint.mode = 'none' or "
+                "'full', or selective = N), or run without compile"
             )
 
 

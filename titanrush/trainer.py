@@ -225,6 +225,10 @@ class Trainer:
         self.rank = int(os.environ.get("RANK", "0"))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.dims, self.model_args, self.accum = check_config(cfg, self.world_size)
+        if cfg.compile.enable:  # the compile workers start up beside everything below (before any
+            # NUMA binding narrows this process's CPUs: the share is of the whole host's cores)
+            ranks_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            start_compile_workers(cfg.compile.workers, ranks_per_host=ranks_per_host)
         if torch.cuda.is_available():
             self.device = torch.device("cuda", local_rank)
             ac = cfg.activation_checkpoint
@@ -237,9 +241,6 @@ class Trainer:
                     logger.info(f"activation offload: bound to the GPU's {len(cpus)} NUMA-local CPUs")
         else:
             self.device = torch.device("cpu")
-        if cfg.compile.enable:  # the compile workers start up beside everything below
-            ranks_per_host = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-            start_compile_workers(cfg.compile.workers, ranks_per_host=ranks_per_host)
         if self.world_size > 1 and not dist.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, device_id=self.device if backend == "nccl" else None)

@@ -391,6 +391,7 @@ def test_flash4_between_graphs_calls_the_packages_function_and_compiles_with_a_b
             compile=Compile(enable=True, fullgraph=True), ac=ActivationCheckpoint(mode="none"),
             float8=Float8(), precision="fp32",
         )  # fmt: skip
+        assert all(isinstance(b, torch._dynamo.eval_frame.OptimizedModule) for b in model.layers.values())
         l2, g2 = loss_and_grads(model, x, labels)  # compiles without fullgraph (it would raise at the break)
         n = len(model.layers)
         assert calls == {"fwd": 0, "bwd": 0, "func": n}

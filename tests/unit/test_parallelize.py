@@ -363,24 +363,36 @@ def test_compile_workers_take_the_ranks_share_of_the_cores_and_start_at_launch(m
 
     from titanrush.parallel.compile import start_compile_workers
 
-    started = []
+    started, woken = [], []
+    pool = async_compile.AsyncCompile
     monkeypatch.setattr(
-        async_compile, "maybe_warm_pool", lambda: started.append(inductor_config.compile_threads)
+        pool, "warm_pool", classmethod(lambda cls: started.append(inductor_config.compile_threads))
     )
+    monkeypatch.setattr(pool, "wakeup", classmethod(lambda cls: woken.append(True)))
     monkeypatch.setattr(inductor_config, "compile_threads", 7)
-    monkeypatch.setattr(torch.utils._triton, "has_triton_package", lambda: True)  # a CUDA build's pool
+    triton = [True]  # a CUDA build's Triton
+    monkeypatch.setattr(torch.utils._triton, "has_triton_package", lambda: triton[0])
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    monkeypatch.delenv("TORCH_WARM_POOL", raising=False)
 
     assert start_compile_workers(-1, ranks_per_host=4) is None  # inductor's own choice: nothing touched
     assert inductor_config.compile_threads == 7 and started == []
     assert start_compile_workers(0, ranks_per_host=4) == 16  # 64 cores over 4 ranks
-    assert started == [16]
+    assert started == [16] and len(woken) == 1  # the pool and its workers started now
     assert start_compile_workers(0, ranks_per_host=1) == 32  # capped as inductor caps it
     assert start_compile_workers(3, ranks_per_host=4) == 3 and inductor_config.compile_threads == 3
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
     assert start_compile_workers(0, ranks_per_host=2) == 1  # one core each: inductor compiles in process
     assert started == [16, 32, 3]  # no pool to start for a single worker
-    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "5")  # the user's variable wins
-    assert start_compile_workers(0, ranks_per_host=4) == 5 and inductor_config.compile_threads == 1
-    assert started == [16, 32, 3, 1]  # started, with the count inductor read from the variable at import
+    triton[0] = False  # a CPU build: the count is set, no pool is started
+    assert start_compile_workers(4, ranks_per_host=1) == 4 and started == [16, 32, 3]
+    triton[0] = True
+    monkeypatch.setenv("TORCH_WARM_POOL", "0")  # inductor's switch for not starting the pool early
+    assert start_compile_workers(4, ranks_per_host=1) == 4 and started == [16, 32, 3]
+    monkeypatch.delenv("TORCH_WARM_POOL")
+    # The user's variable wins: inductor read it at import (here: set as it would have), nothing is changed.
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "5")
+    monkeypatch.setattr(inductor_config, "compile_threads", 5)
+    assert start_compile_workers(0, ranks_per_host=4) == 5 and inductor_config.compile_threads == 5
+    assert started == [16, 32, 3, 5]

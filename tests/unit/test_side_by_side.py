@@ -132,7 +132,7 @@ def test_fresh_compile_caches_give_each_execution_its_own_empty_folders(tmp_path
         sbs.execute(run, timeout=60, caches=tmp_path / "caches")
         seen.append(run.log.read_text().splitlines()[-1].split())
     (ind1, tri1), (ind2, tri2) = seen
-    assert ind1 != ind2 and tri1 != tri2 and ind1 != tri1
+    assert ind1 != ind2 and tri1 != tri2
     assert all(Path(p).parent.parent == tmp_path / "caches" for p in (ind1, ind2, tri1, tri2))
     assert not any(Path(p).exists() for p in (ind1, ind2, tri1, tri2))  # nothing in them before the run
     plain = sbs.Run(

@@ -58,17 +58,20 @@ def start_compile_workers(workers: int, *, ranks_per_host: int) -> int | None:
     from torch._inductor import async_compile, config
     from torch.utils._triton import has_triton_package
 
-    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:  # the user's setting, which inductor already read
-        n = int(os.environ["TORCHINDUCTOR_COMPILE_THREADS"])
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:  # the user's count, which inductor read at import
+        n = config.compile_threads or 1
     else:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         n = workers or max(1, min(32, cores // max(1, ranks_per_host)))
         config.compile_threads = n
-    # The pool compiles Triton kernels; without Triton (a CPU build) inductor compiles in process.
-    started = n > 1 and has_triton_package()
+    # The pool compiles Triton kernels (without Triton, a CPU build, inductor compiles in process);
+    # TORCH_WARM_POOL=0 is inductor's own switch for not starting it early.
+    started = n > 1 and has_triton_package() and os.environ.get("TORCH_WARM_POOL", "1") == "1"
     if started:
-        warm = getattr(async_compile, "maybe_warm_pool", None)  # an older torch: the class method
-        warm() if warm is not None else async_compile.AsyncCompile.warm_pool()
+        async_compile.AsyncCompile.warm_pool()  # the pool's sidecar process
+        wakeup = getattr(async_compile.AsyncCompile, "wakeup", None)
+        if wakeup is not None:  # ... and its workers, which otherwise start at the first kernel
+            wakeup()
     started_note = ", started at launch" if started else ""
     logger.info(f"compile: {n} inductor compile worker(s) per rank{started_note}")
     return n

@@ -40,9 +40,7 @@ class ModelArgs:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     attn_backend: str = "sdpa"
-    flash_in_graph: bool = (
-        True  # flash-attn-4 as titanrush's operator (inside compiled graphs) or between them
-    )
+    flash_in_graph: bool = True  # flash-attn-4 inside compiled graphs (an operator) or between them
     loss_chunk_size: int = 0  # > 0: forward(labels=...) returns the chunked cross-entropy loss
     compile_loss: bool = False  # torch.compile the chunked loss's per-chunk math
 
