@@ -317,22 +317,28 @@ def _fake_flash4(calls: dict):
     return types.SimpleNamespace(flash_attn_func=math_attn, interface=interface), interface
 
 
+def _use_fake_flash4(monkeypatch, calls: dict):
+    """Install the FA4 stand-in (counting into `calls`) as the only flash-attn that imports; its module."""
+    import sys
+
+    cute, interface = _fake_flash4(calls)
+    _install_flash(monkeypatch, "flash_attn.cute", cute)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
+    torch._dynamo.reset()
+    return cute
+
+
 def test_flash4_runs_as_one_operator_compiled_whole_and_kept_by_selective_checkpointing(monkeypatch):
     # FA4 through titanrush's custom operator: trains as SDPA does; a compiled block with selective op
     # checkpointing compiles whole (fullgraph) and keeps the attention output, so that backward runs the
     # package's backward once per block and its forward never again (the recompute skips it).
-    import sys
-
     from titanrush.config import ActivationCheckpoint, Compile, Float8, Parallelism
     from titanrush.models.llama import attention as attn
     from titanrush.models.llama.parallelize import parallelize_llama
     from titanrush.parallel.parallel_dims import ParallelDims
 
     calls = {"fwd": 0, "bwd": 0}
-    cute, interface = _fake_flash4(calls)
-    _install_flash(monkeypatch, "flash_attn.cute", cute)
-    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
-    torch._dynamo.reset()
+    _use_fake_flash4(monkeypatch, calls)
     x = torch.randint(0, 8192, (2, 64))
     labels = torch.randint(0, 8192, (2, 64))
     try:
@@ -361,25 +367,20 @@ def test_flash4_runs_as_one_operator_compiled_whole_and_kept_by_selective_checkp
 def test_flash4_between_graphs_calls_the_packages_function_and_compiles_with_a_break(monkeypatch):
     # model.flash_in_graph = false: FA4's own autograd function (the stand-in's flash_attn_func), between
     # the compiled graphs of each block, trains as SDPA does; titanrush's operator never runs.
-    import sys
-
     from titanrush.config import ActivationCheckpoint, Compile, Float8, Parallelism
     from titanrush.models.llama import attention as attn
     from titanrush.models.llama.parallelize import parallelize_llama
     from titanrush.parallel.parallel_dims import ParallelDims
 
     calls = {"fwd": 0, "bwd": 0, "func": 0}
-    cute, interface = _fake_flash4(calls)
-    op_math = cute.flash_attn_func
+    cute = _use_fake_flash4(monkeypatch, calls)
+    package_func = cute.flash_attn_func
 
     def counted(*a, **kw):
         calls["func"] += 1
-        return op_math(*a, **kw)
+        return package_func(*a, **kw)
 
-    cute.flash_attn_func = counted
-    _install_flash(monkeypatch, "flash_attn.cute", cute)
-    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
-    torch._dynamo.reset()
+    cute.flash_attn_func = counted  # (read at the first flash call, after this)
     x = torch.randint(0, 8192, (2, 64))
     labels = torch.randint(0, 8192, (2, 64))
     try:
