@@ -84,6 +84,13 @@ fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > $S/env.txt
 
+# The first half of the flash-attn wheels (.fa1, carried by this call) kept for a later call's install_flash.
+keep_fa1() { mkdir -p /tmp/fa && cp .fa1/* /tmp/fa/ 2>/dev/null; }
+# The GPU tests of FSDP's memory changes (early release, gradients in the compute pool) on GPUs 0-1.
+pool_tests() {
+  CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 -m pytest tests/gpu/test_parallel_gpu.py -k "early_release or compute_pool" \
+     -q -rs -s -p no:cacheprovider > "$OUT/gpu_tests_pool.txt" 2>&1
+}
 # flash-attn-4 from /tmp/fa (.fa1, kept by an earlier phase of the same machine) + .fa2 + .fa3 (carried):
 # every wheel in one install, since a second `pip --target` skips the folders that exist; the cutlass
 # DSL's packages folder on the path by hand (its wheel's .pth, which --target does not run).
@@ -176,7 +183,7 @@ elif [ "$PHASE" = F ]; then
     --sweep-results docs/benchmarks/sweep/sweep8b_h200x4.jsonl --output $S/rushdist > $S/rushdist.log 2>&1
   cp $S/rushdist/report.md "$OUT/rushdist.md"; cp $S/rushdist/results.jsonl "$OUT/rushdist.jsonl"
 elif [ "$PHASE" = G ]; then
-  mkdir -p /tmp/fa && cp .fa1/* /tmp/fa/ 2>/dev/null
+  keep_fa1
   (CUDA_VISIBLE_DEVICES=2,3 timeout 270 python3 -m pytest tests/gpu/test_checkpoint_gpu.py -q -rs \
      -p no:cacheprovider > $S/gpu_tests_ckpt.txt 2>&1; cp $S/gpu_tests_ckpt.txt "$OUT/"
    timeout 120 python3 scripts/side_by_side.py --out $S/snap1b --gpus 2,3 --repeats 1 --rows 1b_compile \
@@ -348,7 +355,7 @@ elif [ "$PHASE" = W ]; then  # 4 GPUs: offload with each rank bound to its GPU's
      --variants c_last5 --steps 12 --measure-from 6 --timeout-per-run 85 > $S/sbs8b_f8w.log 2>&1
   cp $S/sbs8b_f8w/results.md "$OUT/sbs8b_f8w.md"
 elif [ "$PHASE" = Y ]; then  # 4 GPUs: pinning, the release GPU test, float8 with more blocks keeping all
-  mkdir -p /tmp/fa && cp .fa1/* /tmp/fa/ 2>/dev/null
+  keep_fa1
   for m in default register8; do
     for g in 0 1 2 3; do CUDA_VISIBLE_DEVICES=$g timeout 90 python3 scripts/pin_bench.py --gib 12.5 --mode $m & done
     wait
@@ -385,16 +392,14 @@ elif [ "$PHASE" = AA ]; then  # 4 GPUs: the compiled row's offload variant: pinn
      --timeout-per-run 85 > $S/sbs8b_aa.log 2>&1
   cp $S/sbs8b_aa/results.md "$OUT/sbs8b_aa.md"
 elif [ "$PHASE" = AD ]; then  # 4 GPUs: the sharded gradients in the compute pool (change 21)
-  CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 -m pytest tests/gpu/test_parallel_gpu.py -k "early_release or compute_pool" \
-     -q -rs -s -p no:cacheprovider > "$OUT/gpu_tests_pool.txt" 2>&1
+  pool_tests
   timeout 330 python3 scripts/side_by_side.py --out $S/sbs8b_pool --rows ${ROW:-8b_compile} \
      --variants ${VARIANTS:-c_last6_pool,c_last14_pool,c_last18_pool} --steps 12 --measure-from 6 --timeout-per-run 85 \
      > $S/sbs8b_pool.log 2>&1
   cp $S/sbs8b_pool/results.md "$OUT/sbs8b_pool.md"
 elif [ "$PHASE" = AE ]; then  # 2 GPUs: the GPU tests of FSDP's memory changes; keeps .fa1 in /tmp/fa for AF
-  mkdir -p /tmp/fa && cp .fa1/* /tmp/fa/ 2>/dev/null
-  CUDA_VISIBLE_DEVICES=0,1 timeout 200 python3 -m pytest tests/gpu/test_parallel_gpu.py -k "early_release or compute_pool" \
-     -q -rs -s -p no:cacheprovider > "$OUT/gpu_tests_pool.txt" 2>&1
+  keep_fa1
+  pool_tests
 elif [ "$PHASE" = AF ]; then  # 4 GPUs: the compiled float8 row with the compute pool, flash-attn-4 and 2k chunks
   install_flash
   timeout 400 python3 scripts/side_by_side.py --out $S/sbs8b_af --rows 8b_compile_float8 \
@@ -402,13 +407,13 @@ elif [ "$PHASE" = AF ]; then  # 4 GPUs: the compiled float8 row with the compute
      --timeout-per-run 95 > $S/sbs8b_af.log 2>&1
   cp $S/sbs8b_af/results.md "$OUT/sbs8b_af.md"
 elif [ "$PHASE" = AH ]; then  # 4 GPUs: time to first step from empty compile caches; keeps .fa1 for AF/Z
-  mkdir -p /tmp/fa && cp .fa1/* /tmp/fa/ 2>/dev/null
+  keep_fa1
   timeout 420 python3 scripts/side_by_side.py --out $S/sbs8b_cold --rows 8b_compile_float8 --fresh-compile-caches \
      --variants ${VARIANTS:-c_last16_pool,c_last16_pool_inductor_workers} --steps 10 --measure-from 5 \
      --timeout-per-run 130 > $S/sbs8b_cold.log 2>&1
   cp $S/sbs8b_cold/results.md "$OUT/sbs8b_cold.md"
 elif [ "$PHASE" = STAGE ]; then  # .fa1 kept for a later call's install_flash
-  mkdir -p /tmp/fa && cp .fa1/* /tmp/fa/ && ls /tmp/fa > "$OUT/staged.txt"
+  keep_fa1 && ls /tmp/fa > "$OUT/staged.txt"
 elif [ "$PHASE" = AI ]; then  # 4 GPUs: flash-attn-4 on the float8 row and inside/between graphs on the best row
   install_flash
   cp $S/flash_install.txt "$OUT/" 2>/dev/null

@@ -132,17 +132,8 @@ _8B_VARIANTS = {
     },
     # ... without offload: the chunked loss's memory alone paying for the last M blocks
     **{f"c_last{m}": ["--training.loss", "chunked", *_last_flags(m), *_OWN] for m in range(4, 15)},
-    # ... with the sharded gradients in the compute stream's pool (change 21): reserved memory for more
-    **{
-        f"c_last{m}_pool": [
-            "--training.loss",
-            "chunked",
-            *_last_flags(m),
-            "--parallelism.fsdp_grads_in_compute_pool",
-        ]
-        for m in (6, 10, 12, 14, 16, 18, 20, 22)
-    },
-    # ... and with 2,048-token loss chunks (0.98 GiB off the chunk loop, the peak) and/or flash-attn-4
+    # ... with the sharded gradients in the compute stream's pool (change 21): reserved memory for more;
+    # and with 2,048-token loss chunks (0.98 GiB off the chunk loop, the peak) and/or flash-attn-4
     **{
         f"{c}_last{m}_pool{fl}": [
             *("--training.loss", "chunked", *_last_flags(m), "--parallelism.fsdp_grads_in_compute_pool"),
@@ -150,12 +141,9 @@ _8B_VARIANTS = {
             *(["--model.attn_backend", "flash"] if fl else []),
         ]
         for c, m, fl in (
-            ("c2k", 18, ""),
-            ("c", 12, "_flash"),
-            ("c", 14, "_flash"),
-            ("c2k", 16, "_flash"),
-            ("c", 16, "_flash"),
-            ("c", 18, "_flash"),
+            *(("c", m, "") for m in (6, 10, 12, 14, 16, 18, 20, 22)),
+            *(("c2k", 18, ""), ("c", 12, "_flash"), ("c", 14, "_flash"), ("c2k", 16, "_flash")),
+            *(("c", 16, "_flash"), ("c", 18, "_flash")),
         )
     },
     # ... with inductor's own compile workers (up to 32 per rank, started at the first compile), as before
