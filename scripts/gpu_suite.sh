@@ -69,9 +69,14 @@
 #   phase STAGE (with .whl + .fa1 carried): only keeps .fa1 in /tmp/fa (and the wheels in /tmp/site)
 #   phase AI (with .fa2 + .fa3 carried after STAGE): the compiled float8 row with flash-attn-4 and the last
 #            14 or 16 blocks keeping all; the best row with flash-attn-4 inside and between the graphs
+#            (STAGE with COPY_IN=1 also times FSDP's reduce-scatter copy-in, scripts/bench_copy_in.py)
+#   phase AJ (with .fa2 + .fa3 carried after STAGE): the best row with the copy-in by chunks (change 25) and
+#            with chunk_cat; the float8 row with one AC policy (all but w3) and the last 24 blocks keeping
+#            their gathered weights (change 26) beside the last 16 keeping all
+#   phase AK (after AJ, same machine): the float8 row's two settings from empty compile caches
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to AI, or STAGE}
+PHASE=${1:?phase A to AK, or STAGE}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -414,6 +419,21 @@ elif [ "$PHASE" = AH ]; then  # 4 GPUs: time to first step from empty compile ca
   cp $S/sbs8b_cold/results.md "$OUT/sbs8b_cold.md"
 elif [ "$PHASE" = STAGE ]; then  # .fa1 kept for a later call's install_flash
   keep_fa1 && ls /tmp/fa > "$OUT/staged.txt"
+  if [ -n "${COPY_IN:-}" ]; then  # FSDP's reduce-scatter copy-in at the 8B's shapes (change 25)
+    CUDA_VISIBLE_DEVICES=0 timeout 60 python3 scripts/bench_copy_in.py > "$OUT/copy_in.md" 2>&1
+  fi
+elif [ "$PHASE" = AJ ]; then  # 4 GPUs, .fa2 + .fa3 after STAGE: changes 25-26 beside torchtitan's float8 row
+  install_flash
+  timeout 560 python3 scripts/side_by_side.py --out $S/sbs8b_aj --rows 8b_compile_float8 \
+     --variants ${VARIANTS:-ac_none_zero2_flash_between,ac_none_zero2_flash_between_chunkcat,w3_keep24_pool_flash,c_last16_pool_flash} \
+     --steps 12 --measure-from 6 --timeout-per-run 110 > $S/sbs8b_aj.log 2>&1
+  cp $S/sbs8b_aj/results.md "$OUT/sbs8b_aj.md"
+elif [ "$PHASE" = AK ]; then  # 4 GPUs, after AJ on the same machine: time to first step from empty caches
+  install_flash
+  timeout 560 python3 scripts/side_by_side.py --out $S/sbs8b_ak --rows 8b_compile_float8 --fresh-compile-caches \
+     --variants ${VARIANTS:-w3_keep24_pool_flash,c_last16_pool_flash} --steps 10 --measure-from 5 \
+     --timeout-per-run 130 > $S/sbs8b_ak.log 2>&1
+  cp $S/sbs8b_ak/results.md "$OUT/sbs8b_ak.md"
 elif [ "$PHASE" = AI ]; then  # 4 GPUs: flash-attn-4 on the float8 row and inside/between graphs on the best row
   install_flash
   cp $S/flash_install.txt "$OUT/" 2>/dev/null

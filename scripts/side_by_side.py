@@ -123,6 +123,21 @@ _8B_VARIANTS = {
         *("--activation_checkpoint.mode", "none", "--parallelism.fsdp_reshard_after_forward", "never"),
         *("--model.attn_backend", "flash", "--no-model.flash_in_graph"),
     ],
+    # ... with FSDP's own reduce-scatter copy-in (chunk_cat; titanrush copies chunk by chunk since change 25)
+    "ac_none_zero2_flash_between_chunkcat": [
+        *("--activation_checkpoint.mode", "none", "--parallelism.fsdp_reshard_after_forward", "never"),
+        *("--model.attn_backend", "flash", "--no-model.flash_in_graph"),
+        "--no-parallelism.fsdp_copy_in_by_chunks",
+    ],
+    # One selective policy for every block (one compiled block graph): all matmul outputs but w3's, the
+    # memory it saves spent on the last K blocks keeping their gathered weights (change 26)
+    **{
+        f"w3_keep{k}_pool_flash": [
+            *("--training.loss", "chunked", "--activation_checkpoint.op_matmuls", "all_but_w3"),
+            *("--model.attn_backend", "flash", "--parallelism.fsdp_keep_gathered_last", str(k)),
+        ]
+        for k in (0, 16, 20, 24)
+    },
     # Activation offload: every E-th of the first F blocks keeps every matmul output in host memory,
     # which pays for the last M blocks keeping every matmul output too (alternate elsewhere).
     **{f"off{f}e{e}_last{m}": [*_offload_flags(f, e, m), *_OWN] for f, e, m in _OFFLOAD_VARIANTS},

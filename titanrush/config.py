@@ -149,6 +149,11 @@ class Parallelism:
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     """always = ZeRO-3, never = ZeRO-2 (keep gathered params until backward), default = always except
     the last block."""
+    fsdp_keep_gathered_last: int = 0
+    """With fsdp_reshard_after_forward = default: the last N blocks also keep their gathered parameters
+    from forward until their backward (ZeRO-2 for those blocks: no second all-gather), for N blocks'
+    gathered weights (bf16 2 bytes, float8 all-gather 1 byte per parameter) more at the end of forward.
+    Spends spare memory a block at a time; 0: only the last block keeps them (the default policy)."""
     fsdp_cpu_offload: bool = False
     """Keep FSDP parameters, gradients and optimizer states on the CPU."""
     fsdp_free_reduce_inputs: bool = True
@@ -161,6 +166,10 @@ class Parallelism:
     reserved but unused from the optimizer step through the next forward. Lowers reserved memory, not
     allocated (4.4 GiB on the 8B FSDP4 compiled row). Applies to FSDP on one mesh dimension without CPU
     offload (elsewhere logged and skipped); false = FSDP's own allocation."""
+    fsdp_copy_in_by_chunks: bool = True
+    """Copy the gradients into each reduce-scatter's input with one plain copy per gradient and rank
+    instead of FSDP's chunk_cat, whose bf16 -> fp32 kernel is slower (27 ms per step on the 8B float8
+    row, see docs/benchmarks/performance.md). Applies to the whole process; false = FSDP's own."""
     sequence_parallel: bool = True
     """With tp > 1: shard the norms' activations over the sequence."""
     loss_parallel: bool = True
@@ -201,10 +210,12 @@ class ActivationCheckpoint:
     selective: str = "op"
     """selective mode: `op` (keep matmul and attention outputs, recompute the rest) or an integer N
     (checkpoint every N-th block)."""
-    op_matmuls: Literal["all", "alternate"] = "all"
+    op_matmuls: Literal["all", "alternate", "all_but_w3"] = "all"
     """selective `op`: keep every matmul output of a block (`all`), or the 1st, 3rd, 5th, ... and
     recompute the others (`alternate`: torchtitan's policy; for a Llama block about 40% fewer saved
-    activations for about a third of the forward matmul work done again)."""
+    activations for about a third of the forward matmul work done again), or all but w3's
+    (`all_but_w3`: a third fewer than `all` for a quarter of the forward matmul work; one policy, so
+    one compiled block graph, where `alternate` with op_all_last compiles two)."""
     op_all_last: int = 0
     """selective `op` with op_matmuls = alternate: the last N blocks keep every matmul output anyway.
     Spends memory freed elsewhere (e.g. by training.loss = chunked) on less recomputation, a block at a
@@ -606,6 +617,14 @@ def validate(cfg: JobConfig) -> None:
     if sel != "op" and not (sel.isdigit() and int(sel) > 0):
         raise ConfigError(
             f"activation_checkpoint.selective = {sel!r}: use 'op' or a positive integer N (every N-th block)"
+        )
+    keep = cfg.parallelism.fsdp_keep_gathered_last
+    if keep < 0:
+        raise ConfigError(f"parallelism.fsdp_keep_gathered_last = {keep}: use 0 or a positive count")
+    if keep and cfg.parallelism.fsdp_reshard_after_forward != "default":
+        raise ConfigError(
+            f"parallelism.fsdp_keep_gathered_last = {keep} only applies to fsdp_reshard_after_forward = "
+            f"default (not {cfg.parallelism.fsdp_reshard_after_forward!r}): remove one of them"
         )
     if ac.op_all_last < 0:
         raise ConfigError(f"activation_checkpoint.op_all_last = {ac.op_all_last}: use 0 or a positive count")

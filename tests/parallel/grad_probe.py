@@ -26,6 +26,7 @@ from titanrush.models.init import _canonical
 from titanrush.models.llama import Llama, model_args
 from titanrush.models.llama.loss import cross_entropy
 from titanrush.models.llama.parallelize import parallelize_llama
+from titanrush.parallel.fsdp import COPY_IN_CALLS
 from titanrush.parallel.parallel_dims import ParallelDims
 from titanrush.parallel.tensor_parallel import loss_parallel_context
 
@@ -46,6 +47,8 @@ MESHES: dict[str, dict[str, Any]] = {
     # FSDP's own reduce-scatter (the others run titanrush's compute-pool comm: on CPU its collective
     # with plain buffers)
     "fsdp4_own_reduce_scatter": {"fsdp_grads_in_compute_pool": False, "_chunk": 24},
+    # FSDP's own copy-in (chunk_cat; the others copy chunk by chunk)
+    "fsdp4_chunk_cat": {"fsdp_copy_in_by_chunks": False},
 }
 BATCH, SEQ = 4, 32
 
@@ -98,7 +101,9 @@ def main(out_path: str) -> None:
         dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, world)
         mesh = dims.build_mesh("cpu")
         model = build(dims, mesh, p, ac, tied, chunk)
+        calls_before = dict(COPY_IN_CALLS)
         loss, grads = grads_of(model, mesh, dims, p)
+        copy_in = {k: v - calls_before[k] for k, v in COPY_IN_CALLS.items()}
         released = getattr(model, "fsdp_released_reduce_inputs", None)
         rs_calls = getattr(getattr(model, "fsdp_reduce_scatter", None), "calls", None)
         if rank == 0:
@@ -107,7 +112,7 @@ def main(out_path: str) -> None:
             dev = {k: ((grads[k] - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref}
             worst = max(dev, key=dev.get)
             report[name] = {"loss": loss, "ref_loss": ref_loss, "max_grad_dev": dev[worst], "worst": worst,
-                            "released": released, "rs_calls": rs_calls}  # fmt: skip
+                            "released": released, "rs_calls": rs_calls, "copy_in": copy_in}  # fmt: skip
         dist.barrier()
     if rank == 0:
         with open(out_path, "w") as f:

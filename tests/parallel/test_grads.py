@@ -55,3 +55,7 @@ def test_every_gradient_matches_on_every_mesh(tmp_path):
     assert report["fsdp4_chunked"]["rs_calls"] == 4, report["fsdp4_chunked"]
     assert report["fsdp4_own_reduce_scatter"]["rs_calls"] is None, report["fsdp4_own_reduce_scatter"]
     assert report["hsdp2x2"]["rs_calls"] is None, report["hsdp2x2"]
+    # The copy-in chunk by chunk (the default) filled every unit's reduce-scatter input (the debug
+    # model's dims divide by 4); off, FSDP's chunk_cat did, and the gradients match either way.
+    assert report["fsdp4"]["copy_in"] == {"by_chunks": 4, "chunk_cat": 0}, report["fsdp4"]
+    assert report["fsdp4_chunk_cat"]["copy_in"] == {"by_chunks": 0, "chunk_cat": 0}, report["fsdp4_chunk_cat"]

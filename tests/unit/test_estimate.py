@@ -347,6 +347,8 @@ def test_selective_op_alternate_recomputes_wk_wo_w3():
     # Under compiled ring attention wk's and wv's outputs are not kept anyway: only wo's and w3's go.
     cp = dataclasses.replace(s, cp=2)
     assert saved(cp) - saved(dataclasses.replace(cp, ac_op_matmuls="alternate")) == (128 + 448) * MIB
+    # all_but_w3: only w3's output goes, 448 MiB per block.
+    assert saved(s) - saved(dataclasses.replace(s, ac_op_matmuls="all_but_w3")) == 448 * MIB
 
 
 def test_op_all_last_adds_the_alternate_blocks_recomputed_outputs_back():
@@ -379,7 +381,8 @@ def test_op_all_last_on_a_pipeline_stage_trace_agrees():
 
 def test_compiled_alternate_block_on_cpu_keeps_every_other_matmul():
     """On inductor's partitioner (CPU): a compiled op-checkpointed block with `alternate` keeps
-    n x (kv heads x head dim + dim + ffn) bf16 elements fewer: wk's, wo's and w3's outputs."""
+    n x (kv heads x head dim + dim + ffn) bf16 elements fewer: wk's, wo's and w3's outputs; with
+    `all_but_w3`, n x ffn fewer."""
     from titanrush.models.llama.model import TransformerBlock
     from titanrush.parallel.activation_checkpoint import apply_ac
 
@@ -397,10 +400,11 @@ def test_compiled_alternate_block_on_cpu_keeps_every_other_matmul():
         finally:
             torch._dynamo.reset()  # dynamo's cache does not tell the two policies apart
 
-    every, alternate = saved_bytes("all"), saved_bytes("alternate")
+    every, alternate, but_w3 = saved_bytes("all"), saved_bytes("alternate"), saved_bytes("all_but_w3")
     n = b * t
     assert (args.kv_heads * args.head_dim, args.dim, args.ffn_hidden) == (128, 256, 704)
     assert every - alternate == 2 * n * (128 + 256 + 704)
+    assert every - but_w3 == 2 * n * 704  # w3's output alone
 
 
 def test_pipelined_fsdp_keeps_unsharded_fp32_gradients():
@@ -538,3 +542,16 @@ def test_offloaded_blocks_hold_nothing_at_the_peak():
     assert analyze(s).peak - analyze(off).peak == 8 * per_block
     # The trace (one CPU process, no offloader) keeps them: its model does too.
     assert analyze(s, as_traced=True).peak == analyze(off, as_traced=True).peak
+
+
+def test_keep_gathered_last_holds_that_many_blocks_weights_at_the_peak():
+    # 8B FSDP4 compiled float8 (1-byte all-gather), selective op: the peak (the loss's backward) comes
+    # before any block's backward, where the default already keeps the last block gathered; keeping the
+    # last 24 adds 23 blocks' float8 weights (218,112,000 parameters each, the two 4096-wide norms in
+    # bf16: 2 x 4096 x 2 bytes more).
+    s = Setup(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", fsdp_shard=4,
+              ac_mode="selective", compile=True, float8=True, float8_all_gather=True)  # fmt: skip
+    base, kept = analyze(s), analyze(dataclasses.replace(s, keep_gathered_last=24))
+    assert base.peak_phase == kept.peak_phase == "loss backward"
+    per_block = (218_112_000 - 2 * 4096) + 2 * (2 * 4096)
+    assert kept.peak - base.peak == 23 * per_block

@@ -116,16 +116,18 @@ def _resharded(module: FSDPModule) -> bool:
 
 
 @pytest.mark.parametrize(
-    "policy, blocks, emb, head",
+    "policy, keep, blocks, emb, head",
     [
-        ("default", [True, True, True, False], True, False),
-        ("always", [True] * 4, True, True),
-        ("never", [False] * 4, False, False),
+        ("default", 0, [True, True, True, False], True, False),
+        ("default", 2, [True, True, False, False], True, False),  # the last 2 blocks keep theirs
+        ("default", 4, [False] * 4, True, False),
+        ("always", 0, [True] * 4, True, True),
+        ("never", 0, [False] * 4, False, False),
     ],
 )
-def test_reshard_after_forward_policies(fake_world, policy, blocks, emb, head):
+def test_reshard_after_forward_policies(fake_world, policy, keep, blocks, emb, head):
     fake_world(2)
-    model = parallel(2, fsdp_reshard_after_forward=policy)
+    model = parallel(2, fsdp_reshard_after_forward=policy, fsdp_keep_gathered_last=keep)
     assert [_resharded(b) for b in model.layers.values()] == blocks
     assert _resharded(model.tok_embeddings) == emb
     assert _resharded(model.norm) == head
@@ -396,3 +398,54 @@ def test_compile_workers_take_the_ranks_share_of_the_cores_and_start_at_launch(m
     monkeypatch.setattr(inductor_config, "compile_threads", 5)
     assert start_compile_workers(0, ranks_per_host=4) == 5 and inductor_config.compile_threads == 5
     assert started == [16, 32, 3, 5]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_copy_in_by_chunks_writes_what_chunk_cat_writes(world):
+    from titanrush.parallel.fsdp import COPY_IN_CALLS, reduce_scatter_copy_in
+
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(8, 12), (4,), (16, 3, 2), (12, 8)]  # matrices, a norm, a 3-d weight
+    for grad_dtype, reduce_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32)):
+        grads = [torch.randn(s, generator=gen).to(grad_dtype) for s in shapes]
+        n = sum(g.numel() for g in grads)
+        ref, out = torch.empty(n, dtype=reduce_dtype), torch.full((n,), float("nan"), dtype=reduce_dtype)
+        torch._chunk_cat(grads, 0, world, out=ref.view(world, -1))
+        before = dict(COPY_IN_CALLS)
+        reduce_scatter_copy_in(grads, out, world)
+        assert torch.equal(out, ref), (grad_dtype, world)
+        assert COPY_IN_CALLS["by_chunks"] == before["by_chunks"] + 1
+    # A dim 0 that needs FSDP's zero padding (6 rows over 4 ranks) takes chunk_cat, which pads.
+    grads = [torch.randn(6, 2, generator=gen), torch.randn(8, generator=gen)]
+    padded = 8 * 2 + 8
+    ref, out = torch.empty(padded), torch.full((padded,), float("nan"))
+    torch._chunk_cat(grads, 0, 4, out=ref.view(4, -1))
+    before = dict(COPY_IN_CALLS)
+    reduce_scatter_copy_in(grads, out, 4)
+    assert torch.equal(out, ref)
+    assert COPY_IN_CALLS["chunk_cat"] == before["chunk_cat"] + 1
+
+
+def test_fsdp_copy_in_is_ours_by_default_and_fsdps_own_when_off(fake_world):
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    from titanrush.parallel.fsdp import reduce_scatter_copy_in
+
+    fake_world(4)
+    try:
+        parallel(4, fsdp_copy_in_by_chunks=False)
+        assert _fsdp_collectives.foreach_reduce_scatter_copy_in is not reduce_scatter_copy_in
+        parallel(4)
+        assert _fsdp_collectives.foreach_reduce_scatter_copy_in is reduce_scatter_copy_in
+    finally:
+        from titanrush.parallel.fsdp import use_copy_in_by_chunks
+
+        use_copy_in_by_chunks(True)
+
+
+def test_ac_op_all_but_w3_recomputes_one_matmul_per_block():
+    base, loss, grad = backward_mms("none")
+    n, loss_n, grad_n = backward_mms("selective", "op", op_matmuls="all_but_w3")
+    assert n - base == 4  # the 6th matmul (w3) of each of the 4 blocks runs again in backward
+    assert loss_n == loss
+    torch.testing.assert_close(grad_n, grad, rtol=0, atol=0)

@@ -59,6 +59,21 @@ def _kept(func: Any) -> bool:
     return func in _SAVE or (isinstance(func, torch._ops.OpOverload) and func.name() in _SAVE_BY_NAME)
 
 
+# What each `op_matmuls` policy recomputes, by a matmul's 1-based position in the block's forward (a Llama
+# block runs wq, wk, wv, wo, w1, w3, w2): `alternate` every even one (wk, wo, w3), `all_but_w3` the 6th
+# (w3, the feed-forward's up projection, whose output is as large as w1's and 3.5x wq's).
+OP_MATMULS: dict[str, Callable[[int], bool]] = {
+    "all": lambda k: False,
+    "alternate": lambda k: k % 2 == 0,
+    "all_but_w3": lambda k: k == 6,
+}
+
+
+def check_op_matmuls(op_matmuls: str) -> None:
+    if op_matmuls not in OP_MATMULS:
+        raise ConfigError(f"activation_checkpoint.op_matmuls = {op_matmuls!r}: use {', '.join(OP_MATMULS)}")
+
+
 def _selective_op_context(op_matmuls: str = "all") -> Any:
     """Contexts for one checkpointed call of a block: keep the outputs of the ops in `_SAVE` (and of
     titanrush's operators named in `_SAVE_BY_NAME`).
@@ -66,17 +81,19 @@ def _selective_op_context(op_matmuls: str = "all") -> Any:
     We keep every matmul output by default rather than torchtitan's every other one: the point of
     `op` mode is to recompute only the cheap element-wise work and never a matmul. `alternate` keeps
     the 1st, 3rd, ... matmul of the block (q, v, w1, w2 in a Llama block) and recomputes the others,
-    for when memory is tighter. The count restarts for each call and separately for the forward and
-    the recomputation, so both make the same choice.
+    for when memory is tighter; `all_but_w3` recomputes only w3's (between the two in memory, and one
+    policy for every block where `alternate` with `op_all_last` needs two). The count restarts for each
+    call and separately for the forward and the recomputation, so both make the same choice.
     """
     counts = {False: 0, True: 0}
+    recompute = OP_MATMULS[op_matmuls]
 
     def policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         if not _kept(func):
             return CheckpointPolicy.PREFER_RECOMPUTE
-        if op_matmuls == "alternate" and func is torch.ops.aten.mm.default:
+        if func is torch.ops.aten.mm.default:
             counts[ctx.is_recompute] += 1
-            if counts[ctx.is_recompute] % 2 == 0:
+            if recompute(counts[ctx.is_recompute]):
                 return CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE
 
@@ -98,14 +115,18 @@ class SelectiveOpCheckpoint(CheckpointWrapper):
 
     def __init__(self, block: nn.Module, op_matmuls: str) -> None:
         super().__init__(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=None)
-        if op_matmuls not in ("all", "alternate"):
-            raise ConfigError(f"activation_checkpoint.op_matmuls = {op_matmuls!r}: use all or alternate")
+        check_op_matmuls(op_matmuls)
         self.op_matmuls = op_matmuls
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         # A branch on the attribute (an unused read would not be guarded), to module-level functions
         # (dynamo's checkpoint takes those, not a closure made while tracing).
-        context_fn = _keep_every_matmul if self.op_matmuls == "all" else _keep_alternate_matmuls
+        if self.op_matmuls == "all":
+            context_fn = _keep_every_matmul
+        elif self.op_matmuls == "alternate":
+            context_fn = _keep_alternate_matmuls
+        else:
+            context_fn = _keep_all_but_w3
         return checkpoint(
             self._checkpoint_wrapped_module,
             *args,
@@ -122,6 +143,10 @@ def _keep_every_matmul() -> Any:
 
 def _keep_alternate_matmuls() -> Any:
     return _selective_op_context("alternate")
+
+
+def _keep_all_but_w3() -> Any:
+    return _selective_op_context("all_but_w3")
 
 
 def wrap_block(block: nn.Module, *, selective_op: bool = False, op_matmuls: str = "all") -> nn.Module:
@@ -151,7 +176,8 @@ def apply_ac(
         selective: With mode `selective`: `op` keeps the outputs of matmuls and attention kernels and
             recomputes only the element-wise ops of every block; an integer N checkpoints blocks
             N-1, 2N-1, ... fully (every N-th block; N = 1 is `full`) and leaves the rest alone.
-        op_matmuls: With `op`: `all` keeps every matmul output, `alternate` every other one.
+        op_matmuls: With `op`: `all` keeps every matmul output, `alternate` every other one, `all_but_w3`
+            all but w3's (`OP_MATMULS`).
         op_all_last: With `op` and `alternate`: the last N blocks of the whole model (by their global
             index, the key in `model.layers`; `model.args.n_layers` blocks in all) keep every matmul output.
         offload_first, offload_every: Every `offload_every`-th of the model's first `offload_first` blocks
@@ -170,8 +196,7 @@ def apply_ac(
             wrap_block(b) if mode == "full" else None
         )
     elif mode == "selective" and selective == "op":
-        if op_matmuls not in ("all", "alternate"):
-            raise ConfigError(f"activation_checkpoint.op_matmuls = {op_matmuls!r}: use all or alternate")
+        check_op_matmuls(op_matmuls)
         keep_all = _last_blocks(model, op_all_last) if op_all_last and op_matmuls == "alternate" else set()
         wrap = lambda i, name, b: wrap_block(
             b, selective_op=True, op_matmuls="all" if name in keep_all else op_matmuls

@@ -116,6 +116,7 @@ def build_setup(cfg: JobConfig, ngpu: int) -> tuple[mm.Setup, str, int, str]:
         sequence_parallel=p.sequence_parallel,
         loss_parallel=p.loss_parallel,
         reshard=reshard,
+        keep_gathered_last=p.fsdp_keep_gathered_last,
         cpu_offload=p.fsdp_cpu_offload,
         free_reduce_inputs=p.fsdp_free_reduce_inputs,
         grads_pool=p.fsdp_grads_in_compute_pool
@@ -361,6 +362,8 @@ def _describe(s: mm.Setup, key: str) -> str:
         ac = s.ac_mode if s.ac_mode != "selective" else f"selective {s.ac_selective}"
         if ac == "selective op" and s.ac_op_matmuls == "alternate":
             ac = "op alternate" + (f", all in the last {s.ac_op_all_last} blocks" if s.ac_op_all_last else "")
+        elif ac == "selective op" and s.ac_op_matmuls == "all_but_w3":
+            ac = "op all but w3"
         return f"AC {ac}" + (", compiled" if s.compile else "")
     if key == "logits":
         if s.loss == "chunked":

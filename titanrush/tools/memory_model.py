@@ -50,6 +50,7 @@ class Setup:
     sequence_parallel: bool = True
     loss_parallel: bool = True
     reshard: str = "default"
+    keep_gathered_last: int = 0  # with reshard default: the last N blocks keep their gathered weights too
     cpu_offload: bool = False
     free_reduce_inputs: bool = True  # FSDP's reduce-scatter inputs released as the next block starts
     grads_pool: bool = True  # FSDP's sharded gradients from the compute stream's pool (1-D, no offload)
@@ -59,7 +60,8 @@ class Setup:
     pp_layers_per_stage: tuple[int, ...] = ()
     ac_mode: str = "none"
     ac_selective: str = "op"
-    ac_op_matmuls: str = "all"  # selective op: keep every matmul output, or every other one (alternate)
+    ac_op_matmuls: str = "all"  # selective op: keep every matmul output, every other one (alternate), or
+    # all but w3's (all_but_w3)
     ac_op_all_last: int = 0  # with alternate: the model's last N blocks keep every matmul output anyway
     ac_offload_first: int = 0  # activation offload: every ac_offload_every-th of the first N blocks
     ac_offload_every: int = 1
@@ -327,6 +329,8 @@ def block_saved(
         if s.ac_op_matmuls == "alternate" and not keep_all:  # the policy counts aten.mm calls: the 2nd,
             # 4th and 6th are recomputed
             del out["wk out"], out["wo out"], out["w3 out"]
+        elif s.ac_op_matmuls == "all_but_w3":  # ... the 6th
+            del out["w3 out"]
         if s.compile and not as_traced:  # compiled, w2's output goes: backward does not need it (measured)
             del out["w2 out"]
             if ring:  # compiled ring attention keeps the K/V it received and K, V made contiguous (the
@@ -550,15 +554,17 @@ def fsdp_buffers(s: Setup, plan: RankPlan, *, later: bool = False) -> dict[str, 
     def gathered(*idx: int) -> int:  # reshard_after_forward = never keeps every unit until its backward
         return root_all + (every if s.reshard == "never" else sum(unit(i, "gather") for i in idx))
 
-    kept = () if s.reshard == "always" else (head, blk)  # default: the last block and the head stay
+    # default: the last block (and the last keep_gathered_last) and the head stay gathered until backward
+    blks = tuple(range(max(first, blk + 1 - max(1, s.keep_gathered_last)), blk + 1))
+    kept = () if s.reshard == "always" else (head, *blks)
     return {
-        "last block forward": gathered(blk, head),
+        "last block forward": gathered(*blks, head),
         "forward end": gathered(*kept),
-        "loss backward": gathered(head, blk),
+        "loss backward": gathered(head, *blks),
         # the output layer's bf16 gradient; its fp32 copy comes after the norm's backward, the logits'
         # gradient freed
-        "output backward": gathered(head, blk) + unit(head, "grad"),
-        "first block backward": gathered(blk, blk - 1) + unit(blk, "reduce") + unit(head, "in flight"),
+        "output backward": gathered(head, *blks) + unit(head, "grad"),
+        "first block backward": gathered(*blks, blk - 1) + unit(blk, "reduce") + unit(head, "in flight"),
         "last block backward": gathered(first, first - 1)
         + unit(first, "reduce")
         + unit(first + 1, "in flight"),

@@ -144,9 +144,11 @@ def parallelize_llama(
             param_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
             reduce_dtype=torch.float32,
             reshard_after_forward=parallelism.fsdp_reshard_after_forward,
+            keep_gathered_last=parallelism.fsdp_keep_gathered_last,
             cpu_offload=parallelism.fsdp_cpu_offload,
             free_reduce_inputs=parallelism.fsdp_free_reduce_inputs,
             grads_in_compute_pool=parallelism.fsdp_grads_in_compute_pool,
+            copy_in_by_chunks=parallelism.fsdp_copy_in_by_chunks,
         )
     elif mesh is not None and dims.ddp_enabled:
         apply_ddp(model, mesh["dp_replicate"])
