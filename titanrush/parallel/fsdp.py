@@ -263,13 +263,14 @@ def reduce_scatter_copy_in(grads: list[torch.Tensor], out: torch.Tensor, world_s
         COPY_IN_CALLS["chunk_cat"] += 1
         return
     COPY_IN_CALLS["by_chunks"] += 1
-    col = 0
+    col, dst, src = 0, [], []
     for g in grads:
         m = g.numel() // world_size
         flat = g.view(world_size, m)
-        for r in range(world_size):
-            rows[r, col : col + m].copy_(flat[r])
+        dst += [rows[r, col : col + m] for r in range(world_size)]
+        src += [flat[r] for r in range(world_size)]
         col += m
+    torch._foreach_copy_(dst, src)
 
 
 _FSDP_COPY_IN: dict[str, Any] = {}  # FSDP's own copy-in, kept while ours replaces it
