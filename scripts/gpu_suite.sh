@@ -74,9 +74,12 @@
 #            with chunk_cat; the float8 row with one AC policy (all but w3) and the last 24 blocks keeping
 #            their gathered weights (change 26) beside the last 16 keeping all
 #   phase AK (after AJ, same machine): the float8 row's two settings from empty compile caches
+#   phase AL (with .fa2 + .fa3 carried after STAGE): the float8 row's one-policy setting from empty caches
+#            (flash-attn imported beside the set-up); the best row; the best row with inductor's
+#            coordinate-descent tuning (titanrush alone)
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to AK, or STAGE}
+PHASE=${1:?phase A to AL, or STAGE}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -434,6 +437,19 @@ elif [ "$PHASE" = AK ]; then  # 4 GPUs, after AJ on the same machine: time to fi
      --variants ${VARIANTS:-w3_keep24_pool_flash,c_last16_pool_flash} --steps 10 --measure-from 5 \
      --timeout-per-run 130 > $S/sbs8b_ak.log 2>&1
   cp $S/sbs8b_ak/results.md "$OUT/sbs8b_ak.md"
+elif [ "$PHASE" = AL ]; then  # 4 GPUs, .fa2 + .fa3 after STAGE: first step from empty caches with flash-attn
+  install_flash                # imported beside the set-up; the best row again; inductor's coordinate descent
+  timeout 200 python3 scripts/side_by_side.py --out $S/sbs8b_al --rows 8b_compile_float8 --fresh-compile-caches \
+     --variants ${VARIANTS:-w3_keep24_pool_flash} --steps 10 --measure-from 5 --timeout-per-run 130 > $S/sbs8b_al.log 2>&1
+  cp $S/sbs8b_al/results.md "$OUT/sbs8b_al.md"
+  grep -h "set-up" $S/sbs8b_al/*.log > "$OUT/setup_lines.txt" 2>/dev/null
+  timeout 200 python3 scripts/side_by_side.py --out $S/sbs8b_al2 --rows 8b_compile_float8 \
+     --variants ac_none_zero2_flash_between --steps 12 --measure-from 6 --timeout-per-run 110 > $S/sbs8b_al2.log 2>&1
+  cp $S/sbs8b_al2/results.md "$OUT/sbs8b_al2.md"
+  TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 timeout 150 python3 scripts/side_by_side.py --out $S/sbs8b_al3 \
+     --rows 8b_compile_float8 --trainers titanrush --variants ac_none_zero2_flash_between --steps 12 --measure-from 6 \
+     --timeout-per-run 140 > $S/sbs8b_al3.log 2>&1
+  cp $S/sbs8b_al3/results.md "$OUT/sbs8b_al3.md"
 elif [ "$PHASE" = AI ]; then  # 4 GPUs: flash-attn-4 on the float8 row and inside/between graphs on the best row
   install_flash
   cp $S/flash_install.txt "$OUT/" 2>/dev/null

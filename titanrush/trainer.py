@@ -42,7 +42,7 @@ from titanrush.metrics import (
     peak_tflops,
 )
 from titanrush.models.llama import FLAVORS, Llama, ModelArgs, model_args
-from titanrush.models.llama.attention import flash_attn_func
+from titanrush.models.llama.attention import flash_installed, import_flash_in_background
 from titanrush.models.llama.loss import cross_entropy
 from titanrush.models.llama.parallelize import check_combinations, parallelize_llama
 from titanrush.models.llama.pipeline import PipelinedLlama, pipeline_llama
@@ -141,11 +141,11 @@ def check_config(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, ModelAr
 
 def _check_attention(backend: str) -> None:
     """The attention backend can run here: its package imports, its kernels exist on this device."""
-    if backend == "flash":
-        try:
-            flash_attn_func()
-        except ImportError as e:
-            raise ConfigError(str(e)) from None
+    if backend == "flash" and not flash_installed():  # (found, not imported: see import_flash_in_background)
+        raise ConfigError(
+            "model.attn_backend = 'flash' needs the flash-attn package (pip install flash-attn, or the "
+            "flash-attn-4 / FA3 hopper build); use attn_backend = 'sdpa' or 'cudnn' without it"
+        )
     if backend in ("flex", "cudnn") and not torch.cuda.is_available():
         why = (
             "FlexAttention has no backward on CPU" if backend == "flex" else "cuDNN attention is a GPU kernel"
@@ -220,6 +220,9 @@ class Trainer:
 
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
+        marks = [("start", time.perf_counter())]  # set-up stages, logged with their durations at the end
+        if cfg.model.attn_backend == "flash":  # its import (seconds for FA4) runs beside the set-up below
+            import_flash_in_background()
         # 1. Distributed init and mesh.
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
@@ -245,6 +248,7 @@ class Trainer:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, device_id=self.device if backend == "nccl" else None)
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
+        marks.append(("config, process group, mesh", time.perf_counter()))
         self.run_dir = self._prepare_run_dir()
         if self.dims.cp > 1:
             set_rotate_method(cfg.parallelism.cp_rotate_method)
@@ -295,6 +299,7 @@ class Trainer:
         else:
             model = parallelize(model)
             self.model_parts = [model]
+        marks.append(("model build and parallelize", time.perf_counter()))
         self.offloaders = [o for p in self.model_parts if (o := getattr(p, "activation_offloader", None))]
         # FSDP's CPU offload keeps the sharded parameters in host memory (buffers stay on the device).
         param_device = torch.device("cpu") if cfg.parallelism.fsdp_cpu_offload else self.device
@@ -302,6 +307,7 @@ class Trainer:
             part.to_empty(device=param_device)
             part.init_weights(seed=cfg.training.seed, buffer_device=self.device)
             part.train()
+        marks.append(("weights materialized and initialized", time.perf_counter()))
         self.model = model
         # The loss (log-softmax over the vocabulary in fp32) fuses well; under loss parallel it works on
         # DTensors, which stay eager.
@@ -346,7 +352,9 @@ class Trainer:
             seed=cfg.training.seed,
             vocab_size=self.model_args.vocab_size,
         )
+        marks.append(("optimizer", time.perf_counter()))
         self.train_loader = build_dataloader(cfg.data, split="train", **loader_args)
+        marks.append(("data", time.perf_counter()))
         self.val_loader_args = loader_args
         self._val_loader: Any = None
         ck = cfg.checkpoint
@@ -393,7 +401,12 @@ class Trainer:
             * self.accum
             / self.dims.non_data_parallel_size
         )
+        marks.append(("checkpoint, metrics, profiler", time.perf_counter()))
         self._log_header()
+        stages = ", ".join(f"{name} {t1 - t0:.1f}" for (_, t0), (name, t1) in itertools.pairwise(marks))
+        age = _process_age()
+        before = f" (the process started {age - (marks[-1][1] - marks[0][1]):.1f} s before it)" if age else ""
+        logger.info(f"set-up {marks[-1][1] - marks[0][1]:.1f} s{before}: {stages}")
 
     # ------------------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> Path:
@@ -659,6 +672,16 @@ class Trainer:
             # shutdown, gloo's aborts the process now and then ("terminate called without an active
             # exception", seen in about 1 run in 10 on CPU with a DeviceMesh).
             gc.collect()
+
+
+def _process_age() -> float | None:
+    """Seconds since this process started (Linux's /proc), or None elsewhere."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22: start time in clock ticks
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _set_determinism(t: cfgmod.Training) -> None:

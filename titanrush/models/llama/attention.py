@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import math
 import os
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -73,6 +75,28 @@ def flash_attn_func() -> Callable[..., Any]:
             "flash-attn-4 / FA3 hopper build); use attn_backend = 'sdpa' or 'cudnn' without it"
         ) from e
     return fa2
+
+
+FLASH_MODULES = ("flash_attn", "flash_attn_interface")  # FA4 and FA2 (flash_attn), FA3 (hopper build)
+
+
+def flash_installed() -> bool:
+    """Whether a flash-attn package is installed (found, not imported: FA4's import takes seconds)."""
+    return any(importlib.util.find_spec(m) is not None for m in FLASH_MODULES)
+
+
+def import_flash_in_background() -> threading.Thread:
+    """Import the flash-attn package on a side thread, which a launch runs beside the mesh, model and data
+    set-up: FA4's CuTe DSL takes seconds to import. The first flash call waits for it (the import lock);
+    an import that fails there raises its ImportError then."""
+
+    def run() -> None:
+        with contextlib.suppress(ImportError):
+            flash_kernels()
+
+    thread = threading.Thread(target=run, name="flash-attn import", daemon=True)
+    thread.start()
+    return thread
 
 
 @functools.cache
