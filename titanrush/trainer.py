@@ -352,7 +352,7 @@ class Trainer:
             seed=cfg.training.seed,
             vocab_size=self.model_args.vocab_size,
         )
-        marks.append(("optimizer", time.perf_counter()))
+        marks.append(("loss and optimizer", time.perf_counter()))
         self.train_loader = build_dataloader(cfg.data, split="train", **loader_args)
         marks.append(("data", time.perf_counter()))
         self.val_loader_args = loader_args

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -57,6 +58,12 @@ def test_debug_run_learns_and_writes_every_sink(tmp_path):
         assert r["tps"] > 0 and r["tflops"] > 0 and math.isfinite(r["loss"])
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]
     assert "MFU is not reported on CPU" in res.stderr
+    # The set-up's stages, each with its seconds, and the process's age before them (Linux's /proc).
+    setup = re.search(r"set-up ([\d.]+) s \(the process started ([\d.]+) s before it\): (.*)", res.stderr)
+    assert setup and float(setup[2]) > 0, res.stderr[-3000:]
+    stages = dict(re.findall(r"(\D+?) ([\d.]+)(?:, |$)", setup[3]))
+    assert {"config, process group, mesh", "data", "loss and optimizer"} <= set(stages), stages
+    assert sum(map(float, stages.values())) <= float(setup[1]) + 0.05 * len(stages)
     assert (run_dir / "config.toml").exists()
     resolved = config.load(str(run_dir / "config.toml"))
     assert resolved.training.steps == 25
