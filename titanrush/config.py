@@ -167,9 +167,10 @@ class Parallelism:
     allocated (4.4 GiB on the 8B FSDP4 compiled row). Applies to FSDP on one mesh dimension without CPU
     offload (elsewhere logged and skipped); false = FSDP's own allocation."""
     fsdp_copy_in_by_chunks: bool = True
-    """Copy the gradients into each reduce-scatter's input with one plain copy per gradient and rank
-    instead of FSDP's chunk_cat, whose bf16 -> fp32 kernel is slower (27 ms per step on the 8B float8
-    row, see docs/benchmarks/performance.md). Applies to the whole process; false = FSDP's own."""
+    """Copy the gradients into each reduce-scatter's input with one foreach copy over every gradient's
+    per-rank chunks instead of FSDP's chunk_cat, whose bf16 -> fp32 kernel is 1.6x slower (27 ms per step
+    on the 8B float8 row, see docs/benchmarks/performance.md). Applies to the whole process; false =
+    FSDP's own."""
     sequence_parallel: bool = True
     """With tp > 1: shard the norms' activations over the sequence."""
     loss_parallel: bool = True
