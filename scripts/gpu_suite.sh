@@ -77,9 +77,14 @@
 #   phase AL (with .fa2 + .fa3 carried after STAGE): the float8 row's one-policy setting from empty caches
 #            (flash-attn imported beside the set-up); the best row; the best row with inductor's
 #            coordinate-descent tuning (titanrush alone)
+#   phase AN (with .fa2 + .fa3 carried after STAGE): the best row with each step's line written once the next
+#            step is launched (change 28) and with the wait for each step's loss; a two-step trace of the
+#            best row with its longest stretches without compute
+#   phase AO (after AN, same machine): the float8 row's one-policy setting from empty caches, the set-up
+#            stages split finer
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to AL, or STAGE}
+PHASE=${1:?phase A to AO, or STAGE}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -450,6 +455,22 @@ elif [ "$PHASE" = AL ]; then  # 4 GPUs, .fa2 + .fa3 after STAGE: first step from
      --rows 8b_compile_float8 --trainers titanrush --variants ac_none_zero2_flash_between --steps 12 --measure-from 6 \
      --timeout-per-run 140 > $S/sbs8b_al3.log 2>&1
   cp $S/sbs8b_al3/results.md "$OUT/sbs8b_al3.md"
+elif [ "$PHASE" = AN ]; then  # 4 GPUs, .fa2 + .fa3 after STAGE: change 28 on the best row; its gaps
+  install_flash
+  timeout 330 python3 scripts/side_by_side.py --out $S/sbs8b_an --rows 8b_compile_float8 \
+     --variants ${VARIANTS:-ac_none_zero2_flash_between,ac_none_zero2_flash_between_synced} --steps 14 --measure-from 6 \
+     --timeout-per-run 110 > $S/sbs8b_an.log 2>&1
+  cp $S/sbs8b_an/results.md "$OUT/sbs8b_an.md"
+  timeout 150 python3 scripts/side_by_side.py --out $S/sbs8b_an2 --rows 8b_compile_float8 --trainers titanrush \
+     --variants ac_none_zero2_flash_between --steps 12 --measure-from 6 --profile 10 --profile-steps 2 --gaps 30 \
+     --timeout-per-run 130 > $S/sbs8b_an2.log 2>&1
+  cp $S/sbs8b_an2/profiles.txt "$OUT/profiles_an.txt"
+elif [ "$PHASE" = AO ]; then  # 4 GPUs, after AN: first step from empty caches, the set-up's stages
+  install_flash
+  timeout 220 python3 scripts/side_by_side.py --out $S/sbs8b_ao --rows 8b_compile_float8 --fresh-compile-caches \
+     --variants ${VARIANTS:-w3_keep24_pool_flash} --steps 10 --measure-from 5 --timeout-per-run 130 > $S/sbs8b_ao.log 2>&1
+  cp $S/sbs8b_ao/results.md "$OUT/sbs8b_ao.md"
+  grep -h "set-up\|flash-attn imported" $S/sbs8b_ao/*.log > "$OUT/setup_lines.txt" 2>/dev/null
 elif [ "$PHASE" = AI ]; then  # 4 GPUs: flash-attn-4 on the float8 row and inside/between graphs on the best row
   install_flash
   cp $S/flash_install.txt "$OUT/" 2>/dev/null

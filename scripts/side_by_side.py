@@ -123,6 +123,11 @@ _8B_VARIANTS = {
         *("--activation_checkpoint.mode", "none", "--parallelism.fsdp_reshard_after_forward", "never"),
         *("--model.attn_backend", "flash", "--no-model.flash_in_graph"),
     ],
+    # ... waiting for each step's loss before launching the next (before change 28)
+    "ac_none_zero2_flash_between_synced": [
+        *("--activation_checkpoint.mode", "none", "--parallelism.fsdp_reshard_after_forward", "never"),
+        *("--model.attn_backend", "flash", "--no-model.flash_in_graph", "--metrics.sync_each_step"),
+    ],
     # ... with FSDP's own reduce-scatter copy-in (chunk_cat; titanrush copies chunk by chunk since change 25)
     "ac_none_zero2_flash_between_chunkcat": [
         *("--activation_checkpoint.mode", "none", "--parallelism.fsdp_reshard_after_forward", "never"),
@@ -334,14 +339,15 @@ def torchtitan_toml(
     dump: Path,
     snapshot_step: int = 0,
     profile_step: int = 0,
+    profile_steps: int = 1,
 ) -> str:
     profiling = ""
     if snapshot_step:
         profiling = f"\n[profiling]\nenable_memory_snapshot = true\nprofile_freq = {snapshot_step}\n"
-    elif profile_step:  # one traced step after one warm-up step, like titanrush's profiler
+    elif profile_step:  # the traced steps after one warm-up step, like titanrush's profiler
         profiling = (
             f"\n[profiling]\nenable_profiling = true\nprofile_freq = {profile_step}\n"
-            "profiler_warmup = 1\nprofiler_active = 1\n"
+            f"profiler_warmup = 1\nprofiler_active = {profile_steps}\n"
         )
     converters = '["quantize.linear.float8"]' if row.float8 else "[]"
     ac = 'mode = "selective"\nselective_ac_option = "op"' if row.ac == "op" else 'mode = "none"'
@@ -421,11 +427,11 @@ def snapshot_args(step: int) -> list[str]:
     return [*profile_args(step), "--profiling.memory_snapshot"] if step else []
 
 
-def profile_args(step: int) -> list[str]:
-    """titanrush's flags for one torch.profiler trace of `step` (none for 0)."""
+def profile_args(step: int, active: int = 1) -> list[str]:
+    """titanrush's flags for one torch.profiler trace of the `active` steps ending at `step` (none for 0)."""
     if not step:
         return []
-    return ["--profiling.enable", "--profiling.freq", str(step), "--profiling.active_steps", "1"]
+    return ["--profiling.enable", "--profiling.freq", str(step), "--profiling.active_steps", str(active)]
 
 
 def traces(work: Path, step: int, names: set[str] | None = None) -> list[tuple[str, Path]]:
@@ -666,6 +672,7 @@ def plan(rows: list[Row], trainers: list[str], a: argparse.Namespace, work: Path
                     work / "tt_dump" / row.name,
                     a.memory_snapshot,
                     a.profile,
+                    a.profile_steps,
                 )
             )
             cmd = [
@@ -688,7 +695,7 @@ def plan(rows: list[Row], trainers: list[str], a: argparse.Namespace, work: Path
                     *tr_alloc,
                     *extra,
                     *snapshot_args(a.memory_snapshot),
-                    *profile_args(a.profile),
+                    *profile_args(a.profile, a.profile_steps),
                     "--training.steps",
                     str(a.steps),
                     "--metrics.log_freq",
@@ -765,7 +772,13 @@ def main() -> int:
         help="both trainers write a torch.profiler trace of STEP (>= 4; figures then include the "
         "profiler's overhead); DIR/profiles.txt summarizes rank 0's (scripts/trace_summary.py)",
     )
+    ap.add_argument(
+        "--profile-steps", type=int, default=1, help="with --profile: the traced steps, ending at STEP"
+    )
     ap.add_argument("--top-kernels", type=int, default=25, help="with --profile: kernels listed per trace")
+    ap.add_argument(
+        "--gaps", type=int, default=0, help="with --profile: the N longest stretches without compute"
+    )
     ap.add_argument(
         "--dry-run", action="store_true", help="write the configs, print the commands, run nothing"
     )
@@ -783,8 +796,10 @@ def main() -> int:
     ngpu = {r.name: r.ngpu for r in rows}
     if a.profile and a.memory_snapshot:
         ap.error("--profile and --memory-snapshot share each trainer's profiling settings: give one")
-    if a.profile and not 4 <= a.profile <= a.steps:
-        ap.error(f"--profile {a.profile}: the traced step must be in 4..--steps ({a.steps})")
+    if a.profile and not 3 + a.profile_steps <= a.profile <= a.steps:
+        ap.error(
+            f"--profile {a.profile}: the traced steps must end in {3 + a.profile_steps}..--steps ({a.steps})"
+        )
     trainers = a.trainers.split(",")
     work = a.out.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -844,18 +859,19 @@ def main() -> int:
     print(header)
     print(md)
     if a.profile:
-        write_profiles(work, a.profile, {r.tag for r in runs}, a.top_kernels)
+        write_profiles(work, a.profile, {r.tag for r in runs}, a.top_kernels, a.gaps)
     return 0
 
 
-def write_profiles(work: Path, step: int, names: set[str], top: int) -> None:
+def write_profiles(work: Path, step: int, names: set[str], top: int, gaps: int = 0) -> None:
     """DIR/profiles.txt: trace_summary's view of the rank-0 traces of `step` this invocation's runs left."""
     import trace_summary
 
     parts = []
     for label, path in traces(work, step, names):
         try:
-            parts.append(trace_summary.render(label, trace_summary.summarize(trace_summary.load(path)), top))
+            summary = trace_summary.summarize(trace_summary.load(path))
+            parts.append(trace_summary.render(label, summary, top, gaps))
         except (OSError, ValueError) as e:  # one unreadable trace does not hide the others
             parts.append(f"== {label}: unreadable trace {path}: {e}")
     (work / "profiles.txt").write_text("\n\n".join(parts) + "\n")

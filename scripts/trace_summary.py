@@ -1,6 +1,6 @@
 """Where a profiled step's GPU time went, from a Chrome trace file (titanrush's or torchtitan's).
 
-Usage: python scripts/trace_summary.py TRACE.json[.gz] [TRACE ...] [--top 20]
+Usage: python scripts/trace_summary.py TRACE.json[.gz] [TRACE ...] [--top 20] [--gaps 0]
 
 For each trace: kernel time per step by kind (the kinds of `titanrush.profiling.kind_of`), then the
 timeline view that a per-kernel sum cannot give, from the union of kernel intervals over all streams:
@@ -8,14 +8,18 @@ timeline view that a per-kernel sum cannot give, from the union of kernel interv
 - compute busy: time some non-communication kernel runs;
 - exposed communication: time a communication kernel runs while no compute kernel does (what
   overlapping collectives with compute did not hide);
-- idle: time no kernel runs at all (launch gaps, host-side waits).
+- idle: time no kernel runs at all (launch gaps, host-side waits);
+- with `--gaps N`: the N longest stretches without compute (idle or exposed communication), each with
+  its place in the span and the compute kernels on either side, so a gap can be traced to its cause.
 Both trainers write traces with torch.profiler's `export_chrome_trace`, so one reader fits both.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -91,6 +95,7 @@ def summarize(trace: dict) -> dict:
         acc[1] += 1
         (comm if kind == "communication" else compute).append((e["ts"], e["ts"] + e["dur"]))
     comm_u, compute_u = _union(comm), _union(compute)
+    start = min(e["ts"] for e in kernels)
     busy = _length(_union(comm + compute))
     span = max(e["ts"] + e["dur"] for e in kernels) - min(e["ts"] for e in kernels)
     ms = 1e-3 / n
@@ -104,10 +109,26 @@ def summarize(trace: dict) -> dict:
         "exposed_communication_ms": _minus(comm_u, compute_u) * ms,
         "idle_ms": (span - busy) * ms,
         "top": sorted(((v[0] * ms, v[1] / n, k) for k, v in by_name.items()), reverse=True),
+        "gaps": _gaps(kernels, compute_u, comm_u, start),
     }
 
 
-def render(name: str, s: dict, top: int) -> str:
+def _gaps(kernels: list[dict], compute_u: list, comm_u: list, start: float) -> list[dict]:
+    """Every stretch between two compute intervals, longest first: where it sits (ms from the first
+    kernel), how long it is, how much of it communication filled, and the compute kernels around it."""
+    ends = sorted((e["ts"] + e["dur"], e["name"]) for e in kernels if kind_of(e["name"]) != "communication")
+    starts = sorted((e["ts"], e["name"]) for e in kernels if kind_of(e["name"]) != "communication")
+    out = []
+    for (_, s), (e, _) in itertools.pairwise(compute_u):
+        before = ends[bisect.bisect_right(ends, (s, chr(0x10FFFF))) - 1][1]
+        after = starts[bisect.bisect_left(starts, (e, ""))][1]
+        comm = _length([(max(a, s), min(b, e)) for a, b in comm_u if a < e and b > s])
+        out.append({"at_ms": (s - start) / 1e3, "ms": (e - s) / 1e3, "comm_ms": comm / 1e3,
+                    "before": before, "after": after})  # fmt: skip
+    return sorted(out, key=lambda g: -g["ms"])
+
+
+def render(name: str, s: dict, top: int, gaps: int = 0) -> str:
     lines = [f"== {name}: {s['steps']} step(s); per step:"]
     lines.append(f"  span {s['span_ms']:9.1f} ms   kernel time (all streams) {s['kernel_ms']:9.1f} ms")
     for k, v in s["by_kind_ms"].items():
@@ -123,6 +144,12 @@ def render(name: str, s: dict, top: int) -> str:
     lines.append(f"  top {top} kernels (ms per step, calls per step):")
     for t, calls, kname in s["top"][:top]:
         lines.append(f"    {t:9.2f} {calls:7.1f}  {kind_of(kname):<14} {kname[:100]}")
+    if gaps:
+        lines.append(f"  {gaps} longest stretches without compute (at ms from the first kernel; ms; "
+                     "ms of it communication):")  # fmt: skip
+        for g in s["gaps"][:gaps]:
+            lines.append(f"    at {g['at_ms']:8.1f}  {g['ms']:6.2f} ms  comm {g['comm_ms']:6.2f}  "
+                         f"after {g['before'][:50]}  before {g['after'][:50]}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -130,12 +157,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("traces", nargs="+", type=Path)
     ap.add_argument("--top", type=int, default=20)
+    ap.add_argument("--gaps", type=int, default=0, help="list the N longest stretches without compute")
     a = ap.parse_args()
     for path in a.traces:
         if not path.is_file():
             print(f"error: no trace file {path}", file=sys.stderr)
             return 2
-        print(render(str(path), summarize(load(path)), a.top))
+        print(render(str(path), summarize(load(path)), a.top, a.gaps))
         print()
     return 0
 

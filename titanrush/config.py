@@ -132,6 +132,12 @@ class Metrics:
     device (or CPU) then gets no MFU."""
     all_ranks: bool = False
     """Every rank writes its own metrics (rank0 only by default)."""
+    sync_each_step: bool = False
+    """Wait for each logged step's loss before starting the next step: the GPU then runs dry while
+    the host launches the next step's first kernels. By default a logged step's loss and gradient norm
+    are copied to the host without waiting and its line is written once the next step is launched
+    (tokens/s is timed from when each step is seen done); the first and last steps, and steps that
+    validate or save a checkpoint, are written at once."""
 
 
 @dataclass

@@ -81,3 +81,16 @@ def test_cli_reads_gzip_and_rejects_missing_files(tmp_path):
 def test_a_trace_without_kernels_is_an_error():
     with pytest.raises(ValueError, match="no GPU kernels"):
         ts.summarize({"traceEvents": [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1}]})
+
+
+def test_gaps_name_their_place_length_communication_and_neighbours():
+    gaps = ts.summarize(_trace())["gaps"]
+    # compute runs [0,10], [12,20], [24,30]: two stretches without it, the longer first
+    assert [(g["at_ms"], g["ms"], g["comm_ms"]) for g in gaps] == [
+        pytest.approx((20e-3, 4e-3, 2e-3)),  # [20,24): the reduce-scatter fills [22,24)
+        pytest.approx((10e-3, 2e-3, 2e-3)),  # [10,12): the all-gather fills it
+    ]
+    assert (gaps[0]["before"], gaps[0]["after"]) == ("triton_poi_fused_add_0", "Memcpy DtoD")
+    assert (gaps[1]["before"], gaps[1]["after"]) == ("nvjet_tst_128x256_sm90", "triton_poi_fused_add_0")
+    text = ts.render("t", ts.summarize(_trace()), top=3, gaps=1)
+    assert "1 longest stretches" in text and "before Memcpy DtoD" in text and "before triton_poi" not in text

@@ -16,15 +16,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
+import logging
 import math
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+logger = logging.getLogger("titanrush")
 
 BACKENDS = ("sdpa", "cudnn", "flash", "flex", "math")
 
@@ -91,8 +95,10 @@ def import_flash_in_background() -> threading.Thread:
     an import that fails there raises its ImportError then."""
 
     def run() -> None:
+        t0 = time.perf_counter()
         with contextlib.suppress(ImportError):
             flash_kernels()
+            logger.info(f"flash-attn imported in {time.perf_counter() - t0:.1f} s, beside the set-up")
 
     thread = threading.Thread(target=run, name="flash-attn import", daemon=True)
     thread.start()
