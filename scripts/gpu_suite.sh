@@ -77,14 +77,17 @@
 #   phase AL (with .fa2 + .fa3 carried after STAGE): the float8 row's one-policy setting from empty caches
 #            (flash-attn imported beside the set-up); the best row; the best row with inductor's
 #            coordinate-descent tuning (titanrush alone)
-#   phase AN (with .fa2 + .fa3 carried after STAGE): the best row with each step's line written once the next
-#            step is launched (change 28) and with the wait for each step's loss; a two-step trace of the
-#            best row with its longest stretches without compute
+#   phase AN (with .fa2 + .fa3 carried after STAGE; ran at fc8e4c2, whose variant `_synced` was removed with
+#            the change it measured): the best row with each step's line written once the next step is
+#            launched and with the wait for each step's loss; a two-step trace of the best row with its
+#            longest stretches without compute
+#   phase AP (with .fa2 + .fa3 carried after STAGE): flash-attn-4 on grouped against repeated K/V heads
+#            (scripts/bench_flash_gqa.py, one GPU); the best row with NCCL's collectives on fewer SMs
 #   phase AO (after AN, same machine): the float8 row's one-policy setting from empty caches, the set-up
 #            stages split finer
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to AO, or STAGE}
+PHASE=${1:?phase A to AP, or STAGE}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -465,6 +468,14 @@ elif [ "$PHASE" = AN ]; then  # 4 GPUs, .fa2 + .fa3 after STAGE: change 28 on th
      --variants ac_none_zero2_flash_between --steps 12 --measure-from 6 --profile 10 --profile-steps 2 --gaps 30 \
      --timeout-per-run 130 > $S/sbs8b_an2.log 2>&1
   cp $S/sbs8b_an2/profiles.txt "$OUT/profiles_an.txt"
+elif [ "$PHASE" = AP ]; then  # 4 GPUs, .fa2 + .fa3 after STAGE
+  install_flash
+  CUDA_VISIBLE_DEVICES=0 timeout 150 python3 scripts/bench_flash_gqa.py > "$OUT/flash_gqa.md" 2>&1
+  V=ac_none_zero2_flash_between
+  timeout 440 python3 scripts/side_by_side.py --out $S/sbs8b_ap --rows 8b_compile_float8 \
+     --variants ${VARIANTS:-$V,${V}_ctas8,${V}_ctas16,${V}_ctas4} --steps 14 --measure-from 6 \
+     --timeout-per-run 110 > $S/sbs8b_ap.log 2>&1
+  cp $S/sbs8b_ap/results.md "$OUT/sbs8b_ap.md"
 elif [ "$PHASE" = AO ]; then  # 4 GPUs, after AN: first step from empty caches, the set-up's stages
   install_flash
   timeout 220 python3 scripts/side_by_side.py --out $S/sbs8b_ao --rows 8b_compile_float8 --fresh-compile-caches \

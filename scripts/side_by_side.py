@@ -123,11 +123,20 @@ _8B_VARIANTS = {
         *("--activation_checkpoint.mode", "none", "--parallelism.fsdp_reshard_after_forward", "never"),
         *("--model.attn_backend", "flash", "--no-model.flash_in_graph"),
     ],
-    # ... waiting for each step's loss before launching the next (before change 28)
-    "ac_none_zero2_flash_between_synced": [
-        *("--activation_checkpoint.mode", "none", "--parallelism.fsdp_reshard_after_forward", "never"),
-        *("--model.attn_backend", "flash", "--no-model.flash_in_graph", "--metrics.sync_each_step"),
-    ],
+    # ... with each NCCL collective on at most N thread blocks (more SMs for the matmuls beside them)
+    **{
+        f"ac_none_zero2_flash_between_ctas{n}": [
+            *("--activation_checkpoint.mode", "none", "--parallelism.fsdp_reshard_after_forward", "never"),
+            *(
+                "--model.attn_backend",
+                "flash",
+                "--no-model.flash_in_graph",
+                "--parallelism.nccl_max_ctas",
+                str(n),
+            ),
+        ]
+        for n in (4, 8, 16)
+    },
     # ... with FSDP's own reduce-scatter copy-in (chunk_cat; titanrush copies chunk by chunk since change 25)
     "ac_none_zero2_flash_between_chunkcat": [
         *("--activation_checkpoint.mode", "none", "--parallelism.fsdp_reshard_after_forward", "never"),

@@ -132,12 +132,6 @@ class Metrics:
     device (or CPU) then gets no MFU."""
     all_ranks: bool = False
     """Every rank writes its own metrics (rank0 only by default)."""
-    sync_each_step: bool = False
-    """Wait for each logged step's loss before starting the next step: the GPU then runs dry while
-    the host launches the next step's first kernels. By default a logged step's loss and gradient norm
-    are copied to the host without waiting and its line is written once the next step is launched
-    (tokens/s is timed from when each step is seen done); the first and last steps, and steps that
-    validate or save a checkpoint, are written at once."""
 
 
 @dataclass
@@ -177,6 +171,11 @@ class Parallelism:
     per-rank chunks instead of FSDP's chunk_cat, whose bf16 -> fp32 kernel is 1.6x slower (27 ms per step
     on the 8B float8 row, see docs/benchmarks/performance.md). Applies to the whole process; false =
     FSDP's own."""
+    nccl_max_ctas: int = 0
+    """The most thread blocks (so SMs) one NCCL collective may use (NCCL_MAX_CTAS, set before the
+    process group starts; one already in the environment wins); 0 = NCCL's own choice. Fewer leave more
+    SMs to the matmuls that run beside FSDP's all-gathers and reduce-scatters, and make each collective
+    slower."""
     sequence_parallel: bool = True
     """With tp > 1: shard the norms' activations over the sequence."""
     loss_parallel: bool = True
@@ -633,6 +632,9 @@ def validate(cfg: JobConfig) -> None:
             f"parallelism.fsdp_keep_gathered_last = {keep} only applies to fsdp_reshard_after_forward = "
             f"default (not {cfg.parallelism.fsdp_reshard_after_forward!r}): remove one of them"
         )
+    ctas = cfg.parallelism.nccl_max_ctas
+    if not 0 <= ctas <= 64:
+        raise ConfigError(f"parallelism.nccl_max_ctas = {ctas}: use 0 (NCCL's choice) or 1 to 64")
     if ac.op_all_last < 0:
         raise ConfigError(f"activation_checkpoint.op_all_last = {ac.op_all_last}: use 0 or a positive count")
     threads = ac.offload_pin_threads

@@ -175,44 +175,32 @@ def format_line(record: dict[str, Any]) -> str:
 
 
 class Throughput:
-    """Tokens and time between logged steps; turns them into tps, TFLOP/s and MFU.
-
-    A logged step's counts are taken when the host has launched it (`take`) and turned into rates
-    when it is seen done on the device (`rates`): the time between two logged steps being seen done
-    is the time the steps between them took. `read` does both at once.
-    """
+    """Accumulates tokens and time between logs; turns them into tps, TFLOP/s and MFU."""
 
     def __init__(self, flops_per_token: float, peak: float | None) -> None:
         self.flops_per_token = flops_per_token
         self.peak = peak
-        self.t_last = time.perf_counter()
-        self.tokens, self.steps, self.data_wait = 0, 0, 0.0
+        self.reset()
+
+    def reset(self) -> None:
+        self.t0 = time.perf_counter()
+        self.tokens = 0
+        self.steps = 0
+        self.data_wait = 0.0
 
     def add(self, tokens: int, data_wait: float) -> None:
         self.tokens += tokens
         self.steps += 1
         self.data_wait += data_wait
 
-    def take(self) -> tuple[int, int, float]:
-        """(tokens, steps, data wait seconds) added since the last take; starts the next count."""
-        counts = (self.tokens, self.steps, self.data_wait)
-        self.tokens, self.steps, self.data_wait = 0, 0, 0.0
-        return counts
-
-    def rates(self, counts: tuple[int, int, float]) -> dict[str, float | None]:
-        """Rates of `counts` over the time since the last call (or since construction)."""
-        now = time.perf_counter()
-        elapsed, self.t_last = max(now - self.t_last, 1e-9), now
-        tokens, steps, data_wait = counts
-        tps = tokens / elapsed
+    def read(self) -> dict[str, float | None]:
+        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        tps = self.tokens / elapsed
         tflops = tps * self.flops_per_token / 1e12
         return {
             "tps": tps,
             "tflops": tflops,
             "mfu": 100 * tflops / self.peak if self.peak else None,
-            "data_wait_pct": 100 * data_wait / elapsed,
-            "step_time": elapsed / max(steps, 1),
+            "data_wait_pct": 100 * self.data_wait / elapsed,
+            "step_time": elapsed / max(self.steps, 1),
         }
-
-    def read(self) -> dict[str, float | None]:
-        return self.rates(self.take())

@@ -215,6 +215,13 @@ def set_allocator(*, expandable: bool, pin_threads: int = 0) -> None:
         torch.cuda.memory._set_allocator_settings(setting)
 
 
+def nccl_settings(environ: dict[str, str] | os._Environ, *, max_ctas: int) -> None:
+    """NCCL's settings that titanrush's config sets, as the environment variables NCCL reads when a
+    communicator starts; a variable already set wins."""
+    if max_ctas > 0:
+        environ.setdefault("NCCL_MAX_CTAS", str(max_ctas))
+
+
 class Trainer:
     """Owns the model, optimizer, data and metrics of one run."""
 
@@ -246,6 +253,8 @@ class Trainer:
             self.device = torch.device("cpu")
         if self.world_size > 1 and not dist.is_initialized():
             backend = "nccl" if self.device.type == "cuda" else "gloo"
+            if backend == "nccl":
+                nccl_settings(os.environ, max_ctas=cfg.parallelism.nccl_max_ctas)
             dist.init_process_group(backend, device_id=self.device if backend == "nccl" else None)
         marks.append(("config and process group", time.perf_counter()))
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
@@ -561,67 +570,24 @@ class Trainer:
         return total, grad_norm, data_wait
 
     def _global_mean(self, value: torch.Tensor) -> float:
-        return self._global_mean_queued(value).item()
-
-    def _global_mean_queued(self, value: torch.Tensor) -> torch.Tensor:
-        """Average over the data-parallel (and context-parallel) ranks, the same on every rank; the
-        reductions are queued on the device, nothing waits for them.
+        """Average over the data-parallel (and context-parallel) ranks; the same on every rank.
 
         With pipelining only the last stage holds the loss: summing over the pipeline ranks first gives
         every stage the true value.
         """
-        value = value.detach().float().clone()
         if self.mesh is None:
-            return value
+            return value.item()
+        value = value.detach().float().clone()
         if self.dims.pp > 1:
             dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh["pp"].get_group())
         if self.dims.dp * self.dims.cp == 1:
-            return value
+            return value.item()
         dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh["dp_cp"].get_group())
-        return value / (self.dims.dp * self.dims.cp)
-
-    def _queue_log(self, loss: torch.Tensor, grad_norm: torch.Tensor, throughput: Throughput) -> _LoggedStep:
-        """This step's figures: what the host knows now, and the loss and gradient norm on their way to
-        it (copied without waiting; `done` fires once they have arrived)."""
-        to_host = {"non_blocking": True} if self.device.type == "cuda" else {}
-        values = (self._global_mean_queued(loss).to("cpu", **to_host), grad_norm.to("cpu", **to_host))
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
-        mem = self.memory.read_and_reset()  # the allocator's figures are the host's: this step's own
-        host = {
-            "lr": self.lr,
-            "mem_active_gib": mem.active_gib,
-            "mem_reserved_gib": mem.reserved_gib,
-            "mem_active_pct": mem.active_pct,
-            "mem_reserved_pct": mem.reserved_pct,
-        }
-        if self.offloaders:  # activation offload: GiB this rank moved to the host (and back)
-            host["offload_gib"] = sum(o.bytes_offloaded for o in self.offloaders) / 2**30
-        return _LoggedStep(self.step, values, done, throughput.take(), host)
-
-    def _write_log(self, logged: _LoggedStep, throughput: Throughput) -> float:
-        """Wait for a queued step's loss and gradient norm, check the loss, write the record; the loss."""
-        if logged.done is not None:
-            logged.done.synchronize()
-        loss, grad_norm = (v.item() for v in logged.values)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {logged.step}")
-        host = dict(logged.host)
-        lr = host.pop("lr")
-        rates = throughput.rates(logged.counts)  # timed from the step being seen done
-        self.metrics.log(logged.step, {"loss": loss, "grad_norm": grad_norm, "lr": lr, **rates, **host})
-        return loss
+        return value.item() / (self.dims.dp * self.dims.cp)
 
     def train(self, stop_at: int | None = None) -> list[float]:
         """Run the loop to training.steps (or to step `stop_at`, as if the job were cut off there);
-        return the losses of the logged steps.
-
-        A logged step's line is written once the next step has been launched (metrics.sync_each_step
-        says why), except where the loop waits anyway: the first and last steps, validation and
-        checkpoint steps, all of whose lines are written at once.
-        """
+        return the losses of the logged steps."""
         t = self.cfg.training
         last = t.steps if stop_at is None else min(stop_at, t.steps)
         if t.gc_freq > 0:
@@ -630,7 +596,6 @@ class Trainer:
         data_iter = iter(self.train_loader)
         throughput = Throughput(self.flops_per_token, self.peak)
         logged: list[float] = []
-        queued: _LoggedStep | None = None
         while self.step < last:
             self.step += 1
             if t.gc_freq > 0 and self.step % t.gc_freq == 0:
@@ -640,17 +605,27 @@ class Trainer:
             loss, grad_norm, data_wait = self.train_step(data_iter)
             self.profiler.step()
             throughput.add(self.tokens_per_gpu_step, data_wait)
-            if queued is not None:  # the previous logged step: done on the device by now, or nearly
-                logged.append(self._write_log(queued, throughput))
-                queued = None
-            validate = bool(self.cfg.validation.freq) and self.step % self.cfg.validation.freq == 0
-            save = self.checkpointer.due(self.step, last=self.step == t.steps)
             if self._should_log(self.step):
-                queued = self._queue_log(loss, grad_norm, throughput)
-                if self.cfg.metrics.sync_each_step or self.step in (1, last) or validate or save:
-                    logged.append(self._write_log(queued, throughput))
-                    queued = None
-            if validate:
+                loss_value = self._global_mean(loss)
+                if not math.isfinite(loss_value):
+                    raise FloatingPointError(f"loss is {loss_value} at step {self.step}")
+                logged.append(loss_value)
+                mem = self.memory.read_and_reset()
+                record = {
+                    "loss": loss_value,
+                    "grad_norm": grad_norm.item(),
+                    "lr": self.lr,
+                    **throughput.read(),
+                    "mem_active_gib": mem.active_gib,
+                    "mem_reserved_gib": mem.reserved_gib,
+                    "mem_active_pct": mem.active_pct,
+                    "mem_reserved_pct": mem.reserved_pct,
+                }
+                if self.offloaders:  # activation offload: GiB this rank moved to the host (and back)
+                    record["offload_gib"] = sum(o.bytes_offloaded for o in self.offloaders) / 2**30
+                self.metrics.log(self.step, record)
+                throughput.reset()
+            if self.cfg.validation.freq and self.step % self.cfg.validation.freq == 0:
                 self.validate()
             ck = self.cfg.checkpoint
             self.checkpointer.maybe_save(
@@ -708,17 +683,6 @@ class Trainer:
             # shutdown, gloo's aborts the process now and then ("terminate called without an active
             # exception", seen in about 1 run in 10 on CPU with a DeviceMesh).
             gc.collect()
-
-
-@dataclasses.dataclass
-class _LoggedStep:
-    """A logged step whose loss and gradient norm are on their way to the host."""
-
-    step: int
-    values: tuple[torch.Tensor, torch.Tensor]  # host copies of (loss, grad norm), valid once `done` fired
-    done: torch.cuda.Event | None  # None on CPU, where the copies are done when made
-    counts: tuple[int, int, float]  # Throughput.take() at this step
-    host: dict[str, Any]  # lr, memory and offload figures, read when the step was launched
 
 
 def _process_age() -> float | None:

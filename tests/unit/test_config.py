@@ -117,6 +117,8 @@ def test_extends_cycle_is_an_error(tmp_path):
         (["--parallelism.dp_shard", "0"], "parallelism.dp_shard must be -1 or >= 1"),
         (["--activation_checkpoint.offload_pin_threads", "6"], "offload_pin_threads = 6: use 0 or a power"),
         (["--activation_checkpoint.offload_pin_threads", "256"], "offload_pin_threads = 256: use 0 or"),
+        (["--parallelism.nccl_max_ctas", "-1"], r"nccl_max_ctas = -1: use 0 \(NCCL's choice\) or 1 to 64"),
+        (["--parallelism.nccl_max_ctas", "65"], "nccl_max_ctas = 65: use 0"),
     ],
 )
 def test_cli_errors(args, pattern):

@@ -172,7 +172,7 @@ def test_profile_and_snapshot_flags_are_checked(tmp_path):
     script = str(Path(sbs.__file__))
     for extra, msg in (
         (["--profile", "5", "--memory-snapshot", "5"], "give one"),
-        (["--profile", "50"], "must be in 4..--steps"),
+        (["--profile", "50"], "must end in 4..--steps"),
         (["--variants", "same,fast"], "unknown variants ['fast']"),
     ):
         out = subprocess.run(

@@ -201,71 +201,14 @@ def test_set_allocator_pins_by_host_register_with_threads(monkeypatch):
     assert len(seen) == 3
 
 
-def _record_order(monkeypatch) -> list[tuple[str, int]]:
-    """Patch the trainer to note when each step is launched, each training line written and each
-    checkpoint saved."""
-    from titanrush.checkpoint import CheckpointManager
-    from titanrush.metrics import MetricsLogger
+def test_nccl_settings_become_nccls_variables_and_leave_set_ones():
+    from titanrush.trainer import nccl_settings
 
-    events: list[tuple[str, int]] = []
-    launch, write, save = Trainer.train_step, MetricsLogger.log, CheckpointManager.save
-
-    def train_step(self, data_iter):
-        events.append(("run", self.step))
-        return launch(self, data_iter)
-
-    def log(self, step, values, *, prefix=""):
-        if "loss" in values and not prefix:  # a training line (not validation's, not a checkpoint's)
-            events.append(("log", step))
-        return write(self, step, values, prefix=prefix)
-
-    def save_(self, step, **kw):
-        events.append(("save", step))
-        return save(self, step, **kw)
-
-    monkeypatch.setattr(Trainer, "train_step", train_step)
-    monkeypatch.setattr(MetricsLogger, "log", log)
-    monkeypatch.setattr(CheckpointManager, "save", save_)
-    return events
-
-
-def test_a_logged_step_is_written_once_the_next_is_launched(tmp_path, monkeypatch):
-    """No wait for the device between steps: step k's line comes after step k+1 is launched, except the
-    first and last steps and a checkpoint's step (written before it saves); sync_each_step writes each
-    at once. Both give the same figures."""
-    events = _record_order(monkeypatch)
-    args = ("--training.steps", "5", "--checkpoint.enable", "--checkpoint.interval", "3")
-    queued = run_inprocess(small(tmp_path, "queued", *args))
-    assert events == [
-        ("run", 1), ("log", 1), ("run", 2), ("run", 3), ("log", 2), ("log", 3), ("save", 3),
-        ("run", 4), ("run", 5), ("log", 4), ("log", 5), ("save", 5),
-    ]  # fmt: skip
-    events.clear()
-    synced = run_inprocess(small(tmp_path, "synced", *args, "--metrics.sync_each_step"))
-    assert events == [
-        ("run", 1), ("log", 1), ("run", 2), ("log", 2), ("run", 3), ("log", 3), ("save", 3),
-        ("run", 4), ("log", 4), ("run", 5), ("log", 5), ("save", 5),
-    ]  # fmt: skip
-    assert queued == synced and len(queued) == 5
-    rows = {name: [r for r in read_metrics(tmp_path / name) if "loss" in r] for name in ("queued", "synced")}
-    assert [r["grad_norm"] for r in rows["queued"]] == [r["grad_norm"] for r in rows["synced"]]
-    assert all(r["tps"] > 0 and r["step_time"] > 0 for r in rows["queued"])
-
-
-def test_a_nonfinite_loss_stops_the_run_before_its_checkpoint(tmp_path, monkeypatch):
-    """The loss check names the step even when its line is written a step later, and a checkpoint step
-    checks its loss before it saves."""
-    events = _record_order(monkeypatch)
-    launch = Trainer.train_step
-
-    def poisoned(self, data_iter, at=(2, 3)):
-        loss, grad_norm, wait = launch(self, data_iter)
-        return (loss * float("nan") if self.step in at else loss), grad_norm, wait
-
-    monkeypatch.setattr(Trainer, "train_step", poisoned)
-    args = ("--training.steps", "5", "--checkpoint.enable", "--checkpoint.interval", "3")
-    with pytest.raises(FloatingPointError, match="loss is nan at step 2"):
-        run_inprocess(small(tmp_path, "nan", *args))
-    assert ("save", 3) not in events and ("run", 3) in events  # found after step 3 was launched
-    ckpt = tmp_path / "nan" / config.load(None, []).checkpoint.folder
-    assert not ckpt.exists() or not any(ckpt.iterdir())
+    env: dict[str, str] = {}
+    nccl_settings(env, max_ctas=0)
+    assert env == {}  # NCCL's own choice
+    nccl_settings(env, max_ctas=8)
+    assert env == {"NCCL_MAX_CTAS": "8"}
+    env = {"NCCL_MAX_CTAS": "16"}
+    nccl_settings(env, max_ctas=8)
+    assert env == {"NCCL_MAX_CTAS": "16"}  # the launcher's wins
