@@ -85,9 +85,12 @@
 #            (scripts/bench_flash_gqa.py, one GPU); the best row with NCCL's collectives on fewer SMs
 #   phase AO (after AN, same machine): the float8 row's one-policy setting from empty caches, the set-up
 #            stages split finer
+#   phase AQ (with .fa2 + .fa3 carried after STAGE): the optimizer step unit by unit beside the next forward
+#            (change 29) on the best row and on the float8 row's one-policy setting
+#   phase AR (after AQ, same machine): its GPU test (2 GPUs); a two-step trace of the best row with it
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to AP, or STAGE}
+PHASE=${1:?phase A to AR, or STAGE}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -468,6 +471,21 @@ elif [ "$PHASE" = AN ]; then  # 4 GPUs, .fa2 + .fa3 after STAGE: change 28 on th
      --variants ac_none_zero2_flash_between --steps 12 --measure-from 6 --profile 10 --profile-steps 2 --gaps 30 \
      --timeout-per-run 130 > $S/sbs8b_an2.log 2>&1
   cp $S/sbs8b_an2/profiles.txt "$OUT/profiles_an.txt"
+elif [ "$PHASE" = AQ ]; then  # 4 GPUs, .fa2 + .fa3 after STAGE: change 29
+  install_flash
+  V=ac_none_zero2_flash_between
+  timeout 560 python3 scripts/side_by_side.py --out $S/sbs8b_aq --rows 8b_compile_float8 \
+     --variants ${VARIANTS:-$V,${V}_overlap,w3_keep24_pool_flash,w3_keep24_pool_flash_overlap} --steps 14 \
+     --measure-from 6 --timeout-per-run 110 > $S/sbs8b_aq.log 2>&1
+  cp $S/sbs8b_aq/results.md "$OUT/sbs8b_aq.md"
+elif [ "$PHASE" = AR ]; then  # 4 GPUs, after AQ: change 29's GPU test; the best row's trace with it
+  install_flash
+  CUDA_VISIBLE_DEVICES=0,1 timeout 300 python3 -m pytest tests/gpu/test_parallel_gpu.py -k "beside_the_forward" \
+     -q -rs -s -p no:cacheprovider > "$OUT/gpu_tests_overlap.txt" 2>&1
+  timeout 150 python3 scripts/side_by_side.py --out $S/sbs8b_ar --rows 8b_compile_float8 --trainers titanrush \
+     --variants ac_none_zero2_flash_between_overlap --steps 12 --measure-from 6 --profile 10 --profile-steps 2 \
+     --gaps 30 --timeout-per-run 130 > $S/sbs8b_ar.log 2>&1
+  cp $S/sbs8b_ar/profiles.txt "$OUT/profiles_ar.txt"
 elif [ "$PHASE" = AP ]; then  # 4 GPUs, .fa2 + .fa3 after STAGE
   install_flash
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 scripts/bench_flash_gqa.py > "$OUT/flash_gqa.md" 2>&1

@@ -137,6 +137,11 @@ _8B_VARIANTS = {
         ]
         for n in (4, 8, 16)
     },
+    # ... with the optimizer step unit by unit beside the next forward (change 29)
+    "ac_none_zero2_flash_between_overlap": [
+        *("--activation_checkpoint.mode", "none", "--parallelism.fsdp_reshard_after_forward", "never"),
+        *("--model.attn_backend", "flash", "--no-model.flash_in_graph", "--optimizer.overlap_step"),
+    ],
     # ... with FSDP's own reduce-scatter copy-in (chunk_cat; titanrush copies chunk by chunk since change 25)
     "ac_none_zero2_flash_between_chunkcat": [
         *("--activation_checkpoint.mode", "none", "--parallelism.fsdp_reshard_after_forward", "never"),
@@ -152,6 +157,11 @@ _8B_VARIANTS = {
         ]
         for k in (0, 16, 20, 24)
     },
+    "w3_keep24_pool_flash_overlap": [
+        *("--training.loss", "chunked", "--activation_checkpoint.op_matmuls", "all_but_w3"),
+        *("--model.attn_backend", "flash", "--parallelism.fsdp_keep_gathered_last", "24"),
+        "--optimizer.overlap_step",
+    ],
     # Activation offload: every E-th of the first F blocks keeps every matmul output in host memory,
     # which pays for the last M blocks keeping every matmul output too (alternate elsewhere).
     **{f"off{f}e{e}_last{m}": [*_offload_flags(f, e, m), *_OWN] for f, e, m in _OFFLOAD_VARIANTS},

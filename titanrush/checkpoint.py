@@ -306,8 +306,12 @@ class CheckpointManager:
         if not self.enable:
             return
         self.poll()
-        if last or step % self.interval == 0:
+        if self.due(step, last=last):
             self.save(step, model_only=model_only and last, dtype=dtype if last and model_only else None)
+
+    def due(self, step: int, *, last: bool) -> bool:
+        """Whether maybe_save saves at this step."""
+        return self.enable and (last or step % self.interval == 0)
 
     def save(self, step: int, *, model_only: bool = False, dtype: torch.dtype | None = None) -> Path:
         """Write step-<step>.tmp, then rename it to step-<step> once it is complete on every rank."""

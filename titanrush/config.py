@@ -107,6 +107,10 @@ class Optimizer:
     """Decoupled weight decay."""
     implementation: Literal["fused", "foreach", "for-loop"] = "fused"
     """AdamW kernel: fused (one kernel), foreach (multi-tensor), for-loop (one tensor at a time)."""
+    overlap_step: bool = False
+    """With FSDP: step the optimizer one FSDP unit at a time on a side stream, each unit's update (and
+    its float8 weight scales) awaited only by that unit's next all-gather, so the step runs beside the
+    next forward instead of before it. The same update; not with pipelining or FSDP's CPU offload."""
 
 
 @dataclass

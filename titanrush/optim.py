@@ -13,7 +13,7 @@ from titanrush.config import ConfigError
 
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter],
+    params: Iterable[torch.nn.Parameter] | list[list[torch.nn.Parameter]],
     *,
     name: str,
     lr: float,
@@ -22,8 +22,13 @@ def build_optimizer(
     weight_decay: float,
     implementation: str,
 ) -> torch.optim.Optimizer:
-    """AdamW from torch (fused / foreach / for-loop kernels) or torchao's low-bit AdamW."""
-    params = [p for p in params if p.requires_grad]
+    """AdamW from torch (fused / foreach / for-loop kernels) or torchao's low-bit AdamW; `params` is the
+    parameters, or lists of them (one parameter group each)."""
+    params = list(params)
+    if params and isinstance(params[0], list):
+        params = [{"params": [p for p in g if p.requires_grad]} for g in params]
+    else:
+        params = [p for p in params if p.requires_grad]
     if name == "adamw":
         impl = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}
         return torch.optim.AdamW(

@@ -51,9 +51,10 @@ from titanrush.parallel.activation_offload import bind_near_gpu
 from titanrush.parallel.compile import start_compile_workers
 from titanrush.parallel.context_parallel import context_parallel_step, set_rotate_method
 from titanrush.parallel.float8 import precompute_float8_scales
-from titanrush.parallel.grad_clip import clip_grad_norm_
+from titanrush.parallel.grad_clip import clip_coefficient, clip_grad_norm_
 from titanrush.parallel.parallel_dims import ParallelDims
 from titanrush.parallel.pipeline import check_explicit_split, stages_per_rank
+from titanrush.parallel.step_overlap import OverlappedStep, param_groups
 from titanrush.parallel.tensor_parallel import loss_parallel_context
 from titanrush.profiling import Profiler
 
@@ -179,6 +180,19 @@ def _check_combinations(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> 
         if p.pp_layers_per_stage:
             check_explicit_split(p.pp_layers_per_stage, args.n_layers, n_stages)
     check_combinations(dims, loss_chunk_size=args.loss_chunk_size, cpu_offload=p.fsdp_cpu_offload)
+    if cfg.optimizer.overlap_step:
+        why = (
+            "it steps FSDP's units" if not dims.fsdp_enabled
+            else "pipeline stages step their own parts" if dims.pp > 1
+            else "FSDP's CPU offload keeps the gradients on the host" if p.fsdp_cpu_offload
+            else "torchao's low-bit AdamW" if cfg.optimizer.name != "adamw"
+            else None
+        )  # fmt: skip
+        if why:
+            raise ConfigError(
+                f"optimizer.overlap_step needs FSDP without pipelining or CPU offload, with optimizer.name = "
+                f"'adamw' ({why}); set optimizer.overlap_step = false"
+            )
 
 
 def check_ac_blocks(cfg: JobConfig, args: ModelArgs) -> None:
@@ -336,8 +350,9 @@ class Trainer:
 
         # 4. Optimizer, schedule, data.
         o = cfg.optimizer
+        units = getattr(model, "fsdp_units", None) if o.overlap_step else None
         self.optimizer = build_optimizer(
-            model.parameters(),
+            param_groups(units, model) if units is not None else model.parameters(),
             name=o.name,
             lr=o.lr,
             betas=(o.beta1, o.beta2),
@@ -345,6 +360,10 @@ class Trainer:
             weight_decay=o.weight_decay,
             implementation=o.implementation,
         )
+        self.step_overlap = None
+        if units is not None:  # the step unit by unit, beside the next forward
+            scales = precompute_float8_scales if self.float8_precompute else None
+            self.step_overlap = OverlappedStep(self.optimizer, root=model, units=units, scales=scales)
         s = cfg.lr_scheduler
         self.scheduler = build_lr_scheduler(
             self.optimizer,
@@ -559,13 +578,18 @@ class Trainer:
             data_wait += time.perf_counter() - t0
             total += step_fn(batch)
         pp_mesh = self.mesh["pp"] if self.pipeline is not None else None
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.cfg.training.max_norm, pp_mesh=pp_mesh)
+        max_norm = self.cfg.training.max_norm
+        overlap = self.step_overlap
+        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, pp_mesh=pp_mesh, scale=overlap is None)
         # This step's rate (torchao's low-bit AdamW keeps it as a tensor).
         self.lr = float(self.optimizer.param_groups[0]["lr"])
         self.checkpointer.wait_for_staging()  # an async_pinned save may still be copying the weights
-        self.optimizer.step()
-        if self.float8_precompute:
-            precompute_float8_scales(self.model)
+        if overlap is not None:  # each unit's update (and float8 scales) awaited by its next all-gather
+            overlap.step(clip_coefficient(grad_norm, max_norm) if max_norm > 0 else None)
+        else:
+            self.optimizer.step()
+            if self.float8_precompute:
+                precompute_float8_scales(self.model)
         self.scheduler.step()
         return total, grad_norm, data_wait
 
@@ -625,7 +649,12 @@ class Trainer:
                     record["offload_gib"] = sum(o.bytes_offloaded for o in self.offloaders) / 2**30
                 self.metrics.log(self.step, record)
                 throughput.reset()
-            if self.cfg.validation.freq and self.step % self.cfg.validation.freq == 0:
+            validate = bool(self.cfg.validation.freq) and self.step % self.cfg.validation.freq == 0
+            if self.step_overlap is not None and (
+                validate or self.step == last or self.checkpointer.due(self.step, last=self.step == t.steps)
+            ):
+                self.step_overlap.finish()  # the parameters are read before the next forward
+            if validate:
                 self.validate()
             ck = self.cfg.checkpoint
             self.checkpointer.maybe_save(

@@ -212,3 +212,8 @@ def test_nccl_settings_become_nccls_variables_and_leave_set_ones():
     env = {"NCCL_MAX_CTAS": "16"}
     nccl_settings(env, max_ctas=8)
     assert env == {"NCCL_MAX_CTAS": "16"}  # the launcher's wins
+
+
+def test_overlap_step_without_fsdp_is_a_config_error(tmp_path):
+    with pytest.raises(config.ConfigError, match=r"overlap_step needs FSDP .*\(it steps FSDP's units\)"):
+        Trainer(config.load(None, small(tmp_path, "overlap", "--optimizer.overlap_step")))

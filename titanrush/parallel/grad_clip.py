@@ -12,9 +12,14 @@ from torch.distributed.tensor import DTensor, Replicate
 
 @torch.no_grad()
 def clip_grad_norm_(
-    params: Iterable[torch.nn.Parameter], max_norm: float, pp_mesh: DeviceMesh | None = None
+    params: Iterable[torch.nn.Parameter],
+    max_norm: float,
+    pp_mesh: DeviceMesh | None = None,
+    *,
+    scale: bool = True,
 ) -> torch.Tensor:
     """Scale gradients so that their global L2 norm is at most max_norm (0 = no clipping); return the norm.
+    `scale=False` only computes the norm (the caller applies `clip_coefficient` itself).
 
     Sharded gradients (FSDP, TP) contribute their shard's squares and are summed over their mesh by
     DTensor; with pipeline parallelism each stage holds different parameters, so the squares are
@@ -47,11 +52,15 @@ def clip_grad_norm_(
         total_sq = total_sq.to(_mesh_device(pp_mesh))
         dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
     total = total_sq.sqrt()
-    if max_norm > 0 and grads:
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    if scale and max_norm > 0 and grads:
         locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        torch._foreach_mul_(locals_, coef.to(locals_[0].device))
+        torch._foreach_mul_(locals_, clip_coefficient(total, max_norm).to(locals_[0].device))
     return total
+
+
+def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What gradients with global norm `total` are multiplied by to clip them to `max_norm`."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
 def _sum_sq(tensors: list[torch.Tensor]) -> torch.Tensor:
