@@ -50,7 +50,7 @@ from titanrush.optim import build_lr_scheduler, build_optimizer
 from titanrush.parallel.activation_offload import bind_near_gpu
 from titanrush.parallel.compile import start_compile_workers
 from titanrush.parallel.context_parallel import context_parallel_step, set_rotate_method
-from titanrush.parallel.float8 import precompute_float8_scales
+from titanrush.parallel.float8 import float8_scales_over, precompute_float8_scales
 from titanrush.parallel.grad_clip import clip_coefficient, clip_grad_norm_
 from titanrush.parallel.parallel_dims import ParallelDims
 from titanrush.parallel.pipeline import check_explicit_split, stages_per_rank
@@ -362,8 +362,14 @@ class Trainer:
         )
         self.step_overlap = None
         if units is not None:  # the step unit by unit, beside the next forward
-            scales = precompute_float8_scales if self.float8_precompute else None
-            self.step_overlap = OverlappedStep(self.optimizer, root=model, units=units, scales=scales)
+            scales, beside = (precompute_float8_scales if self.float8_precompute else None), False
+            if self.float8_precompute and self.dims.dp_shard * self.dims.cp == self.world_size:
+                # FSDP's mesh is every rank: the scales' all-reduce gets a group of its own (see
+                # float8_scales_over), so it runs on the side stream right after each unit's update
+                scales, beside = float8_scales_over(dist.new_group()), True
+            self.step_overlap = OverlappedStep(
+                self.optimizer, root=model, units=units, scales=scales, scales_beside=beside
+            )
         s = cfg.lr_scheduler
         self.scheduler = build_lr_scheduler(
             self.optimizer,

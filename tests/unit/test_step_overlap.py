@@ -92,3 +92,23 @@ def test_build_optimizer_takes_parameter_groups():
     opt = build_optimizer(param_groups([[m] for m in model], model), **kw)
     assert [len(g["params"]) for g in opt.param_groups] == [2, 2, 2, 2]
     assert len(build_optimizer(model.parameters(), **kw).param_groups) == 1
+
+
+def test_scales_beside_follow_each_update_within_the_step():
+    model = _model()
+    units = [[m] for m in model]
+    seen: list[tuple[int, bool]] = []
+    before = {id(m): m.weight.detach().clone() for m in model}
+
+    def scales(module: nn.Module) -> torch.Tensor:
+        seen.append((list(model).index(module), not torch.equal(module.weight, before[id(module)])))
+        return torch.ones(1)
+
+    opt = _adamw(param_groups(units, model), lr=0.1)
+    overlap = OverlappedStep(opt, root=model, units=units, scales=scales, scales_beside=True)
+    _backward(model)
+    overlap.step(None)
+    assert seen == [(0, True), (1, True), (2, True), (3, True)]  # each right after its own update
+    with torch.no_grad():
+        model(torch.zeros(1, 8))
+    assert len(seen) == 4 and not overlap.pending  # the forward's hooks only wait

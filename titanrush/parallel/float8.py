@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from titanrush.config import ConfigError
 
@@ -92,3 +96,39 @@ def precompute_float8_scales(model: nn.Module) -> None:
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def float8_scales_over(group: Any) -> Callable[[nn.Module], torch.Tensor | None]:
+    """torchao's precompute of FSDP's float8 weight scales, with its all-reduce on `group`, a process group
+    of its own (same ranks as FSDP's 1-D mesh), so that it can run beside FSDP's collectives instead of
+    queued behind them on FSDP's communicator.
+
+    The same arithmetic as `precompute_float8_dynamic_scale_for_fsdp`: each weight's amax over its
+    shards (a max all-reduce), at least EPS, then the float8 maximum over it in float64, kept in
+    float32. Returns the module's local scale tensor (None without float8 weights), which the caller may
+    mark as used by other streams.
+    """
+    import torch.distributed as dist
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.float8.float8_utils import EPS
+    from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor
+
+    @torch.no_grad()
+    def scales(module: nn.Module) -> torch.Tensor | None:
+        linears = [
+            m for m in module.modules()
+            if isinstance(m, Float8Linear) and isinstance(m.weight, DTensor)
+            and isinstance(m.weight._local_tensor, WeightWithDynamicFloat8CastTensor)
+        ]  # fmt: skip
+        if not linears:
+            return None
+        (dtype,) = {m.config.cast_config_weight.target_dtype for m in linears}
+        shards = [m.weight._local_tensor._tensor for m in linears]
+        amax = torch.stack(torch._foreach_norm(shards, ord=math.inf))
+        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+        scale = (torch.finfo(dtype).max / torch.clamp(amax, EPS).to(torch.float64)).to(torch.float32)
+        for i, m in enumerate(linears):
+            m.weight._local_tensor._precomputed_scale = scale[i]
+        return scale
+
+    return scales

@@ -54,6 +54,10 @@ class OverlappedStep:
             and prefetches unit i + 1 (FSDP's explicit forward prefetch, `fsdp._set_prefetch`).
         scales: Computes the float8 weight scales of a module's weights after their update (torchao's
             precompute for FSDP's float8 all-gather); None without float8 all-gather.
+        scales_beside: `scales` runs its all-reduce on a process group of its own (`float8_scales_over`):
+            it then runs on the side stream right after each unit's update, and returns the scale tensor.
+            Otherwise (torchao's, on FSDP's communicator, where it would queue behind the all-gathers it
+            must precede) it runs in the forward hooks on the compute stream.
     """
 
     def __init__(
@@ -62,7 +66,8 @@ class OverlappedStep:
         *,
         root: nn.Module,
         units: Sequence[Sequence[nn.Module]],
-        scales: Callable[[nn.Module], None] | None,
+        scales: Callable[[nn.Module], torch.Tensor | None] | None,
+        scales_beside: bool = False,
     ) -> None:
         n_groups = len(optimizer.param_groups)
         own = n_groups - len(units)  # 1 when the root holds parameters of its own (a tied table)
@@ -71,6 +76,7 @@ class OverlappedStep:
         self.optimizer = optimizer
         self.root = root
         self.scales = scales
+        self.scales_beside = scales_beside
         self.modules: list[Sequence[nn.Module]] = [(), *units] if own else list(units)  # per group
         device = next(p.device for g in optimizer.param_groups for p in g["params"])
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -87,38 +93,50 @@ class OverlappedStep:
     def step(self, clip_coef: torch.Tensor | None) -> None:
         """Queue every group's update, the gradients scaled by `clip_coef` first (when given)."""
         self.finish()  # a step whose next forward never ran (one before a validation pass, say)
+        readers: list[Any] = []  # the streams that read the float8 scales made on the side stream
         if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
+            compute = torch.cuda.current_stream(self.stream.device)
+            self.stream.wait_stream(compute)
+            readers = [compute, *(self._gather_streams() or ())]
             if clip_coef is not None:
                 clip_coef.record_stream(self.stream)
         for index, group in enumerate(self.optimizer.param_groups):
             grads = [_local(p.grad) for p in group["params"] if p.grad is not None]
             if self.stream is None:
-                self._update(group, grads, clip_coef)
+                self._update(index, grads, clip_coef, readers)
                 continue
             for g in grads:  # zero_grad frees them while this stream may still be reading them
                 g.record_stream(self.stream)
             with torch.cuda.stream(self.stream):
-                self._update(group, grads, clip_coef)
+                self._update(index, grads, clip_coef, readers)
                 event = torch.cuda.Event()
                 event.record(self.stream)
             self.done[index] = event
         self.pending = set(range(len(self.optimizer.param_groups)))
 
-    def _update(self, group: dict[str, Any], grads: list[torch.Tensor], coef: torch.Tensor | None) -> None:
+    def _update(
+        self, index: int, grads: list[torch.Tensor], coef: torch.Tensor | None, readers: list[Any]
+    ) -> None:
+        """Group `index`'s update (and, beside, its float8 scales) on the current stream."""
         if coef is not None and grads:
             torch._foreach_mul_(grads, coef.to(grads[0].device))
-        _step_group(self.optimizer, group)
+        _step_group(self.optimizer, self.optimizer.param_groups[index])
+        if self.scales is not None and self.scales_beside:
+            for module in self.modules[index]:
+                scale = self.scales(module)
+                for stream in readers if scale is not None else ():
+                    scale.record_stream(stream)  # freed at the next step's, reused only after their reads
 
     def _ready(self, index: int) -> None:
-        """Order the compute stream after group `index`'s update; then compute its float8 scales."""
+        """Order the compute stream after group `index`'s update (then compute its float8 scales, unless
+        they were made beside it)."""
         if index not in self.pending:
             return
         self.pending.discard(index)
         event = self.done[index]
         if event is not None:
             torch.cuda.current_stream(self.stream.device).wait_event(event)
-        if self.scales is not None:
+        if self.scales is not None and not self.scales_beside:
             for module in self.modules[index]:
                 self.scales(module)
 
