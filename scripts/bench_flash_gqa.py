@@ -22,6 +22,8 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench_copy_in import time_ms as _timed  # noqa: E402  (CUDA events around the calls)
+
 from titanrush.models.llama.attention import flash_attn_func, flash_kernels  # noqa: E402
 
 
@@ -45,20 +47,6 @@ class _GroupedFwdRepeatedBwd(torch.autograd.Function):
         kr, vr = (x[:, :, :, None, :].expand(b, t, h, r, d).reshape(b, t, h * r, d) for x in (k, v))
         dq, dk, dv = bwd(q, kr, vr, out, dout.contiguous(), lse, softmax_scale=None, causal=True)[:3]
         return dq, dk.view(b, t, h, r, d).sum(3), dv.view(b, t, h, r, d).sum(3), None
-
-
-def _timed(fn: Callable[[], object], iters: int) -> float:
-    """Milliseconds per call (CUDA events around `iters` calls after three warm-up calls)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def methods(n_rep: int) -> dict[str, Callable[..., torch.Tensor]]:

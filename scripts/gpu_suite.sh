@@ -88,9 +88,12 @@
 #   phase AQ (with .fa2 + .fa3 carried after STAGE): the optimizer step unit by unit beside the next forward
 #            (change 29) on the best row and on the float8 row's one-policy setting
 #   phase AR (after AQ, same machine): its GPU test (2 GPUs); a two-step trace of the best row with it
+#   phase AS (with .fa2 + .fa3 carried after STAGE, a fresh machine): time to first step from empty caches,
+#            flash-attn-4's included, with its kernels compiled beside the set-up (change 30): the best
+#            row (with the overlapped step) and the float8 row's one-policy setting
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
-PHASE=${1:?phase A to AR, or STAGE}
+PHASE=${1:?phase A to AS, or STAGE}
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TITANRUSH_COMMIT=${TITANRUSH_COMMIT:-unknown}
 OUT=${OUT:-/tmp/out}
@@ -486,6 +489,13 @@ elif [ "$PHASE" = AR ]; then  # 4 GPUs, after AQ: change 29's GPU test; the best
      --variants ac_none_zero2_flash_between_overlap --steps 12 --measure-from 6 --profile 10 --profile-steps 2 \
      --gaps 30 --timeout-per-run 130 > $S/sbs8b_ar.log 2>&1
   cp $S/sbs8b_ar/profiles.txt "$OUT/profiles_ar.txt"
+elif [ "$PHASE" = AS ]; then  # 4 GPUs, .fa2 + .fa3 after STAGE on a fresh machine: change 30
+  install_flash
+  timeout 420 python3 scripts/side_by_side.py --out $S/sbs8b_as --rows 8b_compile_float8 --fresh-compile-caches \
+     --variants ${VARIANTS:-ac_none_zero2_flash_between_overlap,w3_keep24_pool_flash} --steps 10 --measure-from 5 \
+     --timeout-per-run 130 > $S/sbs8b_as.log 2>&1
+  cp $S/sbs8b_as/results.md "$OUT/sbs8b_as.md"
+  grep -h "set-up\|flash-attn" $S/sbs8b_as/*.log > "$OUT/setup_lines.txt" 2>/dev/null
 elif [ "$PHASE" = AP ]; then  # 4 GPUs, .fa2 + .fa3 after STAGE
   install_flash
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 scripts/bench_flash_gqa.py > "$OUT/flash_gqa.md" 2>&1

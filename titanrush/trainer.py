@@ -42,7 +42,7 @@ from titanrush.metrics import (
     peak_tflops,
 )
 from titanrush.models.llama import FLAVORS, Llama, ModelArgs, model_args
-from titanrush.models.llama.attention import flash_installed, import_flash_in_background
+from titanrush.models.llama.attention import FlashShapes, flash_installed, prepare_flash_in_background
 from titanrush.models.llama.loss import cross_entropy
 from titanrush.models.llama.parallelize import check_combinations, parallelize_llama
 from titanrush.models.llama.pipeline import PipelinedLlama, pipeline_llama
@@ -142,7 +142,7 @@ def check_config(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, ModelAr
 
 def _check_attention(backend: str) -> None:
     """The attention backend can run here: its package imports, its kernels exist on this device."""
-    if backend == "flash" and not flash_installed():  # (found, not imported: see import_flash_in_background)
+    if backend == "flash" and not flash_installed():  # (found, not imported: see prepare_flash_in_background)
         raise ConfigError(
             "model.attn_backend = 'flash' needs the flash-attn package (pip install flash-attn, or the "
             "flash-attn-4 / FA3 hopper build); use attn_backend = 'sdpa' or 'cudnn' without it"
@@ -242,8 +242,6 @@ class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         marks = [("start", time.perf_counter())]  # set-up stages, logged with their durations at the end
-        if cfg.model.attn_backend == "flash":  # its import (seconds for FA4) runs beside the set-up below
-            import_flash_in_background()
         # 1. Distributed init and mesh.
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
@@ -259,6 +257,8 @@ class Trainer:
             pin_threads = ac.offload_pin_threads if ac.offload_first > 0 else 0
             set_allocator(expandable=cfg.training.expandable_segments, pin_threads=pin_threads)
             torch.cuda.set_device(self.device)
+            if cfg.model.attn_backend == "flash":  # its import and FA4's kernels beside the set-up below
+                prepare_flash_in_background(self._flash_shapes())
             if ac.offload_first > 0:  # pinned host memory next to this GPU
                 cpus = bind_near_gpu(self.device)
                 if cpus is not None:
@@ -445,6 +445,18 @@ class Trainer:
         logger.info(f"set-up {marks[-1][1] - marks[0][1]:.1f} s{before}: {stages}")
 
     # ------------------------------------------------------------------------------------------
+    def _flash_shapes(self) -> FlashShapes | None:
+        """This rank's attention inputs in training, for flash-attn-4's warm-up; None where they vary (a
+        pipeline's micro-batches, context parallel's shards)."""
+        if self.dims.pp > 1 or self.dims.cp > 1:
+            return None
+        a, tp = self.model_args, self.dims.tp
+        return FlashShapes(
+            device=self.device, batch=self.cfg.training.local_batch_size, seq_len=self.cfg.training.seq_len,
+            n_heads=a.n_heads // tp, n_kv_heads=(a.n_kv_heads or a.n_heads) // tp, head_dim=a.head_dim,
+            in_graph=self.cfg.model.flash_in_graph,
+        )  # fmt: skip
+
     def _prepare_run_dir(self) -> Path:
         run_dir = Path(self.cfg.job.dump_folder) / self.cfg.job.name
         if self.rank == 0:

@@ -403,6 +403,69 @@ def test_flash4_between_graphs_calls_the_packages_function_and_compiles_with_a_b
         torch._dynamo.reset()
 
 
+def _traced_fake_flash4(monkeypatch, *, warm_up_fails: bool = False) -> list[tuple]:
+    """The FA4 stand-in, each call noted as (kind, thread, q's shape, k's shape); its first forward (the
+    warm-up's) takes 0.3 s, as a kernel compile would, or fails."""
+    import threading
+    import time
+
+    cute = _use_fake_flash4(monkeypatch, {"fwd": 0, "bwd": 0})
+    fwd, bwd = cute.interface._flash_attn_fwd, cute.interface._flash_attn_bwd
+    seen: list[tuple] = []
+
+    def traced_fwd(q, k, v, **kw):
+        seen.append(("fwd", threading.current_thread().name, tuple(q.shape), tuple(k.shape)))
+        if len(seen) == 1:
+            time.sleep(0.3)
+            if warm_up_fails:
+                raise RuntimeError("no kernel for this GPU")
+        return fwd(q, k, v, **kw)
+
+    def traced_bwd(q, k, *a, **kw):
+        seen.append(("bwd", threading.current_thread().name, tuple(q.shape), tuple(k.shape)))
+        return bwd(q, k, *a, **kw)
+
+    monkeypatch.setattr(cute.interface, "_flash_attn_fwd", traced_fwd)
+    monkeypatch.setattr(cute.interface, "_flash_attn_bwd", traced_bwd)
+    return seen
+
+
+@pytest.mark.parametrize("warm_up_fails", [False, True])
+def test_flash4_kernels_warm_up_beside_the_set_up_and_training_waits(monkeypatch, caplog, warm_up_fails):
+    """prepare_flash_in_background runs one forward and backward at the training's shapes on its thread
+    (FA4 compiles each kernel at its first call); the first flash call of training waits for it. A warm-up
+    that fails is logged, and training then calls the kernels itself."""
+    import logging
+
+    from titanrush.models.llama import attention as attn
+
+    seen = _traced_fake_flash4(monkeypatch, warm_up_fails=warm_up_fails)
+    dims = dict(batch=2, seq_len=16, n_heads=4, n_kv_heads=2, head_dim=8)
+    # (the stand-in computes in fp32)
+    shapes = attn.FlashShapes(torch.device("cpu"), **dims, in_graph=True, dtype=torch.float32)
+    logging.getLogger("titanrush").propagate = True
+    try:
+        with caplog.at_level(logging.INFO, logger="titanrush"):
+            attn.prepare_flash_in_background(shapes)
+            q = torch.randn(1, 8, 4, 8, requires_grad=True)
+            k, v = torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 8)
+            attn.attention(q, k, v, backend="flash", n_rep=2).sum().backward()  # waits for the warm-up
+            attn._PREPARING.join()
+    finally:
+        _clear_flash_caches()
+        torch._dynamo.reset()
+        attn._PREPARING = None
+    warm = ("flash-attn import", (2, 16, 4, 8), (2, 16, 2, 8))
+    main = ("MainThread", (1, 8, 4, 8), (1, 8, 2, 8))
+    if warm_up_fails:
+        assert seen == [("fwd", *warm), ("fwd", *main), ("bwd", *main)]
+        assert "warm-up failed (RuntimeError: no kernel for this GPU); step 1 compiles" in caplog.text
+    else:
+        assert seen == [("fwd", *warm), ("bwd", *warm), ("fwd", *main), ("bwd", *main)]
+        assert "flash-attn-4's kernels compiled in" in caplog.text
+    assert "flash-attn imported in" in caplog.text
+
+
 def test_flex_forward_matches_sdpa_on_cpu_and_respects_documents():
     x = torch.randint(0, 8192, (2, 128))
     sdpa, flex = build(0, attn_backend="sdpa"), build(0, attn_backend="flex")

@@ -125,16 +125,18 @@ def test_execute_on_one_gpu_names_the_log_and_moves_the_metrics_aside(tmp_path):
 
 
 def test_fresh_compile_caches_give_each_execution_its_own_empty_folders(tmp_path):
-    code = "import os\nprint(os.environ['TORCHINDUCTOR_CACHE_DIR'], os.environ['TRITON_CACHE_DIR'])"
+    keys = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR")
+    code = f"import os\nprint(*(os.environ[k] for k in {keys}))"
     run = sbs.Run("titanrush", "r", "v", [sys.executable, "-c", code], {}, tmp_path / "run.log")
     seen = []
     for _ in range(2):  # the same run twice (as --repeats 2 does): a new folder each time
         sbs.execute(run, timeout=60, caches=tmp_path / "caches")
         seen.append(run.log.read_text().splitlines()[-1].split())
-    (ind1, tri1), (ind2, tri2) = seen
-    assert ind1 != ind2 and tri1 != tri2
-    assert all(Path(p).parent.parent == tmp_path / "caches" for p in (ind1, ind2, tri1, tri2))
-    assert not any(Path(p).exists() for p in (ind1, ind2, tri1, tri2))  # nothing in them before the run
+    (ind1, tri1, fa1), (ind2, tri2, fa2) = seen  # inductor's, Triton's and flash-attn-4's kernels
+    assert ind1 != ind2 and tri1 != tri2 and fa1 != fa2
+    paths = (ind1, ind2, tri1, tri2, fa1, fa2)
+    assert all(Path(p).parent.parent == tmp_path / "caches" for p in paths)
+    assert not any(Path(p).exists() for p in paths)  # nothing in them before the run
     plain = sbs.Run(
         "titanrush", "r", "v", [sys.executable, "-c", "import os\nprint(os.environ)"], {}, tmp_path / "l"
     )

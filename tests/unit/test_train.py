@@ -217,3 +217,22 @@ def test_nccl_settings_become_nccls_variables_and_leave_set_ones():
 def test_overlap_step_without_fsdp_is_a_config_error(tmp_path):
     with pytest.raises(config.ConfigError, match=r"overlap_step needs FSDP .*\(it steps FSDP's units\)"):
         Trainer(config.load(None, small(tmp_path, "overlap", "--optimizer.overlap_step")))
+
+
+def test_flash_warm_up_takes_this_ranks_attention_shapes(tmp_path):
+    """The warm-up runs at the shapes training will: the local batch and sequence, the heads that tensor
+    parallel leaves each rank; none where they vary (pipeline micro-batches, context parallel's shards)."""
+    from titanrush.models.llama import model_args
+    from titanrush.parallel.parallel_dims import ParallelDims
+
+    t = Trainer.__new__(Trainer)  # (only what _flash_shapes reads)
+    t.cfg = config.load(None, small(tmp_path, "shapes"))
+    t.cfg.model.flash_in_graph = False  # (flash itself would be refused where it is not installed)
+    t.model_args, t.device = model_args("debug"), torch.device("cpu")  # dim 256, 8 heads, 4 K/V heads
+    t.dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, world_size=4)
+    s = t._flash_shapes()
+    assert (s.batch, s.seq_len, s.n_heads, s.n_kv_heads, s.head_dim, s.in_graph) == (4, 64, 4, 2, 32, False)
+    assert s.dtype == torch.bfloat16
+    for pp, cp in ((2, 1), (1, 2)):
+        t.dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=cp, tp=1, pp=pp, world_size=2)
+        assert t._flash_shapes() is None

@@ -3,9 +3,11 @@
 A plain step updates every parameter before the next forward may all-gather any of them: the step's
 tens of milliseconds (the clip's scaling, AdamW, float8's weight scales) are a gap in which the GPU does
 nothing else. Stepped one FSDP unit at a time on a side stream, in forward order, each unit's update
-only has to finish before that unit's all-gather: a forward pre-hook makes the compute stream wait for
-the units that the module's forward gathers (its own and the one it prefetches), and computes their
-float8 weight scales there. The updates then run beside the matmuls of the blocks before them.
+only has to finish before that unit's all-gather: a forward pre-hook makes the compute stream (and
+FSDP's all-gather streams) wait for the units that the module's forward gathers (its own and the one it
+prefetches). Float8's weight scales follow each unit's update: on the side stream where their
+all-reduce has a process group of its own, else in the hook. The updates then run beside the matmuls
+of the blocks before them.
 
 Numerically the same step: the same AdamW over the same parameters in groups, the clip's coefficient
 applied to each unit's gradients, each weight's float8 scale from its own amax.

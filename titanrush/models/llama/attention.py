@@ -14,6 +14,7 @@ q is (B, T, H, D), k and v are (B, T, Hkv, D); the result is (B, T, H, D). Backe
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import logging
@@ -89,20 +90,77 @@ def flash_installed() -> bool:
     return any(importlib.util.find_spec(m) is not None for m in FLASH_MODULES)
 
 
-def import_flash_in_background() -> threading.Thread:
+@dataclasses.dataclass(frozen=True)
+class FlashShapes:
+    """One rank's attention inputs in training: q (batch, seq_len, n_heads, head_dim), k and v with
+    n_kv_heads, causal, in `dtype` (flash-attn computes in bf16 or fp16); `in_graph` picks titanrush's
+    operator or the package's own function."""
+
+    device: torch.device
+    batch: int
+    seq_len: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    in_graph: bool
+    dtype: torch.dtype = torch.bfloat16
+
+
+_PREPARING: threading.Thread | None = None  # the side thread of prepare_flash_in_background
+
+
+def prepare_flash_in_background(shapes: FlashShapes | None = None) -> threading.Thread:
     """Import the flash-attn package on a side thread, which a launch runs beside the mesh, model and data
-    set-up: FA4's CuTe DSL takes seconds to import. The first flash call waits for it (the import lock);
-    an import that fails there raises its ImportError then."""
+    set-up (FA4's CuTe DSL takes seconds to import); with `shapes`, then run one forward and backward at
+    the training's shapes. FA4 compiles each kernel at its first call, seconds apiece on a fresh machine,
+    keyed by dtype, head dims and causality and chosen by launch heuristics that read the batch, length
+    and heads: at these shapes they are the kernels of training, now compiled beside the set-up and the
+    first graphs' compile instead of inside step 1. The first flash call of training waits for this
+    thread; an import that fails raises its ImportError there, a warm-up that fails is logged."""
 
     def run() -> None:
         t0 = time.perf_counter()
-        with contextlib.suppress(ImportError):
-            flash_kernels()
-            logger.info(f"flash-attn imported in {time.perf_counter() - t0:.1f} s, beside the set-up")
+        try:
+            kernels = flash_kernels()
+        except ImportError:
+            return
+        logger.info(f"flash-attn imported in {time.perf_counter() - t0:.1f} s, beside the set-up")
+        if shapes is None or kernels is None:  # (FA3 and FA2 ship compiled kernels)
+            return
+        t1 = time.perf_counter()
+        try:
+            _warm_up(shapes)
+        except Exception as e:  # noqa: BLE001 - training then compiles them at its first call
+            why = f"{type(e).__name__}: {e}"
+            logger.warning(f"flash-attn-4's warm-up failed ({why}); step 1 compiles its kernels")
+            return
+        logger.info(f"flash-attn-4's kernels compiled in {time.perf_counter() - t1:.1f} s, beside the set-up")
 
-    thread = threading.Thread(target=run, name="flash-attn import", daemon=True)
-    thread.start()
-    return thread
+    global _PREPARING
+    _PREPARING = threading.Thread(target=run, name="flash-attn import", daemon=True)
+    _PREPARING.start()
+    return _PREPARING
+
+
+def _warm_up(s: FlashShapes) -> None:
+    if s.device.type == "cuda":
+        torch.cuda.set_device(s.device)  # (the current device is the thread's own)
+    gen = torch.Generator(s.device).manual_seed(0)
+
+    def rand(heads: int) -> torch.Tensor:
+        shape = (s.batch, s.seq_len, heads, s.head_dim)
+        return torch.randn(shape, generator=gen, device=s.device, dtype=s.dtype).requires_grad_()
+
+    q, k, v = rand(s.n_heads), rand(s.n_kv_heads), rand(s.n_kv_heads)
+    out = _flash_attention(q, k, v, s.in_graph)
+    out.backward(torch.randn(out.shape, generator=gen, device=s.device, dtype=out.dtype))
+
+
+def _wait_for_preparation() -> None:
+    """Before a flash call of training: let the preparing thread finish (its kernels are this call's)."""
+    thread = _PREPARING
+    if thread is not None and thread is not threading.current_thread():
+        thread.join()
 
 
 @functools.cache
@@ -139,6 +197,7 @@ def _fa4() -> tuple[Callable[..., Any], Callable[..., Any]]:
 @torch.library.custom_op("titanrush::flash_attn", mutates_args=())
 def flash_attn_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of q (B, T, H, D) over k, v (B, T, Hkv, D) by FA4: (out, logsumexp (B, H, T))."""
+    _wait_for_preparation()
     fwd, _ = _fa4()
     out, lse = fwd(q, k, v, causal=True, return_lse=True)[:2]
     return out, lse
@@ -156,6 +215,7 @@ def flash_attn_backward_op(
     lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """FA4's backward of `flash_attn_op`: (dq, dk, dv)."""
+    _wait_for_preparation()
     _, bwd = _fa4()
     dq, dk, dv = bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=True)[:3]
     return dq, dk, dv
@@ -192,6 +252,7 @@ def _flash_attention_eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     autograd Functions that dynamo cannot trace and fake tensors cannot run, so the call runs eagerly
     between two compiled graphs of the block (one graph break per block: compile drops `fullgraph`, see
     `uses_graph_break`)."""
+    _wait_for_preparation()
     out = flash_attn_func()(q, k, v, causal=True)
     return out[0] if isinstance(out, tuple) else out
 
