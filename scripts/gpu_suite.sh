@@ -90,7 +90,8 @@
 #   phase AR (after AQ, same machine): its GPU test (2 GPUs); a two-step trace of the best row with it
 #   phase AS (with .fa2 + .fa3 carried after STAGE, a fresh machine): time to first step from empty caches,
 #            flash-attn-4's included, with its kernels compiled beside the set-up (change 30): the best
-#            row (with the overlapped step) and the float8 row's one-policy setting
+#            row (with the overlapped step) and the float8 row's one-policy setting, also with the
+#            overlapped step (its gradients freed unit by unit, change 31); first the overlapped step's GPU test
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
 PHASE=${1:?phase A to AS, or STAGE}
@@ -491,11 +492,13 @@ elif [ "$PHASE" = AR ]; then  # 4 GPUs, after AQ: change 29's GPU test; the best
   cp $S/sbs8b_ar/profiles.txt "$OUT/profiles_ar.txt"
 elif [ "$PHASE" = AS ]; then  # 4 GPUs, .fa2 + .fa3 after STAGE on a fresh machine: change 30
   install_flash
-  timeout 420 python3 scripts/side_by_side.py --out $S/sbs8b_as --rows 8b_compile_float8 --fresh-compile-caches \
-     --variants ${VARIANTS:-ac_none_zero2_flash_between_overlap,w3_keep24_pool_flash} --steps 10 --measure-from 5 \
-     --timeout-per-run 130 > $S/sbs8b_as.log 2>&1
+  V=ac_none_zero2_flash_between_overlap,w3_keep24_pool_flash,w3_keep24_pool_flash_overlap
+  timeout 460 python3 scripts/side_by_side.py --out $S/sbs8b_as --rows 8b_compile_float8 --fresh-compile-caches \
+     --variants ${VARIANTS:-$V} --steps 10 --measure-from 5 --timeout-per-run 130 > $S/sbs8b_as.log 2>&1
   cp $S/sbs8b_as/results.md "$OUT/sbs8b_as.md"
   grep -h "set-up\|flash-attn" $S/sbs8b_as/*.log > "$OUT/setup_lines.txt" 2>/dev/null
+  CUDA_VISIBLE_DEVICES=0,1 timeout 120 python3 -m pytest tests/gpu/test_parallel_gpu.py -k "beside_the_forward" \
+     -q -rs -s -p no:cacheprovider > "$OUT/gpu_tests_overlap.txt" 2>&1
 elif [ "$PHASE" = AP ]; then  # 4 GPUs, .fa2 + .fa3 after STAGE
   install_flash
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 scripts/bench_flash_gqa.py > "$OUT/flash_gqa.md" 2>&1

@@ -586,7 +586,8 @@ class Trainer:
 
     def train_step(self, data_iter: Iterator[Any]) -> tuple[torch.Tensor, torch.Tensor, float]:
         """One optimizer step over `accum` micro-batches; returns (loss, grad norm, data wait seconds)."""
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.step_overlap is None:  # (the overlapped step frees each unit's as the forward reaches it)
+            self.optimizer.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
         data_wait = 0.0
         step_fn = self._pipeline_forward_backward if self.pipeline is not None else self._forward_backward

@@ -45,12 +45,12 @@ def test_unit_steps_match_one_step_and_scales_follow_each_update():
         norm = clip_grad_norm_(model.parameters(), 0.5, scale=False)
         opt_ref.step()
         opt_ref.zero_grad()
-        overlap.step(clip_coefficient(norm, 0.5))
-        opt.zero_grad()
+        overlap.step(clip_coefficient(norm, 0.5))  # (no zero_grad: the forward frees each unit's)
         assert calls == []  # nothing yet: the next forward asks for each unit as it gathers it
-        assert overlap.pending == {0, 1, 2, 3}
+        assert overlap.pending == {0, 1, 2, 3} and all(p.grad is not None for p in model.parameters())
         with torch.no_grad():
             model(torch.zeros(1, 8))
+        assert all(p.grad is None for p in model.parameters())
         # the root asks for unit 0; unit i for itself and the unit it prefetches (i + 1)
         assert calls == [(0, True), (1, True), (2, True), (3, True)] and not overlap.pending
         calls.clear()

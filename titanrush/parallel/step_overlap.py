@@ -93,7 +93,8 @@ class OverlappedStep:
             self.handles.append(unit[0].register_forward_pre_hook(self._hook(needs), prepend=True))
 
     def step(self, clip_coef: torch.Tensor | None) -> None:
-        """Queue every group's update, the gradients scaled by `clip_coef` first (when given)."""
+        """Queue every group's update, the gradients scaled by `clip_coef` first (when given). The caller
+        does not zero the gradients: each group's are freed once the forward has waited for its update."""
         self.finish()  # a step whose next forward never ran (one before a validation pass, say)
         readers: list[Any] = []  # the streams that read the float8 scales made on the side stream
         if self.stream is not None:
@@ -107,8 +108,6 @@ class OverlappedStep:
             if self.stream is None:
                 self._update(index, grads, clip_coef, readers)
                 continue
-            for g in grads:  # zero_grad frees them while this stream may still be reading them
-                g.record_stream(self.stream)
             with torch.cuda.stream(self.stream):
                 self._update(index, grads, clip_coef, readers)
                 event = torch.cuda.Event()
@@ -130,14 +129,18 @@ class OverlappedStep:
                     scale.record_stream(stream)  # freed at the next step's, reused only after their reads
 
     def _ready(self, index: int) -> None:
-        """Order the compute stream after group `index`'s update (then compute its float8 scales, unless
-        they were made beside it)."""
+        """Order the compute stream after group `index`'s update, free the group's gradients (then compute
+        its float8 scales, unless they were made beside it)."""
         if index not in self.pending:
             return
         self.pending.discard(index)
         event = self.done[index]
         if event is not None:
             torch.cuda.current_stream(self.stream.device).wait_event(event)
+        # The gradients go now, not at zero_grad: the compute stream is past the side stream's last read
+        # of them, so the allocator hands their memory to this forward at once.
+        for p in self.optimizer.param_groups[index]["params"]:
+            p.grad = None
         if self.scales is not None and not self.scales_beside:
             for module in self.modules[index]:
                 self.scales(module)
