@@ -69,8 +69,13 @@ def test_finish_readies_what_no_forward_asked_for():
     overlap.step(None)
     overlap.finish()
     assert seen == [0, 1, 2, 3] and not overlap.pending
+    assert all(p.grad is None for p in model.parameters())
+    _backward(model)
     overlap.step(None)  # a second step first readies nothing twice
     assert seen == [0, 1, 2, 3]
+    _backward(model)
+    overlap.step(None)  # no forward since the last step: its updates are waited for, the new grads kept
+    assert seen == [0, 1, 2, 3, 0, 1, 2, 3] and all(p.grad is not None for p in model.parameters())
 
 
 def test_root_parameters_of_its_own_come_first_and_groups_must_match_units():

@@ -95,7 +95,8 @@ class OverlappedStep:
     def step(self, clip_coef: torch.Tensor | None) -> None:
         """Queue every group's update, the gradients scaled by `clip_coef` first (when given). The caller
         does not zero the gradients: each group's are freed once the forward has waited for its update."""
-        self.finish()  # a step whose next forward never ran (one before a validation pass, say)
+        for index in sorted(self.pending):  # updates no forward waited for: ordered, their (new) grads kept
+            self._ready(index, free_grads=False)
         readers: list[Any] = []  # the streams that read the float8 scales made on the side stream
         if self.stream is not None:
             compute = torch.cuda.current_stream(self.stream.device)
@@ -128,7 +129,7 @@ class OverlappedStep:
                 for stream in readers if scale is not None else ():
                     scale.record_stream(stream)  # freed at the next step's, reused only after their reads
 
-    def _ready(self, index: int) -> None:
+    def _ready(self, index: int, free_grads: bool = True) -> None:
         """Order the compute stream after group `index`'s update, free the group's gradients (then compute
         its float8 scales, unless they were made beside it)."""
         if index not in self.pending:
@@ -139,7 +140,7 @@ class OverlappedStep:
             torch.cuda.current_stream(self.stream.device).wait_event(event)
         # The gradients go now, not at zero_grad: the compute stream is past the side stream's last read
         # of them, so the allocator hands their memory to this forward at once.
-        for p in self.optimizer.param_groups[index]["params"]:
+        for p in self.optimizer.param_groups[index]["params"] if free_grads else ():
             p.grad = None
         if self.scales is not None and not self.scales_beside:
             for module in self.modules[index]:
