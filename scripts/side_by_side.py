@@ -792,8 +792,9 @@ def main() -> int:
         type=int,
         default=0,
         metavar="STEP",
-        help="both trainers write a torch.profiler trace of STEP (>= 4; figures then include the "
-        "profiler's overhead); DIR/profiles.txt summarizes rank 0's (scripts/trace_summary.py)",
+        help="both trainers write a torch.profiler trace of the --profile-steps steps ending at STEP "
+        "(>= 3 + those steps; figures then include the profiler's overhead); DIR/profiles.txt summarizes "
+        "rank 0's (scripts/trace_summary.py)",
     )
     ap.add_argument(
         "--profile-steps", type=int, default=1, help="with --profile: the traced steps, ending at STEP"
@@ -819,6 +820,8 @@ def main() -> int:
     ngpu = {r.name: r.ngpu for r in rows}
     if a.profile and a.memory_snapshot:
         ap.error("--profile and --memory-snapshot share each trainer's profiling settings: give one")
+    if a.profile_steps < 1:
+        ap.error(f"--profile-steps {a.profile_steps}: trace at least one step")
     if a.profile and not 3 + a.profile_steps <= a.profile <= a.steps:
         ap.error(
             f"--profile {a.profile}: the traced steps must end in {3 + a.profile_steps}..--steps ({a.steps})"

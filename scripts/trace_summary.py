@@ -145,8 +145,8 @@ def render(name: str, s: dict, top: int, gaps: int = 0) -> str:
     for t, calls, kname in s["top"][:top]:
         lines.append(f"    {t:9.2f} {calls:7.1f}  {kind_of(kname):<14} {kname[:100]}")
     if gaps:
-        lines.append(f"  {gaps} longest stretches without compute (at ms from the first kernel; ms; "
-                     "ms of it communication):")  # fmt: skip
+        lines.append(f"  {gaps} longest stretches without compute in the whole trace (at ms from the first "
+                     "kernel; ms; ms of it communication):")  # fmt: skip
         for g in s["gaps"][:gaps]:
             lines.append(f"    at {g['at_ms']:8.1f}  {g['ms']:6.2f} ms  comm {g['comm_ms']:6.2f}  "
                          f"after {g['before'][:50]}  before {g['after'][:50]}")  # fmt: skip

@@ -110,8 +110,8 @@ class Optimizer:
     overlap_step: bool = False
     """With FSDP: step the optimizer one FSDP unit at a time on a side stream, each unit's update (and
     its float8 weight scales) awaited only by that unit's next all-gather, so the step runs beside the
-    next forward instead of before it; each unit's gradients are freed as the forward reaches it. The
-    same update; torch's AdamW, not with pipelining or FSDP's CPU offload."""
+    next forward instead of before it; each unit's gradients are freed once the forward has waited for
+    its update. The same update; torch's AdamW, not with pipelining or FSDP's CPU offload."""
 
 
 @dataclass

@@ -350,7 +350,9 @@ class Trainer:
 
         # 4. Optimizer, schedule, data.
         o = cfg.optimizer
-        units = getattr(model, "fsdp_units", None) if o.overlap_step else None
+        units = None
+        if o.overlap_step:  # (check_config allowed it for FSDP only, which records its units)
+            units = model.fsdp_units
         self.optimizer = build_optimizer(
             param_groups(units, model) if units is not None else model.parameters(),
             name=o.name,

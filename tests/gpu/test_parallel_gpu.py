@@ -126,9 +126,9 @@ def test_optimizer_step_beside_the_forward_trains_like_the_plain_step(tmp_path):
     stream waits for it only before that unit's all-gather (and its float8 scales). Ordered right, the run
     is the plain step's, within the run-to-run noise; an all-gather that read weights before or during
     their update would be off by far more (the learning rate moves them by ~1e-3 a step)."""
-    cases = {
-        "fp32": (FP32_RTOL, ["--training.deterministic"]),
-        "float8": (1e-3, ["--training.precision", "bf16", "--float8.enable", "--float8.min_size", "16"]),
+    cases = {  # (both measured bitwise equal on torch 2.11, call AR)
+        "fp32": (0.0, ["--training.deterministic"]),
+        "float8": (1e-5, ["--training.precision", "bf16", "--float8.enable", "--float8.min_size", "16"]),
     }
     for name, (rtol, extra) in cases.items():
         plain = train(tmp_path, f"{name}_plain", 2, 2, *extra)
@@ -136,4 +136,4 @@ def test_optimizer_step_beside_the_forward_trains_like_the_plain_step(tmp_path):
         loss, norm = dev(overlap, plain, "loss"), dev(overlap, plain, "grad_norm")
         print(f"{name}: loss {loss:.2e} grad_norm {norm:.2e}")
         assert loss <= rtol, ([r["loss"] for r in overlap], [r["loss"] for r in plain])
-        assert norm <= 10 * rtol
+        assert norm <= max(10 * rtol, 0.0)

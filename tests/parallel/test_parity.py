@@ -96,9 +96,11 @@ def test_fsdp_bf16_mixed_precision_trains_like_single_process_bf16(tmp_path, ref
 
 
 def test_optimizer_step_by_unit_is_the_same_step(tmp_path):
-    """optimizer.overlap_step steps FSDP's units one by one, each unit's float8 weight scales computed in
-    its forward hook: bitwise the run of one step (float8 emulated, FSDP's float8 all-gather), where a
-    unit left out of the step, or a scale computed before its weight's update, would differ."""
+    """optimizer.overlap_step steps FSDP's units one by one, each unit's float8 weight scales computed
+    right after its update with their all-reduce on a group of its own (2 ranks, FSDP alone): bitwise the
+    run of one step (float8 emulated, FSDP's float8 all-gather), where a unit left out of the step, a
+    scale computed before its weight's update or over the wrong ranks, or gradients left to add up,
+    would differ."""
     f8 = ["--training.precision", "bf16", "--float8.enable", "--float8.emulate", "--float8.min_size", "16"]
     plain = run_train(tmp_path, "plain", 2, *f8)
     by_unit = run_train(tmp_path, "by_unit", 2, *f8, "--optimizer.overlap_step")

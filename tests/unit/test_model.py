@@ -455,7 +455,7 @@ def test_flash4_kernels_warm_up_beside_the_set_up_and_training_waits(monkeypatch
         _clear_flash_caches()
         torch._dynamo.reset()
         attn._PREPARING = None
-    warm = ("flash-attn import", (2, 16, 4, 8), (2, 16, 2, 8))
+    warm = ("flash-attn prepare", (2, 16, 4, 8), (2, 16, 2, 8))
     main = ("MainThread", (1, 8, 4, 8), (1, 8, 2, 8))
     if warm_up_fails:
         assert seen == [("fwd", *warm), ("fwd", *main), ("bwd", *main)]

@@ -59,7 +59,7 @@ def test_unit_steps_match_one_step_and_scales_follow_each_update():
         assert torch.equal(p, q)
 
 
-def test_finish_readies_what_no_forward_asked_for():
+def test_finish_readies_what_no_forward_asked_for_and_a_step_without_forward_is_an_error():
     model = _model()
     units = [[m] for m in model]
     seen: list[int] = []
@@ -67,15 +67,33 @@ def test_finish_readies_what_no_forward_asked_for():
     overlap = OverlappedStep(opt, root=model, units=units, scales=lambda m: seen.append(list(model).index(m)))
     _backward(model)
     overlap.step(None)
-    overlap.finish()
+    overlap.finish()  # (as before a validation pass or a checkpoint)
     assert seen == [0, 1, 2, 3] and not overlap.pending
     assert all(p.grad is None for p in model.parameters())
+    _backward(model)  # (its forward finds nothing to wait for)
+    overlap.step(None)
+    assert seen == [0, 1, 2, 3] and overlap.pending == {0, 1, 2, 3}
+    for p in model.parameters():  # gradients again with no forward between: they would add up
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=r"parameter groups \[0, 1, 2, 3\] were never waited for"):
+        overlap.step(None)
+
+
+def test_a_unit_without_trainable_parameters_keeps_its_group():
+    model = _model()
+    model[1].requires_grad_(False)
+    units = [[m] for m in model]
+    groups = param_groups(units, model)
+    assert [len(g) for g in groups] == [2, 0, 2, 2]  # group i stays unit i's
+    opt = _adamw(groups, lr=0.1)
+    before = [m.weight.detach().clone() for m in model]
+    overlap = OverlappedStep(opt, root=model, units=units, scales=None)
     _backward(model)
-    overlap.step(None)  # a second step first readies nothing twice
-    assert seen == [0, 1, 2, 3]
-    _backward(model)
-    overlap.step(None)  # no forward since the last step: its updates are waited for, the new grads kept
-    assert seen == [0, 1, 2, 3, 0, 1, 2, 3] and all(p.grad is not None for p in model.parameters())
+    overlap.step(None)
+    with torch.no_grad():
+        model(torch.zeros(1, 8))
+    changed = [not torch.equal(m.weight, b) for m, b in zip(model, before)]
+    assert changed == [True, False, True, True]
 
 
 def test_root_parameters_of_its_own_come_first_and_groups_must_match_units():
@@ -106,7 +124,10 @@ def test_scales_beside_follow_each_update_within_the_step():
     before = {id(m): m.weight.detach().clone() for m in model}
 
     def scales(module: nn.Module) -> torch.Tensor:
-        seen.append((list(model).index(module), not torch.equal(module.weight, before[id(module)])))
+        i = list(model).index(module)
+        updated = [not torch.equal(m.weight, before[id(m)]) for m in model]
+        assert updated == [j <= i for j in range(4)]  # right after its own update, before the next unit's
+        seen.append((i, updated[i]))
         return torch.ones(1)
 
     opt = _adamw(param_groups(units, model), lr=0.1)

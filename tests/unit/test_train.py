@@ -236,3 +236,25 @@ def test_flash_warm_up_takes_this_ranks_attention_shapes(tmp_path):
     for pp, cp in ((2, 1), (1, 2)):
         t.dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=cp, tp=1, pp=pp, world_size=2)
         assert t._flash_shapes() is None
+
+
+@pytest.mark.parametrize(
+    "overrides, dims, why",
+    [
+        ([], dict(dp_shard=1, world_size=1), "it steps FSDP's units"),
+        ([], dict(dp_shard=2, pp=2, world_size=4), "pipeline stages step their own parts"),
+        (["--parallelism.fsdp_cpu_offload"], dict(dp_shard=2), "CPU offload keeps the gradients on the host"),
+        (["--optimizer.name", "adamw8bit"], dict(dp_shard=2), "torchao's low-bit AdamW"),
+    ],
+)
+def test_overlap_step_names_what_it_cannot_go_with(overrides, dims, why):
+    from titanrush.models.llama import model_args
+    from titanrush.parallel.parallel_dims import ParallelDims
+    from titanrush.trainer import _check_combinations
+
+    cfg = config.load(None, ["--optimizer.overlap_step", *overrides])
+    d = ParallelDims(**{"dp_replicate": 1, "cp": 1, "tp": 1, "pp": 1, "world_size": 2, **dims})
+    with pytest.raises(config.ConfigError, match=re.escape(f"{why}); set optimizer.overlap_step = false")):
+        _check_combinations(cfg, d, model_args("debug"))
+    ok = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, world_size=2)
+    _check_combinations(config.load(None, ["--optimizer.overlap_step"]), ok, model_args("debug"))

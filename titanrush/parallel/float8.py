@@ -103,10 +103,10 @@ def float8_scales_over(group: Any) -> Callable[[nn.Module], torch.Tensor | None]
     of its own (same ranks as FSDP's 1-D mesh), so that it can run beside FSDP's collectives instead of
     queued behind them on FSDP's communicator.
 
-    The same arithmetic as `precompute_float8_dynamic_scale_for_fsdp`: each weight's amax over its
-    shards (a max all-reduce), at least EPS, then the float8 maximum over it in float64, kept in
-    float32. Returns the module's local scale tensor (None without float8 weights), which the caller may
-    mark as used by other streams.
+    The arithmetic of `precompute_float8_dynamic_scale_for_fsdp` for fp32 master weights (torchao's
+    extra clamp applies to fp16 ones): each weight's amax over its shards (a max all-reduce), at least
+    EPS, then the float8 maximum over it in float64, kept in float32. Returns the module's local scale
+    tensor (None without float8 weights), which the caller may mark as used by other streams.
     """
     import torch.distributed as dist
     from torchao.float8.float8_linear import Float8Linear

@@ -15,6 +15,7 @@ applied to each unit's gradients, each weight's float8 scale from its own amax.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,18 +23,22 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+logger = logging.getLogger("titanrush")
+
 
 def param_groups(units: Sequence[Sequence[nn.Module]], root: nn.Module) -> list[list[nn.Parameter]]:
-    """One list of trainable parameters per FSDP unit, in forward order: the root's own (what no unit
-    holds) first, since the root gathers first, then each unit's."""
+    """One list of trainable parameters per FSDP unit, in forward order (a unit without any keeps its
+    empty list, so that group i + 1 stays unit i's): the root's own (what no unit holds) first, where it
+    has any, since the root gathers first."""
     held = [[p for m in unit for p in m.parameters() if p.requires_grad] for unit in units]
     ids = {id(p) for group in held for p in group}
     own = [p for p in root.parameters() if p.requires_grad and id(p) not in ids]
-    return [g for g in (own, *held) if g]
+    return [own, *held] if own else held
 
 
 def _step_group(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> None:
-    """optimizer.step() over one of its parameter groups (the step loops over `param_groups`)."""
+    """optimizer.step() over one of its parameter groups (the step loops over `param_groups`; the
+    optimizer's step hooks then run once per group)."""
     groups = optimizer.param_groups
     optimizer.param_groups = [group]
     try:
@@ -87,16 +92,20 @@ class OverlappedStep:
         # The root's forward gathers its own parameters and prefetches unit 0; unit i's gathers its own
         # (if not prefetched) and prefetches unit i + 1.
         root_needs = [0, own] if own else [0]
-        self.handles = [root.register_forward_pre_hook(self._hook(root_needs), prepend=True)]
+        root.register_forward_pre_hook(self._hook(root_needs), prepend=True)
         for i, unit in enumerate(units):
             needs = [own + j for j in (i, i + 1) if j < len(units)]
-            self.handles.append(unit[0].register_forward_pre_hook(self._hook(needs), prepend=True))
+            unit[0].register_forward_pre_hook(self._hook(needs), prepend=True)
+        self._warned = False
 
     def step(self, clip_coef: torch.Tensor | None) -> None:
         """Queue every group's update, the gradients scaled by `clip_coef` first (when given). The caller
         does not zero the gradients: each group's are freed once the forward has waited for its update."""
-        for index in sorted(self.pending):  # updates no forward waited for: ordered, their (new) grads kept
-            self._ready(index, free_grads=False)
+        if self.pending:  # (each forward readies every unit; finish() before anything else reads them)
+            raise RuntimeError(
+                f"optimizer.overlap_step: the updates of parameter groups {sorted(self.pending)} were never "
+                "waited for (no forward of their units since the last step); their gradients would add up"
+            )
         readers: list[Any] = []  # the streams that read the float8 scales made on the side stream
         if self.stream is not None:
             compute = torch.cuda.current_stream(self.stream.device)
@@ -122,14 +131,16 @@ class OverlappedStep:
         """Group `index`'s update (and, beside, its float8 scales) on the current stream."""
         if coef is not None and grads:
             torch._foreach_mul_(grads, coef.to(grads[0].device))
-        _step_group(self.optimizer, self.optimizer.param_groups[index])
+        group = self.optimizer.param_groups[index]
+        if group["params"]:  # (a unit without trainable parameters keeps an empty group)
+            _step_group(self.optimizer, group)
         if self.scales is not None and self.scales_beside:
             for module in self.modules[index]:
                 scale = self.scales(module)
                 for stream in readers if scale is not None else ():
                     scale.record_stream(stream)  # freed at the next step's, reused only after their reads
 
-    def _ready(self, index: int, free_grads: bool = True) -> None:
+    def _ready(self, index: int) -> None:
         """Order the compute stream after group `index`'s update, free the group's gradients (then compute
         its float8 scales, unless they were made beside it)."""
         if index not in self.pending:
@@ -140,7 +151,7 @@ class OverlappedStep:
             torch.cuda.current_stream(self.stream.device).wait_event(event)
         # The gradients go now, not at zero_grad: the compute stream is past the side stream's last read
         # of them, so the allocator hands their memory to this forward at once.
-        for p in self.optimizer.param_groups[index]["params"] if free_grads else ():
+        for p in self.optimizer.param_groups[index]["params"]:
             p.grad = None
         if self.scales is not None and not self.scales_beside:
             for module in self.modules[index]:
@@ -152,8 +163,14 @@ class OverlappedStep:
             if not readied:
                 return
             streams = self._gather_streams()
-            if streams is None:  # (FSDP's streams not found: wait for every unit now, correct but serial)
+            if streams is None:  # FSDP's streams not found: wait for every unit now, correct but serial
                 readied = sorted(self.pending)
+                if not self._warned:
+                    self._warned = True
+                    logger.warning(
+                        "optimizer.overlap_step: this torch's FSDP keeps its all-gather streams elsewhere; "
+                        "each forward waits for the whole step first (no overlap)"
+                    )
             for index in readied:
                 self._ready(index)
             for stream in streams or ():

@@ -137,7 +137,7 @@ def prepare_flash_in_background(shapes: FlashShapes | None = None) -> threading.
         logger.info(f"flash-attn-4's kernels compiled in {time.perf_counter() - t1:.1f} s, beside the set-up")
 
     global _PREPARING
-    _PREPARING = threading.Thread(target=run, name="flash-attn import", daemon=True)
+    _PREPARING = threading.Thread(target=run, name="flash-attn prepare", daemon=True)
     _PREPARING.start()
     return _PREPARING
 
