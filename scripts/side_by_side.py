@@ -90,6 +90,20 @@ def _offload_flags(first: int, every: int, last: int) -> list[str]:
 _OWN = ["--parallelism.fsdp_grads_in_compute_pool", "false"]
 
 
+# The best-settings candidate: no AC, ZeRO-2 (gathered weights kept until backward), flash-attn-4 between
+# the block's compiled graphs.
+_ZERO2 = ["--activation_checkpoint.mode", "none", "--parallelism.fsdp_reshard_after_forward", "never"]
+_BEST = [*_ZERO2, "--model.attn_backend", "flash", "--no-model.flash_in_graph"]
+
+
+def _w3_keep(k: int) -> list[str]:
+    """One selective policy (all matmul outputs but w3's), the last k blocks keeping gathered weights."""
+    return [
+        *("--training.loss", "chunked", "--activation_checkpoint.op_matmuls", "all_but_w3"),
+        *("--model.attn_backend", "flash", "--parallelism.fsdp_keep_gathered_last", str(k)),
+    ]
+
+
 _8B_VARIANTS = {
     # torchtitan's per-op policy keeps every other matmul output; ours keeps all by default.
     "ac_alternate": ["--activation_checkpoint.op_matmuls", "alternate"],
@@ -109,59 +123,24 @@ _8B_VARIANTS = {
         *("--training.loss", "chunked", "--training.loss_chunk_size", "1024"),
         *("--activation_checkpoint.op_matmuls", "alternate", "--activation_checkpoint.op_all_last", "4"),
     ],
-    "ac_none_zero2": [
-        *("--activation_checkpoint.mode", "none"),
-        *("--parallelism.fsdp_reshard_after_forward", "never"),
-    ],
+    "ac_none_zero2": _ZERO2,
     # ... with flash-attn's kernels (the package installed beside torch) instead of cuDNN's
-    "ac_none_zero2_flash": [
-        *("--activation_checkpoint.mode", "none"),
-        *("--parallelism.fsdp_reshard_after_forward", "never", "--model.attn_backend", "flash"),
-    ],
+    "ac_none_zero2_flash": [*_ZERO2, "--model.attn_backend", "flash"],
     # ... with flash-attn-4 called between the block's compiled graphs (its own autograd function)
-    "ac_none_zero2_flash_between": [
-        *("--activation_checkpoint.mode", "none", "--parallelism.fsdp_reshard_after_forward", "never"),
-        *("--model.attn_backend", "flash", "--no-model.flash_in_graph"),
-    ],
+    "ac_none_zero2_flash_between": _BEST,
     # ... with each NCCL collective on at most N thread blocks (more SMs for the matmuls beside them)
     **{
-        f"ac_none_zero2_flash_between_ctas{n}": [
-            *("--activation_checkpoint.mode", "none", "--parallelism.fsdp_reshard_after_forward", "never"),
-            *(
-                "--model.attn_backend",
-                "flash",
-                "--no-model.flash_in_graph",
-                "--parallelism.nccl_max_ctas",
-                str(n),
-            ),
-        ]
+        f"ac_none_zero2_flash_between_ctas{n}": [*_BEST, "--parallelism.nccl_max_ctas", str(n)]
         for n in (4, 8, 16)
     },
     # ... with the optimizer step unit by unit beside the next forward (change 29)
-    "ac_none_zero2_flash_between_overlap": [
-        *("--activation_checkpoint.mode", "none", "--parallelism.fsdp_reshard_after_forward", "never"),
-        *("--model.attn_backend", "flash", "--no-model.flash_in_graph", "--optimizer.overlap_step"),
-    ],
+    "ac_none_zero2_flash_between_overlap": [*_BEST, "--optimizer.overlap_step"],
     # ... with FSDP's own reduce-scatter copy-in (chunk_cat; titanrush copies chunk by chunk since change 25)
-    "ac_none_zero2_flash_between_chunkcat": [
-        *("--activation_checkpoint.mode", "none", "--parallelism.fsdp_reshard_after_forward", "never"),
-        *("--model.attn_backend", "flash", "--no-model.flash_in_graph"),
-        "--no-parallelism.fsdp_copy_in_by_chunks",
-    ],
+    "ac_none_zero2_flash_between_chunkcat": [*_BEST, "--no-parallelism.fsdp_copy_in_by_chunks"],
     # One selective policy for every block (one compiled block graph): all matmul outputs but w3's, the
     # memory it saves spent on the last K blocks keeping their gathered weights (change 26)
-    **{
-        f"w3_keep{k}_pool_flash": [
-            *("--training.loss", "chunked", "--activation_checkpoint.op_matmuls", "all_but_w3"),
-            *("--model.attn_backend", "flash", "--parallelism.fsdp_keep_gathered_last", str(k)),
-        ]
-        for k in (0, 16, 20, 24)
-    },
-    "w3_keep24_pool_flash_overlap": [
-        *("--training.loss", "chunked", "--activation_checkpoint.op_matmuls", "all_but_w3"),
-        *("--model.attn_backend", "flash", "--parallelism.fsdp_keep_gathered_last", "24"),
-        "--optimizer.overlap_step",
-    ],
+    **{f"w3_keep{k}_pool_flash": _w3_keep(k) for k in (0, 16, 20, 24)},
+    "w3_keep24_pool_flash_overlap": [*_w3_keep(24), "--optimizer.overlap_step"],
     # Activation offload: every E-th of the first F blocks keeps every matmul output in host memory,
     # which pays for the last M blocks keeping every matmul output too (alternate elsewhere).
     **{f"off{f}e{e}_last{m}": [*_offload_flags(f, e, m), *_OWN] for f, e, m in _OFFLOAD_VARIANTS},

@@ -96,28 +96,25 @@ def apply_fsdp(
     emb, norm, out = model.tok_embeddings, model.norm, model.output
     # A tied table is one parameter in two modules: both must then live in the same unit (the root).
     tied = emb is not None and out is not None and emb.weight is out.weight
-    units: list[nn.Module] = []  # the first module of each unit, in forward order
-    unit_modules: list[list[nn.Module]] = []  # every module of each unit
+    units: list[list[nn.Module]] = []  # every module of each unit, units in forward order
     if emb is not None and not tied:
         fully_shard(emb, reshard_after_forward=not never, **common)
-        units.append(emb)
-        unit_modules.append([emb])
+        units.append([emb])
     blocks = list(model.layers.values())
     keep_from = len(blocks) - max(1, keep_gathered_last)
     for i, block in enumerate(blocks):
         kept = i >= keep_from  # backward needs it early (the last block), or asked for (ZeRO-2 blocks)
         fully_shard(block, reshard_after_forward=always or (not never and not kept), **common)
-        units.append(block)
-        unit_modules.append([block])
+        units.append([block])
     if out is not None and not tied:
         head = [m for m in (norm, out) if m is not None]
         fully_shard(head, reshard_after_forward=always, **common)
-        units.append(head[0])
-        unit_modules.append(head)
+        units.append(head)
     # The root gathers what no unit claimed; FSDP never frees the root after forward.
     fully_shard(model, **common)
-    _set_prefetch(model, units)
-    model.fsdp_units = unit_modules  # (the optimizer step unit by unit, step_overlap, follows them)
+    firsts = [unit[0] for unit in units]  # (a unit's first module runs its hooks and holds its settings)
+    _set_prefetch(model, firsts)
+    model.fsdp_units = units  # (the optimizer step unit by unit, step_overlap, follows them)
     if grads_in_compute_pool and not compute_pool_applies(hsdp=mesh.ndim != 1, cpu_offload=cpu_offload):
         logger.info(
             "parallelism.fsdp_grads_in_compute_pool applies to FSDP on one mesh dimension without CPU "
@@ -126,7 +123,7 @@ def apply_fsdp(
     elif grads_in_compute_pool:
         comm = compute_pool_reduce_scatter()
         if comm is not None:
-            for module in (*units, model):
+            for module in (*firsts, model):
                 module.set_custom_reduce_scatter(comm)
         model.fsdp_reduce_scatter = comm  # (its `calls` count the reduce-scatters it ran; tests read it)
     if free_reduce_inputs:
