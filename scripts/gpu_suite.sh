@@ -91,7 +91,8 @@
 #   phase AS (with .fa2 + .fa3 carried after STAGE, a fresh machine): time to first step from empty caches,
 #            flash-attn-4's included, with its kernels compiled beside the set-up (change 30): the best
 #            row (with the overlapped step) and the float8 row's one-policy setting, also with the
-#            overlapped step (its gradients freed unit by unit, change 31); first the overlapped step's GPU test
+#            overlapped step (its gradients freed unit by unit, change 31); then the warm-up's GPU test
+#            (first run: the overlapped step's GPU test; then NCCL's communicators started lazily, change 32)
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
 PHASE=${1:?phase A to AS, or STAGE}
@@ -497,8 +498,9 @@ elif [ "$PHASE" = AS ]; then  # 4 GPUs, .fa2 + .fa3 after STAGE on a fresh machi
      --variants ${VARIANTS:-$V} --steps 10 --measure-from 5 --timeout-per-run 130 > $S/sbs8b_as.log 2>&1
   cp $S/sbs8b_as/results.md "$OUT/sbs8b_as.md"
   grep -h "set-up\|flash-attn" $S/sbs8b_as/*.log > "$OUT/setup_lines.txt" 2>/dev/null
-  CUDA_VISIBLE_DEVICES=0,1 timeout 120 python3 -m pytest tests/gpu/test_parallel_gpu.py -k "beside_the_forward" \
-     -q -rs -s -p no:cacheprovider > "$OUT/gpu_tests_overlap.txt" 2>&1
+  grep -h "step      1 " $S/sbs8b_as/*.log >> "$OUT/setup_lines.txt" 2>/dev/null
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 -m pytest tests/gpu/test_attention_gpu.py -k "warm_up" \
+     -q -rs -s -p no:cacheprovider > "$OUT/gpu_tests_warm_up.txt" 2>&1
 elif [ "$PHASE" = AP ]; then  # 4 GPUs, .fa2 + .fa3 after STAGE
   install_flash
   CUDA_VISIBLE_DEVICES=0 timeout 150 python3 scripts/bench_flash_gqa.py > "$OUT/flash_gqa.md" 2>&1

@@ -269,7 +269,10 @@ class Trainer:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             if backend == "nccl":
                 nccl_settings(os.environ, max_ctas=cfg.parallelism.nccl_max_ctas)
-            dist.init_process_group(backend, device_id=self.device if backend == "nccl" else None)
+            # No device_id: each group's NCCL communicator starts at its first collective, so the mesh's
+            # groups that nothing uses (size-1 dimensions, flattened views of the same ranks) never start
+            # one, and the set-up does not wait for them.
+            dist.init_process_group(backend)
         marks.append(("config and process group", time.perf_counter()))
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
         marks.append(("mesh", time.perf_counter()))
@@ -285,6 +288,7 @@ class Trainer:
             model = Llama(self.model_args)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.flops_per_token = flops_per_token(self.model_args, matmul_params(model), cfg.training.seq_len)
+        marks.append(("tokenizer and model on meta", time.perf_counter()))
         parallelism = cfg.parallelism
         if self.dims.pp > 1 and parallelism.fsdp_reshard_after_forward == "default":
             # Each micro-batch runs forward again: re-gathering the weights for each would cost more than
@@ -323,7 +327,7 @@ class Trainer:
         else:
             model = parallelize(model)
             self.model_parts = [model]
-        marks.append(("model build and parallelize", time.perf_counter()))
+        marks.append(("parallelize", time.perf_counter()))
         self.offloaders = [o for p in self.model_parts if (o := getattr(p, "activation_offloader", None))]
         # FSDP's CPU offload keeps the sharded parameters in host memory (buffers stay on the device).
         param_device = torch.device("cpu") if cfg.parallelism.fsdp_cpu_offload else self.device

@@ -96,3 +96,30 @@ def test_flash_package_at_llama_head_dim(compiled):
     for n in ref_grads:
         rel = (grads[n] - ref_grads[n]).norm() / ref_grads[n].norm()
         assert rel < 3e-2, (n, rel.item())
+
+
+@pytest.mark.skipif(not HAVE_FLASH, reason="flash-attn (FA2, FA3 or flash-attn-4) is not installed")
+@pytest.mark.parametrize("in_graph", [True, False])
+def test_flash_warm_up_finishes_and_training_then_calls_the_kernels(in_graph):
+    """prepare_flash_in_background at a model's shapes on CUDA, where autograd runs backward on its own
+    device thread: the warm-up finishes (it once waited for itself there, and runs hung at step 1), and a
+    training forward and backward at those shapes afterwards matches the unfused baseline."""
+    from titanrush.models.llama import attention as attn
+
+    shape = dict(dim=512, n_heads=4, n_kv_heads=2)
+    x = torch.randint(0, 8192, (2, 1024), device="cuda")
+    y = torch.randint(0, 8192, (2, 1024), device="cuda")
+    shapes = attn.FlashShapes(torch.device("cuda", torch.cuda.current_device()), batch=2, seq_len=1024,
+                              n_heads=4, n_kv_heads=2, head_dim=128, in_graph=in_graph)  # fmt: skip
+    try:
+        thread = attn.prepare_flash_in_background(shapes)
+        thread.join(timeout=180)
+        assert not thread.is_alive(), "the warm-up did not finish"
+        ref_loss, ref_grads = loss_and_grads(build("math", **shape), x, y)
+        loss, grads = loss_and_grads(build("flash", flash_in_graph=in_graph, **shape), x, y)
+    finally:
+        attn._PREPARING = None
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-3, atol=2e-3)
+    for n in ref_grads:
+        rel = (grads[n] - ref_grads[n]).norm() / ref_grads[n].norm()
+        assert rel < 3e-2, (n, rel.item())

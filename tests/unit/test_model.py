@@ -427,41 +427,94 @@ def _traced_fake_flash4(monkeypatch, *, warm_up_fails: bool = False) -> list[tup
 
     monkeypatch.setattr(cute.interface, "_flash_attn_fwd", traced_fwd)
     monkeypatch.setattr(cute.interface, "_flash_attn_bwd", traced_bwd)
+
+    class PackageFunction(torch.autograd.Function):  # the package's own function calls the same two
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out, lse = cute.interface._flash_attn_fwd(q, k, v, causal=True, return_lse=True)[:2]
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, dout):
+            q, k, v, out, lse = ctx.saved_tensors
+            return cute.interface._flash_attn_bwd(q, k, v, out, dout, lse, causal=True)
+
+    monkeypatch.setattr(cute, "flash_attn_func", lambda q, k, v, causal: PackageFunction.apply(q, k, v))
     return seen
 
 
+def _backward_on_a_device_thread(monkeypatch) -> None:
+    """Tensor.backward runs the graph on a thread of its own, as autograd's engine does for CUDA tensors
+    (its device threads); CPU tensors would otherwise run it on the caller's thread."""
+    import threading
+
+    backward = torch.Tensor.backward
+
+    def on_device_thread(self, *a, **kw):
+        errors: list[BaseException] = []
+
+        def run():
+            try:
+                backward(self, *a, **kw)
+            except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+                errors.append(e)
+
+        t = threading.Thread(target=run, name="autograd device thread", daemon=True)
+        t.start()
+        t.join(timeout=20)
+        assert not t.is_alive(), "backward did not finish: its thread waits for the caller"
+        if errors:
+            raise errors[0]
+
+    monkeypatch.setattr(torch.Tensor, "backward", on_device_thread)
+
+
+@pytest.mark.parametrize("in_graph", [True, False])
 @pytest.mark.parametrize("warm_up_fails", [False, True])
-def test_flash4_kernels_warm_up_beside_the_set_up_and_training_waits(monkeypatch, caplog, warm_up_fails):
+def test_flash4_kernels_warm_up_beside_the_set_up_and_training_waits(monkeypatch, caplog, warm_up_fails,
+                                                                     in_graph):  # fmt: skip
     """prepare_flash_in_background runs one forward and backward at the training's shapes on its thread
     (FA4 compiles each kernel at its first call); the first flash call of training waits for it. A warm-up
-    that fails is logged, and training then calls the kernels itself."""
+    that fails is logged, and training then calls the kernels itself. Backward runs on a thread of its
+    own, as on CUDA: titanrush's operator's backward (in_graph) waits for the preparing thread, so the
+    warm-up must not reach it through autograd (it did, and CUDA runs hung at their first step)."""
     import logging
 
     from titanrush.models.llama import attention as attn
 
     seen = _traced_fake_flash4(monkeypatch, warm_up_fails=warm_up_fails)
+    _backward_on_a_device_thread(monkeypatch)
     dims = dict(batch=2, seq_len=16, n_heads=4, n_kv_heads=2, head_dim=8)
     # (the stand-in computes in fp32)
-    shapes = attn.FlashShapes(torch.device("cpu"), **dims, in_graph=True, dtype=torch.float32)
+    shapes = attn.FlashShapes(torch.device("cpu"), **dims, in_graph=in_graph, dtype=torch.float32)
     logging.getLogger("titanrush").propagate = True
     try:
         with caplog.at_level(logging.INFO, logger="titanrush"):
             attn.prepare_flash_in_background(shapes)
+            attn._PREPARING.join(timeout=20)
+            assert not attn._PREPARING.is_alive(), "the warm-up did not finish"
             q = torch.randn(1, 8, 4, 8, requires_grad=True)
             k, v = torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 8)
-            attn.attention(q, k, v, backend="flash", n_rep=2).sum().backward()  # waits for the warm-up
-            attn._PREPARING.join()
+            out = attn.attention(q, k, v, backend="flash", n_rep=2, flash_in_graph=in_graph)
+            out.sum().backward()
+            assert q.grad is not None
     finally:
         _clear_flash_caches()
         torch._dynamo.reset()
         attn._PREPARING = None
-    warm = ("flash-attn prepare", (2, 16, 4, 8), (2, 16, 2, 8))
-    main = ("MainThread", (1, 8, 4, 8), (1, 8, 2, 8))
+    # titanrush's backward operator runs on the warm-up's own thread; the package's autograd function
+    # (between graphs) on the device thread, as in training, where it does not wait
+    warm_bwd_thread = "flash-attn prepare" if in_graph else "autograd device thread"
+    warm = ((2, 16, 4, 8), (2, 16, 2, 8))
+    main = ((1, 8, 4, 8), (1, 8, 2, 8))
+    fwd_main, bwd_main = ("fwd", "MainThread", *main), ("bwd", "autograd device thread", *main)
     if warm_up_fails:
-        assert seen == [("fwd", *warm), ("fwd", *main), ("bwd", *main)]
+        assert seen == [("fwd", "flash-attn prepare", *warm), fwd_main, bwd_main]
         assert "warm-up failed (RuntimeError: no kernel for this GPU); step 1 compiles" in caplog.text
     else:
-        assert seen == [("fwd", *warm), ("bwd", *warm), ("fwd", *main), ("bwd", *main)]
+        warm_up = [("fwd", "flash-attn prepare", *warm), ("bwd", warm_bwd_thread, *warm)]
+        assert seen == [*warm_up, fwd_main, bwd_main]
         assert "flash-attn-4's kernels compiled in" in caplog.text
     assert "flash-attn imported in" in caplog.text
 

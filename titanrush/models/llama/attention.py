@@ -152,7 +152,15 @@ def _warm_up(s: FlashShapes) -> None:
         return torch.randn(shape, generator=gen, device=s.device, dtype=s.dtype).requires_grad_()
 
     q, k, v = rand(s.n_heads), rand(s.n_kv_heads), rand(s.n_kv_heads)
-    out = _flash_attention(q, k, v, s.in_graph)
+    if s.in_graph and _fa4_available():
+        # titanrush's two operators called directly, on this thread: through autograd, a CUDA backward
+        # would run on the engine's device thread, whose wait for this thread would never end.
+        with torch.no_grad():
+            out, lse = flash_attn_op(q, k, v)
+        flash_attn_backward_op(torch.randn(out.shape, generator=gen, device=s.device, dtype=out.dtype),
+                               q, k, v, out, lse)  # fmt: skip
+        return
+    out = _flash_attention_eager(q, k, v)  # (the package's own backward does not wait for this thread)
     out.backward(torch.randn(out.shape, generator=gen, device=s.device, dtype=out.dtype))
 
 
