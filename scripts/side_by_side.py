@@ -135,6 +135,7 @@ _8B_VARIANTS = {
     },
     # ... with the optimizer step unit by unit beside the next forward (change 29)
     "ac_none_zero2_flash_between_overlap": [*_BEST, "--optimizer.overlap_step"],
+    "ac_none_zero2_flash_overlap": [*_ZERO2, "--model.attn_backend", "flash", "--optimizer.overlap_step"],
     # ... with FSDP's own reduce-scatter copy-in (chunk_cat; titanrush copies chunk by chunk since change 25)
     "ac_none_zero2_flash_between_chunkcat": [*_BEST, "--no-parallelism.fsdp_copy_in_by_chunks"],
     # One selective policy for every block (one compiled block graph): all matmul outputs but w3's, the

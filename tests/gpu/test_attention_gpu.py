@@ -100,11 +100,19 @@ def test_flash_package_at_llama_head_dim(compiled):
 
 @pytest.mark.skipif(not HAVE_FLASH, reason="flash-attn (FA2, FA3 or flash-attn-4) is not installed")
 @pytest.mark.parametrize("in_graph", [True, False])
-def test_flash_warm_up_finishes_and_training_then_calls_the_kernels(in_graph):
-    """prepare_flash_in_background at a model's shapes on CUDA, where autograd runs backward on its own
-    device thread: the warm-up finishes (it once waited for itself there, and runs hung at step 1), and a
-    training forward and backward at those shapes afterwards matches the unfused baseline."""
+@pytest.mark.parametrize("where", ["process", "thread"])
+def test_flash_warm_up_finishes_and_training_then_calls_the_kernels(in_graph, where, monkeypatch, caplog):
+    """prepare_flash_in_background at a model's shapes on CUDA: by a child process into FA4's disk cache
+    (the default), or on the thread, where autograd runs backward on its own device thread (the warm-up
+    once waited for itself there, and runs hung at step 1). It finishes, and a training forward and
+    backward at those shapes afterwards matches the unfused baseline."""
+    import logging
+
     from titanrush.models.llama import attention as attn
+
+    if where == "thread":
+        monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")  # (read here, not by FA4)
+    logging.getLogger("titanrush").propagate = True
 
     shape = dict(dim=512, n_heads=4, n_kv_heads=2)
     x = torch.randint(0, 8192, (2, 1024), device="cuda")
@@ -112,9 +120,12 @@ def test_flash_warm_up_finishes_and_training_then_calls_the_kernels(in_graph):
     shapes = attn.FlashShapes(torch.device("cuda", torch.cuda.current_device()), batch=2, seq_len=1024,
                               n_heads=4, n_kv_heads=2, head_dim=128, in_graph=in_graph)  # fmt: skip
     try:
-        thread = attn.prepare_flash_in_background(shapes)
-        thread.join(timeout=180)
+        with caplog.at_level(logging.INFO, logger="titanrush"):
+            thread = attn.prepare_flash_in_background(shapes)
+            thread.join(timeout=180)
         assert not thread.is_alive(), "the warm-up did not finish"
+        assert "kernels compiled in" in caplog.text, caplog.text
+        assert ("by a process" in caplog.text) == (where == "process"), caplog.text
         ref_loss, ref_grads = loss_and_grads(build("math", **shape), x, y)
         loss, grads = loss_and_grads(build("flash", flash_in_graph=in_graph, **shape), x, y)
     finally:

@@ -485,6 +485,8 @@ def test_flash4_kernels_warm_up_beside_the_set_up_and_training_waits(monkeypatch
 
     seen = _traced_fake_flash4(monkeypatch, warm_up_fails=warm_up_fails)
     _backward_on_a_device_thread(monkeypatch)
+    # the warm-up on this thread (a child process's: test_flash_warm_up)
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
     dims = dict(batch=2, seq_len=16, n_heads=4, n_kv_heads=2, head_dim=8)
     # (the stand-in computes in fp32)
     shapes = attn.FlashShapes(torch.device("cpu"), **dims, in_graph=in_graph, dtype=torch.float32)

@@ -111,12 +111,15 @@ _PREPARING: threading.Thread | None = None  # the side thread of prepare_flash_i
 
 def prepare_flash_in_background(shapes: FlashShapes | None = None) -> threading.Thread:
     """Import the flash-attn package on a side thread, which a launch runs beside the mesh, model and data
-    set-up (FA4's CuTe DSL takes seconds to import); with `shapes`, then run one forward and backward at
+    set-up (FA4's CuTe DSL takes seconds to import); with `shapes`, then have FA4's kernels compiled at
     the training's shapes. FA4 compiles each kernel at its first call, seconds apiece on a fresh machine,
     keyed by dtype, head dims and causality and chosen by launch heuristics that read the batch, length
     and heads: at these shapes they are the kernels of training, now compiled beside the set-up and the
-    first graphs' compile instead of inside step 1. The first flash call of training waits for this
-    thread; an import that fails raises its ImportError there, a warm-up that fails is logged."""
+    first graphs' compile instead of inside step 1. With FA4's disk cache on (the default), a child
+    process compiles them (`flash_warm_up`: the compile is Python that would hold this process's
+    interpreter) and training loads them from the cache; else, or where the child fails, this thread
+    runs one forward and backward itself. The first flash call of training waits for this thread; an
+    import that fails raises its ImportError there, a warm-up that fails is logged."""
 
     def run() -> None:
         t0 = time.perf_counter()
@@ -128,8 +131,17 @@ def prepare_flash_in_background(shapes: FlashShapes | None = None) -> threading.
         if shapes is None or kernels is None:  # (FA3 and FA2 ship compiled kernels)
             return
         t1 = time.perf_counter()
+        from titanrush.models.llama import flash_warm_up
+
+        if flash_warm_up.disk_cache_enabled():
+            failure = flash_warm_up.WarmUpProcess(shapes).wait()
+            if failure is None:
+                took = time.perf_counter() - t1
+                logger.info(f"flash-attn-4's kernels compiled in {took:.1f} s by a process beside the set-up")
+                return
+            logger.warning(f"flash-attn-4's warm-up process failed ({failure}); compiling them here")
         try:
-            _warm_up(shapes)
+            warm_up(shapes)
         except Exception as e:  # noqa: BLE001 - training then compiles them at its first call
             why = f"{type(e).__name__}: {e}"
             logger.warning(f"flash-attn-4's warm-up failed ({why}); step 1 compiles its kernels")
@@ -142,7 +154,9 @@ def prepare_flash_in_background(shapes: FlashShapes | None = None) -> threading.
     return _PREPARING
 
 
-def _warm_up(s: FlashShapes) -> None:
+def warm_up(s: FlashShapes) -> None:
+    """One forward and backward of flash attention at `s`, as training calls it: FA4 compiles (or loads
+    from its disk cache) the kernels of those shapes."""
     if s.device.type == "cuda":
         torch.cuda.set_device(s.device)  # (the current device is the thread's own)
     gen = torch.Generator(s.device).manual_seed(0)

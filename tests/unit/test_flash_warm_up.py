@@ -1,0 +1,151 @@
+"""flash-attn-4's kernels compiled by a child process beside the set-up (`flash_warm_up`), with a stand-in
+FA4 package on disk that both processes import and that notes each kernel call in a file."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from titanrush.models.llama import attention as attn
+from titanrush.models.llama import flash_warm_up
+
+STAND_IN = """
+import os, threading
+import torch
+
+
+def _note(kind, q, k):
+    if os.environ.get("STAND_IN_FAIL_PID") == str(os.getppid()):  # (set to the pid of the child's parent)
+        raise RuntimeError("no kernel for this GPU")
+    who = f"{os.getpid()}|{threading.current_thread().name}"
+    with open(os.environ["STAND_IN_LOG"], "a") as f:
+        f.write(f"{who}|{kind}|{tuple(q.shape)} {tuple(k.shape)}\\n")
+
+
+def _flash_attn_fwd(q, k, v, causal=False, return_lse=False, **kw):
+    _note("fwd", q, k)
+    b, t, h, _ = q.shape
+    return torch.zeros_like(q), torch.zeros(b, h, t), None, None, None
+
+
+def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False):
+    _note("bwd", q, k)
+    return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+"""
+
+STAND_IN_INIT = """
+import torch
+from flash_attn.cute import interface
+
+
+class _Function(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v):
+        ctx.save_for_backward(q, k, v)
+        return interface._flash_attn_fwd(q, k, v, causal=True, return_lse=True)[0]
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v = ctx.saved_tensors
+        return interface._flash_attn_bwd(q, k, v, dout, dout, None, causal=True)
+
+
+def flash_attn_func(q, k, v, causal):
+    return _Function.apply(q, k, v)
+"""
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    """The stand-in package importable here and in a child (PYTHONPATH); the path of its call log."""
+    root = tmp_path / "site"
+    (root / "flash_attn" / "cute").mkdir(parents=True)
+    (root / "flash_attn" / "__init__.py").write_text("")
+    (root / "flash_attn" / "cute" / "__init__.py").write_text(textwrap.dedent(STAND_IN_INIT))
+    (root / "flash_attn" / "cute" / "interface.py").write_text(textwrap.dedent(STAND_IN))
+    log = tmp_path / "calls.txt"
+    for name in [m for m in sys.modules if m.startswith(("flash_attn", "flash_attn_interface"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", None)
+    monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setenv("PYTHONPATH", str(root))
+    monkeypatch.setenv("STAND_IN_LOG", str(log))
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    attn.flash_attn_func.cache_clear()
+    attn.flash_kernels.cache_clear()
+    yield log
+    attn.flash_attn_func.cache_clear()
+    attn.flash_kernels.cache_clear()
+    attn._PREPARING = None
+
+
+def _calls(log) -> list[tuple[str, ...]]:
+    """(who, kind, q's shape, k's shape), who being 'child' or this process's thread."""
+    rows = []
+    for line in log.read_text().splitlines():
+        pid, thread, kind, shapes = line.split("|")
+        rows.append(("child" if int(pid) != os.getpid() else thread, kind, shapes))
+    return rows
+
+
+SHAPES = attn.FlashShapes(torch.device("cpu"), batch=2, seq_len=16, n_heads=4, n_kv_heads=2, head_dim=8,
+                          in_graph=True, dtype=torch.float32)  # fmt: skip
+WARM = "(2, 16, 4, 8) (2, 16, 2, 8)"
+TRAIN = "(1, 8, 4, 8) (1, 8, 2, 8)"
+
+
+def test_shapes_travel_to_the_child_as_json():
+    half = attn.FlashShapes(torch.device("cuda", 3), 1, 8192, 8, 2, 128, in_graph=False, dtype=torch.float16)
+    for shapes in (SHAPES, half):
+        assert flash_warm_up.from_json(flash_warm_up.to_json(shapes)) == shapes
+    assert json.loads(flash_warm_up.to_json(half))["device"] == "cuda:3"
+
+
+@pytest.mark.parametrize("in_graph", [True, False])
+def test_a_child_process_compiles_the_kernels_and_training_then_calls_them(stand_in, caplog, in_graph):
+    """The child runs the warm-up's forward and backward at the training's shapes; this process's
+    thread only imports and waits, and training's first flash call waits for it."""
+    import dataclasses
+
+    logging.getLogger("titanrush").propagate = True
+    with caplog.at_level(logging.INFO, logger="titanrush"):
+        thread = attn.prepare_flash_in_background(dataclasses.replace(SHAPES, in_graph=in_graph))
+        q = torch.randn(1, 8, 4, 8, requires_grad=True)
+        k, v = torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 8)
+        attn.attention(q, k, v, backend="flash", n_rep=2, flash_in_graph=in_graph).sum().backward()
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+    child = [("child", "fwd", WARM), ("child", "bwd", WARM)]
+    assert _calls(stand_in) == [*child, ("MainThread", "fwd", TRAIN), ("MainThread", "bwd", TRAIN)]
+    assert "flash-attn-4's kernels compiled in" in caplog.text
+    assert "by a process beside the set-up" in caplog.text
+
+
+def test_a_failed_child_is_logged_and_the_thread_compiles_them(stand_in, caplog, monkeypatch):
+    monkeypatch.setenv("STAND_IN_FAIL_PID", str(os.getpid()))  # the stand-in fails in this process's child
+    logging.getLogger("titanrush").propagate = True
+    with caplog.at_level(logging.INFO, logger="titanrush"):
+        thread = attn.prepare_flash_in_background(SHAPES)
+        thread.join(timeout=60)
+    assert not thread.is_alive()
+    assert "warm-up process failed (exit status 1: " in caplog.text
+    assert "RuntimeError: no kernel for this GPU" in caplog.text  # the end of the child's stderr
+    assert _calls(stand_in) == [("flash-attn prepare", "fwd", WARM), ("flash-attn prepare", "bwd", WARM)]
+    assert "kernels compiled in" in caplog.text and "beside the set-up" in caplog.text
+
+
+def test_without_the_disk_cache_the_thread_compiles_them(stand_in, caplog, monkeypatch):
+    # A child's kernels would not reach this process: the thread compiles them, and no child starts.
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
+    started = []
+    monkeypatch.setattr(flash_warm_up, "WarmUpProcess", lambda s: started.append(s))
+    thread = attn.prepare_flash_in_background(SHAPES)
+    thread.join(timeout=60)
+    assert not started
+    assert _calls(stand_in) == [("flash-attn prepare", "fwd", WARM), ("flash-attn prepare", "bwd", WARM)]
