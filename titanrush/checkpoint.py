@@ -249,7 +249,7 @@ class CheckpointManager:
             return 0
         t0 = time.perf_counter()
         self._load(path, model_only=model_only)
-        _barrier()  # loaded on every rank
+        barrier()  # loaded on every rank
         step = 0 if model_only else self.train_state.step
         self.records.append((step, {"ckpt_load_s": time.perf_counter() - t0, "ckpt_load_path": str(path)}))
         what = "weights" if model_only else "full state"
@@ -325,7 +325,7 @@ class CheckpointManager:
                 raise ConfigError(f"checkpoint {final} already exists; it is never overwritten")
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        _barrier()
+        barrier()
         states = {"model": ModelState(self.model_parts, dtype)} if model_only else self.states
         info = {**self.info, "step": step, "model_only": model_only,
                 "dtype": str(dtype or torch.float32).replace("torch.", "")}  # fmt: skip
@@ -388,7 +388,7 @@ class CheckpointManager:
         # A synchronous DCP save returns on each rank after the coordinator wrote the metadata, which it
         # does only after gathering every rank's write results; an async save's future likewise.
         if barrier:
-            _barrier()
+            barrier()
         if self.rank == 0:
             (tmp / INFO_FILE).write_text(json.dumps(info, indent=1, default=str))
             os.replace(tmp, final)
@@ -444,8 +444,15 @@ def _read_info(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path / INFO_FILE} is corrupt ({e}); use an earlier checkpoint") from e
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
+def barrier() -> None:
+    """All ranks meet (a no-op without a process group). NCCL's barrier is given this rank's device:
+    communicators start lazily (the trainer binds no device at init), and NCCL would otherwise guess
+    the device from the global rank."""
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
         dist.barrier()
 
 

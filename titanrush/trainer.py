@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titanrush import config as cfgmod
-from titanrush.checkpoint import CheckpointManager
+from titanrush.checkpoint import CheckpointManager, barrier
 from titanrush.config import ConfigError, JobConfig
 from titanrush.data import build_dataloader, build_tokenizer
 from titanrush.metrics import (
@@ -472,8 +472,7 @@ class Trainer:
                 )
             run_dir.mkdir(parents=True, exist_ok=True)
             (run_dir / "config.toml").write_text(cfgmod.to_toml(self.cfg))
-        if dist.is_initialized():
-            dist.barrier()
+        barrier()
         return run_dir
 
     def _peak_tflops(self) -> float | None:

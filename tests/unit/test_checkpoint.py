@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from titanrush import config
 from titanrush.config import ConfigError
@@ -226,3 +227,20 @@ def test_stager_reusable_matches_what_this_torchs_stager_does():
     finally:
         stager.close()
     assert stager_reusable() is reused
+
+
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_barrier_names_this_ranks_device_to_nccl(monkeypatch, backend):
+    # Communicators start lazily (no device bound at init): NCCL's barrier gets the current device, not
+    # one guessed from the global rank.
+    import torch.distributed as dist
+
+    from titanrush import checkpoint
+
+    calls = []
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda *a: backend)
+    monkeypatch.setattr(dist, "barrier", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    checkpoint.barrier()
+    assert calls == ([{"device_ids": [2]}] if backend == "nccl" else [{}])
