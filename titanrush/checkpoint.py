@@ -380,14 +380,14 @@ class CheckpointManager:
         p.upload.result()
         uploaded = p.uploaded_at or time.perf_counter()  # the callback may run just after result()
         t_finish = time.perf_counter()
-        self._finish(p.tmp, p.final, p.info, barrier=False)
+        self._finish(p.tmp, p.final, p.info, all_ranks=False)
         save_s = uploaded - p.t0 + time.perf_counter() - t_finish  # written, then renamed
         self.records.append((p.step, {**p.record, "ckpt_blocking_s": p.blocking_s, "ckpt_save_s": save_s}))
 
-    def _finish(self, tmp: Path, final: Path, info: dict[str, Any], barrier: bool = True) -> None:
+    def _finish(self, tmp: Path, final: Path, info: dict[str, Any], all_ranks: bool = True) -> None:
         # A synchronous DCP save returns on each rank after the coordinator wrote the metadata, which it
         # does only after gathering every rank's write results; an async save's future likewise.
-        if barrier:
+        if all_ranks:
             barrier()
         if self.rank == 0:
             (tmp / INFO_FILE).write_text(json.dumps(info, indent=1, default=str))
