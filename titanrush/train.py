@@ -51,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path, check, overrides = split_args(argv)
         cfg = cfgmod.load(path, overrides)
+        if not check:  # flash-attn-4's kernels compiled by a child beside this process's start-up
+            from titanrush.models.flash_warm_up import start_at_launch
+
+            start_at_launch(cfg, argv)
         import os
 
         from titanrush.trainer import Trainer, check_config

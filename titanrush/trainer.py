@@ -140,6 +140,20 @@ def check_config(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, ModelAr
     return dims, args, gbs // per_step
 
 
+def flash_shapes(
+    cfg: JobConfig, dims: ParallelDims, args: ModelArgs, device: torch.device
+) -> FlashShapes | None:
+    """One rank's attention inputs in training, for flash-attn-4's warm-up; None where they vary (a
+    pipeline's micro-batches, context parallel's shards)."""
+    if dims.pp > 1 or dims.cp > 1:
+        return None
+    return FlashShapes(
+        device=device, batch=cfg.training.local_batch_size, seq_len=cfg.training.seq_len,
+        n_heads=args.n_heads // dims.tp, n_kv_heads=(args.n_kv_heads or args.n_heads) // dims.tp,
+        head_dim=args.head_dim, in_graph=cfg.model.flash_in_graph,
+    )  # fmt: skip
+
+
 def _check_attention(backend: str) -> None:
     """The attention backend can run here: its package imports, its kernels exist on this device."""
     if backend == "flash" and not flash_installed():  # (found, not imported: see prepare_flash_in_background)
@@ -258,7 +272,7 @@ class Trainer:
             set_allocator(expandable=cfg.training.expandable_segments, pin_threads=pin_threads)
             torch.cuda.set_device(self.device)
             if cfg.model.attn_backend == "flash":  # its import and FA4's kernels beside the set-up below
-                prepare_flash_in_background(self._flash_shapes())
+                prepare_flash_in_background(flash_shapes(cfg, self.dims, self.model_args, self.device))
             if ac.offload_first > 0:  # pinned host memory next to this GPU
                 cpus = bind_near_gpu(self.device)
                 if cpus is not None:
@@ -451,18 +465,6 @@ class Trainer:
         logger.info(f"set-up {marks[-1][1] - marks[0][1]:.1f} s{before}: {stages}")
 
     # ------------------------------------------------------------------------------------------
-    def _flash_shapes(self) -> FlashShapes | None:
-        """This rank's attention inputs in training, for flash-attn-4's warm-up; None where they vary (a
-        pipeline's micro-batches, context parallel's shards)."""
-        if self.dims.pp > 1 or self.dims.cp > 1:
-            return None
-        a, tp = self.model_args, self.dims.tp
-        return FlashShapes(
-            device=self.device, batch=self.cfg.training.local_batch_size, seq_len=self.cfg.training.seq_len,
-            n_heads=a.n_heads // tp, n_kv_heads=(a.n_kv_heads or a.n_heads) // tp, head_dim=a.head_dim,
-            in_graph=self.cfg.model.flash_in_graph,
-        )  # fmt: skip
-
     def _prepare_run_dir(self) -> Path:
         run_dir = Path(self.cfg.job.dump_folder) / self.cfg.job.name
         if self.rank == 0:

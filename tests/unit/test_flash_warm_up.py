@@ -12,8 +12,8 @@ import textwrap
 import pytest
 import torch
 
+from titanrush.models import flash_warm_up
 from titanrush.models.llama import attention as attn
-from titanrush.models.llama import flash_warm_up
 
 STAND_IN = """
 import os, threading
@@ -83,6 +83,7 @@ def stand_in(tmp_path, monkeypatch):
     attn.flash_attn_func.cache_clear()
     attn.flash_kernels.cache_clear()
     attn._PREPARING = None
+    flash_warm_up._AT_LAUNCH = None
 
 
 def _calls(log) -> list[tuple[str, ...]]:
@@ -149,3 +150,61 @@ def test_without_the_disk_cache_the_thread_compiles_them(stand_in, caplog, monke
     thread.join(timeout=60)
     assert not started
     assert _calls(stand_in) == [("flash-attn prepare", "fwd", WARM), ("flash-attn prepare", "bwd", WARM)]
+
+
+TRAIN_ARGS = ["--model.attn_backend", "flash", "--training.seq_len", "16", "--training.local_batch_size", "2"]
+LAUNCH = "(2, 16, 8, 32) (2, 16, 4, 32)"  # the debug model's 8 heads, 4 K/V heads, head dim 32
+
+
+def _trainer_shapes(args: list[str]) -> attn.FlashShapes:
+    from titanrush import config
+    from titanrush.trainer import check_config, flash_shapes
+
+    cfg = config.load(None, args)
+    dims, model_args, _ = check_config(cfg, 1)
+    return flash_shapes(cfg, dims, model_args, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("trainer_seq", [16, 32])
+def test_the_child_started_at_launch_serves_the_trainer(stand_in, caplog, trainer_seq):
+    """titanrush.train starts the child once the config is read; it works the shapes out of the same
+    arguments, and the trainer's thread waits for it instead of starting one. Where the trainer's shapes
+    are not the ones it compiled (they are the same config's; here forced), another child compiles them."""
+    from titanrush import config
+
+    logging.getLogger("titanrush").propagate = True
+    assert flash_warm_up.start_at_launch(config.load(None, TRAIN_ARGS), TRAIN_ARGS) is not None
+    args = [*TRAIN_ARGS, "--training.seq_len", str(trainer_seq)]
+    with caplog.at_level(logging.INFO, logger="titanrush"):
+        thread = attn.prepare_flash_in_background(_trainer_shapes(args))
+        thread.join(timeout=120)
+    assert not thread.is_alive() and flash_warm_up.take_started() is None  # (handed over once)
+    calls = _calls(stand_in)
+    assert calls[:2] == [("child", "fwd", LAUNCH), ("child", "bwd", LAUNCH)]
+    if trainer_seq == 16:
+        assert len(calls) == 2 and "compiled by a process started at launch" in caplog.text
+    else:
+        again = "(2, 32, 8, 32) (2, 32, 4, 32)"
+        assert calls[2:] == [("child", "fwd", again), ("child", "bwd", again)]
+        assert "launch warm-up compiled" in caplog.text and "by a process beside the set-up" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "args, env",
+    [(["--model.attn_backend", "sdpa"], "1"), (["--parallelism.pp", "2"], "1"),
+     (["--parallelism.cp", "2"], "1"), ([], "0")],
+)  # fmt: skip
+def test_no_child_at_launch_where_it_would_not_serve(monkeypatch, args, env):
+    # Other attention, shapes that vary (pipeline micro-batches, context parallel shards), or no disk
+    # cache for a child's kernels to reach the trainer through; flash attention alone starts one.
+    from titanrush import config
+
+    monkeypatch.setattr(flash_warm_up, "WarmUpProcess", lambda **kw: ("child", kw))
+    monkeypatch.setattr(flash_warm_up, "_AT_LAUNCH", None)
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    flash = config.load(None, ["--model.attn_backend", "flash"])
+    assert flash_warm_up.start_at_launch(flash, ["x"]) == ("child", {"train_argv": ["x"]})
+    assert flash_warm_up.take_started() is not None and flash_warm_up.take_started() is None
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", env)
+    cfg = config.load(None, ["--model.attn_backend", "flash", *args])
+    assert flash_warm_up.start_at_launch(cfg, ["x"]) is None and flash_warm_up.take_started() is None

@@ -224,18 +224,18 @@ def test_flash_warm_up_takes_this_ranks_attention_shapes(tmp_path):
     parallel leaves each rank; none where they vary (pipeline micro-batches, context parallel's shards)."""
     from titanrush.models.llama import model_args
     from titanrush.parallel.parallel_dims import ParallelDims
+    from titanrush.trainer import flash_shapes
 
-    t = Trainer.__new__(Trainer)  # (only what _flash_shapes reads)
-    t.cfg = config.load(None, small(tmp_path, "shapes"))
-    t.cfg.model.flash_in_graph = False  # (flash itself would be refused where it is not installed)
-    t.model_args, t.device = model_args("debug"), torch.device("cpu")  # dim 256, 8 heads, 4 K/V heads
-    t.dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, world_size=4)
-    s = t._flash_shapes()
+    cfg = config.load(None, small(tmp_path, "shapes"))
+    cfg.model.flash_in_graph = False  # (flash itself would be refused where it is not installed)
+    args, cpu = model_args("debug"), torch.device("cpu")  # dim 256, 8 heads, 4 K/V heads
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, world_size=4)
+    s = flash_shapes(cfg, dims, args, cpu)
     assert (s.batch, s.seq_len, s.n_heads, s.n_kv_heads, s.head_dim, s.in_graph) == (4, 64, 4, 2, 32, False)
-    assert s.dtype == torch.bfloat16
+    assert s.dtype == torch.bfloat16 and s.device == cpu
     for pp, cp in ((2, 1), (1, 2)):
-        t.dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=cp, tp=1, pp=pp, world_size=2)
-        assert t._flash_shapes() is None
+        dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=cp, tp=1, pp=pp, world_size=2)
+        assert flash_shapes(cfg, dims, args, cpu) is None
 
 
 @pytest.mark.parametrize(

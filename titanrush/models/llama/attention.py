@@ -19,7 +19,6 @@ import functools
 import importlib.util
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,6 +27,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from titanrush.models import flash_warm_up
 
 logger = logging.getLogger("titanrush")
 
@@ -65,7 +66,7 @@ def flash_attn_func() -> Callable[..., Any]:
     compiled kernels (`FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED`, read when it is imported) is turned on
     here unless the environment says otherwise, as inductor's cache is, so later runs load them.
     """
-    os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    flash_warm_up.enable_disk_cache()
     for module, name in (("flash_attn.cute", "flash_attn_func"), ("flash_attn_interface", "flash_attn_func")):
         try:
             mod = __import__(module, fromlist=[name])
@@ -131,15 +132,8 @@ def prepare_flash_in_background(shapes: FlashShapes | None = None) -> threading.
         if shapes is None or kernels is None:  # (FA3 and FA2 ship compiled kernels)
             return
         t1 = time.perf_counter()
-        from titanrush.models.llama import flash_warm_up
-
-        if flash_warm_up.disk_cache_enabled():
-            failure = flash_warm_up.WarmUpProcess(shapes).wait()
-            if failure is None:
-                took = time.perf_counter() - t1
-                logger.info(f"flash-attn-4's kernels compiled in {took:.1f} s by a process beside the set-up")
-                return
-            logger.warning(f"flash-attn-4's warm-up process failed ({failure}); compiling them here")
+        if flash_warm_up.disk_cache_enabled() and _warmed_up_by_a_child(shapes, flash_warm_up.take_started()):
+            return
         try:
             warm_up(shapes)
         except Exception as e:  # noqa: BLE001 - training then compiles them at its first call
@@ -152,6 +146,33 @@ def prepare_flash_in_background(shapes: FlashShapes | None = None) -> threading.
     _PREPARING = threading.Thread(target=run, name="flash-attn prepare", daemon=True)
     _PREPARING.start()
     return _PREPARING
+
+
+def _warmed_up_by_a_child(shapes: FlashShapes, started: flash_warm_up.WarmUpProcess | None) -> bool:
+    """Wait for the child that `titanrush.train` started at launch (`started`), or for one started now,
+    to compile the kernels at `shapes` into FA4's disk cache; False where a child failed (logged)."""
+    t0 = time.perf_counter()
+    if started is not None:
+        failure, compiled = started.wait()
+        done = f"{time.perf_counter() - t0:.1f} s after the import"
+        if failure is None and compiled == shapes:
+            logger.info(f"flash-attn-4's kernels compiled by a process started at launch ({done})")
+            return True
+        if failure is not None:
+            logger.warning(f"flash-attn-4's warm-up process failed ({failure}); compiling them here")
+            return False
+        # (the trainer's shapes are the ones that count)
+        logger.warning(
+            f"flash-attn-4's launch warm-up compiled {compiled}, training runs {shapes}: once more"
+        )
+        t0 = time.perf_counter()
+    failure, _ = flash_warm_up.WarmUpProcess(shapes).wait()
+    if failure is not None:
+        logger.warning(f"flash-attn-4's warm-up process failed ({failure}); compiling them here")
+        return False
+    took = time.perf_counter() - t0
+    logger.info(f"flash-attn-4's kernels compiled in {took:.1f} s by a process beside the set-up")
+    return True
 
 
 def warm_up(s: FlashShapes) -> None:
