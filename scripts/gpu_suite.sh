@@ -93,7 +93,8 @@
 #            row (with the overlapped step) and the float8 row's one-policy setting, also with the
 #            overlapped step (its gradients freed unit by unit, change 31); then the warm-up's GPU test
 #            (first run: the overlapped step's GPU test; then NCCL's communicators started lazily, change 32;
-#            then FA4's kernels compiled by a child process, change 33, and the best row inside the graph)
+#            then FA4's kernels compiled by a child process, change 33, and the best row inside the graph;
+#            then that child started at launch, change 34; its log written to $OUT as the runs go)
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
 PHASE=${1:?phase A to AS, or STAGE}
@@ -496,7 +497,7 @@ elif [ "$PHASE" = AS ]; then  # 4 GPUs, .fa2 + .fa3 after STAGE on a fresh machi
   install_flash
   V=ac_none_zero2_flash_between_overlap,ac_none_zero2_flash_overlap,w3_keep24_pool_flash_overlap
   timeout 460 python3 scripts/side_by_side.py --out $S/sbs8b_as --rows 8b_compile_float8 --fresh-compile-caches \
-     --variants ${VARIANTS:-$V} --steps 10 --measure-from 5 --timeout-per-run 130 > $S/sbs8b_as.log 2>&1
+     --variants ${VARIANTS:-$V} --steps 10 --measure-from 5 --timeout-per-run 130 > "$OUT/sbs8b_as.log" 2>&1
   cp $S/sbs8b_as/results.md "$OUT/sbs8b_as.md"
   grep -h "set-up\|flash-attn" $S/sbs8b_as/*.log > "$OUT/setup_lines.txt" 2>/dev/null
   grep -h "step      1 " $S/sbs8b_as/*.log >> "$OUT/setup_lines.txt" 2>/dev/null
