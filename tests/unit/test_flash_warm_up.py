@@ -80,6 +80,8 @@ def stand_in(tmp_path, monkeypatch):
     attn.flash_attn_func.cache_clear()
     attn.flash_kernels.cache_clear()
     yield log
+    for name in [m for m in sys.modules if m.startswith("flash_attn")]:  # the stand-in's, imported here
+        del sys.modules[name]
     attn.flash_attn_func.cache_clear()
     attn.flash_kernels.cache_clear()
     attn._PREPARING = None
@@ -145,7 +147,7 @@ def test_without_the_disk_cache_the_thread_compiles_them(stand_in, caplog, monke
     # A child's kernels would not reach this process: the thread compiles them, and no child starts.
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
     started = []
-    monkeypatch.setattr(flash_warm_up, "WarmUpProcess", lambda s: started.append(s))
+    monkeypatch.setattr(flash_warm_up.WarmUpProcess, "at", lambda s: started.append(s))
     thread = attn.prepare_flash_in_background(SHAPES)
     thread.join(timeout=60)
     assert not started
@@ -171,9 +173,10 @@ def test_the_child_started_at_launch_serves_the_trainer(stand_in, caplog, traine
     arguments, and the trainer's thread waits for it instead of starting one. Where the trainer's shapes
     are not the ones it compiled (they are the same config's; here forced), another child compiles them."""
     from titanrush import config
+    from titanrush.train import start_flash_warm_up
 
     logging.getLogger("titanrush").propagate = True
-    assert flash_warm_up.start_at_launch(config.load(None, TRAIN_ARGS), TRAIN_ARGS) is not None
+    assert start_flash_warm_up(config.load(None, TRAIN_ARGS), TRAIN_ARGS)
     args = [*TRAIN_ARGS, "--training.seq_len", str(trainer_seq)]
     with caplog.at_level(logging.INFO, logger="titanrush"):
         thread = attn.prepare_flash_in_background(_trainer_shapes(args))
@@ -198,13 +201,14 @@ def test_no_child_at_launch_where_it_would_not_serve(monkeypatch, args, env):
     # Other attention, shapes that vary (pipeline micro-batches, context parallel shards), or no disk
     # cache for a child's kernels to reach the trainer through; flash attention alone starts one.
     from titanrush import config
+    from titanrush.train import start_flash_warm_up
 
-    monkeypatch.setattr(flash_warm_up, "WarmUpProcess", lambda **kw: ("child", kw))
+    monkeypatch.setattr(flash_warm_up, "WarmUpProcess", lambda module, a: ("child", module, a))
     monkeypatch.setattr(flash_warm_up, "_AT_LAUNCH", None)
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-    flash = config.load(None, ["--model.attn_backend", "flash"])
-    assert flash_warm_up.start_at_launch(flash, ["x"]) == ("child", {"train_argv": ["x"]})
-    assert flash_warm_up.take_started() is not None and flash_warm_up.take_started() is None
+    assert start_flash_warm_up(config.load(None, ["--model.attn_backend", "flash"]), ["x"])
+    assert flash_warm_up.take_started() == ("child", "titanrush.train", ["--flash-warm-up", "x"])
+    assert flash_warm_up.take_started() is None  # (handed over once)
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", env)
     cfg = config.load(None, ["--model.attn_backend", "flash", *args])
-    assert flash_warm_up.start_at_launch(cfg, ["x"]) is None and flash_warm_up.take_started() is None
+    assert not start_flash_warm_up(cfg, ["x"]) and flash_warm_up.take_started() is None

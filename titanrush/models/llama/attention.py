@@ -166,7 +166,7 @@ def _warmed_up_by_a_child(shapes: FlashShapes, started: flash_warm_up.WarmUpProc
             f"flash-attn-4's launch warm-up compiled {compiled}, training runs {shapes}: once more"
         )
         t0 = time.perf_counter()
-    failure, _ = flash_warm_up.WarmUpProcess(shapes).wait()
+    failure, _ = flash_warm_up.WarmUpProcess.at(shapes).wait()
     if failure is not None:
         logger.warning(f"flash-attn-4's warm-up process failed ({failure}); compiling them here")
         return False
