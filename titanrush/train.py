@@ -6,10 +6,14 @@ Exit status: 0 on success, 2 on a config error (before any model is built), 1 on
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 from titanrush import config as cfgmod
 from titanrush.config import ConfigError
 from titanrush.logging_utils import init_logging
+
+if TYPE_CHECKING:
+    from titanrush.models.flash_warm_up import WarmUpProcess
 
 USAGE = """usage: titanrush train [--config FILE] [--check] [--section.key value | --section.key=value
                        | --section.key | --no-section.key ...]
@@ -41,48 +45,53 @@ def split_args(argv: list[str]) -> tuple[str | None, bool, list[str]]:
     return path, check, rest
 
 
-def start_flash_warm_up(cfg: cfgmod.JobConfig, argv: list[str]) -> bool:
+MODULE = "titanrush.train"  # this module's name also where it runs as __main__ (`python -m`)
+
+
+def start_flash_warm_up(cfg: cfgmod.JobConfig, argv: list[str]) -> WarmUpProcess | None:
     """flash-attn-4's kernels compiled by a child beside this process's start-up (started before torch
     and the trainer are imported), where the config runs flash attention at fixed shapes (no pipeline,
     no context parallel) and FA4's disk cache is on; the child, `--flash-warm-up` with the same
-    arguments, works the shapes out as the trainer does. Whether it started."""
+    arguments, works the shapes out as the trainer does."""
     from titanrush.models import flash_warm_up
 
     p = cfg.parallelism
+    if cfg.model.attn_backend != "flash" or p.pp > 1 or p.cp > 1:
+        return None
     flash_warm_up.enable_disk_cache()
-    if cfg.model.attn_backend != "flash" or p.pp > 1 or p.cp > 1 or not flash_warm_up.disk_cache_enabled():
-        return False
-    flash_warm_up.hand_over(flash_warm_up.WarmUpProcess(__name__, ["--flash-warm-up", *argv]))
-    return True
+    if not flash_warm_up.disk_cache_enabled():
+        return None
+    return flash_warm_up.WarmUpProcess(MODULE, ["--flash-warm-up", *argv])
 
 
 def flash_warm_up_child(argv: list[str]) -> int:
-    """The child of start_flash_warm_up: this rank's shapes (its GPU, LOCAL_RANK; the CPU where there is
-    none) from the training arguments, the warm-up at them, and the shapes printed as JSON; `none` where
-    flash-attn-4 does not run (FA3 and FA2 ship compiled kernels)."""
+    """The child of start_flash_warm_up: this rank's shapes (on its GPU, LOCAL_RANK, or on the CPU where
+    there is none) from the training arguments, with no more than the model's flavor (no trainer, no
+    tokenizer); the warm-up at them and the report (none where flash-attn-4 does not run: FA3 and FA2
+    ship compiled kernels)."""
     import os
 
     import torch
 
-    from titanrush.models.flash_warm_up import to_json
-    from titanrush.models.llama.attention import flash_kernels, warm_up
-    from titanrush.trainer import check_config, flash_shapes
+    from titanrush.models.flash_warm_up import rank_shapes, warm_up_and_report
+    from titanrush.models.llama import model_args
+    from titanrush.models.llama.attention import flash_kernels
 
     path, _, overrides = split_args(argv)
     cfg = cfgmod.load(path, overrides)
-    dims, args, _ = check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
-    shapes = flash_shapes(cfg, dims, args, device)
+    t, p = cfg.training, cfg.parallelism
+    shapes = rank_shapes(
+        model_args(cfg.model.flavor), device=device, batch=t.local_batch_size, seq_len=t.seq_len,
+        tp=p.tp, pp=p.pp, cp=p.cp, in_graph=cfg.model.flash_in_graph,
+    )  # fmt: skip
     try:
         if flash_kernels() is None:
             shapes = None
     except ImportError:
         shapes = None
-    if shapes is not None:
-        warm_up(shapes)
-    print(to_json(shapes) if shapes is not None else "none")
-    return 0
+    return warm_up_and_report(shapes)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,17 +106,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         path, check, overrides = split_args(argv)
         cfg = cfgmod.load(path, overrides)
-        if not check:
-            start_flash_warm_up(cfg, argv)
-        import os
+    except ConfigError as e:
+        print(f"titanrush: config error: {e}", file=sys.stderr)
+        return 2
+    child = None if check else start_flash_warm_up(cfg, argv)
+    try:
+        return _check_or_train(cfg, check, child)
+    finally:
+        if child is not None:  # stopped where it still runs, reaped where nobody waited for it
+            child.kill()
 
-        from titanrush.trainer import Trainer, check_config
 
+def _check_or_train(cfg: cfgmod.JobConfig, check: bool, child: WarmUpProcess | None) -> int:
+    import os
+
+    from titanrush.trainer import Trainer, check_config
+
+    try:
         if check:
             check_config(cfg, int(os.environ.get("WORLD_SIZE", "1")))
             print("config OK")
             return 0
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, flash_child=child)
     except ConfigError as e:
         print(f"titanrush: config error: {e}", file=sys.stderr)
         return 2

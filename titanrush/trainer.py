@@ -41,6 +41,7 @@ from titanrush.metrics import (
     matmul_params,
     peak_tflops,
 )
+from titanrush.models.flash_warm_up import WarmUpProcess, rank_shapes
 from titanrush.models.llama import FLAVORS, Llama, ModelArgs, model_args
 from titanrush.models.llama.attention import FlashShapes, flash_installed, prepare_flash_in_background
 from titanrush.models.llama.loss import cross_entropy
@@ -143,14 +144,12 @@ def check_config(cfg: JobConfig, world_size: int) -> tuple[ParallelDims, ModelAr
 def flash_shapes(
     cfg: JobConfig, dims: ParallelDims, args: ModelArgs, device: torch.device
 ) -> FlashShapes | None:
-    """One rank's attention inputs in training, for flash-attn-4's warm-up; None where they vary (a
-    pipeline's micro-batches, context parallel's shards)."""
-    if dims.pp > 1 or dims.cp > 1:
-        return None
-    return FlashShapes(
-        device=device, batch=cfg.training.local_batch_size, seq_len=cfg.training.seq_len,
-        n_heads=args.n_heads // dims.tp, n_kv_heads=(args.n_kv_heads or args.n_heads) // dims.tp,
-        head_dim=args.head_dim, in_graph=cfg.model.flash_in_graph,
+    """This rank's attention inputs in training, for flash-attn-4's warm-up (`flash_warm_up.rank_shapes`;
+    `titanrush.train --flash-warm-up` works out the same from the config's fields)."""
+    t = cfg.training
+    return rank_shapes(
+        args, device=device, batch=t.local_batch_size, seq_len=t.seq_len, tp=dims.tp, pp=dims.pp, cp=dims.cp,
+        in_graph=cfg.model.flash_in_graph,
     )  # fmt: skip
 
 
@@ -253,7 +252,8 @@ def nccl_settings(environ: dict[str, str] | os._Environ, *, max_ctas: int) -> No
 class Trainer:
     """Owns the model, optimizer, data and metrics of one run."""
 
-    def __init__(self, cfg: JobConfig) -> None:
+    def __init__(self, cfg: JobConfig, flash_child: WarmUpProcess | None = None) -> None:
+        """`flash_child`: flash-attn-4's warm-up child that `titanrush.train` started at launch."""
         self.cfg = cfg
         marks = [("start", time.perf_counter())]  # set-up stages, logged with their durations at the end
         # 1. Distributed init and mesh.
@@ -272,7 +272,8 @@ class Trainer:
             set_allocator(expandable=cfg.training.expandable_segments, pin_threads=pin_threads)
             torch.cuda.set_device(self.device)
             if cfg.model.attn_backend == "flash":  # its import and FA4's kernels beside the set-up below
-                prepare_flash_in_background(flash_shapes(cfg, self.dims, self.model_args, self.device))
+                shapes = flash_shapes(cfg, self.dims, self.model_args, self.device)
+                prepare_flash_in_background(shapes, started=flash_child)
             if ac.offload_first > 0:  # pinned host memory next to this GPU
                 cpus = bind_near_gpu(self.device)
                 if cpus is not None:

@@ -110,6 +110,8 @@ def test_flash_warm_up_finishes_and_training_then_calls_the_kernels(in_graph, wh
 
     from titanrush.models.llama import attention as attn
 
+    if attn.flash_kernels() is None:
+        pytest.skip("flash-attn-4 is not installed (FA3 and FA2 ship compiled kernels: nothing to warm up)")
     if where == "thread":
         monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")  # (read here, not by FA4)
     logging.getLogger("titanrush").propagate = True

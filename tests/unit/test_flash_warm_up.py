@@ -85,7 +85,6 @@ def stand_in(tmp_path, monkeypatch):
     attn.flash_attn_func.cache_clear()
     attn.flash_kernels.cache_clear()
     attn._PREPARING = None
-    flash_warm_up._AT_LAUNCH = None
 
 
 def _calls(log) -> list[tuple[str, ...]]:
@@ -130,7 +129,8 @@ def test_a_child_process_compiles_the_kernels_and_training_then_calls_them(stand
     assert "by a process beside the set-up" in caplog.text
 
 
-def test_a_failed_child_is_logged_and_the_thread_compiles_them(stand_in, caplog, monkeypatch):
+def test_a_failed_child_is_logged_and_step_1_compiles_them(stand_in, caplog, monkeypatch):
+    # (a failure that repeats, as an FA4 error would, is not run twice: training's first call compiles)
     monkeypatch.setenv("STAND_IN_FAIL_PID", str(os.getpid()))  # the stand-in fails in this process's child
     logging.getLogger("titanrush").propagate = True
     with caplog.at_level(logging.INFO, logger="titanrush"):
@@ -139,15 +139,15 @@ def test_a_failed_child_is_logged_and_the_thread_compiles_them(stand_in, caplog,
     assert not thread.is_alive()
     assert "warm-up process failed (exit status 1: " in caplog.text
     assert "RuntimeError: no kernel for this GPU" in caplog.text  # the end of the child's stderr
-    assert _calls(stand_in) == [("flash-attn prepare", "fwd", WARM), ("flash-attn prepare", "bwd", WARM)]
-    assert "kernels compiled in" in caplog.text and "beside the set-up" in caplog.text
+    assert "step 1 compiles its kernels" in caplog.text
+    assert not stand_in.exists()  # no kernel call in this process
 
 
 def test_without_the_disk_cache_the_thread_compiles_them(stand_in, caplog, monkeypatch):
     # A child's kernels would not reach this process: the thread compiles them, and no child starts.
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
     started = []
-    monkeypatch.setattr(flash_warm_up.WarmUpProcess, "at", lambda s: started.append(s))
+    monkeypatch.setattr(flash_warm_up.WarmUpProcess, "at", lambda *a: started.append(a))
     thread = attn.prepare_flash_in_background(SHAPES)
     thread.join(timeout=60)
     assert not started
@@ -176,12 +176,13 @@ def test_the_child_started_at_launch_serves_the_trainer(stand_in, caplog, traine
     from titanrush.train import start_flash_warm_up
 
     logging.getLogger("titanrush").propagate = True
-    assert start_flash_warm_up(config.load(None, TRAIN_ARGS), TRAIN_ARGS)
+    child = start_flash_warm_up(config.load(None, TRAIN_ARGS), TRAIN_ARGS)
+    assert child is not None
     args = [*TRAIN_ARGS, "--training.seq_len", str(trainer_seq)]
     with caplog.at_level(logging.INFO, logger="titanrush"):
-        thread = attn.prepare_flash_in_background(_trainer_shapes(args))
+        thread = attn.prepare_flash_in_background(_trainer_shapes(args), started=child)
         thread.join(timeout=120)
-    assert not thread.is_alive() and flash_warm_up.take_started() is None  # (handed over once)
+    assert not thread.is_alive()
     calls = _calls(stand_in)
     assert calls[:2] == [("child", "fwd", LAUNCH), ("child", "bwd", LAUNCH)]
     if trainer_seq == 16:
@@ -189,7 +190,57 @@ def test_the_child_started_at_launch_serves_the_trainer(stand_in, caplog, traine
     else:
         again = "(2, 32, 8, 32) (2, 32, 4, 32)"
         assert calls[2:] == [("child", "fwd", again), ("child", "bwd", again)]
-        assert "launch warm-up compiled" in caplog.text and "by a process beside the set-up" in caplog.text
+        assert "launch warm-up compiled the kernels of" in caplog.text
+        assert "by a process beside the set-up" in caplog.text
+
+
+def test_a_launch_child_that_compiled_nothing_is_said_so_and_another_compiles(stand_in, caplog):
+    # The launch child's arguments give no fixed shapes (a pipeline: it reports none), the trainer's do.
+    logging.getLogger("titanrush").propagate = True
+    none = flash_warm_up.WarmUpProcess(
+        "titanrush.train", ["--flash-warm-up", *TRAIN_ARGS, "--parallelism.pp", "2"]
+    )
+    with caplog.at_level(logging.INFO, logger="titanrush"):
+        attn._warm_up_by_a_child(SHAPES, none, dict(os.environ))
+    assert "launch warm-up compiled no kernels; training runs" in caplog.text
+    assert _calls(stand_in) == [("child", "fwd", WARM), ("child", "bwd", WARM)]
+
+
+def test_python_m_titanrush_train_starts_its_child_under_its_own_name(monkeypatch, tmp_path):
+    # Run as `python -m titanrush.train` the module is __main__: the child must still be started as
+    # titanrush.train, and reaped when the run ends (here, at a config error after the start).
+    import runpy
+
+    started = []
+
+    class Fake:
+        def __init__(self, module, args, env=None):
+            started.append((module, args))
+            self.killed = False
+
+        def kill(self):
+            started.append("killed")
+
+    monkeypatch.setattr(flash_warm_up, "WarmUpProcess", Fake)
+    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+    argv = [
+        "--model.attn_backend",
+        "flash",
+        "--training.seq_len",
+        "999999",
+        "--job.dump_folder",
+        str(tmp_path),
+    ]
+    monkeypatch.setattr(sys, "argv", ["titanrush.train", *argv])
+    with pytest.raises(SystemExit) as exit:
+        runpy.run_module("titanrush.train", run_name="__main__", alter_sys=True)
+    assert exit.value.code == 2  # the trainer's config error (the sequence exceeds the model's maximum)
+    assert started == [("titanrush.train", ["--flash-warm-up", *argv]), "killed"]
+    import importlib.util
+
+    import titanrush.train
+
+    assert importlib.util.find_spec(titanrush.train.MODULE).origin == titanrush.train.__file__
 
 
 @pytest.mark.parametrize(
@@ -204,11 +255,37 @@ def test_no_child_at_launch_where_it_would_not_serve(monkeypatch, args, env):
     from titanrush.train import start_flash_warm_up
 
     monkeypatch.setattr(flash_warm_up, "WarmUpProcess", lambda module, a: ("child", module, a))
-    monkeypatch.setattr(flash_warm_up, "_AT_LAUNCH", None)
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
-    assert start_flash_warm_up(config.load(None, ["--model.attn_backend", "flash"]), ["x"])
-    assert flash_warm_up.take_started() == ("child", "titanrush.train", ["--flash-warm-up", "x"])
-    assert flash_warm_up.take_started() is None  # (handed over once)
+    child = start_flash_warm_up(config.load(None, ["--model.attn_backend", "flash"]), ["x"])
+    assert child == ("child", "titanrush.train", ["--flash-warm-up", "x"])
     monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", env)
-    cfg = config.load(None, ["--model.attn_backend", "flash", *args])
-    assert not start_flash_warm_up(cfg, ["x"]) and flash_warm_up.take_started() is None
+    assert start_flash_warm_up(config.load(None, ["--model.attn_backend", "flash", *args]), ["x"]) is None
+
+
+def test_a_child_past_its_time_limit_is_stopped():
+    slow = flash_warm_up.WarmUpProcess("http.server", ["0", "--bind", "127.0.0.1"])  # runs until stopped
+    failure, shapes = slow.wait(timeout=2)
+    assert failure == "still running after 2 s, stopped" and shapes is None
+    assert slow._proc.poll() is not None  # stopped and reaped
+
+
+def test_a_launch_child_is_stopped_where_flash_attn_is_not_fa4(monkeypatch):
+    # FA3's hopper build imports (it ships compiled kernels): the launch child has nothing to do
+    import types
+
+    fa3 = types.SimpleNamespace(flash_attn_func=lambda q, k, v, causal: q)
+    for name in ("flash_attn", "flash_attn.cute"):
+        monkeypatch.setitem(sys.modules, name, None)
+    monkeypatch.setitem(sys.modules, "flash_attn_interface", fa3)
+    attn.flash_attn_func.cache_clear()
+    attn.flash_kernels.cache_clear()
+    killed = []
+    child = types.SimpleNamespace(kill=lambda: killed.append(True), wait=lambda: pytest.fail("waited"))
+    try:
+        thread = attn.prepare_flash_in_background(SHAPES, started=child)
+        thread.join(timeout=30)
+    finally:
+        attn.flash_attn_func.cache_clear()
+        attn.flash_kernels.cache_clear()
+        attn._PREPARING = None
+    assert not thread.is_alive() and killed == [True]

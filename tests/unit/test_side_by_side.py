@@ -183,3 +183,18 @@ def test_profile_and_snapshot_flags_are_checked(tmp_path):
             text=True,
         )
         assert out.returncode == 2 and msg in out.stderr
+
+
+def test_the_fast_8b_config_is_the_measured_best_settings():
+    # train_configs/llama8b_float8_fast.toml holds the settings measured as the best row: the
+    # `ac_none_zero2_flash_overlap` variant over the 8B float8 row's flags
+    from titanrush import config
+    from titanrush.train import split_args
+
+    fast = config.load(str(ROOT / "train_configs" / "llama8b_float8_fast.toml"))
+    path, _, flags = split_args(sbs.titanrush_args(sbs.ROWS["8b_compile_float8"]))
+    flags += sbs._8B_VARIANTS["ac_none_zero2_flash_overlap"]
+    measured = config.load(str(ROOT / path), flags)  # (the benchmark turns checkpoints off: not compared)
+    for section in ("model", "float8", "activation_checkpoint", "parallelism", "optimizer", "compile"):
+        assert getattr(fast, section) == getattr(measured, section), section
+    assert fast.training == measured.training

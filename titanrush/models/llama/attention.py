@@ -19,6 +19,7 @@ import functools
 import importlib.util
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -110,29 +111,41 @@ class FlashShapes:
 _PREPARING: threading.Thread | None = None  # the side thread of prepare_flash_in_background
 
 
-def prepare_flash_in_background(shapes: FlashShapes | None = None) -> threading.Thread:
+def prepare_flash_in_background(
+    shapes: FlashShapes | None = None, started: flash_warm_up.WarmUpProcess | None = None
+) -> threading.Thread:
     """Import the flash-attn package on a side thread, which a launch runs beside the mesh, model and data
     set-up (FA4's CuTe DSL takes seconds to import); with `shapes`, then have FA4's kernels compiled at
     the training's shapes. FA4 compiles each kernel at its first call, seconds apiece on a fresh machine,
     keyed by dtype, head dims and causality and chosen by launch heuristics that read the batch, length
-    and heads: at these shapes they are the kernels of training, now compiled beside the set-up and the
-    first graphs' compile instead of inside step 1. With FA4's disk cache on (the default), a child
-    process compiles them (`flash_warm_up`: the compile is Python that would hold this process's
-    interpreter) and training loads them from the cache; else, or where the child fails, this thread
-    runs one forward and backward itself. The first flash call of training waits for this thread; an
-    import that fails raises its ImportError there, a warm-up that fails is logged."""
+    and heads: at these shapes they are the kernels of training, now compiled before step 1. With FA4's
+    disk cache on (the default), a child process compiles them (`flash_warm_up`: the compile is Python
+    that would hold this process's interpreter) and training loads them from the cache: the child
+    `started` at launch, or one started here where that one compiled other shapes (or none was started);
+    a child that fails is logged and step 1 compiles them. Without the disk cache this thread runs one
+    forward and backward itself. The first flash call of training waits for this thread; an import that
+    fails raises its ImportError there."""
+    env = dict(os.environ)  # (for a child started on the thread: the environment as of now)
 
     def run() -> None:
         t0 = time.perf_counter()
         try:
             kernels = flash_kernels()
         except ImportError:
+            if started is not None:
+                started.kill()
             return
         logger.info(f"flash-attn imported in {time.perf_counter() - t0:.1f} s, beside the set-up")
         if shapes is None or kernels is None:  # (FA3 and FA2 ship compiled kernels)
+            if started is not None:
+                started.kill()
             return
         t1 = time.perf_counter()
-        if flash_warm_up.disk_cache_enabled() and _warmed_up_by_a_child(shapes, flash_warm_up.take_started()):
+        if flash_warm_up.disk_cache_enabled():
+            try:
+                _warm_up_by_a_child(shapes, started, env)
+            except Exception as e:  # noqa: BLE001 - training then compiles them at its first call
+                logger.warning(f"flash-attn-4's warm-up process: {type(e).__name__}: {e}; step 1 compiles")
             return
         try:
             warm_up(shapes)
@@ -148,31 +161,31 @@ def prepare_flash_in_background(shapes: FlashShapes | None = None) -> threading.
     return _PREPARING
 
 
-def _warmed_up_by_a_child(shapes: FlashShapes, started: flash_warm_up.WarmUpProcess | None) -> bool:
-    """Wait for the child that `titanrush.train` started at launch (`started`), or for one started now,
-    to compile the kernels at `shapes` into FA4's disk cache; False where a child failed (logged)."""
+def _warm_up_by_a_child(
+    shapes: FlashShapes, started: flash_warm_up.WarmUpProcess | None, env: dict[str, str]
+) -> None:
+    """Wait for the child started at launch to compile the kernels at `shapes` into FA4's disk cache,
+    or for one started now where none was or it compiled others; logs the outcome."""
     t0 = time.perf_counter()
     if started is not None:
         failure, compiled = started.wait()
         done = f"{time.perf_counter() - t0:.1f} s after the import"
         if failure is None and compiled == shapes:
             logger.info(f"flash-attn-4's kernels compiled by a process started at launch ({done})")
-            return True
+            return
         if failure is not None:
-            logger.warning(f"flash-attn-4's warm-up process failed ({failure}); compiling them here")
-            return False
+            logger.warning(f"flash-attn-4's warm-up process failed ({failure}); step 1 compiles its kernels")
+            return
         # (the trainer's shapes are the ones that count)
-        logger.warning(
-            f"flash-attn-4's launch warm-up compiled {compiled}, training runs {shapes}: once more"
-        )
+        what = "no kernels" if compiled is None else f"the kernels of {compiled}"
+        logger.warning(f"flash-attn-4's launch warm-up compiled {what}; training runs {shapes}")
         t0 = time.perf_counter()
-    failure, _ = flash_warm_up.WarmUpProcess.at(shapes).wait()
+    failure, _ = flash_warm_up.WarmUpProcess.at(shapes, env).wait()
     if failure is not None:
-        logger.warning(f"flash-attn-4's warm-up process failed ({failure}); compiling them here")
-        return False
+        logger.warning(f"flash-attn-4's warm-up process failed ({failure}); step 1 compiles its kernels")
+        return
     took = time.perf_counter() - t0
     logger.info(f"flash-attn-4's kernels compiled in {took:.1f} s by a process beside the set-up")
-    return True
 
 
 def warm_up(s: FlashShapes) -> None:
