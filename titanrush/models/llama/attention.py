@@ -131,11 +131,9 @@ def prepare_flash_in_background(
         t0 = time.perf_counter()
         try:
             kernels = flash_kernels()
-        except ImportError:
-            if started is not None:
-                started.kill()
-            return
-        logger.info(f"flash-attn imported in {time.perf_counter() - t0:.1f} s, beside the set-up")
+            logger.info(f"flash-attn imported in {time.perf_counter() - t0:.1f} s, beside the set-up")
+        except ImportError:  # (raised again at training's first flash call)
+            kernels = None
         if shapes is None or kernels is None:  # (FA3 and FA2 ship compiled kernels)
             if started is not None:
                 started.kill()
@@ -167,20 +165,18 @@ def _warm_up_by_a_child(
     """Wait for the child started at launch to compile the kernels at `shapes` into FA4's disk cache,
     or for one started now where none was or it compiled others; logs the outcome."""
     t0 = time.perf_counter()
-    if started is not None:
-        failure, compiled = started.wait()
-        done = f"{time.perf_counter() - t0:.1f} s after the import"
-        if failure is None and compiled == shapes:
+    failure, compiled = started.wait() if started is not None else (None, None)
+    if started is not None and failure is None:
+        if compiled == shapes:
+            done = f"{time.perf_counter() - t0:.1f} s after the import"
             logger.info(f"flash-attn-4's kernels compiled by a process started at launch ({done})")
-            return
-        if failure is not None:
-            logger.warning(f"flash-attn-4's warm-up process failed ({failure}); step 1 compiles its kernels")
             return
         # (the trainer's shapes are the ones that count)
         what = "no kernels" if compiled is None else f"the kernels of {compiled}"
         logger.warning(f"flash-attn-4's launch warm-up compiled {what}; training runs {shapes}")
         t0 = time.perf_counter()
-    failure, _ = flash_warm_up.WarmUpProcess.at(shapes, env).wait()
+    if failure is None:
+        failure, _ = flash_warm_up.WarmUpProcess.at(shapes, env).wait()
     if failure is not None:
         logger.warning(f"flash-attn-4's warm-up process failed ({failure}); step 1 compiles its kernels")
         return
