@@ -94,7 +94,9 @@
 #            overlapped step (its gradients freed unit by unit, change 31); then the warm-up's GPU test
 #            (first run: the overlapped step's GPU test; then NCCL's communicators started lazily, change 32;
 #            then FA4's kernels compiled by a child process, change 33, and the best row inside the graph;
-#            then that child started at launch, change 34; its log written to $OUT as the runs go)
+#            then that child started at launch, change 34; its log written to $OUT as the runs go; with
+#            .prof carried, rank 0 of each run sampled by py-spy into $S/pyspy_as$AS_TAG, for
+#            scripts/startup_profile/summarize.py)
 # Usage (on the device machine, from the repo root): bash scripts/gpu_suite.sh A|B   (results under $OUT)
 set -u
 PHASE=${1:?phase A to AS, or STAGE}
@@ -495,6 +497,12 @@ elif [ "$PHASE" = AR ]; then  # 4 GPUs, after AQ: change 29's GPU test; the best
   cp $S/sbs8b_ar/profiles.txt "$OUT/profiles_ar.txt"
 elif [ "$PHASE" = AS ]; then  # 4 GPUs, .fa2 + .fa3 after STAGE on a fresh machine: change 30
   install_flash
+  if ls .prof/py_spy-*.whl > /dev/null 2>&1; then  # rank 0 of every run sampled by py-spy (startup_profile)
+    python3 -m pip install -q --no-index --no-deps --target /tmp/pyspy .prof/py_spy-*.whl
+    export PY_SPY=/tmp/pyspy/bin/py-spy STARTUP_PROFILE_DIR=$S/pyspy_as${AS_TAG:-1}
+    export PYTHONPATH=$PWD/scripts/startup_profile:$PYTHONPATH
+    python3 -c "import sitecustomize as s; print('sitecustomize', s.__file__)" > "$OUT/pyspy_check.txt" 2>&1
+  fi
   V=ac_none_zero2_flash_between_overlap,ac_none_zero2_flash_overlap,w3_keep24_pool_flash_overlap
   timeout 460 python3 scripts/side_by_side.py --out $S/sbs8b_as --rows 8b_compile_float8 --fresh-compile-caches \
      --variants ${VARIANTS:-$V} --steps 10 --measure-from 5 --timeout-per-run 130 > "$OUT/sbs8b_as.log" 2>&1
