@@ -19,6 +19,7 @@ def _start() -> None:
         return
     if "--config" not in argv and "--job.config_file" not in argv:
         return
+    import contextlib
     import ctypes
     import subprocess
 
@@ -26,10 +27,8 @@ def _start() -> None:
     path = os.path.join(out, f"pyspy_{os.getpid()}")
     with open(path + ".argv", "w") as f:
         f.write(" ".join(argv) + "\n")
-    try:  # let a child trace this process where Yama's ptrace scope is 1
+    with contextlib.suppress(OSError, AttributeError):  # a child may trace this process (Yama scope 1)
         ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(0xFFFFFFFFFFFFFFFF), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
     seconds = os.environ.get("STARTUP_PROFILE_S", "90")
     cmd = [spy, "record", "--pid", str(os.getpid()), "--idle", "--threads", "--nonblocking", "-r", "100",
            "-d", seconds, "--format", "speedscope", "-o", path + ".json"]  # fmt: skip
