@@ -444,6 +444,21 @@ def _read_info(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path / INFO_FILE} is corrupt ({e}); use an earlier checkpoint") from e
 
 
+def from_rank0(key: str, value: str = "") -> str:
+    """Rank 0's `value` on every rank, through the process group's key-value store: rank 0 publishes it
+    under `key` (once per launch: torchrun's restarts get keys of their own), the others wait for it.
+    Unlike a barrier, no collective runs (NCCL starts no communicator for it) and no rank waits for any
+    rank but rank 0. Without a process group: `value`."""
+    if not dist.is_initialized():
+        return value
+    store = dist.distributed_c10d._get_default_store()
+    key = f"titanrush/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{key}"
+    if dist.get_rank() == 0:
+        store.set(key, value)
+        return value
+    return store.get(key).decode()
+
+
 def barrier() -> None:
     """All ranks meet (a no-op without a process group). NCCL's barrier is given this rank's device:
     communicators start lazily (the trainer binds no device at init), and NCCL would otherwise guess

@@ -44,6 +44,7 @@ _RUNTIME_FIELDS = (
     "loss_chunk_size",
     "compile_loss",
     "max_seq_len",
+    "rope_positions",
     "vocab_size",
     "tie_embeddings",
 )

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titanrush import config as cfgmod
-from titanrush.checkpoint import CheckpointManager, barrier
+from titanrush.checkpoint import CheckpointManager, from_rank0
 from titanrush.config import ConfigError, JobConfig
 from titanrush.data import build_dataloader, build_tokenizer
 from titanrush.metrics import (
@@ -74,6 +74,7 @@ def resolve_model_args(cfg: JobConfig, tokenizer_words: int) -> ModelArgs:
         hint = f" (did you mean {near[0]!r}?)" if near else ""
         raise ConfigError(f"model.flavor = {m.flavor!r} is not one of {', '.join(FLAVORS)}{hint}")
     over: dict[str, Any] = {"attn_backend": m.attn_backend, "flash_in_graph": m.flash_in_graph}
+    over["rope_positions"] = t.seq_len  # (training and validation batches: no longer sequence)
     if m.vocab_size:
         over["vocab_size"] = m.vocab_size
     if m.tie_embeddings != "flavor":
@@ -467,15 +468,18 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> Path:
+        """Rank 0 makes the run folder; every rank gets its outcome (the others wait for rank 0 alone)."""
         run_dir = Path(self.cfg.job.dump_folder) / self.cfg.job.name
+        error = ""
         if self.rank == 0:
             if run_dir.exists() and not self.cfg.job.overwrite:
-                raise ConfigError(
-                    f"run folder {run_dir} exists and job.overwrite = false; choose another job.name"
-                )
-            run_dir.mkdir(parents=True, exist_ok=True)
-            (run_dir / "config.toml").write_text(cfgmod.to_toml(self.cfg))
-        barrier()
+                error = f"run folder {run_dir} exists and job.overwrite = false; choose another job.name"
+            else:
+                run_dir.mkdir(parents=True, exist_ok=True)
+                (run_dir / "config.toml").write_text(cfgmod.to_toml(self.cfg))
+        error = from_rank0("run_dir", error)
+        if error:
+            raise ConfigError(error)
         return run_dir
 
     def _peak_tflops(self) -> float | None:

@@ -175,6 +175,8 @@ def test_published_configs_map_to_the_flavors(cfg, name):
     args = hf.args_from_hf_config(cfg)
     assert args == FLAVORS[name]
     assert hf.flavor_of(args) == name
+    # a training run's RoPE table length (its sequence length) is not part of the model's identity
+    assert hf.flavor_of(dataclasses.replace(args, rope_positions=8192)) == name
 
 
 @pytest.mark.parametrize("hidden", [704, 1000, 100, 4097, 2048])

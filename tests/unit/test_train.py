@@ -258,3 +258,33 @@ def test_overlap_step_names_what_it_cannot_go_with(overrides, dims, why):
         _check_combinations(cfg, d, model_args("debug"))
     ok = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=1, pp=1, world_size=2)
     _check_combinations(config.load(None, ["--optimizer.overlap_step"]), ok, model_args("debug"))
+
+
+@pytest.mark.parametrize("gc_freq, collecting", [("50", False), ("0", True)])
+def test_launch_builds_the_trainer_with_the_collector_off(monkeypatch, gc_freq, collecting):
+    import gc
+
+    from titanrush import train
+
+    seen = []
+    monkeypatch.setattr(train, "_check_or_train", lambda cfg, check, child: seen.append(gc.isenabled()) or 0)
+    assert gc.isenabled()
+    assert train.main(["--training.gc_freq", gc_freq]) == 0
+    assert seen == [collecting]
+    assert gc.isenabled()  # as the caller had it
+
+
+def test_rope_table_covers_the_runs_sequence_length_only():
+    from titanrush.models.llama import Llama
+    from titanrush.trainer import resolve_model_args
+
+    cfg = config.load(None, ["--training.seq_len", "96"])
+    args = resolve_model_args(cfg, 256)
+    with torch.device("meta"):
+        model = Llama(args)
+    assert model.rope.shape[0] == 96  # not 2 x max_seq_len (the flavor's limit)
+    model.to_empty(device="cpu")
+    model.init_weights(buffer_device=torch.device("cpu"))
+    assert model.rope.shape[0] == 96
+    tokens = torch.randint(0, args.vocab_size, (2, 96))
+    assert model(tokens).shape == (2, 96, args.vocab_size)

@@ -261,8 +261,8 @@ def states(s: Setup, plan: RankPlan) -> dict[str, int]:
         "master_weights": stored * on_gpu if s.precision == "bf16" else 0,
         "grads": stored * on_gpu,
         "optimizer": sum(optimizer_bytes(x, s.optimizer) for x in local) * on_gpu,
-        # the RoPE table: 2 x max_seq_len positions x head_dim / 2 complex64 values
-        "buffers": 2 * s.args.max_seq_len * s.args.head_dim // 2 * 8,
+        # the RoPE table: rope_len positions x head_dim / 2 complex64 values
+        "buffers": s.args.rope_len * s.args.head_dim // 2 * 8,
     }
 
 
