@@ -442,6 +442,15 @@ elif [ "$PHASE" = AH ]; then  # 4 GPUs: time to first step from empty compile ca
   cp $S/sbs8b_cold/results.md "$OUT/sbs8b_cold.md"
 elif [ "$PHASE" = STAGE ]; then  # .fa1 kept for a later call's install_flash
   keep_fa1 && ls /tmp/fa > "$OUT/staged.txt"
+  if [ -n "${PYC_DIAG:-}" ]; then  # why every process compiles torch's sources (bytecode caching)
+    (env | grep -i "^PYTHON"; python3 -c "import sys, importlib.util as u; s = u.find_spec('torch').origin
+print('dont_write', sys.dont_write_bytecode, 'prefix', sys.pycache_prefix, 'torch', s)
+import os; p = u.cache_from_source(s); print('pyc', p, os.path.exists(p), 'dir writable', os.access(os.path.dirname(s), os.W_OK))"
+     ls -la "$(dirname "$(python3 -c "import importlib.util as u; print(u.find_spec('torch').origin)")")/__pycache__" 2>&1 | head -5
+     TIMEFORMAT="import torch %R s"; for i in 1 2; do time python3 -c "import torch"; done
+     TIMEFORMAT="import torch, prefix /tmp/pyc %R s"; for i in 1 2; do time PYTHONPYCACHEPREFIX=/tmp/pyc python3 -c "import torch"; done
+    ) > "$OUT/pyc_diag.txt" 2>&1
+  fi
   if [ -n "${COPY_IN:-}" ]; then  # FSDP's reduce-scatter copy-in at the 8B's shapes (change 25)
     CUDA_VISIBLE_DEVICES=0 timeout 60 python3 scripts/bench_copy_in.py > "$OUT/copy_in.md" 2>&1
   fi

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titanrush import config as cfgmod
-from titanrush.checkpoint import CheckpointManager, from_rank0
+from titanrush.checkpoint import CheckpointManager, barrier, from_rank0
 from titanrush.config import ConfigError, JobConfig
 from titanrush.data import build_dataloader, build_tokenizer
 from titanrush.metrics import (
@@ -468,7 +468,10 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> Path:
-        """Rank 0 makes the run folder; every rank gets its outcome (the others wait for rank 0 alone)."""
+        """Rank 0 makes the run folder and every rank gets its outcome (a refused folder stops them all);
+        then the ranks meet. That barrier starts NCCL's first communicator, whose one-time costs (about
+        a second, measured) this rank's flash-attn import runs beside; left to the first all-gather of
+        step 1 they cost more (3.5 s, AS-9 in docs/benchmarks/performance.md)."""
         run_dir = Path(self.cfg.job.dump_folder) / self.cfg.job.name
         error = ""
         if self.rank == 0:
@@ -480,6 +483,7 @@ class Trainer:
         error = from_rank0("run_dir", error)
         if error:
             raise ConfigError(error)
+        barrier()
         return run_dir
 
     def _peak_tflops(self) -> float | None:

@@ -4,8 +4,10 @@
 
 The main thread's samples, in order, are cut into phases at the first sample inside the trainer's
 constructor (`Trainer.__init__`, both trainers) and the first inside its training loop (`Trainer.train`):
-imports before the set-up, the set-up, step 1 (`--step1-s` long, the step's time from the trainer's log;
-without it, up to the last sample that compiles) and the rest. Each phase's samples are then counted by
+imports before the set-up, the set-up, step 1 and the rest. Step 1 ends where the loss of step 1 has been
+reduced for its log line (titanrush's `_global_mean`, torchtitan's `dist_mean`/`dist_sum`); with
+`--step1-s`, after that many seconds of samples instead (py-spy falls behind on a busy host, so sample
+time runs slow against the log's). Each phase's samples are then counted by
 kind (import, dynamo, AOT autograd, inductor, waiting for compile workers, process groups, flash-attn,
 other) and by the functions they pass through (inclusive seconds).
 """
@@ -28,7 +30,7 @@ KINDS = [
     ("flash-attn", lambda n, f: "flash_attn" in f or "cutlass" in f),
     ("process group", lambda n, f: "distributed_c10d" in f or "device_mesh" in f),
 ]
-COMPILE_KINDS = {"compile workers (wait)", "autotune", "inductor", "aot autograd", "dynamo"}
+LOSS_REDUCED = {"Trainer._global_mean", "dist_mean", "dist_sum"}  # step 1's log line is next
 
 
 def main_thread(profile: dict) -> tuple[list[list[tuple[str, str]]], list[float]]:
@@ -68,8 +70,11 @@ def phases(stacks: list, weights: list[float], step1_s: float | None) -> list[tu
             acc += weights[end]
             end += 1
     else:
-        compiling = [i for i in range(train, n) if kind_of(stacks[i]) in COMPILE_KINDS]
-        end = compiling[-1] + 1 if compiling else train
+        end = train
+        while end < n and not any(name in LOSS_REDUCED for name, _ in stacks[end]):
+            end += 1
+        while end < n and any(name in LOSS_REDUCED for name, _ in stacks[end]):
+            end += 1
     return [("imports", 0, init), ("set-up", init, train), ("step 1", train, end), ("after step 1", end, n)]
 
 
