@@ -484,14 +484,16 @@ def run_tag(row: str, variant: str) -> str:
 
 
 def fresh_compile_caches(base: Path | None, tag: str) -> dict[str, str]:
-    """With `base`: new, empty folders under it for inductor's, Triton's and flash-attn-4's compiled
-    kernels, as the variables that point a run at them (each run then compiles from nothing, as on a
-    fresh machine); without: nothing (the machine's caches, warm from the runs before)."""
+    """With `base`: new, empty folders under it for titanrush's Python bytecode and for inductor's,
+    Triton's and flash-attn-4's compiled kernels, as the variables that point a run at them (each run
+    then compiles from nothing, as on a fresh machine); without: nothing (the machine's caches, warm
+    from the runs before)."""
     if base is None:
         return {}
     base.mkdir(parents=True, exist_ok=True)
     folder = Path(tempfile.mkdtemp(prefix=tag.replace("+", "_") + ".", dir=base))
     return {
+        "TITANRUSH_PYCACHE": str(folder / "pycache"),  # titanrush's bytecode (titanrush/bytecode.py)
         "TORCHINDUCTOR_CACHE_DIR": str(folder / "inductor"),
         "TRITON_CACHE_DIR": str(folder / "triton"),
         "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(folder / "flash"),  # flash-attn-4's compiled kernels

@@ -6,9 +6,12 @@ Exit status: 0 on success, 2 on a config error (before any model is built), 1 on
 from __future__ import annotations
 
 import gc
+import logging
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from titanrush import bytecode
 from titanrush import config as cfgmod
 from titanrush.config import ConfigError
 from titanrush.logging_utils import init_logging
@@ -102,14 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     # training.gc_freq steps; with gc_freq 0 (automatic) it is switched back on once the config is read.
     enabled = gc.isenabled()
     gc.disable()
+    pycache = bytecode.enable()  # before torch's sources are compiled, also by the processes started below
     try:
-        return _main(sys.argv[1:] if argv is None else argv)
+        return _main(sys.argv[1:] if argv is None else argv, pycache)
     finally:
         if enabled:  # (as it was, for a caller in the same process)
             gc.enable()
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], pycache: Path | None = None) -> int:
     if argv[:1] == ["--flash-warm-up"]:
         return flash_warm_up_child(argv[1:])
     if "-h" in argv or "--help" in argv:
@@ -117,6 +121,8 @@ def _main(argv: list[str]) -> int:
         print(cfgmod.help_text())
         return 0
     init_logging()
+    if pycache is not None:
+        logging.getLogger(MODULE).info(f"bytecode: kept under {pycache} (torch's installed has none usable)")
     try:
         path, check, overrides = split_args(argv)
         cfg = cfgmod.load(path, overrides)
