@@ -28,9 +28,7 @@ def package(tmp_path, monkeypatch):
     return src
 
 
-def test_without_usable_bytecode_it_is_kept_in_the_folder(
-    package, tmp_path, monkeypatch
-):
+def test_without_usable_bytecode_it_is_kept_in_the_folder(package, tmp_path, monkeypatch):
     folder = tmp_path / "cache"
     monkeypatch.setenv(bytecode.VARIABLE, str(folder))
     assert not bytecode.installed_bytecode_usable("nobytecode_pkg")
