@@ -26,15 +26,18 @@ def installed_bytecode_usable(module: str = "torch") -> bool:
         return True  # nothing to compile (absent, or an extension module)
     pyc = Path(importlib.util.cache_from_source(spec.origin))
     try:
-        header = pyc.read_bytes()[:16]
+        with open(pyc, "rb") as f:
+            header = f.read(16)
         source = os.stat(spec.origin)
     except OSError:
         header = b""
-    if header[:4] == importlib.util.MAGIC_NUMBER:
+    if len(header) == 16 and header[:4] == importlib.util.MAGIC_NUMBER:
         flags = int.from_bytes(header[4:8], "little")
+        if flags & 1:  # hash-based: current unless checked against a source that changed
+            return not flags & 2 or header[8:16] == importlib.util.source_hash(Path(spec.origin).read_bytes())
         mtime, size = int.from_bytes(header[8:12], "little"), int.from_bytes(header[12:16], "little")
-        if flags or (mtime == int(source.st_mtime) & 0xFFFFFFFF and size == source.st_size & 0xFFFFFFFF):
-            return True  # hash-based, or timestamp-based and current
+        if mtime == int(source.st_mtime) & 0xFFFFFFFF and size == source.st_size & 0xFFFFFFFF:
+            return True
     folder = pyc.parent if pyc.parent.exists() else pyc.parent.parent
     return not sys.dont_write_bytecode and os.access(folder, os.W_OK)  # Python writes it at first import
 
@@ -46,12 +49,16 @@ def enable(module: str = "torch") -> Path | None:
     choice = os.environ.get(VARIABLE, "")
     if choice == "off" or sys.pycache_prefix is not None or installed_bytecode_usable(module):
         return None
-    folder = Path(choice or Path.home() / ".cache" / "titanrush" / "pycache")
     try:
+        folder = Path(choice or Path.home() / ".cache" / "titanrush" / "pycache").expanduser().resolve()
         folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
+    except (OSError, RuntimeError):  # (no home folder)
         return None
     sys.pycache_prefix, sys.dont_write_bytecode = str(folder), False
     os.environ["PYTHONPYCACHEPREFIX"] = str(folder)  # the compile workers and the warm-up child
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     return folder
+
+
+if __name__ == "__main__":  # run_train.sh: the folder for the launcher (torchrun imports torch too)
+    print(enable() or "")

@@ -444,15 +444,19 @@ def _read_info(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path / INFO_FILE} is corrupt ({e}); use an earlier checkpoint") from e
 
 
+_FROM_RANK0_CALLS: dict[str, int] = {}
+
+
 def from_rank0(key: str, value: str = "") -> str:
     """Rank 0's `value` on every rank, through the process group's key-value store: rank 0 publishes it
-    under `key` (once per launch: torchrun's restarts get keys of their own), the others wait for it.
+    under `key` (numbered per call, and torchrun's restarts get keys of their own), the others wait for it.
     Unlike a barrier, no collective runs (NCCL starts no communicator for it) and no rank waits for any
     rank but rank 0. Without a process group: `value`."""
     if not dist.is_initialized():
         return value
     store = dist.distributed_c10d._get_default_store()
-    key = f"titanrush/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{key}"
+    _FROM_RANK0_CALLS[key] = n = _FROM_RANK0_CALLS.get(key, 0) + 1  # (every rank makes the same calls)
+    key = f"titanrush/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{key}/{n}"
     if dist.get_rank() == 0:
         store.set(key, value)
         return value

@@ -88,7 +88,8 @@ class Training:
     torchtitan's launcher sets it): far less memory reserved beyond what is allocated. Ignored where the
     PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF environment variable is set (that wins)."""
     gc_freq: int = 50
-    """Run Python's garbage collector every N steps (it is disabled in between); 0 leaves it automatic."""
+    """Run Python's garbage collector every N steps (it is off from launch, through the set-up and in
+    between); 0 leaves it automatic."""
 
 
 @dataclass

@@ -109,8 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(sys.argv[1:] if argv is None else argv, pycache)
     finally:
-        if enabled:  # (as it was, for a caller in the same process)
-            gc.enable()
+        gc.enable() if enabled else gc.disable()  # as it was, for a caller in the same process
 
 
 def _main(argv: list[str], pycache: Path | None = None) -> int:

@@ -426,7 +426,12 @@ class Trainer:
             optimizers=[self.optimizer],
             lr_scheduler=self.scheduler,
             dataloader=self.train_loader,
-            info={"flavor": cfg.model.flavor, "model_args": dataclasses.asdict(self.model_args)},
+            # (the RoPE table's length is this run's, not the model's: a model rebuilt from the
+            # checkpoint gets the full table)
+            info={
+                "flavor": cfg.model.flavor,
+                "model_args": dataclasses.asdict(dataclasses.replace(self.model_args, rope_positions=0)),
+            },
             rank=self.rank,
         )
         self.step = self.checkpointer.resume(load_path=ck.load_path, model_only=ck.load_model_only)
@@ -478,8 +483,11 @@ class Trainer:
             if run_dir.exists() and not self.cfg.job.overwrite:
                 error = f"run folder {run_dir} exists and job.overwrite = false; choose another job.name"
             else:
-                run_dir.mkdir(parents=True, exist_ok=True)
-                (run_dir / "config.toml").write_text(cfgmod.to_toml(self.cfg))
+                try:
+                    run_dir.mkdir(parents=True, exist_ok=True)
+                    (run_dir / "config.toml").write_text(cfgmod.to_toml(self.cfg))
+                except OSError as e:
+                    error = f"cannot write the run folder {run_dir} ({e}); choose another job.dump_folder"
         error = from_rank0("run_dir", error)
         if error:
             raise ConfigError(error)

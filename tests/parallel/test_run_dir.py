@@ -47,3 +47,35 @@ def test_an_existing_run_folder_stops_every_rank_and_stays_as_it_was(tmp_path):
     assert "exists and job.overwrite = false" in log, log[-3000:]
     assert (run / "config.toml").read_text() == "# an earlier run's\n"
     assert sorted(p.name for p in run.iterdir()) == ["config.toml"]
+
+
+def _prepare(rank: int, port: int, folder: str, out: str) -> None:
+    import datetime
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from titanrush import config
+    from titanrush.config import ConfigError
+    from titanrush.trainer import Trainer
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+        timeout=datetime.timedelta(seconds=30),
+    )  # fmt: skip
+    cfg = config.load(None, ["--job.dump_folder", folder, "--job.name", "taken", "--no-job.overwrite"])
+    try:
+        Trainer._prepare_run_dir(SimpleNamespace(cfg=cfg, rank=rank))
+        outcome = "went on"
+    except ConfigError as e:
+        outcome = f"refused: {e}"
+    except Exception as e:  # (a rank left waiting would time out here)
+        outcome = f"{type(e).__name__}"
+    Path(out, f"rank{rank}.txt").write_text(outcome)
+    dist.destroy_process_group()
+
+
+def test_a_refused_run_folder_is_a_config_error_on_every_rank(tmp_path):
+    (tmp_path / "runs" / "taken").mkdir(parents=True)
+    mp.spawn(_prepare, args=(free_port(), str(tmp_path / "runs"), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        assert (tmp_path / f"rank{rank}.txt").read_text().startswith("refused: run folder"), rank

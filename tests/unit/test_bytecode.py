@@ -22,7 +22,8 @@ def package(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "dont_write_bytecode", True)
     monkeypatch.setattr(sys, "pycache_prefix", None)
     monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
-    monkeypatch.delenv("PYTHONPYCACHEPREFIX", raising=False)
+    monkeypatch.setenv("PYTHONPYCACHEPREFIX", "")  # (recorded, so that enable()'s setting is undone)
+    monkeypatch.delenv("PYTHONPYCACHEPREFIX")
     monkeypatch.delitem(sys.modules, "nobytecode_pkg", raising=False)
     importlib.invalidate_caches()
     return src
@@ -49,4 +50,7 @@ def test_current_installed_bytecode_or_a_users_choice_leaves_python_alone(packag
     assert not bytecode.installed_bytecode_usable("nobytecode_pkg")
     monkeypatch.setenv(bytecode.VARIABLE, "off")
     assert bytecode.enable("nobytecode_pkg") is None and sys.pycache_prefix is None
+    monkeypatch.setenv(bytecode.VARIABLE, str(tmp_path / "cache"))
+    monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "users"))  # PYTHONPYCACHEPREFIX's choice
+    assert bytecode.enable("nobytecode_pkg") is None and sys.pycache_prefix == str(tmp_path / "users")
     assert not (tmp_path / "cache").exists()

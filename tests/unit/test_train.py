@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -268,10 +269,18 @@ def test_launch_builds_the_trainer_with_the_collector_off(monkeypatch, gc_freq, 
 
     seen = []
     monkeypatch.setattr(train, "_check_or_train", lambda cfg, check, child: seen.append(gc.isenabled()) or 0)
+    monkeypatch.setattr(train.bytecode, "enable", lambda: None)
+    monkeypatch.setattr(train, "init_logging", lambda: None)
     assert gc.isenabled()
     assert train.main(["--training.gc_freq", gc_freq]) == 0
     assert seen == [collecting]
     assert gc.isenabled()  # as the caller had it
+    gc.disable()
+    try:
+        assert train.main(["--training.gc_freq", gc_freq]) == 0
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
 
 
 def test_rope_table_covers_the_runs_sequence_length_only():
@@ -288,3 +297,21 @@ def test_rope_table_covers_the_runs_sequence_length_only():
     assert model.rope.shape[0] == 96
     tokens = torch.randint(0, args.vocab_size, (2, 96))
     assert model(tokens).shape == (2, 96, args.vocab_size)
+
+
+def test_checkpoints_record_no_rope_table_length_and_a_longer_sequence_is_a_clear_error(tmp_path):
+    from titanrush.models.llama import Llama
+    from titanrush.models.llama.model import ModelArgs
+
+    trainer = Trainer(config.load(None, small(tmp_path, "rope")))
+    try:
+        assert trainer.model_args.rope_positions == 64
+        assert trainer.checkpointer.info["model_args"]["rope_positions"] == 0
+        args = ModelArgs(**trainer.checkpointer.info["model_args"])
+    finally:
+        trainer.close()
+    assert args.rope_len == 2 * args.max_seq_len
+    with torch.device("meta"):
+        short = Llama(dataclasses.replace(args, rope_positions=64))
+    with pytest.raises(ValueError, match="RoPE table covers 64 positions"):
+        short(torch.zeros(1, 65, dtype=torch.long, device="meta"))

@@ -205,6 +205,11 @@ class Llama(nn.Module):
         Returns logits (B, T, vocab), the hidden states when this stage has no output layer, or, with
         labels and a chunked loss configured, the mean cross-entropy.
         """
+        if position_ids is None and tokens.shape[1] > self.rope.shape[0]:
+            raise ValueError(
+                f"sequence of {tokens.shape[1]} tokens, but the RoPE table covers {self.rope.shape[0]} "
+                "positions: build the model with ModelArgs.rope_positions >= that (0: 2 x max_seq_len)"
+            )
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = h.shape[1]
         # The whole table: each attention slices it to the sequence it sees. Under sequence parallel the
