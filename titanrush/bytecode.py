@@ -52,7 +52,9 @@ def enable(module: str = "torch") -> Path | None:
     try:
         folder = Path(choice or Path.home() / ".cache" / "titanrush" / "pycache").expanduser().resolve()
         folder.mkdir(parents=True, exist_ok=True)
-    except (OSError, RuntimeError):  # (no home folder)
+    except (OSError, RuntimeError) as e:  # (an unwritable folder, or no home folder)
+        fix = f"set {VARIABLE} to a writable folder, or to off; meanwhile each launch compiles torch"
+        print(f"titanrush: warning: no bytecode folder ({type(e).__name__}: {e}); {fix}", file=sys.stderr)
         return None
     sys.pycache_prefix, sys.dont_write_bytecode = str(folder), False
     os.environ["PYTHONPYCACHEPREFIX"] = str(folder)  # the compile workers and the warm-up child

@@ -54,3 +54,14 @@ def test_current_installed_bytecode_or_a_users_choice_leaves_python_alone(packag
     monkeypatch.setattr(sys, "pycache_prefix", str(tmp_path / "users"))  # PYTHONPYCACHEPREFIX's choice
     assert bytecode.enable("nobytecode_pkg") is None and sys.pycache_prefix == str(tmp_path / "users")
     assert not (tmp_path / "cache").exists()
+
+
+def test_an_unusable_folder_is_warned_of_and_python_left_alone(
+    package, tmp_path, monkeypatch, capsys
+):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv(bytecode.VARIABLE, str(blocker / "pycache"))  # (a folder inside a file)
+    assert bytecode.enable("nobytecode_pkg") is None and sys.pycache_prefix is None
+    err = capsys.readouterr().err
+    assert "no bytecode folder" in err and bytecode.VARIABLE in err
