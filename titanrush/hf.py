@@ -302,7 +302,7 @@ def read_checkpoint(checkpoint_dir: str | Path) -> tuple[dict[str, torch.Tensor]
     try:
         info = json.loads((path / INFO_FILE).read_text())
         fields = {f.name for f in dataclasses.fields(ModelArgs)}
-        args = ModelArgs(**{k: v for k, v in info["model_args"].items() if k in fields - {"rope_positions"}})
+        args = ModelArgs(**{k: v for k, v in info["model_args"].items() if k in fields})
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{path / INFO_FILE} is unreadable or lacks model_args ({e})") from e
     try:

@@ -56,9 +56,7 @@ def test_current_installed_bytecode_or_a_users_choice_leaves_python_alone(packag
     assert not (tmp_path / "cache").exists()
 
 
-def test_an_unusable_folder_is_warned_of_and_python_left_alone(
-    package, tmp_path, monkeypatch, capsys
-):
+def test_an_unusable_folder_is_warned_of_and_python_left_alone(package, tmp_path, monkeypatch, capsys):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     monkeypatch.setenv(bytecode.VARIABLE, str(blocker / "pycache"))  # (a folder inside a file)

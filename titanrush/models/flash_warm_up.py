@@ -51,10 +51,9 @@ def rank_shapes(
 
     if pp > 1 or cp > 1:
         return None
-    n_kv = args.n_kv_heads or args.n_heads
     return FlashShapes(
-        device=device, batch=batch, seq_len=seq_len, n_heads=args.n_heads // tp, n_kv_heads=n_kv // tp,
-        head_dim=args.head_dim, in_graph=in_graph,
+        device=device, batch=batch, seq_len=seq_len, n_heads=args.n_heads // tp,
+        n_kv_heads=args.kv_heads // tp, head_dim=args.head_dim, in_graph=in_graph,
     )  # fmt: skip
 
 
