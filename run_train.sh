@@ -18,10 +18,6 @@ if [ -z "${NGPU:-}" ]; then
   NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 1)" 2>/dev/null || echo 1)
 fi
 NNODES=${NNODES:-1}
-# Where torch's installed bytecode is unusable, every process (the launcher imports torch too) keeps it
-# under titanrush's folder instead of compiling torch's sources at each launch (titanrush/bytecode.py).
-pycache=$("$PYTHON" -m titanrush.bytecode 2>/dev/null || true)
-if [ -n "$pycache" ]; then export PYTHONPYCACHEPREFIX="$pycache"; unset PYTHONDONTWRITEBYTECODE; fi
 
 if [ "$NGPU" = "1" ] && [ "$NNODES" = "1" ]; then
   # One process: no launcher needed, and config errors exit with status 2 directly.

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from titanrush.config import ConfigError
+from titanrush.distributed import barrier
 
 logger = logging.getLogger("titanrush")
 # One process saves without a process group on purpose; DCP warns about exactly that.
@@ -442,37 +443,6 @@ def _read_info(path: Path) -> dict[str, Any]:
         return {}
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path / INFO_FILE} is corrupt ({e}); use an earlier checkpoint") from e
-
-
-_FROM_RANK0_CALLS: dict[str, int] = {}
-
-
-def from_rank0(key: str, value: str = "") -> str:
-    """Rank 0's `value` on every rank, through the process group's key-value store: rank 0 publishes it
-    under `key` (numbered per call, and torchrun's restarts get keys of their own), the others wait for it.
-    Unlike a barrier, no collective runs (NCCL starts no communicator for it) and no rank waits for any
-    rank but rank 0. Without a process group: `value`."""
-    if not dist.is_initialized():
-        return value
-    store = dist.distributed_c10d._get_default_store()
-    _FROM_RANK0_CALLS[key] = n = _FROM_RANK0_CALLS.get(key, 0) + 1  # (every rank makes the same calls)
-    key = f"titanrush/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{key}/{n}"
-    if dist.get_rank() == 0:
-        store.set(key, value)
-        return value
-    return store.get(key).decode()
-
-
-def barrier() -> None:
-    """All ranks meet (a no-op without a process group). NCCL's barrier is given this rank's device:
-    communicators start lazily (the trainer binds no device at init), and NCCL would otherwise guess
-    the device from the global rank."""
-    if not dist.is_initialized():
-        return
-    if dist.get_backend() == "nccl":
-        dist.barrier(device_ids=[torch.cuda.current_device()])
-    else:
-        dist.barrier()
 
 
 def _fsync_dir(path: Path) -> None:

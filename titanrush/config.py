@@ -7,9 +7,11 @@ file's source so that `--help` prints every key with its default and its meaning
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
 import difflib
 import inspect
+import math
 import sys
 import types
 import typing
@@ -34,7 +36,7 @@ class Job:
     name: str = "debug"
     """Name of this run; its files go to `<dump_folder>/<name>`."""
     description: str = "debug model on the embedded corpus"
-    """Free text, printed at start-up."""
+    """Free text, printed at start-up (any characters; written to the run's config.toml escaped)."""
     overwrite: bool = True
     """Reuse an existing run folder (metrics.jsonl is appended to). False refuses a folder that exists."""
 
@@ -47,11 +49,6 @@ class Model:
     """Attention kernel: sdpa (PyTorch picks; grouped K/V heads), cudnn, flash (the flash-attn package:
     FA4 as an operator inside compiled blocks; FA3 or FA2 between the block's graphs under compile), flex
     (block-causal FlexAttention over document boundaries), math (the unfused baseline)."""
-    flash_in_graph: bool = True
-    """attn_backend = flash with flash-attn-4: call it inside the compiled block's graph, as titanrush's
-    operator (true), or between the block's compiled graphs, as the package's own autograd function (false:
-    a graph break per block; refused under compile with selective op checkpointing, whose blocks would
-    then run eagerly)."""
     vocab_size: int = 0
     """Override the flavor's vocabulary size (0 keeps the flavor's). Must cover the tokenizer's."""
     tie_embeddings: Literal["flavor", "tied", "untied"] = "flavor"
@@ -85,8 +82,9 @@ class Training:
     """Tokens per chunk when training.loss = chunked."""
     expandable_segments: bool = True
     """CUDA: let the caching allocator grow its segments in place (`expandable_segments:True`, as
-    torchtitan's launcher sets it): far less memory reserved beyond what is allocated. Ignored where the
-    PYTORCH_ALLOC_CONF / PYTORCH_CUDA_ALLOC_CONF environment variable is set (that wins)."""
+    torchtitan's launcher sets it): far less memory reserved beyond what is allocated. Set through
+    PYTORCH_ALLOC_CONF before the first CUDA allocation; ignored where PYTORCH_ALLOC_CONF or
+    PYTORCH_CUDA_ALLOC_CONF is already set (that wins)."""
     gc_freq: int = 50
     """Run Python's garbage collector every N steps (it is off from launch, through the set-up and in
     between); 0 leaves it automatic."""
@@ -108,11 +106,6 @@ class Optimizer:
     """Decoupled weight decay."""
     implementation: Literal["fused", "foreach", "for-loop"] = "fused"
     """AdamW kernel: fused (one kernel), foreach (multi-tensor), for-loop (one tensor at a time)."""
-    overlap_step: bool = False
-    """With FSDP: step the optimizer one FSDP unit at a time on a side stream, each unit's update (and
-    its float8 weight scales) awaited only by that unit's next all-gather, so the step runs beside the
-    next forward instead of before it; each unit's gradients are freed once the forward has waited for
-    its update. The same update; torch's AdamW, not with pipelining or FSDP's CPU offload."""
 
 
 @dataclass
@@ -162,21 +155,6 @@ class Parallelism:
     Spends spare memory a block at a time; 0: only the last block keeps them (the default policy)."""
     fsdp_cpu_offload: bool = False
     """Keep FSDP parameters, gradients and optimizer states on the CPU."""
-    fsdp_free_reduce_inputs: bool = True
-    """Release each unit's fp32 reduce-scatter input as the next block's backward starts, not after it
-    (the caching allocator waits for the collective): the output layer's (2 GiB on the 8B) is gone
-    during the last block's backward. false = FSDP's own timing."""
-    fsdp_grads_in_compute_pool: bool = True
-    """Allocate FSDP's reduce-scatter outputs (the sharded fp32 gradients, 7.5 GiB per GPU for the 8B on
-    4) from the compute stream's memory pool instead of the reduce-scatter stream's, where they sit
-    reserved but unused from the optimizer step through the next forward. Lowers reserved memory, not
-    allocated (4.4 GiB on the 8B FSDP4 compiled row). Applies to FSDP on one mesh dimension without CPU
-    offload (elsewhere logged and skipped); false = FSDP's own allocation."""
-    fsdp_copy_in_by_chunks: bool = True
-    """Copy the gradients into each reduce-scatter's input with one foreach copy over every gradient's
-    per-rank chunks instead of FSDP's chunk_cat, whose bf16 -> fp32 kernel is 1.6x slower (27 ms per step
-    on the 8B float8 row, see docs/benchmarks/performance.md). Applies to the whole process; false =
-    FSDP's own."""
     nccl_max_ctas: int = 0
     """The most thread blocks (so SMs) one NCCL collective may use (NCCL_MAX_CTAS, set before the
     process group starts; one already in the environment wins); 0 = NCCL's own choice. Fewer leave more
@@ -208,11 +186,6 @@ class Compile:
     """torch.compile each transformer block (and the loss)."""
     fullgraph: bool = True
     """Compile each block as one graph (an error if it breaks)."""
-    workers: int = 0
-    """Inductor's compile worker processes per rank, started at launch (beside model build and data) so
-    they are ready when the first graph is lowered. 0: this rank's share of the CPU cores, at most 32;
-    -1: inductor's own choice (up to 32 per rank whatever the ranks per machine, started at the first
-    compile). The TORCHINDUCTOR_COMPILE_THREADS variable, where set, wins."""
 
 
 @dataclass
@@ -242,10 +215,6 @@ class ActivationCheckpoint:
     """With offload_first: offload every N-th of those blocks (0, N, 2N, ...). A block's copy out hides
     behind the compute of the N blocks after it; spread them out where one block computes faster than
     its activations cross the host link (an 8B block: about 13 ms against 30 ms on an H200)."""
-    offload_pin_threads: int = 8
-    """With offload_first: the host memory the first step pins (GiB per rank) is allocated with malloc,
-    its pages touched by this many threads, then registered with CUDA (`pinned_use_cuda_host_register`),
-    instead of one cudaHostAlloc per tensor. A power of two up to 128; 0: cudaHostAlloc."""
 
 
 @dataclass
@@ -446,14 +415,17 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
                 pass
         raise ConfigError(f"{key} must be an integer, got {value!r}")
     if tp is float:
+        number: float | None = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if from_cli and isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key} must be a number, got {value!r}")
+            number = float(value)
+        elif from_cli and isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                number = float(value)
+        if number is None:
+            raise ConfigError(f"{key} must be a number, got {value!r}")
+        if not math.isfinite(number):  # (TOML and float() both accept inf and nan)
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
+        return number
     if tp is str:
         if isinstance(value, str):
             return value
@@ -555,7 +527,11 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
 
 
 def load(config_path: str | None = None, overrides: list[str] | None = None) -> JobConfig:
-    """Build the job config: dataclass defaults, then the TOML file, then command-line overrides."""
+    """Build the job config: dataclass defaults, then the TOML file, then command-line overrides.
+
+    Keys and types are checked here; values and their combinations by `titanrush.validate` (which
+    `titanrush.plan.build_plan` runs).
+    """
     cfg = JobConfig()
     if config_path:
         for section, values in read_toml(config_path).items():
@@ -564,115 +540,7 @@ def load(config_path: str | None = None, overrides: list[str] | None = None) -> 
                 _set(cfg, section, key, value, from_cli=False)
     for section, key, value in parse_overrides(overrides or []):
         _set(cfg, section, key, value, from_cli=True)
-    validate(cfg)
     return cfg
-
-
-def validate(cfg: JobConfig) -> None:
-    """Checks that need no model or devices (the trainer checks the rest before building)."""
-    t = cfg.training
-    positive = {
-        "training.steps": t.steps,
-        "training.local_batch_size": t.local_batch_size,
-        "training.seq_len": t.seq_len,
-        "training.loss_chunk_size": t.loss_chunk_size,
-        "metrics.log_freq": cfg.metrics.log_freq,
-        "checkpoint.interval": cfg.checkpoint.interval,
-        "validation.steps": cfg.validation.steps,
-        "parallelism.dp_replicate": cfg.parallelism.dp_replicate,
-        "parallelism.tp": cfg.parallelism.tp,
-        "parallelism.pp": cfg.parallelism.pp,
-        "parallelism.cp": cfg.parallelism.cp,
-        "profiling.freq": cfg.profiling.freq,
-        "profiling.active_steps": cfg.profiling.active_steps,
-    }
-    for key, value in positive.items():
-        if value <= 0:
-            raise ConfigError(f"{key} must be > 0, got {value}")
-    non_negative = {
-        "training.max_norm": t.max_norm,
-        "training.gc_freq": t.gc_freq,
-        "lr_scheduler.warmup_steps": cfg.lr_scheduler.warmup_steps,
-        "checkpoint.keep_latest_k": cfg.checkpoint.keep_latest_k,
-        "validation.freq": cfg.validation.freq,
-        "data.num_workers": cfg.data.num_workers,
-        "metrics.peak_tflops": cfg.metrics.peak_tflops,
-        "model.vocab_size": cfg.model.vocab_size,
-        "parallelism.pp_microbatches": cfg.parallelism.pp_microbatches,
-        "parallelism.pp_stages_per_rank": cfg.parallelism.pp_stages_per_rank,
-    }
-    for key, value in non_negative.items():
-        if value < 0:
-            raise ConfigError(f"{key} must be >= 0, got {value}")
-    if cfg.parallelism.dp_shard == 0 or cfg.parallelism.dp_shard < -1:
-        raise ConfigError(f"parallelism.dp_shard must be -1 or >= 1, got {cfg.parallelism.dp_shard}")
-    if cfg.compile.workers < -1:
-        raise ConfigError(
-            f"compile.workers must be -1 (inductor's choice), 0 (this rank's share of the cores) or a count, "
-            f"got {cfg.compile.workers}"
-        )
-    if t.global_batch_size != -1 and t.global_batch_size <= 0:
-        raise ConfigError(f"training.global_batch_size must be -1 or > 0, got {t.global_batch_size}")
-    if not cfg.optimizer.lr > 0.0:
-        raise ConfigError(f"optimizer.lr must be > 0, got {cfg.optimizer.lr}")
-    if not 0.0 <= cfg.lr_scheduler.min_lr_factor <= 1.0:
-        raise ConfigError("lr_scheduler.min_lr_factor must be in [0, 1]")
-    if not 0.0 <= cfg.lr_scheduler.decay_ratio <= 1.0:
-        raise ConfigError("lr_scheduler.decay_ratio must be in [0, 1]")
-    if cfg.profiling.freq < cfg.profiling.active_steps + 2:
-        raise ConfigError(
-            f"profiling.freq ({cfg.profiling.freq}) must be >= profiling.active_steps + 2 (a wait step and a "
-            "warm-up step before the traced ones)"
-        )
-    ac = cfg.activation_checkpoint
-    sel = ac.selective
-    if sel != "op" and not (sel.isdigit() and int(sel) > 0):
-        raise ConfigError(
-            f"activation_checkpoint.selective = {sel!r}: use 'op' or a positive integer N (every N-th block)"
-        )
-    keep = cfg.parallelism.fsdp_keep_gathered_last
-    if keep < 0:
-        raise ConfigError(f"parallelism.fsdp_keep_gathered_last = {keep}: use 0 or a positive count")
-    if keep and cfg.parallelism.fsdp_reshard_after_forward != "default":
-        raise ConfigError(
-            f"parallelism.fsdp_keep_gathered_last = {keep} only applies to fsdp_reshard_after_forward = "
-            f"default (not {cfg.parallelism.fsdp_reshard_after_forward!r}): remove one of them"
-        )
-    ctas = cfg.parallelism.nccl_max_ctas
-    if not 0 <= ctas <= 64:
-        raise ConfigError(f"parallelism.nccl_max_ctas = {ctas}: use 0 (NCCL's choice) or 1 to 64")
-    if ac.op_all_last < 0:
-        raise ConfigError(f"activation_checkpoint.op_all_last = {ac.op_all_last}: use 0 or a positive count")
-    threads = ac.offload_pin_threads
-    if threads < 0 or threads > 128 or threads & (threads - 1):
-        raise ConfigError(
-            f"activation_checkpoint.offload_pin_threads = {threads}: use 0 or a power of two up to 128"
-        )
-    if ac.offload_every < 1:
-        raise ConfigError(f"activation_checkpoint.offload_every = {ac.offload_every}: use a positive integer")
-    if ac.offload_first < 0:
-        raise ConfigError(
-            f"activation_checkpoint.offload_first = {ac.offload_first}: use 0 or a positive count"
-        )
-    if ac.op_all_last and not (ac.mode == "selective" and sel == "op" and ac.op_matmuls == "alternate"):
-        raise ConfigError(
-            f"activation_checkpoint.op_all_last = {ac.op_all_last} only applies to selective op "
-            "checkpointing with op_matmuls = alternate: set mode = 'selective', selective = 'op', "
-            "op_matmuls = 'alternate', or op_all_last = 0"
-        )
-    if not cfg.model.flash_in_graph:
-        if cfg.model.attn_backend != "flash":
-            raise ConfigError(
-                f"model.flash_in_graph = false only applies to attn_backend = 'flash' (not "
-                f"{cfg.model.attn_backend!r}): remove it or set attn_backend = 'flash'"
-            )
-        if cfg.compile.enable and ac.mode == "selective" and sel == "op":
-            raise ConfigError(
-                "model.flash_in_graph = false puts a graph break inside every checkpointed block, which "
-                "selective op checkpointing then runs eagerly (measured at half speed): keep "
-                "flash_in_graph = true, or checkpoint otherwise (activation_checkpoint.mode = 'none' or "
-                "'full', or selective = N), or run without compile"
-            )
 
 
 def to_toml(cfg: JobConfig) -> str:
@@ -692,7 +560,20 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        return '"' + "".join(_toml_char(c) for c in value) + '"'
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     raise AssertionError(f"cannot write {value!r} as TOML")
+
+
+def _toml_char(c: str) -> str:
+    """One character of a TOML basic string: quotes, backslashes and control characters escaped."""
+    if c in ('"', "\\"):
+        return "\\" + c
+    if c == "\n":
+        return "\\n"
+    if c == "\t":
+        return "\\t"
+    if ord(c) < 0x20 or ord(c) == 0x7F:
+        return f"\\u{ord(c):04X}"
+    return c

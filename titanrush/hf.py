@@ -40,7 +40,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 # Fields that do not change the weights' layout or the function the model computes.
 _RUNTIME_FIELDS = (
     "attn_backend",
-    "flash_in_graph",
+    "expand_kv",
     "loss_chunk_size",
     "compile_loss",
     "max_seq_len",

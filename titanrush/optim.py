@@ -9,8 +9,6 @@ from collections.abc import Iterable
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from titanrush.config import ConfigError
-
 
 def build_optimizer(
     params: Iterable[torch.nn.Parameter] | list[list[torch.nn.Parameter]],
@@ -35,15 +33,11 @@ def build_optimizer(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **impl[implementation]
         )
     if name in ("adamw8bit", "adamw4bit"):
-        try:
-            from torchao.optim import AdamW4bit, AdamW8bit
-        except ImportError as e:
-            raise ConfigError(
-                f"optimizer.name = {name!r} needs torchao (pip install torchao); use optimizer.name = 'adamw'"
-            ) from e
+        from torchao.optim import AdamW4bit, AdamW8bit  # (validate.check_machine: torchao imports)
+
         cls = AdamW8bit if name == "adamw8bit" else AdamW4bit
         return cls(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    raise ConfigError(f"optimizer.name = {name!r} is not one of adamw, adamw8bit, adamw4bit")
+    raise ValueError(f"optimizer.name = {name!r} is not one of adamw, adamw8bit, adamw4bit")
 
 
 def lr_factor(
@@ -68,7 +62,7 @@ def lr_factor(
         if step <= start:
             return 1.0
         return 1.0 - (step - start) / decay_steps * (1.0 - min_lr_factor)
-    raise ConfigError(f"lr_scheduler.decay = {decay!r} is not one of linear, cosine, wsd")
+    raise ValueError(f"lr_scheduler.decay = {decay!r} is not one of linear, cosine, wsd")
 
 
 def build_lr_scheduler(

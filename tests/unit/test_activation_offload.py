@@ -105,17 +105,16 @@ def test_ac_with_offload_leaves_eager_blocks_unwrapped_and_compiled_ones_keeping
 
 
 def test_offload_config_errors():
-    with pytest.raises(ConfigError, match="offload_first = -1"):
-        config.load(None, ["--activation_checkpoint.offload_first", "-1"])
-    cfg = config.load(None, ["--activation_checkpoint.offload_first", "9"])
-    from titanrush.trainer import check_ac_blocks, check_config, resolve_model_args
+    from titanrush.plan import build_plan
 
+    with pytest.raises(ConfigError, match="offload_first must be >= 0"):
+        build_plan(config.load(None, ["--activation_checkpoint.offload_first", "-1"]), 1)
     with pytest.raises(ConfigError, match="offload_first = 9: the debug model has"):
-        check_ac_blocks(cfg, resolve_model_args(cfg, 256))
+        build_plan(config.load(None, ["--activation_checkpoint.offload_first", "9"]), 1, machine=False)
     if not torch.cuda.is_available():
         cfg = config.load(None, ["--activation_checkpoint.offload_first", "1"])
         with pytest.raises(ConfigError, match="offload_first needs a CUDA GPU"):
-            check_config(cfg, 1)
+            build_plan(cfg, 1)
 
 
 def test_parse_cpulist():

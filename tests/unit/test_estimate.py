@@ -13,10 +13,10 @@ import torch
 
 from titanrush import config
 from titanrush.models.llama import model_args
+from titanrush.plan import RunPlan
 from titanrush.tools import estimate as est_mod
 from titanrush.tools.memory_model import (
     GIB,
-    Setup,
     analyze,
     analyze_rank,
     block_saved,
@@ -35,25 +35,25 @@ P8B = 8_030_261_248  # Llama 3.1 8B: 32 x 218,112,000 + 2 x 128256 x 4096 + 4096
 
 def first_rank_states(**kw: object) -> dict[str, int]:
     flavor = kw.pop("flavor", "8B")
-    s = Setup(args=model_args(flavor), local_batch=1, seq_len=2048, **kw)
+    s = RunPlan(args=model_args(flavor), local_batch=1, seq_len=2048, **kw)
     return states(s, rank_plans(s)[0])
 
 
 def test_states_8b_match_hand_arithmetic():
     # fp32 AdamW on 4-way FSDP: 4 bytes/param of weights and of gradients, 8 of Adam states, each / 4.
-    st = first_rank_states(fsdp_shard=4)
+    st = first_rank_states(dp_shard=4)
     assert st["params"] == P8B * 4 // 4 and st["grads"] == P8B * 4 // 4 and st["master_weights"] == 0
     assert abs(st["optimizer"] - 2 * P8B * 4 // 4) < 1e4  # + one 4-byte step counter per tensor
     # bf16 under FSDP: the fp32 shards are the master weights; the bf16 copies live in FSDP's buffers.
-    st = first_rank_states(fsdp_shard=4, precision="bf16")
+    st = first_rank_states(dp_shard=4, precision="bf16")
     assert st["master_weights"] == P8B and st["params"] == 0 and st["grads"] == P8B
     # bf16 on one GPU (autocast): plus a bf16 copy of every matmul weight (all but embedding and norms).
     st = first_rank_states(precision="bf16")
     matmul = P8B - 128256 * 4096 - (2 * 32 + 1) * 4096
     assert st["params"] == 2 * matmul and st["master_weights"] == 4 * P8B
     # torchao low-bit AdamW: ~2 bytes (8-bit) and ~1 byte (4-bit) per parameter, plus block scales.
-    st8 = first_rank_states(fsdp_shard=4, optimizer="adamw8bit")["optimizer"]
-    st4 = first_rank_states(fsdp_shard=4, optimizer="adamw4bit")["optimizer"]
+    st8 = first_rank_states(dp_shard=4, optimizer="adamw8bit")["optimizer"]
+    st4 = first_rank_states(dp_shard=4, optimizer="adamw4bit")["optimizer"]
     assert 2 * P8B / 4 < st8 < 2.05 * P8B / 4
     assert 1 * P8B / 4 < st4 < 1.1 * P8B / 4
     # The classic example: 1.5B fp32 parameters take 6 GB of weights, 6 of gradients, 12 of Adam states.
@@ -65,7 +65,7 @@ def test_states_8b_match_hand_arithmetic():
 
 
 def test_pipeline_in_flight_microbatches():
-    s = Setup(args=model_args("8B"), local_batch=8, seq_len=2048, pp=4)
+    s = RunPlan(args=model_args("8B"), local_batch=8, seq_len=2048, pp=4)
     assert [p.in_flight for p in rank_plans(s)] == [4, 3, 2, 1]  # 1F1B: pp - rank
     gpipe = dataclasses.replace(s, pp_schedule="GPipe", pp_microbatches=8)
     assert [p.in_flight for p in rank_plans(gpipe)] == [8] * 4
@@ -75,7 +75,7 @@ def test_pipeline_in_flight_microbatches():
 
 
 def test_breakdown_sums_to_peak_and_activations_scale():
-    s = Setup(args=model_args("debug"), local_batch=8, seq_len=256)
+    s = RunPlan(args=model_args("debug"), local_batch=8, seq_len=256)
     b = analyze(s)
     assert sum(b.at_peak.values()) == b.peak
     full = analyze(dataclasses.replace(s, ac_mode="full"))
@@ -104,7 +104,7 @@ def test_fake_trace_equals_real_cpu_step(kw):
     that tracker agrees with the CPU allocator's own accounting (the profiler's memory events)."""
     # No clipping: on CPU it takes fp64 norms, whose upcast copies live inside the kernel, where no
     # dispatch mode can see them (the CUDA path has none).
-    s = Setup(args=model_args("debug"), local_batch=2, seq_len=64, max_norm=0.0, **kw)
+    s = RunPlan(args=model_args("debug"), local_batch=2, seq_len=64, max_norm=0.0, **kw)
     plan = rank_plans(s)[0]
     fake = trace_rank(s, plan)
     prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
@@ -118,16 +118,16 @@ def test_fake_trace_equals_real_cpu_step(kw):
     "kw",
     [
         dict(local_batch=8, seq_len=256),
-        dict(local_batch=16, seq_len=256, precision="bf16", fsdp_shard=4, ac_mode="selective",
+        dict(local_batch=16, seq_len=256, precision="bf16", dp_shard=4, ac_mode="selective",
              loss="chunked", loss_chunk=512),
         dict(local_batch=8, seq_len=256, precision="bf16", tp=2, ac_mode="full"),
         dict(local_batch=8, seq_len=256, pp=2, pp_schedule="GPipe", pp_microbatches=4),
-        dict(local_batch=2, seq_len=256, precision="bf16", tp=2, cp=2, fsdp_shard=4, ac_mode="selective"),
+        dict(local_batch=2, seq_len=256, precision="bf16", tp=2, cp=2, dp_shard=2, ac_mode="selective"),
     ],
 )  # fmt: skip
 def test_trace_agrees_with_analytic(kw):
     args = model_args("debug", loss_chunk_size=kw.get("loss_chunk", 0))
-    s = Setup(args=args, **kw)
+    s = RunPlan(args=args, **kw)
     traced, analytic = trace(s), analyze(s, as_traced=True)
     assert abs(analytic.peak - traced.peak) <= 0.10 * traced.peak
 
@@ -135,7 +135,7 @@ def test_trace_agrees_with_analytic(kw):
 MIB = 2**20
 
 
-def _block_extra(s: Setup, mode: str, n: int, **kw: object) -> int:
+def _block_extra(s: RunPlan, mode: str, n: int, **kw: object) -> int:
     """Bytes one block keeps under context parallel beyond the same local tokens without it (batch 2)."""
     saved = lambda x: sum(block_saved(x, n, 2, mode, **kw).values())  # noqa: E731
     return saved(s) - saved(dataclasses.replace(s, cp=1))
@@ -144,7 +144,7 @@ def _block_extra(s: Setup, mode: str, n: int, **kw: object) -> int:
 def test_context_parallel_compiled_ring_attention_keeps_the_received_kv():
     # The 8B at CP2 x FSDP2 (seq 8192, batch 2): 8192 tokens per rank. One K (or V) as ring attention takes
     # it: 8192 tokens x 32 heads (SDPA repeats the 8 KV heads) x 128 x 2 bytes = 64 MiB.
-    cp2 = Setup(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", fsdp_shard=4, cp=2,
+    cp2 = RunPlan(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=2, cp=2,
                 ac_mode="selective", compile=True)  # fmt: skip
     # Compiled op: both ranks' K and V received (4 x 64) and K, V made contiguous (2 x 64) are kept; wk's
     # and wv's outputs (8192 x 1024 x 2 bytes = 16 MiB each) are not needed any more.
@@ -163,7 +163,7 @@ def test_context_parallel_compiled_ring_attention_keeps_the_received_kv():
     # At the loss's backward (all 32 blocks' tensors alive): 32 x 352 MiB = 11 GiB more than the same local
     # tokens without the ring; measured on H200 before the trainer compiled the loss (when this moment was
     # the peak): 70.0 GiB, 11.1 more than without.
-    plain = analyze(dataclasses.replace(cp2, cp=1, seq_len=4096))
+    plain = analyze(dataclasses.replace(cp2, cp=1, dp_shard=4, seq_len=4096))  # the same FSDP shards
     ring = analyze(cp2)
     at_loss = lambda b: sum(b.moments["loss backward"].values())  # noqa: E731
     assert at_loss(ring) - at_loss(plain) == 32 * 352 * MIB
@@ -171,7 +171,7 @@ def test_context_parallel_compiled_ring_attention_keeps_the_received_kv():
 
 def test_float8_linears_follow_the_conversion_rule():
     f8 = lambda flavor, **kw: float8_linears(  # noqa: E731
-        Setup(args=model_args(flavor), local_batch=1, seq_len=8, float8=True, **kw)
+        RunPlan(args=model_args(flavor), local_batch=1, seq_len=8, float8=True, **kw)
     )
     every = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
     # 1B: wk and wv are 2048 -> 512, below min_size 1024; the output projection is filtered by name.
@@ -180,7 +180,7 @@ def test_float8_linears_follow_the_conversion_rule():
     # A filter that does not name the output converts it too (128256 x 4096: aligned, large).
     assert f8("8B", float8_filter=("attention",)) == {"w1", "w2", "w3", "output"}
     assert f8("1B", float8_filter=(), float8_min_size=0) == every | {"output"}
-    assert float8_linears(Setup(args=model_args("8B"), local_batch=1, seq_len=8)) == frozenset()
+    assert float8_linears(RunPlan(args=model_args("8B"), local_batch=1, seq_len=8)) == frozenset()
     # The same rule as the trainer's conversion (on a meta model with misaligned and small layers).
     pytest.importorskip("torchao")
     from titanrush.models.llama import Llama
@@ -193,14 +193,14 @@ def test_float8_linears_follow_the_conversion_rule():
         names = apply_float8(model, recipe="tensorwise", emulate=True, fsdp_float8_all_gather=False,
                              filter_fqns=filt, min_size=min_size)  # fmt: skip
         got = {n.rsplit(".", 1)[-1] for n in names if n.startswith("layers.0.") or n == "output"}
-        setup = Setup(args=args, local_batch=1, seq_len=8, float8=True, float8_filter=tuple(filt),
+        setup = RunPlan(args=args, local_batch=1, seq_len=8, float8=True, float8_filter=tuple(filt),
                       float8_min_size=min_size)  # fmt: skip
         assert float8_linears(setup) == got, (filt, min_size)
 
 
 def test_float8_compiled_blocks_keep_fewer_bf16_inputs():
     # The rush's float8 rung: 1B, batch 8 x seq 2048 = 16384 tokens, compiled, autocast (one GPU).
-    s = Setup(args=model_args("1B"), local_batch=8, seq_len=2048, precision="bf16", compile=True)
+    s = RunPlan(args=model_args("1B"), local_batch=8, seq_len=2048, precision="bf16", compile=True)
     f8 = dataclasses.replace(s, float8=True)
     n = 16384
     saved = lambda x, mode: sum(block_saved(x, n, 8, mode).values())  # noqa: E731
@@ -210,8 +210,8 @@ def test_float8_compiled_blocks_keep_fewer_bf16_inputs():
     assert saved(s, "op") == saved(f8, "op")  # selective op keeps the matmul outputs either way
     # The 8B under FSDP, every linear float8: both norms' outputs (2 x 16384 x 4096 x 2 = 256 MiB) and the
     # gate (16384 x 14336 x 2 = 448 MiB).
-    s8 = Setup(
-        args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", fsdp_shard=4, compile=True
+    s8 = RunPlan(
+        args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=4, compile=True
     )
     s8_f8 = dataclasses.replace(s8, float8=True)
     assert saved(s8, "compiled") - saved(s8_f8, "compiled") == (256 + 448) * MIB
@@ -279,7 +279,7 @@ def test_compiled_float8_block_on_cpu_drops_the_bf16_inputs():
 
 def test_compiled_loss_keeps_the_bf16_logits_not_fp32_ones():
     # The 8B on FSDP4 (batch 2 x seq 8192 = 16384 tokens, vocabulary 128256): n V = 2,101,346,304.
-    s = Setup(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", fsdp_shard=4,
+    s = RunPlan(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=4,
               ac_mode="selective", compile=True)  # fmt: skip
     n, nv = 16384, 2_101_346_304
     assert s.compiled_loss
@@ -334,7 +334,7 @@ def test_compiled_loss_on_cpu_saves_only_the_logits_it_was_given():
 def test_selective_op_alternate_recomputes_wk_wo_w3():
     # The 8B on FSDP4, compiled, selective op: per block wk's (16384 x 1024), wo's (16384 x 4096) and w3's
     # (16384 x 14336) bf16 outputs are recomputed: 32 + 128 + 448 = 608 MiB, 19 GiB over 32 blocks.
-    s = Setup(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", fsdp_shard=4,
+    s = RunPlan(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=4,
               ac_mode="selective", compile=True)  # fmt: skip
     alt = dataclasses.replace(s, ac_op_matmuls="alternate")
     saved = lambda x, **kw: sum(block_saved(x, 16384, 2, "op", **kw).values())  # noqa: E731
@@ -354,7 +354,7 @@ def test_selective_op_alternate_recomputes_wk_wo_w3():
 def test_op_all_last_adds_the_alternate_blocks_recomputed_outputs_back():
     # 8B FSDP4 compiled, alternate: each of the last N blocks keeps wk's, wo's and w3's outputs again,
     # 608 MiB per block (see above); N = 32 is the all-matmuls model.
-    s = Setup(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", fsdp_shard=4,
+    s = RunPlan(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=4,
               ac_mode="selective", compile=True, ac_op_matmuls="alternate")  # fmt: skip
     peak = lambda x: analyze(x).peak  # noqa: E731
     assert peak(dataclasses.replace(s, ac_op_all_last=10)) - peak(s) == 10 * 608 * MIB
@@ -366,8 +366,8 @@ def test_op_all_last_adds_the_alternate_blocks_recomputed_outputs_back():
 def test_op_all_last_on_a_pipeline_stage_trace_agrees():
     # PP2 of the debug model (4 blocks): op_all_last = 1 is block 3, on the last stage only. The fake
     # trace of each stage (blocks renumbered 0-1 there) must see the same saved bytes as the model.
-    s = Setup(args=model_args("debug"), local_batch=2, seq_len=64, precision="bf16", pp=2, pp_microbatches=2,
-              ac_mode="selective", ac_op_matmuls="alternate")  # fmt: skip
+    s = RunPlan(args=model_args("debug"), local_batch=2, seq_len=64, precision="bf16", pp=2, pp_microbatches=2,
+                ac_mode="selective", ac_op_matmuls="alternate", pp_layers_per_stage=(2, 2))  # fmt: skip
     one = dataclasses.replace(s, ac_op_all_last=1)
     first, last = rank_plans(one)
     assert first.layers == [0, 1] and last.layers == [2, 3]
@@ -408,10 +408,10 @@ def test_compiled_alternate_block_on_cpu_keeps_every_other_matmul():
 
 
 def test_pipelined_fsdp_keeps_unsharded_fp32_gradients():
-    # PP2 x FSDP2 of the 8B, batch 2 (two micro-batches of one sequence), 1F1B. Rank 0 holds the table and
-    # 16 blocks: 128256 x 4096 + 16 x 218,112,000 = 4,015,128,576 parameters.
-    s = Setup(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", fsdp_shard=2, pp=2,
-              reshard="never", ac_mode="selective", compile=True)  # fmt: skip
+    # PP2 x FSDP2 of the 8B, batch 2 (two micro-batches of one sequence), 1F1B, 16 blocks a stage. Rank 0
+    # holds the table and 16 blocks: 128256 x 4096 + 16 x 218,112,000 = 4,015,128,576 parameters.
+    s = RunPlan(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=2, pp=2,
+                reshard="never", ac_mode="selective", compile=True, pp_layers_per_stage=(16, 16))  # fmt: skip
     p0 = 4_015_128_576
     plan = rank_plans(s)[0]
     assert plan.in_flight == 2 and plan.embedding and not plan.head
@@ -431,12 +431,16 @@ def test_pipelined_fsdp_keeps_unsharded_fp32_gradients():
     assert "last block forward" + later not in b.moments  # rank 0's two forwards both precede a backward
     # Without FSDP the same order, in param.grad: at the first backward only the block's largest weight's
     # gradient (w2, 14336 x 4096 fp32), at the later one all of them.
-    plain = analyze_rank(dataclasses.replace(s, fsdp_shard=1), plan)
+    plain = analyze_rank(dataclasses.replace(s, dp_shard=1), plan)
     assert plain.moments["first block backward"]["grads"] == 4 * 14336 * 4096
     assert plain.moments["first block backward" + later]["grads"] == 4 * p0
     # The estimator turns the trainer's default into never under PP, as the trainer does.
     cfg = config.load(LLAMA8B, ["--parallelism.pp", "2"])
-    assert est_mod.build_setup(cfg, 4)[0].reshard == "never"
+    assert est_mod.plan_for(cfg, 4)[0].reshard == "never"
+    # ... and splits the layers as the trainer does: the embedding and the output projection costed, so
+    # the first stage (the cheaper end) takes one block more.
+    assert est_mod.plan_for(cfg, 4)[0].layers_per_stage == (17, 15)
+    assert [len(r.layers) for r in rank_plans(est_mod.plan_for(cfg, 4)[0])] == [17, 15]
     assert len(est_mod.estimate(cfg, 4, 140.0, trace=False).rank_peaks_gib) == 2
 
 
@@ -452,19 +456,18 @@ def test_8b_fsdp_estimate_fits_h200_not_h100():
     assert big.master_weights_gib == pytest.approx(P8B / GIB, rel=1e-6)  # fp32 / 4 shards = 4 B / 4
 
 
-def test_fsdp_gradients_in_the_compute_pool_take_the_collective_slack_off():
-    """FSDP's sharded gradients from the compute stream's pool (the default) leave no collective's pool
-    reserved beside the peak; FSDP's own allocation, HSDP (where the pool does not apply) and TP keep it."""
+def test_collectives_add_to_the_allocator_slack():
+    """FSDP, HSDP and TP keep collective streams' pools reserved beside the peak; one GPU does not."""
     b = type("B", (), {"peak": 100 * GIB, "peak_phase": "loss forward", "first_backward_freed": 0})()
 
-    def slack_of(*over: str) -> int:
-        return est_mod.slack(est_mod.build_setup(config.load(LLAMA8B, list(over)), 4)[0], b)
+    def slack_of(ngpu: int, *over: str) -> int:
+        return est_mod.slack(est_mod.plan_for(config.load(LLAMA8B, list(over)), ngpu)[0], b)
 
-    assert slack_of() == pytest.approx(0.05 * b.peak, rel=1e-6)
-    own = slack_of("--parallelism.fsdp_grads_in_compute_pool", "false")
-    hsdp = slack_of("--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2")
-    tp = slack_of("--parallelism.tp", "2")
-    assert own == hsdp == tp == pytest.approx(0.15 * b.peak, rel=1e-6)
+    assert slack_of(1) == pytest.approx(0.05 * b.peak, rel=1e-6)
+    fsdp = slack_of(4)
+    hsdp = slack_of(4, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2")
+    tp = slack_of(4, "--parallelism.tp", "2")
+    assert fsdp == hsdp == tp == pytest.approx(0.15 * b.peak, rel=1e-6)
 
 
 def test_max_batch_is_the_largest_that_fits():
@@ -513,7 +516,7 @@ def test_float8_output_projection_adds_the_eager_cast_of_the_logits_gradient():
     # 8B FSDP4, compiled float8 without AC, ZeRO-2: with filter_fqns = [] the output projection is float8
     # too, and its (eager) backward casts the (16384, 128256) logits' gradient through fp32 temporaries:
     # 8 bytes per element at the output's backward (measured on H200: +15.3 GiB over the bf16 output).
-    s = Setup(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", fsdp_shard=4,
+    s = RunPlan(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=4,
               reshard="never", compile=True, float8=True)  # fmt: skip
     f8_out = dataclasses.replace(s, float8_filter=())
     assert "output" in float8_linears(f8_out) and "output" not in float8_linears(s)
@@ -534,7 +537,7 @@ def test_op_all_last_beyond_the_model_is_a_config_error(capsys):
 def test_offloaded_blocks_hold_nothing_at_the_peak():
     # 8B FSDP4 compiled, alternate: offloading every 3rd of the first 24 blocks (0, 3, ..., 21) takes those
     # 8 blocks' saved tensors off the peak; the blocks keep what they keep in host memory instead.
-    s = Setup(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", fsdp_shard=4,
+    s = RunPlan(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=4,
               ac_mode="selective", compile=True, ac_op_matmuls="alternate")  # fmt: skip
     off = dataclasses.replace(s, ac_offload_first=24, ac_offload_every=3)
     per_block = sum(block_saved(s, 2 * 8192, 2, "op").values())
@@ -549,7 +552,7 @@ def test_keep_gathered_last_holds_that_many_blocks_weights_at_the_peak():
     # before any block's backward, where the default already keeps the last block gathered; keeping the
     # last 24 adds 23 blocks' float8 weights (218,112,000 parameters each, the two 4096-wide norms in
     # bf16: 2 x 4096 x 2 bytes more).
-    s = Setup(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", fsdp_shard=4,
+    s = RunPlan(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=4,
               ac_mode="selective", compile=True, float8=True, float8_all_gather=True)  # fmt: skip
     base, kept = analyze(s), analyze(dataclasses.replace(s, keep_gathered_last=24))
     assert base.peak_phase == kept.peak_phase == "loss backward"

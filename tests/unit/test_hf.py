@@ -393,7 +393,7 @@ def test_trainer_written_checkpoints_export(tmp_path):
     trainer = Trainer(config.load(None, argv))
     try:
         trainer.train()
-        trained, args = trainer_weights(trainer), trainer.model_args
+        trained, args = trainer_weights(trainer), trainer.plan.args
     finally:
         trainer.close()
     ck = tmp_path / "run" / "checkpoint"

@@ -244,9 +244,9 @@ def test_compiled_blocks_run_the_flash_package_between_graphs(monkeypatch):
     # a compiled block must run the call eagerly, and the model must train as the eager one does.
     import types
 
-    from titanrush.config import ActivationCheckpoint, Compile, Float8, Parallelism
+    from titanrush import config
     from titanrush.models.llama.parallelize import parallelize_llama
-    from titanrush.parallel.parallel_dims import ParallelDims
+    from titanrush.plan import build_plan
 
     calls = []
     fa3 = _fake_flash_attn(True).flash_attn_func
@@ -262,16 +262,10 @@ def test_compiled_blocks_run_the_flash_package_between_graphs(monkeypatch):
         labels = torch.randint(0, 8192, (2, 64))
         l1, g1 = loss_and_grads(build(0, attn_backend="flash"), x, labels)
         compiled = build(0, attn_backend="flash")
-        parallelize_llama(
-            compiled,
-            ParallelDims(1, 1, 1, 1, 1, 1),
-            None,
-            parallelism=Parallelism(),
-            compile=Compile(enable=True, fullgraph=True),
-            ac=ActivationCheckpoint(mode="none"),
-            float8=Float8(),
-            precision="fp32",
-        )
+        cfg = config.load(None, ["--model.attn_backend", "flash", "--compile.enable"])
+        plan = build_plan(cfg, 1, machine=False)  # (the stand-in package has no import spec to find)
+        assert plan.compile and not plan.fullgraph  # the plan compiles the flash package between graphs
+        parallelize_llama(compiled, plan, None)
         calls.clear()
         l2, g2 = loss_and_grads(compiled, x, labels)
     finally:
@@ -332,10 +326,9 @@ def test_flash4_runs_as_one_operator_compiled_whole_and_kept_by_selective_checkp
     # FA4 through titanrush's custom operator: trains as SDPA does; a compiled block with selective op
     # checkpointing compiles whole (fullgraph) and keeps the attention output, so that backward runs the
     # package's backward once per block and its forward never again (the recompute skips it).
-    from titanrush.config import ActivationCheckpoint, Compile, Float8, Parallelism
     from titanrush.models.llama import attention as attn
     from titanrush.models.llama.parallelize import parallelize_llama
-    from titanrush.parallel.parallel_dims import ParallelDims
+    from titanrush.plan import RunPlan
 
     calls = {"fwd": 0, "bwd": 0}
     _use_fake_flash4(monkeypatch, calls)
@@ -346,11 +339,8 @@ def test_flash4_runs_as_one_operator_compiled_whole_and_kept_by_selective_checkp
         for compiled in (False, True):
             model = build(0, attn_backend="flash")
             assert not attn.uses_graph_break("flash")
-            parallelize_llama(
-                model, ParallelDims(1, 1, 1, 1, 1, 1), None, parallelism=Parallelism(),
-                compile=Compile(enable=compiled, fullgraph=True), ac=ActivationCheckpoint(mode="selective"),
-                float8=Float8(), precision="fp32",
-            )  # fmt: skip
+            plan = RunPlan(args=model.args, local_batch=2, seq_len=64, compile=compiled, ac_mode="selective")
+            parallelize_llama(model, plan, None)
             loss_and_grads(model, x, labels)  # (the compiled model's first step compiles)
             calls.update(fwd=0, bwd=0)
             l2, g2 = loss_and_grads(model, x, labels)
@@ -362,163 +352,6 @@ def test_flash4_runs_as_one_operator_compiled_whole_and_kept_by_selective_checkp
     finally:
         _clear_flash_caches()
         torch._dynamo.reset()
-
-
-def test_flash4_between_graphs_calls_the_packages_function_and_compiles_with_a_break(monkeypatch):
-    # model.flash_in_graph = false: FA4's own autograd function (the stand-in's flash_attn_func), between
-    # the compiled graphs of each block, trains as SDPA does; titanrush's operator never runs.
-    from titanrush.config import ActivationCheckpoint, Compile, Float8, Parallelism
-    from titanrush.models.llama import attention as attn
-    from titanrush.models.llama.parallelize import parallelize_llama
-    from titanrush.parallel.parallel_dims import ParallelDims
-
-    calls = {"fwd": 0, "bwd": 0, "func": 0}
-    cute = _use_fake_flash4(monkeypatch, calls)
-    package_func = cute.flash_attn_func
-
-    def counted(*a, **kw):
-        calls["func"] += 1
-        return package_func(*a, **kw)
-
-    cute.flash_attn_func = counted  # (read at the first flash call, after this)
-    x = torch.randint(0, 8192, (2, 64))
-    labels = torch.randint(0, 8192, (2, 64))
-    try:
-        l1, g1 = loss_and_grads(build(0, attn_backend="sdpa"), x, labels)
-        assert attn.uses_graph_break("flash", flash_in_graph=False) and not attn.uses_graph_break("flash")
-        model = build(0, attn_backend="flash", flash_in_graph=False)
-        parallelize_llama(
-            model, ParallelDims(1, 1, 1, 1, 1, 1), None, parallelism=Parallelism(),
-            compile=Compile(enable=True, fullgraph=True), ac=ActivationCheckpoint(mode="none"),
-            float8=Float8(), precision="fp32",
-        )  # fmt: skip
-        assert all(isinstance(b, torch._dynamo.eval_frame.OptimizedModule) for b in model.layers.values())
-        l2, g2 = loss_and_grads(model, x, labels)  # compiles without fullgraph (it would raise at the break)
-        n = len(model.layers)
-        assert calls == {"fwd": 0, "bwd": 0, "func": n}
-        torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
-        assert_same_grads(g1, {k.replace("_orig_mod.", ""): g for k, g in g2.items()})
-    finally:
-        _clear_flash_caches()
-        torch._dynamo.reset()
-
-
-def _traced_fake_flash4(monkeypatch, *, warm_up_fails: bool = False) -> list[tuple]:
-    """The FA4 stand-in, each call noted as (kind, thread, q's shape, k's shape); its first forward (the
-    warm-up's) takes 0.3 s, as a kernel compile would, or fails."""
-    import threading
-    import time
-
-    cute = _use_fake_flash4(monkeypatch, {"fwd": 0, "bwd": 0})
-    fwd, bwd = cute.interface._flash_attn_fwd, cute.interface._flash_attn_bwd
-    seen: list[tuple] = []
-
-    def traced_fwd(q, k, v, **kw):
-        seen.append(("fwd", threading.current_thread().name, tuple(q.shape), tuple(k.shape)))
-        if len(seen) == 1:
-            time.sleep(0.3)
-            if warm_up_fails:
-                raise RuntimeError("no kernel for this GPU")
-        return fwd(q, k, v, **kw)
-
-    def traced_bwd(q, k, *a, **kw):
-        seen.append(("bwd", threading.current_thread().name, tuple(q.shape), tuple(k.shape)))
-        return bwd(q, k, *a, **kw)
-
-    monkeypatch.setattr(cute.interface, "_flash_attn_fwd", traced_fwd)
-    monkeypatch.setattr(cute.interface, "_flash_attn_bwd", traced_bwd)
-
-    class PackageFunction(torch.autograd.Function):  # the package's own function calls the same two
-        @staticmethod
-        def forward(ctx, q, k, v):
-            out, lse = cute.interface._flash_attn_fwd(q, k, v, causal=True, return_lse=True)[:2]
-            ctx.save_for_backward(q, k, v, out, lse)
-            return out
-
-        @staticmethod
-        def backward(ctx, dout):
-            q, k, v, out, lse = ctx.saved_tensors
-            return cute.interface._flash_attn_bwd(q, k, v, out, dout, lse, causal=True)
-
-    monkeypatch.setattr(cute, "flash_attn_func", lambda q, k, v, causal: PackageFunction.apply(q, k, v))
-    return seen
-
-
-def _backward_on_a_device_thread(monkeypatch) -> None:
-    """Tensor.backward runs the graph on a thread of its own, as autograd's engine does for CUDA tensors
-    (its device threads); CPU tensors would otherwise run it on the caller's thread."""
-    import threading
-
-    backward = torch.Tensor.backward
-
-    def on_device_thread(self, *a, **kw):
-        errors: list[BaseException] = []
-
-        def run():
-            try:
-                backward(self, *a, **kw)
-            except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
-                errors.append(e)
-
-        t = threading.Thread(target=run, name="autograd device thread", daemon=True)
-        t.start()
-        t.join(timeout=20)
-        assert not t.is_alive(), "backward did not finish: its thread waits for the caller"
-        if errors:
-            raise errors[0]
-
-    monkeypatch.setattr(torch.Tensor, "backward", on_device_thread)
-
-
-@pytest.mark.parametrize("in_graph", [True, False])
-@pytest.mark.parametrize("warm_up_fails", [False, True])
-def test_flash4_kernels_warm_up_beside_the_set_up_and_training_waits(monkeypatch, caplog, warm_up_fails,
-                                                                     in_graph):  # fmt: skip
-    """prepare_flash_in_background runs one forward and backward at the training's shapes on its thread
-    (FA4 compiles each kernel at its first call); the first flash call of training waits for it. A warm-up
-    that fails is logged, and training then calls the kernels itself. Backward runs on a thread of its
-    own, as on CUDA: titanrush's operator's backward (in_graph) waits for the preparing thread, so the
-    warm-up must not reach it through autograd (it did, and CUDA runs hung at their first step)."""
-    import logging
-
-    from titanrush.models.llama import attention as attn
-
-    seen = _traced_fake_flash4(monkeypatch, warm_up_fails=warm_up_fails)
-    _backward_on_a_device_thread(monkeypatch)
-    # the warm-up on this thread (a child process's: test_flash_warm_up)
-    monkeypatch.setenv("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "0")
-    dims = dict(batch=2, seq_len=16, n_heads=4, n_kv_heads=2, head_dim=8)
-    # (the stand-in computes in fp32)
-    shapes = attn.FlashShapes(torch.device("cpu"), **dims, in_graph=in_graph, dtype=torch.float32)
-    logging.getLogger("titanrush").propagate = True
-    try:
-        with caplog.at_level(logging.INFO, logger="titanrush"):
-            attn.prepare_flash_in_background(shapes)
-            attn._PREPARING.join(timeout=20)
-            assert not attn._PREPARING.is_alive(), "the warm-up did not finish"
-            q = torch.randn(1, 8, 4, 8, requires_grad=True)
-            k, v = torch.randn(1, 8, 2, 8), torch.randn(1, 8, 2, 8)
-            out = attn.attention(q, k, v, backend="flash", n_rep=2, flash_in_graph=in_graph)
-            out.sum().backward()
-            assert q.grad is not None
-    finally:
-        _clear_flash_caches()
-        torch._dynamo.reset()
-        attn._PREPARING = None
-    # titanrush's backward operator runs on the warm-up's own thread; the package's autograd function
-    # (between graphs) on the device thread, as in training, where it does not wait
-    warm_bwd_thread = "flash-attn prepare" if in_graph else "autograd device thread"
-    warm = ((2, 16, 4, 8), (2, 16, 2, 8))
-    main = ((1, 8, 4, 8), (1, 8, 2, 8))
-    fwd_main, bwd_main = ("fwd", "MainThread", *main), ("bwd", "autograd device thread", *main)
-    if warm_up_fails:
-        assert seen == [("fwd", "flash-attn prepare", *warm), fwd_main, bwd_main]
-        assert "warm-up failed (RuntimeError: no kernel for this GPU); step 1 compiles" in caplog.text
-    else:
-        warm_up = [("fwd", "flash-attn prepare", *warm), ("bwd", warm_bwd_thread, *warm)]
-        assert seen == [*warm_up, fwd_main, bwd_main]
-        assert "flash-attn-4's kernels compiled in" in caplog.text
-    assert "flash-attn imported in" in caplog.text
 
 
 def test_flex_forward_matches_sdpa_on_cpu_and_respects_documents():

@@ -1,4 +1,5 @@
-"""ParallelDims: degree resolution and validation, model checks, and the mesh (on a fake process group)."""
+"""ParallelDims: degree resolution, the checks of degrees and model fit (titanrush.validate through the
+plan), and the mesh (on a fake process group)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import pytest
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from titanrush import config
 from titanrush.config import ConfigError
 from titanrush.parallel.parallel_dims import ParallelDims
+from titanrush.plan import build_plan
 
 
 def dims(world: int, *, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1):
@@ -42,29 +45,33 @@ def test_dp_shard_minus_one_takes_what_is_left(world, given, shard):
     assert d.dp_replicate * d.dp_shard * d.cp * d.tp * d.pp == world
 
 
+def plan(world: int, *args: str):
+    return build_plan(config.load(None, list(args)), world)
+
+
 def test_degrees_that_do_not_multiply_to_the_world_size_name_every_degree():
     with pytest.raises(
         ConfigError, match=r"dp_replicate\(1\) x dp_shard\(2\) x cp\(1\) x tp\(2\) x pp\(1\) = 4"
     ):
-        dims(8, dp_shard=2, tp=2)
+        plan(8, "--parallelism.dp_shard", "2", "--parallelism.tp", "2")
     with pytest.raises(ConfigError, match="dp_shard = -1"):
-        dims(8, dp_shard=2, tp=2)
+        plan(8, "--parallelism.dp_shard", "2", "--parallelism.tp", "2")
 
 
 def test_degrees_that_do_not_divide_the_world_size():
     with pytest.raises(ConfigError, match="do not divide the world size 6"):
-        dims(6, tp=4)
+        plan(6, "--parallelism.tp", "4")
 
 
 @pytest.mark.parametrize("key", ["dp_replicate", "cp", "tp", "pp"])
 def test_degrees_below_one_are_refused(key):
     with pytest.raises(ConfigError, match=f"parallelism.{key} must be >= 1"):
-        dims(4, **{key: 0})
+        plan(4, f"--parallelism.{key}", "0")
 
 
 def test_dp_shard_zero_is_refused():
-    with pytest.raises(ConfigError, match="dp_shard must be -1 or >= 1"):
-        dims(4, dp_shard=0)
+    with pytest.raises(ConfigError, match="dp_shard must be -1"):
+        plan(4, "--parallelism.dp_shard", "0")
 
 
 def test_derived_degrees():
@@ -79,15 +86,16 @@ def test_derived_degrees():
 
 
 def test_model_checks_name_the_fix():
+    # The debug model: 8 heads, 4 K/V heads, 4 layers.
     with pytest.raises(ConfigError, match="tp = 3 must divide the attention heads .*choose tp among 1, 2, 4"):
-        dims(3, tp=3).check_model(n_heads=8, n_kv_heads=4, n_layers=4, seq_len=64)
+        plan(3, "--parallelism.tp", "3", "--training.seq_len", "63")
     with pytest.raises(ConfigError, match="pp = 8 exceeds the model's 4 layers"):
-        dims(8, pp=8).check_model(n_heads=8, n_kv_heads=4, n_layers=4, seq_len=64)
+        plan(8, "--parallelism.pp", "8")
     with pytest.raises(ConfigError, match="divisible by tp = 4"):
-        dims(4, tp=4).check_model(n_heads=8, n_kv_heads=4, n_layers=4, seq_len=66)
+        plan(4, "--parallelism.tp", "4", "--training.seq_len", "66")
     with pytest.raises(ConfigError, match="2 x cp"):
-        dims(2, cp=2).check_model(n_heads=8, n_kv_heads=4, n_layers=4, seq_len=66)
-    dims(4, tp=2).check_model(n_heads=8, n_kv_heads=4, n_layers=4, seq_len=64)  # fits
+        plan(2, "--parallelism.cp", "2", "--training.seq_len", "66")
+    plan(4, "--parallelism.tp", "2", "--training.seq_len", "64")  # fits
 
 
 def test_mesh_dims_order_and_flattened_views(fake_world):

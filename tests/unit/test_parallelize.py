@@ -6,6 +6,8 @@ Numerical parity of every mesh with one process is in tests/parallel (real gloo 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,13 +16,14 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from titanrush.config import ActivationCheckpoint, Compile, ConfigError, Float8, Parallelism
+from titanrush import config
+from titanrush.config import ConfigError
 from titanrush.models.init import _canonical
 from titanrush.models.llama import Llama, model_args
 from titanrush.models.llama.parallelize import parallelize_llama
 from titanrush.parallel.activation_checkpoint import apply_ac
 from titanrush.parallel.compile import apply_compile
-from titanrush.parallel.parallel_dims import ParallelDims
+from titanrush.plan import RunPlan, build_plan
 
 
 @pytest.fixture
@@ -33,20 +36,41 @@ def fake_world():
         dist.destroy_process_group()
 
 
+def run_plan(world: int, *args: str) -> RunPlan:
+    """The run plan of the debug model with these overrides (as the trainer resolves it) on `world` ranks."""
+    return build_plan(config.load(None, list(args)), world, machine=False)
+
+
 def parallel(
-    world: int, *, flavor_over: dict | None = None, ac: str = "none", precision: str = "fp32", **par
-):
-    """The debug Llama on meta, parallelized over a fake world of `world` ranks."""
-    p = Parallelism(**par)
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, world)
-    mesh = dims.build_mesh("cpu") if world > 1 else None
+    world: int, *args: str, ac: str = "none", precision: str = "fp32", **par: object
+) -> torch.nn.Module:
+    """The debug Llama on meta, parallelized over a fake world of `world` ranks (`par`: parallelism keys)."""
+    flags = [
+        *args,
+        "--activation_checkpoint.mode",
+        ac,
+        "--training.precision",
+        precision,
+        "--training.seq_len",
+        "64",
+    ]
+    for key, value in par.items():
+        flags += [f"--parallelism.{key}", str(value).lower() if isinstance(value, bool) else str(value)]
+    plan = run_plan(world, *flags)
+    mesh = plan.dims.build_mesh("cpu") if world > 1 else None
     with torch.device("meta"):
-        model = Llama(model_args("debug", **(flavor_over or {})))
-    parallelize_llama(
-        model, dims, mesh, parallelism=p, compile=Compile(), ac=ActivationCheckpoint(mode=ac),
-        float8=Float8(), precision=precision,
-    )  # fmt: skip
+        model = Llama(plan.args)
+    parallelize_llama(model, plan, mesh)
     return model
+
+
+def test_unsupported_combinations_are_config_errors():
+    with pytest.raises(ConfigError, match="DDP .* does not compose with tensor parallel"):
+        run_plan(4, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1", "--parallelism.tp", "2")
+    with pytest.raises(ConfigError, match="fsdp_cpu_offload needs FSDP"):
+        run_plan(1, "--parallelism.fsdp_cpu_offload")
+    with pytest.raises(ConfigError, match="training.loss = chunked"):
+        run_plan(2, "--parallelism.tp", "2", "--training.loss", "chunked")
 
 
 def placements(model: torch.nn.Module) -> dict[str, tuple]:
@@ -76,7 +100,7 @@ def test_tp_without_sequence_parallel_still_makes_every_parameter_a_dtensor(fake
 
 def test_tied_embeddings_stay_one_parameter_under_tp_and_fsdp(fake_world):
     fake_world(4)
-    model = parallel(4, tp=2, flavor_over={"tie_embeddings": True})
+    model = parallel(4, "--model.tie_embeddings", "tied", tp=2)
     assert model.output.weight is model.tok_embeddings.weight
     weight = model.tok_embeddings.weight
     assert weight.device_mesh.mesh_dim_names == ("dp_shard_cp", "tp")
@@ -154,26 +178,6 @@ def test_ac_then_fsdp_wrap_in_that_order(fake_world):
     block = model.layers["0"]
     assert isinstance(block, FSDPModule)  # FSDP outermost
     assert "_checkpoint_wrapped_module" in dict(block.named_children())
-
-
-@pytest.mark.parametrize(
-    "over, match",
-    [
-        ({"dp_replicate": 2, "dp_shard": 1, "tp": 2}, "DDP .* does not compose with tensor parallel"),
-    ],
-)
-def test_unsupported_combinations_are_config_errors(fake_world, over, match):
-    fake_world(4)
-    with pytest.raises(ConfigError, match=match):
-        parallel(4, **over)
-
-
-def test_chunked_loss_with_tp_and_offload_without_fsdp_are_config_errors(fake_world):
-    with pytest.raises(ConfigError, match="fsdp_cpu_offload needs FSDP"):
-        parallel(1, fsdp_cpu_offload=True)
-    fake_world(2)
-    with pytest.raises(ConfigError, match="training.loss = chunked"):
-        parallel(2, tp=2, flavor_over={"loss_chunk_size": 64})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -259,10 +263,9 @@ def test_ac_op_all_last_counts_blocks_of_the_whole_model_on_a_pipeline_stage():
     assert stage_recomputed(2) == alternate
     assert alternate - stage_recomputed(3) == 3  # wk, wo and w3 of block 1
     assert alternate - stage_recomputed(4) == 6
-    with pytest.raises(ConfigError, match="op_all_last = 5: the model has 4 blocks"):
-        apply_ac(
-            Llama(model_args("debug", n_layers=4)), mode="selective", op_matmuls="alternate", op_all_last=5
-        )
+    with pytest.raises(ConfigError, match="op_all_last = 5: the debug model has 4 blocks"):
+        run_plan(1, *("--activation_checkpoint.mode", "selective", "--activation_checkpoint.op_matmuls"),
+                 *("alternate", "--activation_checkpoint.op_all_last", "5"))  # fmt: skip
 
 
 def test_ac_none_and_bad_values():
@@ -270,9 +273,9 @@ def test_ac_none_and_bad_values():
     apply_ac(model, mode="none")
     assert "_checkpoint_wrapped_module" not in dict(model.layers["0"].named_children())
     with pytest.raises(ConfigError, match="activation_checkpoint.selective"):
-        apply_ac(model, mode="selective", selective="0")
+        run_plan(1, "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "0")
     with pytest.raises(ConfigError, match="activation_checkpoint.op_matmuls"):
-        apply_ac(model, mode="selective", selective="op", op_matmuls="half")
+        run_plan(1, "--activation_checkpoint.op_matmuls", "half")
 
 
 def test_compile_replaces_blocks_and_names_stay_loadable():
@@ -294,15 +297,15 @@ def test_float8_tp_keeps_plain_styles_for_a_part_with_bf16_linears(fake_world, c
     from torchao.float8.float8_linear import Float8Linear
 
     fake_world(2)
-    p = Parallelism(tp=2, dp_shard=1)
-    dims = ParallelDims(1, 1, 1, 2, 1, 2)
+    plan = dataclasses.replace(
+        run_plan(2, *("--parallelism.tp", "2", "--training.precision", "bf16", "--float8.enable")),
+        args=model_args("debug", dim=256, n_heads=8, n_kv_heads=2, multiple_of=64), float8_emulate=True,
+        float8_min_size=128,
+    )  # fmt: skip
     with torch.device("meta"):
-        model = Llama(model_args("debug", dim=256, n_heads=8, n_kv_heads=2, multiple_of=64))
+        model = Llama(plan.args)
     with caplog.at_level("INFO", logger="titanrush"):
-        parallelize_llama(
-            model, dims, dims.build_mesh("cpu"), parallelism=p, compile=Compile(), ac=ActivationCheckpoint(),
-            float8=Float8(enable=True, emulate=True, min_size=128), precision="bf16",
-        )  # fmt: skip
+        parallelize_llama(model, plan, plan.dims.build_mesh("cpu"))
     block = model.layers["0"]
     assert isinstance(block.attention.wq, Float8Linear) and not isinstance(block.attention.wk, Float8Linear)
     assert all(isinstance(getattr(block.feed_forward, n), Float8Linear) for n in ("w1", "w2", "w3"))
@@ -355,92 +358,6 @@ def test_compiled_blocks_keep_their_own_selective_policy():
     eager = [backward_mms("selective", "op", op_matmuls="alternate", op_all_last=k)[0] for k in (0, 2, 4)]
     assert eager[0] - eager[1] == 2 * 3 and eager[1] - eager[2] == 2 * 3  # 3 recomputed mms per block
     assert [compiled_backward_mms(k) for k in (0, 2, 4)] == eager
-
-
-def test_compile_workers_take_the_ranks_share_of_the_cores_and_start_at_launch(monkeypatch):
-    import os
-
-    from torch._inductor import async_compile
-    from torch._inductor import config as inductor_config
-
-    from titanrush.parallel.compile import start_compile_workers
-
-    started, woken = [], []
-    pool = async_compile.AsyncCompile
-    monkeypatch.setattr(
-        pool, "warm_pool", classmethod(lambda cls: started.append(inductor_config.compile_threads))
-    )
-    monkeypatch.setattr(pool, "wakeup", classmethod(lambda cls: woken.append(True)))
-    monkeypatch.setattr(inductor_config, "compile_threads", 7)
-    triton = [True]  # a CUDA build's Triton
-    monkeypatch.setattr(torch.utils._triton, "has_triton_package", lambda: triton[0])
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(64)), raising=False)
-    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
-    monkeypatch.delenv("TORCH_WARM_POOL", raising=False)
-
-    assert start_compile_workers(-1, ranks_per_host=4) is None  # inductor's own choice: nothing touched
-    assert inductor_config.compile_threads == 7 and started == []
-    assert start_compile_workers(0, ranks_per_host=4) == 16  # 64 cores over 4 ranks
-    assert started == [16] and len(woken) == 1  # the pool and its workers started now
-    assert start_compile_workers(0, ranks_per_host=1) == 32  # capped as inductor caps it
-    assert start_compile_workers(3, ranks_per_host=4) == 3 and inductor_config.compile_threads == 3
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
-    assert start_compile_workers(0, ranks_per_host=2) == 1  # one core each: inductor compiles in process
-    assert started == [16, 32, 3]  # no pool to start for a single worker
-    triton[0] = False  # a CPU build: the count is set, no pool is started
-    assert start_compile_workers(4, ranks_per_host=1) == 4 and started == [16, 32, 3]
-    triton[0] = True
-    monkeypatch.setenv("TORCH_WARM_POOL", "0")  # inductor's switch for not starting the pool early
-    assert start_compile_workers(4, ranks_per_host=1) == 4 and started == [16, 32, 3]
-    monkeypatch.delenv("TORCH_WARM_POOL")
-    # The user's variable wins: inductor read it at import (here: set as it would have), nothing is changed.
-    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "5")
-    monkeypatch.setattr(inductor_config, "compile_threads", 5)
-    assert start_compile_workers(0, ranks_per_host=4) == 5 and inductor_config.compile_threads == 5
-    assert started == [16, 32, 3, 5]
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_copy_in_by_chunks_writes_what_chunk_cat_writes(world):
-    from titanrush.parallel.fsdp import COPY_IN_CALLS, reduce_scatter_copy_in
-
-    gen = torch.Generator().manual_seed(0)
-    shapes = [(8, 12), (4,), (16, 3, 2), (12, 8)]  # matrices, a norm, a 3-d weight
-    for grad_dtype, reduce_dtype in ((torch.bfloat16, torch.float32), (torch.float32, torch.float32)):
-        grads = [torch.randn(s, generator=gen).to(grad_dtype) for s in shapes]
-        n = sum(g.numel() for g in grads)
-        ref, out = torch.empty(n, dtype=reduce_dtype), torch.full((n,), float("nan"), dtype=reduce_dtype)
-        torch._chunk_cat(grads, 0, world, out=ref.view(world, -1))
-        before = dict(COPY_IN_CALLS)
-        reduce_scatter_copy_in(grads, out, world)
-        assert torch.equal(out, ref), (grad_dtype, world)
-        assert COPY_IN_CALLS["by_chunks"] == before["by_chunks"] + 1
-    # A dim 0 that needs FSDP's zero padding (6 rows over 4 ranks) takes chunk_cat, which pads.
-    grads = [torch.randn(6, 2, generator=gen), torch.randn(8, generator=gen)]
-    padded = 8 * 2 + 8
-    ref, out = torch.empty(padded), torch.full((padded,), float("nan"))
-    torch._chunk_cat(grads, 0, 4, out=ref.view(4, -1))
-    before = dict(COPY_IN_CALLS)
-    reduce_scatter_copy_in(grads, out, 4)
-    assert torch.equal(out, ref)
-    assert COPY_IN_CALLS["chunk_cat"] == before["chunk_cat"] + 1
-
-
-def test_fsdp_copy_in_is_ours_by_default_and_fsdps_own_when_off(fake_world):
-    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
-
-    from titanrush.parallel.fsdp import reduce_scatter_copy_in
-
-    fake_world(4)
-    try:
-        parallel(4, fsdp_copy_in_by_chunks=False)
-        assert _fsdp_collectives.foreach_reduce_scatter_copy_in is not reduce_scatter_copy_in
-        parallel(4)
-        assert _fsdp_collectives.foreach_reduce_scatter_copy_in is reduce_scatter_copy_in
-    finally:
-        from titanrush.parallel.fsdp import use_copy_in_by_chunks
-
-        use_copy_in_by_chunks(True)
 
 
 def test_ac_op_all_but_w3_recomputes_one_matmul_per_block():

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from titanrush import config
 from titanrush.config import ConfigError
 from titanrush.models.llama import Llama, model_args
 from titanrush.models.llama.pipeline import ModelView, prune_to_stage, stage_costs
-from titanrush.parallel.pipeline import balanced_split, check_explicit_split, stage_ids, stages_per_rank
+from titanrush.parallel.pipeline import balanced_split, stage_ids, stages_per_rank
+from titanrush.plan import build_plan
 
 
 def stage_cost(sizes: list[int], embed: float, out: float) -> list[float]:
@@ -40,7 +42,7 @@ def test_balanced_split_is_optimal(n_layers, n_stages, embed, out):
 def test_8b_split_gives_the_ends_fewer_layers():
     with torch.device("meta"):
         model = Llama(model_args("8B"))
-    embed, out = stage_costs(model)
+    embed, out = stage_costs(model_args("8B"))
     assert out == pytest.approx(128256 * 4096 / sum(p.numel() for p in model.layers["0"].parameters()))
     sizes = balanced_split(32, 4, embed_cost=embed, output_cost=out)
     assert sizes[-1] < sizes[1] and sizes[0] <= sizes[1]
@@ -51,17 +53,34 @@ def test_stage_placement():
     assert stages_per_rank("Interleaved1F1B", 0) == 2
     assert stage_ids("Interleaved1F1B", 1, 4, 2) == [1, 5]
     assert stage_ids("ZBVZeroBubble", 1, 4, 2) == [1, 6]
-    with pytest.raises(ConfigError, match="one stage per rank"):
-        stages_per_rank("GPipe", 2)
 
 
-def test_explicit_split_errors():
-    assert check_explicit_split([1, 3], 4, 2) == [1, 3]
-    for bad in ([2, 2, 0], [1, 2], [0, 4]):
-        with pytest.raises(ConfigError, match="pp_layers_per_stage"):
-            check_explicit_split(bad, 4, 2 if len(bad) == 2 else 3)
-    with pytest.raises(ConfigError, match="need at least"):
-        balanced_split(2, 4, embed_cost=0, output_cost=0)
+def _pp_plan(world: int, *over: str):
+    base = ["--parallelism.pp", "2", "--model.tie_embeddings", "untied", "--training.local_batch_size", "4"]
+    return build_plan(config.load(None, [*base, *over]), world)
+
+
+def test_plan_resolves_the_pipeline():
+    plan = _pp_plan(2, "--parallelism.pp_layers_per_stage", "1,3")
+    assert plan.layers_per_stage == (1, 3) and list(plan.stage_layers(1)) == [1, 2, 3]
+    plan = _pp_plan(2, "--parallelism.pp_schedule", "Interleaved1F1B")
+    assert plan.stages_per_rank == 2 and plan.microbatches == 4 and plan.stage_ids(1) == [1, 3]
+    assert plan.reshard == "never"  # pipelined stages keep their gathered weights until backward
+
+
+@pytest.mark.parametrize(
+    "over, match",
+    [
+        (["--parallelism.pp_layers_per_stage", "2,2,0"], "pp_layers_per_stage"),
+        (["--parallelism.pp_layers_per_stage", "1,2"], "pp_layers_per_stage"),
+        (["--parallelism.pp_layers_per_stage", "0,4"], "pp_layers_per_stage"),
+        (["--parallelism.pp_schedule", "GPipe", "--parallelism.pp_stages_per_rank", "2"], "one stage per rank"),
+        (["--parallelism.pp_schedule", "Interleaved1F1B", "--parallelism.pp_stages_per_rank", "4"], "need at least"),
+    ],
+)
+def test_bad_pipeline_settings_are_config_errors(over, match):
+    with pytest.raises(ConfigError, match=match):
+        _pp_plan(2, *over)
 
 
 def test_pruned_stages_keep_full_names_and_cover_the_model():

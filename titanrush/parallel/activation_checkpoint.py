@@ -18,7 +18,6 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 )
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from titanrush.config import ConfigError
 from titanrush.parallel.activation_offload import offloaded
 
 
@@ -69,11 +68,6 @@ OP_MATMULS: dict[str, Callable[[int], bool]] = {
 }
 
 
-def check_op_matmuls(op_matmuls: str) -> None:
-    if op_matmuls not in OP_MATMULS:
-        raise ConfigError(f"activation_checkpoint.op_matmuls = {op_matmuls!r}: use {', '.join(OP_MATMULS)}")
-
-
 def _selective_op_context(op_matmuls: str = "all") -> Any:
     """Contexts for one checkpointed call of a block: keep the outputs of the ops in `_SAVE` (and of
     titanrush's operators named in `_SAVE_BY_NAME`).
@@ -115,7 +109,6 @@ class SelectiveOpCheckpoint(CheckpointWrapper):
 
     def __init__(self, block: nn.Module, op_matmuls: str) -> None:
         super().__init__(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=None)
-        check_op_matmuls(op_matmuls)
         self.op_matmuls = op_matmuls
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -187,30 +180,20 @@ def apply_ac(
             what the policy keeps, so the offload moves those and the block recomputes no matmul);
             in eager left unwrapped (the checkpoint keeps its tensors out of reach of the offload's hooks).
         compiled: Whether the blocks will be compiled (see `offload_first`).
-
-    Raises:
-        ConfigError: An unknown mode, or a `selective` value that is neither `op` nor a positive integer.
     """
     if mode in ("none", "full"):
         wrap: Callable[[int, str, nn.Module], nn.Module | None] = lambda i, name, b: (
             wrap_block(b) if mode == "full" else None
         )
     elif mode == "selective" and selective == "op":
-        check_op_matmuls(op_matmuls)
         keep_all = _last_blocks(model, op_all_last) if op_all_last and op_matmuls == "alternate" else set()
         wrap = lambda i, name, b: wrap_block(
             b, selective_op=True, op_matmuls="all" if name in keep_all else op_matmuls
         )
-    elif mode == "selective" and selective.isdigit() and int(selective) > 0:
+    else:  # (titanrush.validate: mode is none, full or selective; selective is op or a positive N)
+        assert mode == "selective" and int(selective) > 0, (mode, selective)
         every = int(selective)
         wrap = lambda i, name, b: wrap_block(b) if (i + 1) % every == 0 else None
-    elif mode == "selective":
-        raise ConfigError(
-            f"activation_checkpoint.selective = {selective!r}: use 'op' or a positive integer N "
-            "(checkpoint every N-th block)"
-        )
-    else:
-        raise ConfigError(f"activation_checkpoint.mode = {mode!r}: use none, full or selective")
     for i, (name, block) in enumerate(list(model.layers.items())):
         if offloaded(int(name), offload_first, offload_every):
             wrapped = wrap_block(block, selective_op=True, op_matmuls="all") if compiled else None
@@ -224,8 +207,5 @@ def _last_blocks(model: nn.Module, last: int) -> set[str]:
     """The `model.layers` keys of the model's last `last` blocks (global indices: a pipeline stage holds
     only some of them)."""
     n_layers = model.args.n_layers
-    if not 0 <= last <= n_layers:
-        raise ConfigError(
-            f"activation_checkpoint.op_all_last = {last}: the model has {n_layers} blocks; use 0..{n_layers}"
-        )
+    assert 0 <= last <= n_layers, (last, n_layers)
     return {str(j) for j in range(n_layers - last, n_layers)}

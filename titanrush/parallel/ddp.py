@@ -7,8 +7,6 @@ from torch.distributed._composable.replicate import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from titanrush.config import ConfigError
-
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, *, bucket_cap_mb: int = 100) -> None:
     """Replicate `model` over the 1-D data-parallel `mesh`, in place: gradients are all-reduced (averaged)
@@ -23,14 +21,7 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, *, bucket_cap_mb: int = 100) -
         mesh: The 1-D `dp_replicate` mesh.
         bucket_cap_mb: Gradient bucket size: larger buckets mean fewer, bigger all-reduces.
 
-    Raises:
-        ConfigError: The model is already tensor-parallel, or the mesh is not 1-D.
     """
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ConfigError(
-            "DDP (dp_replicate > 1 with dp_shard = 1) does not compose with tensor parallel; use "
-            "parallelism.dp_shard > 1 (FSDP, or HSDP with dp_replicate) together with tp instead"
-        )
-    if mesh.ndim != 1:
-        raise ConfigError(f"DDP takes a 1-D data-parallel mesh, got {mesh.ndim} dimensions")
+    assert not any(isinstance(p, DTensor) for p in model.parameters()), "DDP does not compose with TP"
+    assert mesh.ndim == 1, f"DDP takes a 1-D data-parallel mesh, got {mesh.ndim} dimensions"
     replicate(model, device_mesh=mesh, bucket_cap_mb=bucket_cap_mb)

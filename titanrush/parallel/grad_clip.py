@@ -15,17 +15,15 @@ def clip_grad_norm_(
     params: Iterable[torch.nn.Parameter],
     max_norm: float,
     pp_mesh: DeviceMesh | None = None,
-    *,
-    scale: bool = True,
 ) -> torch.Tensor:
     """Scale gradients so that their global L2 norm is at most max_norm (0 = no clipping); return the norm.
-    `scale=False` only computes the norm (the caller applies `clip_coefficient` itself).
 
     Sharded gradients (FSDP, TP) contribute their shard's squares and are summed over their mesh by
     DTensor; with pipeline parallelism each stage holds different parameters, so the squares are
     also summed over the pipeline ranks. Every rank returns the same total.
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
     # Sum the local squares of gradients that share a mesh and placements, then reduce each group once
     # over the mesh dimensions it is sharded (or partial) on.
     groups: dict[tuple, list[torch.Tensor]] = {}
@@ -52,25 +50,18 @@ def clip_grad_norm_(
         total_sq = total_sq.to(_mesh_device(pp_mesh))
         dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
     total = total_sq.sqrt()
-    if scale and max_norm > 0 and grads:
-        locals_ = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
-        torch._foreach_mul_(locals_, clip_coefficient(total, max_norm).to(locals_[0].device))
+    if max_norm > 0 and params:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
     return total
 
 
-def clip_coefficient(total: torch.Tensor, max_norm: float) -> torch.Tensor:
-    """What gradients with global norm `total` are multiplied by to clip them to `max_norm`."""
-    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
-
-
 def _sum_sq(tensors: list[torch.Tensor]) -> torch.Tensor:
-    # The CPU kernel accumulates fp32 norms with a relative error near 1e-4 on million-element tensors
-    # (enough to tell a sharded norm from an unsharded one); accumulate in fp64 there.
     if tensors[0].device.type == "cpu":
-        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float64)
-    else:
-        norms = torch._foreach_norm(tensors, 2.0)
-    return torch.stack([n.float() for n in norms]).square().sum()
+        # The CPU kernel accumulates fp32 norms with a relative error near 1e-4 on million-element tensors
+        # (enough to tell a sharded norm from an unsharded one); accumulate in fp64 there.
+        norms = [torch.linalg.vector_norm(t, dtype=torch.float64) for t in tensors]
+        return torch.stack(norms).square().sum().float()
+    return torch.nn.utils.get_total_norm(tensors, 2.0).square()
 
 
 def _first_local_device(grads: list[torch.Tensor]) -> torch.device:

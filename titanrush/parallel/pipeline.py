@@ -19,8 +19,6 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from titanrush.config import ConfigError
-
 SINGLE_STAGE = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
 MULTI_STAGE = {
     "Interleaved1F1B": ScheduleInterleaved1F1B,
@@ -30,16 +28,10 @@ MULTI_STAGE = {
 
 
 def stages_per_rank(schedule: str, requested: int) -> int:
-    """Virtual stages each rank holds: 1 for GPipe/1F1B, `requested` (default 2) for the others."""
+    """Virtual stages each rank holds: 1 for GPipe/1F1B, `requested` (default 2) for the others
+    (`titanrush.validate` has checked `requested` against the schedule)."""
     if schedule in SINGLE_STAGE:
-        if requested > 1:
-            raise ConfigError(
-                f"parallelism.pp_schedule = {schedule} runs one stage per rank; set pp_stages_per_rank = 1 "
-                "or choose Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble"
-            )
         return 1
-    if schedule == "ZBVZeroBubble" and requested not in (0, 2):
-        raise ConfigError("parallelism.pp_schedule = ZBVZeroBubble places exactly 2 stages per rank (a V)")
     return requested or 2
 
 
@@ -56,10 +48,7 @@ def balanced_split(n_layers: int, n_stages: int, *, embed_cost: float, output_co
     Each transformer block costs 1; the first stage also pays `embed_cost` and the last `output_cost`
     (in block units: the output projection of a large vocabulary costs about a block or more).
     """
-    if n_layers < n_stages:
-        raise ConfigError(
-            f"{n_stages} pipeline stages need at least {n_stages} layers, the model has {n_layers}"
-        )
+    assert n_layers >= n_stages, f"{n_stages} pipeline stages need at least {n_stages} layers"
 
     def cost(stage: int, layers: int) -> float:
         extra = (embed_cost if stage == 0 else 0.0) + (output_cost if stage == n_stages - 1 else 0.0)
@@ -81,15 +70,6 @@ def balanced_split(n_layers: int, n_stages: int, *, embed_cost: float, output_co
         sizes.append(choice[s][k])
         k -= choice[s][k]
     return sizes[::-1]
-
-
-def check_explicit_split(layers_per_stage: list[int], n_layers: int, n_stages: int) -> list[int]:
-    if len(layers_per_stage) != n_stages or sum(layers_per_stage) != n_layers or min(layers_per_stage) < 1:
-        raise ConfigError(
-            f"parallelism.pp_layers_per_stage = {layers_per_stage} must list {n_stages} positive counts "
-            f"(pp x stages per rank) that add up to the model's {n_layers} layers"
-        )
-    return layers_per_stage
 
 
 def build_schedule(

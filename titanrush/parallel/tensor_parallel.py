@@ -29,22 +29,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from titanrush.config import ConfigError
 
-
-def loss_parallel_context(
-    mesh: DeviceMesh | None, dims: Any, parallelism: Any
-) -> contextlib.AbstractContextManager:
-    """torch's `loss_parallel()` when the output projection is vocabulary-sharded, else a no-op.
-
-    Args:
-        mesh: The job's mesh (None for a single process).
-        dims: The ParallelDims (its `tp` degree is read).
-        parallelism: The `[parallelism]` config section (its `loss_parallel` flag is read).
-    """
-    if mesh is not None and dims.tp > 1 and parallelism.loss_parallel:
-        return loss_parallel()
-    return contextlib.nullcontext()
+def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
+    """torch's `loss_parallel()` when the output projection is vocabulary-sharded (`enabled`: tensor
+    parallel with loss parallel), else a no-op."""
+    return loss_parallel() if enabled else contextlib.nullcontext()
 
 
 class ReplicateParallel(ParallelStyle):
@@ -117,13 +106,9 @@ def enable_async_tp(tp_mesh: DeviceMesh, *, compiled: bool) -> None:
 
     Only compiled code is rewritten, and symmetric memory needs CUDA (NVLink) devices.
 
-    Raises:
-        ConfigError: Without compile, or not on CUDA.
+    `titanrush.validate` has checked both (compile on, CUDA devices).
     """
-    if not compiled:
-        raise ConfigError("parallelism.async_tp needs compile.enable = true (inductor does the rewrite)")
-    if tp_mesh.device_type != "cuda" or not torch.cuda.is_available():
-        raise ConfigError("parallelism.async_tp needs CUDA devices (symmetric memory); turn it off on CPU")
+    assert compiled and tp_mesh.device_type == "cuda", "async TP: compiled code on CUDA devices"
     import torch._inductor.config as inductor_config
     from torch.distributed import _symmetric_memory
 

@@ -17,12 +17,12 @@ import os
 import sys
 from dataclasses import dataclass, field
 
+import torch
+
 from titanrush import config as cfgmod
+from titanrush import validate
 from titanrush.config import ConfigError, JobConfig
-from titanrush.data import build_tokenizer
-from titanrush.models.llama import ModelArgs
-from titanrush.parallel.fsdp import compute_pool_applies
-from titanrush.parallel.parallel_dims import ParallelDims
+from titanrush.plan import RunPlan, build_plan, describe_mesh
 from titanrush.tools import memory_model as mm
 
 USAGE = """usage: titanrush estimate --config FILE [--ngpu N] [--gpu-mem GiB] [--json] [--no-trace]
@@ -90,110 +90,30 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
 
 
-def build_setup(cfg: JobConfig, ngpu: int) -> tuple[mm.Setup, str, int, str]:
-    """The memory model's inputs from the job config (validated as the trainer validates it).
+def plan_for(cfg: JobConfig, ngpu: int) -> tuple[RunPlan, int, str]:
+    """The run plan of `cfg` on `ngpu` GPUs, as the trainer builds it, with its parameter count and a
+    note when only this machine would refuse it.
 
-    Returns the setup, a one-line description of the mesh, the model's parameter count, and a note when
-    the trainer refuses the config on this machine only (see `_check`).
+    The estimate is for the GPU machine the job will run on: what this machine lacks (CUDA for context
+    parallel, flash-attn, float8 tensor cores) becomes a note instead of an error.
     """
-    dims, args, accum, refused = _check(cfg, ngpu)
-    p, t, f8 = cfg.parallelism, cfg.training, cfg.float8
-    shard = dims.dp_shard * dims.cp if dims.fsdp_enabled else 1
-    reshard = p.fsdp_reshard_after_forward  # the trainer keeps pipelined stages' weights gathered:
-    reshard = "never" if dims.pp > 1 and reshard == "default" else reshard
-    s = mm.Setup(
-        args=args,
-        local_batch=t.local_batch_size,
-        seq_len=t.seq_len,
-        precision=t.precision,
-        accum=accum,
-        fsdp_shard=shard,
-        ddp=dims.ddp_enabled,
-        tp=dims.tp,
-        cp=dims.cp,
-        cp_rotate=p.cp_rotate_method,
-        pp=dims.pp,
-        sequence_parallel=p.sequence_parallel,
-        loss_parallel=p.loss_parallel,
-        reshard=reshard,
-        keep_gathered_last=p.fsdp_keep_gathered_last,
-        cpu_offload=p.fsdp_cpu_offload,
-        free_reduce_inputs=p.fsdp_free_reduce_inputs,
-        grads_pool=p.fsdp_grads_in_compute_pool
-        and compute_pool_applies(hsdp=dims.dp_replicate > 1, cpu_offload=p.fsdp_cpu_offload),
-        pp_schedule=p.pp_schedule,
-        pp_microbatches=p.pp_microbatches,
-        pp_stages_per_rank=p.pp_stages_per_rank,
-        pp_layers_per_stage=tuple(p.pp_layers_per_stage),
-        ac_mode=cfg.activation_checkpoint.mode,
-        ac_selective=cfg.activation_checkpoint.selective,
-        ac_op_matmuls=cfg.activation_checkpoint.op_matmuls,
-        ac_op_all_last=cfg.activation_checkpoint.op_all_last,
-        ac_offload_first=cfg.activation_checkpoint.offload_first,
-        ac_offload_every=cfg.activation_checkpoint.offload_every,
-        compile=cfg.compile.enable,
-        float8=f8.enable,
-        float8_all_gather=f8.enable and f8.recipe == "tensorwise" and f8.fsdp_float8_all_gather and shard > 1,
-        float8_filter=tuple(f8.filter_fqns),
-        float8_min_size=f8.min_size,
-        loss=t.loss,
-        loss_chunk=t.loss_chunk_size,
-        optimizer=cfg.optimizer.name,
-        optimizer_impl=cfg.optimizer.implementation,
-        max_norm=t.max_norm,
-    )
-    mesh = " ".join(
-        f"{name}={deg}"
-        for name, deg in (
-            ("dp_replicate", dims.dp_replicate),
-            ("dp_shard", dims.dp_shard),
-            ("cp", dims.cp),
-            ("tp", dims.tp),
-            ("pp", dims.pp),
-        )
-        if deg > 1
-    )
-    whole = mm.RankPlan(0, list(range(args.n_layers)), embedding=True, head=True, in_flight=1.0, microbatch=1)
-    n_params = sum(d0 * d1 for _, (d0, d1), _ in mm.param_shapes(dataclasses.replace(s, tp=1), whole))
-    return s, mesh or "single device", n_params, refused
-
-
-def _check(cfg: JobConfig, ngpu: int) -> tuple[ParallelDims, ModelArgs, int, str]:
-    """The trainer's checks (so that errors read the same), and a note when only this machine fails them.
-
-    Some of the trainer's checks are about the machine it runs on (context parallel needs CUDA). Without a
-    GPU here, a refusal is re-checked with the checks that do not depend on the machine; if those pass,
-    the estimate goes on (for the GPU machine) and the trainer's message becomes a note.
-    """
-    import torch
-
-    from titanrush.trainer import check_ac_blocks, check_config, resolve_model_args
-
+    plan = build_plan(cfg, ngpu, machine=False)
+    refused = ""
     try:
-        dims, args, accum = check_config(cfg, ngpu)
-        return dims, args, accum, ""
+        validate.check_machine(cfg)
     except ConfigError as e:
         if torch.cuda.is_available():
             raise
-        refused = str(e)
-    p, t = cfg.parallelism, cfg.training
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, ngpu)
-    args = resolve_model_args(cfg, build_tokenizer(cfg.data.tokenizer).n_words)
-    dims.check_model(
-        n_heads=args.n_heads, n_kv_heads=args.kv_heads, n_layers=args.n_layers, seq_len=t.seq_len
+        refused = f"the trainer refuses this config on this machine: {e}"
+    whole = mm.RankPlan(
+        0, list(range(plan.args.n_layers)), embedding=True, head=True, in_flight=1.0, microbatch=1
     )
-    check_ac_blocks(cfg, args)
-    per_step = t.local_batch_size * dims.dp
-    gbs = per_step if t.global_batch_size == -1 else t.global_batch_size
-    if gbs % per_step:
-        raise ConfigError(f"training.global_batch_size = {gbs} must be a multiple of local_batch_size x dp")
-    return dims, args, gbs // per_step, f"the trainer refuses this config on this machine: {refused}"
+    n_params = sum(d0 * d1 for _, (d0, d1), _ in mm.param_shapes(dataclasses.replace(plan, tp=1), whole))
+    return plan, n_params, refused
 
 
 def default_gpu_mem() -> tuple[float, list[str]]:
     """The CUDA device's memory in GiB, or 80 GiB (with a note saying so) without one."""
-    import torch
-
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return props.total_memory / GIB, [f"GPU memory: {props.name}, {props.total_memory / GIB:.1f} GiB"]
@@ -204,26 +124,26 @@ def _context_bytes(ngpu: int) -> int:
     return int((CUDA_CONTEXT_GIB + (NCCL_GIB if ngpu > 1 else 0.0)) * GIB)
 
 
-def slack(s: mm.Setup, b: mm.Breakdown) -> int:
+def slack(s: RunPlan, b: mm.Breakdown) -> int:
     """Caching-allocator slack (reserved minus allocated at the peak): a heuristic fitted to H200 runs
     (docs/estimator.md): 5% of the peak, 10% more with collectives (their streams keep their own blocks:
-    DDP's, TP's, PP's, CP's, and FSDP's sharded gradients unless they come from the compute stream's pool,
-    `grads_pool`), 8% more with fully checkpointed blocks (recomputation churns block-sized temporaries);
+    DDP's, TP's, PP's, CP's, and FSDP's sharded gradients), 8% more with fully checkpointed blocks
+    (recomputation churns block-sized temporaries);
     under pipeline parallel with FSDP, at a later micro-batch's backward, the first backward's
     activations stranded in the cache (`memory_model.stranded_after_first_backward`)."""
     frac = 0.05
-    if (s.fsdp and not s.grads_pool) or s.ddp or s.tp > 1 or s.pp > 1 or s.cp > 1:
+    if s.fsdp or s.ddp or s.tp > 1 or s.pp > 1 or s.cp > 1:
         frac += 0.10
     if s.ac_mode == "full" or (s.ac_mode == "selective" and s.ac_selective != "op"):
         frac += 0.08
     return int(frac * b.peak) + mm.stranded_after_first_backward(b)
 
 
-def _total(s: mm.Setup, b: mm.Breakdown, context: int) -> int:
+def _total(s: RunPlan, b: mm.Breakdown, context: int) -> int:
     return b.peak + slack(s, b) + context
 
 
-def max_local_batch(s: mm.Setup, limit: float, context: int, cap: int = 1 << 16) -> int:
+def max_local_batch(s: RunPlan, limit: float, context: int, cap: int = 1 << 16) -> int:
     """The largest local batch size (a multiple of the pipeline micro-batches) whose analytic total fits
     within `limit` bytes; 0 if none does."""
     step = s.microbatches if s.pp > 1 else 1
@@ -260,7 +180,8 @@ def estimate(cfg: JobConfig, ngpu: int, gpu_mem_gib: float | None = None, *, tra
     """
     if ngpu < 1:
         raise ConfigError(f"--ngpu must be >= 1, got {ngpu}")
-    s, mesh, n_params, refused = build_setup(cfg, ngpu)
+    s, n_params, refused = plan_for(cfg, ngpu)
+    mesh = describe_mesh(s)
     notes: list[str] = [refused] if refused else []
     if gpu_mem_gib is None:
         gpu_mem_gib, more = default_gpu_mem()
@@ -303,7 +224,7 @@ def estimate(cfg: JobConfig, ngpu: int, gpu_mem_gib: float | None = None, *, tra
     return est
 
 
-def _add_trace(est: Estimate, s: mm.Setup, b: mm.Breakdown, extra: int) -> None:
+def _add_trace(est: Estimate, s: RunPlan, b: mm.Breakdown, extra: int) -> None:
     """Trace the step, compare with the analytic model on the same scope, record both."""
     from titanrush.tools import memory_trace
 
@@ -342,7 +263,7 @@ LABELS = {
 }
 
 
-def _describe(s: mm.Setup, key: str) -> str:
+def _describe(s: RunPlan, key: str) -> str:
     states = ("params", "master_weights", "grads", "optimizer")
     shard = f", 1/{s.fsdp_shard} (FSDP)" if s.fsdp and key in states else ""
     if key == "params":
@@ -439,8 +360,6 @@ def _split(argv: list[str]) -> tuple[dict, list[str]]:
 def _default_ngpu() -> int:
     if os.environ.get("NGPU"):
         return int(os.environ["NGPU"])
-    import torch
-
     return torch.cuda.device_count() or 1
 
 

@@ -19,98 +19,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from titanrush.models.llama.model import ModelArgs
 from titanrush.parallel.activation_offload import offloaded
+from titanrush.parallel.float8 import skip_reason
+from titanrush.plan import RunPlan
 
 GIB = 1024**3
 LOWBIT = {"adamw8bit": (1.0, 256, 256), "adamw4bit": (0.5, 128, 16)}  # code bytes, block size, qmap size
 LOWBIT_MIN_NUMEL = 4096  # torchao (after bitsandbytes) keeps smaller tensors' states in fp32
-INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 COMPONENTS = (
     "params", "master_weights", "grads", "optimizer", "activations", "logits", "fsdp_buffers",
     "ddp_buckets", "float8", "transient", "buffers",
 )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Setup:
-    """The plain values the memory model needs (estimate.py builds it from the job config)."""
-
-    args: ModelArgs
-    local_batch: int
-    seq_len: int
-    precision: str = "fp32"
-    accum: int = 1
-    fsdp_shard: int = 1  # FSDP shard degree: dp_shard x cp (1: no FSDP)
-    ddp: bool = False
-    tp: int = 1
-    cp: int = 1
-    cp_rotate: str = "allgather"  # how ring attention exchanges K/V: allgather or alltoall
-    pp: int = 1
-    sequence_parallel: bool = True
-    loss_parallel: bool = True
-    reshard: str = "default"
-    keep_gathered_last: int = 0  # with reshard default: the last N blocks keep their gathered weights too
-    cpu_offload: bool = False
-    free_reduce_inputs: bool = True  # FSDP's reduce-scatter inputs released as the next block starts
-    grads_pool: bool = True  # FSDP's sharded gradients from the compute stream's pool (1-D, no offload)
-    pp_schedule: str = "1F1B"
-    pp_microbatches: int = 0
-    pp_stages_per_rank: int = 0
-    pp_layers_per_stage: tuple[int, ...] = ()
-    ac_mode: str = "none"
-    ac_selective: str = "op"
-    ac_op_matmuls: str = "all"  # selective op: keep every matmul output, every other one (alternate), or
-    # all but w3's (all_but_w3)
-    ac_op_all_last: int = 0  # with alternate: the model's last N blocks keep every matmul output anyway
-    ac_offload_first: int = 0  # activation offload: every ac_offload_every-th of the first N blocks
-    ac_offload_every: int = 1
-    compile: bool = False
-    float8: bool = False
-    float8_all_gather: bool = False
-    float8_filter: tuple[str, ...] = ("output",)  # [float8] filter_fqns
-    float8_min_size: int = 1024  # [float8] min_size
-    loss: str = "plain"
-    loss_chunk: int = 4096
-    optimizer: str = "adamw"
-    optimizer_impl: str = "fused"
-    max_norm: float = 1.0
-
-    @property
-    def fsdp(self) -> bool:
-        return self.fsdp_shard > 1
-
-    @property
-    def c(self) -> int:
-        """Bytes per element of the compute dtype (matmul outputs, attention)."""
-        return 2 if self.precision == "bf16" else 4
-
-    @property
-    def autocast(self) -> bool:
-        """bf16 without FSDP runs under autocast: fp32 weights cast per matmul, fp32 residual stream."""
-        return self.precision == "bf16" and not self.fsdp
-
-    @property
-    def r(self) -> int:
-        """Bytes per element of the residual stream (bf16 only when FSDP gathers bf16 weights)."""
-        return 2 if self.precision == "bf16" and self.fsdp else 4
-
-    @property
-    def compiled_loss(self) -> bool:
-        """The trainer compiles the plain loss when compile is on, except under loss parallel (DTensors)."""
-        return self.compile and self.loss == "plain" and not (self.tp > 1 and self.loss_parallel)
-
-    @property
-    def stages_per_rank(self) -> int:
-        if self.pp == 1:
-            return 1
-        return self.pp_stages_per_rank or (2 if self.pp_schedule in INTERLEAVED else 1)
-
-    @property
-    def microbatches(self) -> int:
-        if self.pp == 1:
-            return 1
-        return self.pp_microbatches or self.pp * self.stages_per_rank
 
 
 @dataclass
@@ -143,23 +62,15 @@ class Breakdown:
         return self.moments[self.peak_phase]
 
 
-def rank_plans(s: Setup) -> list[RankPlan]:
-    """Layers, embedding/head and micro-batches in flight of every pipeline rank."""
-    n_layers, pp, v = s.args.n_layers, s.pp, s.stages_per_rank
-    n_stages = pp * v
-    if s.pp_layers_per_stage:
-        counts = list(s.pp_layers_per_stage)
-    else:
-        counts = [n_layers // n_stages + (1 if i < n_layers % n_stages else 0) for i in range(n_stages)]
-    starts = [sum(counts[:i]) for i in range(n_stages)]
+def rank_plans(s: RunPlan) -> list[RankPlan]:
+    """Layers (the run plan's stages and split), embedding/head and micro-batches in flight of every
+    pipeline rank."""
+    pp, v, n_stages = s.pp, s.stages_per_rank, s.n_stages
     m = s.microbatches
     plans = []
     for rank in range(pp):
-        if s.pp_schedule == "ZBVZeroBubble":  # V shape: rank r holds stages r and 2pp-1-r
-            stages = [rank, n_stages - 1 - rank]
-        else:
-            stages = [rank + j * pp for j in range(v)]
-        layers = [i for st in stages for i in range(starts[st], starts[st] + counts[st])]
+        stages = s.stage_ids(rank) if pp > 1 else [0]
+        layers = [i for st in stages for i in s.stage_layers(st)]
         if pp == 1:
             in_flight = 1.0
         elif s.pp_schedule == "GPipe":
@@ -181,7 +92,7 @@ def rank_plans(s: Setup) -> list[RankPlan]:
     return plans
 
 
-def param_shapes(s: Setup, plan: RankPlan) -> list[tuple[str, tuple[int, int], bool]]:
+def param_shapes(s: RunPlan, plan: RankPlan) -> list[tuple[str, tuple[int, int], bool]]:
     """(name, TP-local shape (dim0, rest), is a linear weight) of every parameter on the rank."""
     a, tp = s.args, s.tp
     d, hq, hkv = a.dim, a.n_heads // tp * a.head_dim, a.kv_heads // tp * a.head_dim
@@ -220,10 +131,9 @@ def optimizer_bytes(numel: int, name: str) -> int:
     return 2 * 4 * numel + 4
 
 
-def float8_linears(s: Setup) -> frozenset[str]:
+def float8_linears(s: RunPlan) -> frozenset[str]:
     """The linears float8 converts (block names wq ... w3, and `output`): titanrush.parallel.float8's rule
-    on the unsharded shapes (no name fragment of the filter in the name, as for layer 0; both dimensions
-    divisible by 16 and at least min_size)."""
+    (`skip_reason`) on the unsharded shapes, as for layer 0."""
     if not s.float8:
         return frozenset()
     a = s.args
@@ -232,16 +142,14 @@ def float8_linears(s: Setup) -> frozenset[str]:
               "attention.wo": (d, hq), "feed_forward.w1": (f, d), "feed_forward.w3": (f, d),
               "feed_forward.w2": (d, f), "output": (a.vocab_size, d)}  # fmt: skip
     out = set()
-    for name, dims in shapes.items():
+    for name, shape in shapes.items():
         fqn = name if name == "output" else f"layers.0.{name}"
-        if any(frag and frag in fqn for frag in s.float8_filter):
-            continue
-        if all(x % 16 == 0 and x >= s.float8_min_size for x in dims):
+        if skip_reason(fqn, shape, s.float8_filter, s.float8_min_size) is None:
             out.add(name.rsplit(".", 1)[-1])
     return frozenset(out)
 
 
-def states(s: Setup, plan: RankPlan) -> dict[str, int]:
+def states(s: RunPlan, plan: RankPlan) -> dict[str, int]:
     """Per-GPU bytes of parameters, master weights, gradients, optimizer states and buffers."""
     shapes = param_shapes(s, plan)
     n = s.fsdp_shard if s.fsdp else 1
@@ -266,12 +174,12 @@ def states(s: Setup, plan: RankPlan) -> dict[str, int]:
     }
 
 
-def _sp(s: Setup, n: int, as_traced: bool) -> int:
+def _sp(s: RunPlan, n: int, as_traced: bool) -> int:
     """Local tokens of the norms and the residual stream: 1/tp of the sequence under sequence parallel."""
     return n // s.tp if s.tp > 1 and s.sequence_parallel and not as_traced else n
 
 
-def layer_mode(s: Setup, position: int, *, as_traced: bool) -> str:
+def layer_mode(s: RunPlan, position: int, *, as_traced: bool) -> str:
     """How the block at this position of the rank is checkpointed: none, full, op (selective) or compiled."""
     plain = "none" if as_traced or not s.compile else "compiled"
     if s.ac_mode == "full":
@@ -283,7 +191,7 @@ def layer_mode(s: Setup, position: int, *, as_traced: bool) -> str:
     return plain
 
 
-def _ring_kv(s: Setup, n: int) -> tuple[int, int]:
+def _ring_kv(s: RunPlan, n: int) -> tuple[int, int]:
     """Context parallel's ring attention on n local tokens: bytes of the rank's K/V pair as it exchanges
     them (SDPA's inputs: K and V repeated to the query heads), and of the K/V it receives in one attention
     (allgather: every rank's pair, its own included; alltoall: the cp - 1 others', one ring pass each)."""
@@ -298,13 +206,13 @@ def expands_kv(backend: str, cp: int, as_traced: bool) -> bool:
     return backend in ("cudnn", "math") or (backend == "sdpa" and cp > 1)
 
 
-def keeps_all_matmuls(s: Setup, layer: int) -> bool:
+def keeps_all_matmuls(s: RunPlan, layer: int) -> bool:
     """Whether block `layer` (its index in the whole model) keeps every matmul output under op_all_last."""
     return s.ac_op_matmuls == "alternate" and layer >= s.args.n_layers - s.ac_op_all_last
 
 
 def block_saved(
-    s: Setup, n: int, batch: int, mode: str, *, as_traced: bool = False, keep_all: bool = False
+    s: RunPlan, n: int, batch: int, mode: str, *, as_traced: bool = False, keep_all: bool = False
 ) -> dict[str, int]:
     """Bytes autograd (or the checkpoint) keeps for one block's backward, by tensor, for n local tokens.
 
@@ -381,7 +289,7 @@ def block_saved(
     return out
 
 
-def block_working_set(s: Setup, n: int, batch: int, mode: str, *, backward: bool, as_traced: bool) -> int:
+def block_working_set(s: RunPlan, n: int, batch: int, mode: str, *, backward: bool, as_traced: bool) -> int:
     """Bytes of one block's tensors alive at its peak, besides the other blocks' saved tensors.
 
     Backward: what the block's backward holds when the FFN's input gradients are computed (its saved or
@@ -411,7 +319,7 @@ def block_working_set(s: Setup, n: int, batch: int, mode: str, *, backward: bool
     return max(ffn, ring) + r * n_sp * a.dim + scores
 
 
-def _ring_transient(s: Setup, n: int, mode: str, *, backward: bool) -> int:
+def _ring_transient(s: RunPlan, n: int, mode: str, *, backward: bool) -> int:
     """Ring attention's temporaries (torch's _context_parallel/_attention.py) on n local tokens.
 
     Both: K and V made contiguous and the K/V received (unless the partitioner keeps them for backward),
@@ -433,7 +341,7 @@ LATER = ", later micro-batch"  # the moments of a pipelined rank's later micro-b
 LOSS_KEYS = ("saved", "log_softmax", "forward", "backward", "rows", "vocab", "kept")
 
 
-def loss_bytes(s: Setup, n: int, *, as_traced: bool) -> dict[str, int]:
+def loss_bytes(s: RunPlan, n: int, *, as_traced: bool) -> dict[str, int]:
     """Saved tensors of the final norm and output layer, and the loss's forward and backward peaks."""
     a, tp, c, r = s.args, s.tp, s.c, s.r
     n_sp = _sp(s, n, as_traced)
@@ -463,7 +371,7 @@ def loss_bytes(s: Setup, n: int, *, as_traced: bool) -> dict[str, int]:
 
 
 def _chunked_loss_bytes(
-    s: Setup, n: int, n_sp: int, rows: int, vocab: int, *, as_traced: bool
+    s: RunPlan, n: int, n_sp: int, rows: int, vocab: int, *, as_traced: bool
 ) -> dict[str, int]:
     """The chunked loss (titanrush/models/llama/loss.py) computes both gradients in forward: it keeps the
     hidden states' gradient (compute dtype) and the weight's (summed in fp32, kept in the weight's dtype)
@@ -498,7 +406,9 @@ def _chunked_loss_bytes(
             "kept": kept}  # fmt: skip
 
 
-def _units(s: Setup, plan: RankPlan) -> tuple[list[list[tuple[int, bool, str]]], list[tuple[int, bool, str]]]:
+def _units(
+    s: RunPlan, plan: RankPlan
+) -> tuple[list[list[tuple[int, bool, str]]], list[tuple[int, bool, str]]]:
     """FSDP units of the rank in forward order (embedding, blocks, head) and the root's parameters, each
     parameter as (TP-local numel, is a linear weight, name)."""
     shapes = param_shapes(s, plan)
@@ -518,7 +428,7 @@ def _units(s: Setup, plan: RankPlan) -> tuple[list[list[tuple[int, bool, str]]],
     return [by_unit[k] for k in order], root
 
 
-def fsdp_buffers(s: Setup, plan: RankPlan, *, later: bool = False) -> dict[str, int]:
+def fsdp_buffers(s: RunPlan, plan: RankPlan, *, later: bool = False) -> dict[str, int]:
     """Per moment: FSDP's unsharded parameters (the unit in use and the one prefetched), unsharded gradients
     and fp32 reduce-scatter inputs (the unit's, and the previous unit's, still in flight).
 
@@ -540,9 +450,9 @@ def fsdp_buffers(s: Setup, plan: RankPlan, *, later: bool = False) -> dict[str, 
             per = pc
         elif pipelined:  # the bf16 gradient and its fp32 copy (the copy then counts as a gradient)
             per = {"reduce": pc if later else pc + 4, "in flight": 0, "held": 0}[kind]
-        else:  # grads + reduce-scatter input; the previous unit's input, which a block's backward releases
-            # early (the allocator reuses it once the collective is done, a few ms into the block's backward)
-            per = {"reduce": pc + 4, "in flight": 0 if s.free_reduce_inputs else 4, "held": 4}[kind]
+        else:  # grads + reduce-scatter input; the previous unit's input, which FSDP holds until the next
+            # unit's backward ends (so that the compute stream cannot reuse it while the collective reads it)
+            per = {"reduce": pc + 4, "in flight": 4, "held": 4}[kind]
         return per * sum(x for x, _, _ in units[i])
 
     root_all = 2 * pc * sum(x for x, _, _ in root)  # never resharded; its unsharded gradient accumulates
@@ -573,7 +483,7 @@ def fsdp_buffers(s: Setup, plan: RankPlan, *, later: bool = False) -> dict[str, 
     }
 
 
-def analyze_rank(s: Setup, plan: RankPlan, *, as_traced: bool = False) -> Breakdown:
+def analyze_rank(s: RunPlan, plan: RankPlan, *, as_traced: bool = False) -> Breakdown:
     """Every moment of the step on one pipeline rank, and its peak."""
     a, st, b, k = s.args, states(s, plan), plan.microbatch, plan.in_flight
     n = b * s.seq_len // s.cp  # tokens of one micro-batch on this rank
@@ -706,7 +616,7 @@ def stranded_after_first_backward(b: Breakdown) -> int:
 
 
 def _autocast_copies(
-    s: Setup, plan: RankPlan, modes: list[str], *, as_traced: bool
+    s: RunPlan, plan: RankPlan, modes: list[str], *, as_traced: bool
 ) -> tuple[dict[str, int], list[int]]:
     """autocast's bf16 weight copies at each moment, and each block's re-cast in its recomputation.
 
@@ -746,6 +656,6 @@ def _autocast_copies(
     return copies, [block if c and again else 0 for c in ckpt] or [0]
 
 
-def analyze(s: Setup, *, as_traced: bool = False) -> Breakdown:
+def analyze(s: RunPlan, *, as_traced: bool = False) -> Breakdown:
     """The rank whose peak is largest (with PP, ranks hold different layers and micro-batches)."""
     return max((analyze_rank(s, p, as_traced=as_traced) for p in rank_plans(s)), key=lambda b: b.peak)

@@ -33,11 +33,11 @@ from titanrush.models.llama.model import Llama, RMSNorm
 from titanrush.optim import build_optimizer
 from titanrush.parallel.activation_checkpoint import apply_ac
 from titanrush.parallel.grad_clip import clip_grad_norm_
+from titanrush.plan import RunPlan
 from titanrush.tools.memory_model import (
     LOWBIT,
     LOWBIT_MIN_NUMEL,
     RankPlan,
-    Setup,
     keeps_all_matmuls,
     rank_plans,
 )
@@ -188,7 +188,7 @@ class _LowBitStates:
         pass
 
 
-def build_local_model(s: Setup, plan: RankPlan) -> Llama:
+def build_local_model(s: RunPlan, plan: RankPlan) -> Llama:
     """The rank's share of the Llama as a single-device model: its layers, TP-local shapes, AC applied."""
     a = s.args
     backend = "math" if a.attn_backend == "math" else "sdpa"  # flash, cudnn, flex: no CPU backward
@@ -237,11 +237,10 @@ def _to_bf16(model: nn.Module) -> list[nn.Parameter]:
     """Replace every parameter by a bf16 one (tied ones stay tied); return the new parameters."""
     new: dict[int, nn.Parameter] = {}
     for module in model.modules():
-        for name, p in list(module._parameters.items()):
-            if p is not None:
-                if id(p) not in new:
-                    new[id(p)] = nn.Parameter(p.detach().to(torch.bfloat16))
-                module._parameters[name] = new[id(p)]
+        for name, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            if id(p) not in new:
+                new[id(p)] = nn.Parameter(p.detach().to(torch.bfloat16))
+            setattr(module, name, new[id(p)])
     return list(new.values())
 
 
@@ -253,7 +252,7 @@ def _unique(params: Any) -> list[nn.Parameter]:
 
 
 def trace_rank(
-    s: Setup, plan: RankPlan, *, fake: bool = True, watch: contextlib.AbstractContextManager | None = None
+    s: RunPlan, plan: RankPlan, *, fake: bool = True, watch: contextlib.AbstractContextManager | None = None
 ) -> TraceResult:
     """Trace one optimizer step of the rank's local model and weight the live bytes to per-GPU bytes.
 
@@ -365,7 +364,7 @@ def trace_rank(
     )
 
 
-def not_traced(s: Setup) -> list[str]:
+def not_traced(s: RunPlan) -> list[str]:
     """The parts of this configuration that the trace does not run (the analytic model covers them)."""
     out = []
     if s.compile:
@@ -406,7 +405,7 @@ def not_traced(s: Setup) -> list[str]:
     return out + ["CUDA context, NCCL and allocator slack"]
 
 
-def trace(s: Setup) -> TraceResult:
+def trace(s: RunPlan) -> TraceResult:
     """Trace the rank(s) that can peak (with PP: the first and the last) and return the largest."""
     plans = rank_plans(s)
     chosen = {plans[0].rank: plans[0], plans[-1].rank: plans[-1]}

@@ -36,6 +36,8 @@ from titanrush.tools.rush_runner import (
     SKIPPED,
     Ctx,
     Rung,
+    base_settings,
+    load_estimator,
     to_args,
 )
 
@@ -80,16 +82,6 @@ STRATEGIES = [
 ]  # fmt: skip
 BATCH, SEQ = "training.local_batch_size", "training.seq_len"
 TARGET = "<first that did not fit>"  # the AC rungs' batch in a dry run
-
-
-def base_settings(config: str | None, code_base: dict[str, str], overrides: list[str]) -> dict[str, str]:
-    """The code's base, less what the TOML sets (the TOML wins), then the user's overrides."""
-    toml = cfgmod.read_toml(config) if config else {}
-    in_toml = {f"{s}.{k}" for s, values in toml.items() for k in values}
-    settings = {k: v for k, v in code_base.items() if k not in in_toml}
-    for section, key, value in cfgmod.parse_overrides(overrides):
-        settings[f"{section}.{key}"] = str(value).lower() if isinstance(value, bool) else str(value)
-    return settings
 
 
 def record(ctx: Ctx, row: dict[str, Any]) -> None:
@@ -232,11 +224,6 @@ def _eight_b(dev: dict[str, Any], ngpu: int, sweep_results: str | None) -> Rung:
     """The 8B on N GPUs with FSDP and the sweep's best mesh, or why it cannot run."""
     adds = f"8B, FSDP on {ngpu} GPUs, the sweep's best mesh"
     rung = Rung(f"8b-fsdp-{ngpu}", adds, {"model.flavor": "8B"}, "8b", ngpu=ngpu, strategy="8B FSDP")
-    try:
-        import titanrush.tools.sweep  # noqa: F401
-    except Exception:
-        rung.status, rung.reason = NOT_AVAILABLE, "titanrush.tools.sweep is not importable (not written yet)"
-        return rung
     if not sweep_results:
         rung.status, rung.reason = (
             NOT_AVAILABLE,
@@ -405,15 +392,6 @@ def main(argv: list[str] | None = None) -> int:
     report.write_all(ctx.out, kind, ctx.rows, ctx.env, steps=ctx.steps, warmup=ctx.warmup, notes=notes)
     print(f"titanrush rush: wrote {ctx.out / 'report.md'}, results.jsonl, the charts and tb/")
     return 0
-
-
-def load_estimator() -> tuple[Any, str]:
-    """titanrush.tools.estimate.estimate, or (None, why not)."""
-    try:
-        from titanrush.tools.estimate import estimate
-    except Exception as e:  # not written yet, or broken: the rush goes on without it
-        return None, f"estimator not available ({type(e).__name__}: {e})"
-    return estimate, ""
 
 
 if __name__ == "__main__":

@@ -22,6 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from titanrush import config as cfgmod
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Statuses a row can have. Only OK rows carry figures.
@@ -377,8 +379,6 @@ def estimate_fit(ctx: Ctx, settings: dict[str, str], ngpu: int) -> dict[str, Any
     if ctx.estimator is None:
         return {"note": "estimator not available"}
     try:
-        from titanrush import config as cfgmod
-
         cfg = cfgmod.load(ctx.config, to_args(settings))
         est = ctx.estimator(cfg, ngpu, ctx.device.get("mem_gib"))
         return {"total_gib": float(est.total_gib), "fits": bool(est.fits)}
@@ -456,3 +456,22 @@ def parse_with_overrides(
         else:
             overrides.append(arg)
     return ap.parse_args(own), overrides
+
+
+def base_settings(config: str | None, code_base: dict[str, str], overrides: list[str]) -> dict[str, str]:
+    """The code's base, less what the TOML sets (the TOML wins), then the user's overrides."""
+    toml = cfgmod.read_toml(config) if config else {}
+    in_toml = {f"{s}.{k}" for s, values in toml.items() for k in values}
+    settings = {k: v for k, v in code_base.items() if k not in in_toml}
+    for section, key, value in cfgmod.parse_overrides(overrides):
+        settings[f"{section}.{key}"] = str(value).lower() if isinstance(value, bool) else str(value)
+    return settings
+
+
+def load_estimator() -> tuple[Any, str]:
+    """titanrush.tools.estimate.estimate, or (None, why not) where it cannot be imported."""
+    try:
+        from titanrush.tools.estimate import estimate
+    except ImportError as e:
+        return None, f"estimator not available ({type(e).__name__}: {e})"
+    return estimate, ""

@@ -19,22 +19,19 @@ ran (whatever its shapes did), 1 when no shape is valid, 2 on bad input.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
 import itertools
 import shlex
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 from titanrush import config as cfgmod
 from titanrush.config import ConfigError
 from titanrush.tools import rush_report, sweep_report
 from titanrush.tools import rush_runner as runner
-from titanrush.tools.rush import base_settings, load_estimator
-from titanrush.tools.rush_runner import SKIPPED, Ctx, Rung, to_args
+from titanrush.tools.rush_runner import SKIPPED, Ctx, Rung, base_settings, load_estimator, to_args
 
 Shape = dict[str, Any]  # grid dimension -> value, in DIMS order
 
@@ -133,18 +130,6 @@ def settings_of(shape: Shape) -> dict[str, str]:
     return {DIMS[d][0]: str(v) for d, v in shape.items()}
 
 
-@contextlib.contextmanager
-def cuda_assumed(enabled: bool) -> Iterator[None]:
-    """Let the trainer's checks see CUDA (to plan a GPU sweep from a machine without one)."""
-    if not enabled:
-        yield
-        return
-    import torch
-
-    with mock.patch.object(torch.cuda, "is_available", return_value=True):
-        yield
-
-
 def check_shape(
     config: str | None, base: dict[str, str], shape: Shape, ngpu: int, *, assume_cuda: bool = False
 ) -> tuple[Shape, Any, str]:
@@ -160,19 +145,15 @@ def check_shape(
     Returns:
         (the shape with dp_shard resolved where possible, ParallelDims or None, "" or the reason).
     """
-    from titanrush.parallel.parallel_dims import ParallelDims
-    from titanrush.trainer import check_config
+    from titanrush.plan import build_plan
 
     try:
         cfg = cfgmod.load(config, to_args({**base, **settings_of(shape)}))
-        with cuda_assumed(assume_cuda):
-            dims, _, _ = check_config(cfg, ngpu)
+        dims = build_plan(cfg, ngpu, machine=not assume_cuda).dims
     except ConfigError as e:
-        try:  # say which dp_shard it would have had, where the degrees allow one
-            d = ParallelDims(*(shape[k] for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")), ngpu)
-            shape = {**shape, "dp_shard": d.dp_shard}
-        except ConfigError:
-            pass
+        others = shape["dp_replicate"] * shape["cp"] * shape["tp"] * shape["pp"]
+        if shape["dp_shard"] == -1 and ngpu % others == 0:  # the dp_shard it would have had
+            shape = {**shape, "dp_shard": ngpu // others}
         return shape, None, str(e)
     return {**shape, "dp_shard": dims.dp_shard}, dims, ""
 
@@ -235,8 +216,7 @@ def make_estimator(assume_cuda: bool) -> tuple[Callable[..., Any] | None, str]:
         return None, why_not
 
     def run(cfg: cfgmod.JobConfig, ngpu: int, gpu_mem_gib: float | None) -> Any:
-        with cuda_assumed(assume_cuda):
-            return estimate(cfg, ngpu, gpu_mem_gib, trace=False)
+        return estimate(cfg, ngpu, gpu_mem_gib, trace=False)  # (it plans for the GPU machine)
 
     return run, ""
 

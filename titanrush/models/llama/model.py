@@ -43,7 +43,7 @@ class ModelArgs:
     rope_positions: int = 0
     tie_embeddings: bool = False
     attn_backend: str = "sdpa"
-    flash_in_graph: bool = True  # flash-attn-4 inside compiled graphs (an operator) or between them
+    expand_kv: bool = False  # sdpa: K/V heads repeated to the query heads (context parallel's ring needs it)
     loss_chunk_size: int = 0  # > 0: forward(labels=...) returns the chunked cross-entropy loss
     compile_loss: bool = False  # torch.compile the chunked loss's per-chunk math
 
@@ -134,7 +134,7 @@ class Attention(nn.Module):
         self.head_dim = args.head_dim
         self.n_rep = args.n_heads // args.kv_heads
         self.backend = args.attn_backend
-        self.flash_in_graph = args.flash_in_graph
+        self.expand_kv = args.expand_kv
         self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(args.dim, args.kv_heads * self.head_dim, bias=False)
@@ -149,9 +149,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)  # (B, T, Hkv, D)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        out = attention(
-            q, k, v, backend=self.backend, n_rep=self.n_rep, mask=mask, flash_in_graph=self.flash_in_graph
-        )
+        out = attention(q, k, v, backend=self.backend, n_rep=self.n_rep, mask=mask, expand_kv=self.expand_kv)
         return self.wo(out.reshape(bsz, seq, -1))
 
 

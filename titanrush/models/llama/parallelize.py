@@ -29,160 +29,105 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from titanrush.config import ActivationCheckpoint, Compile, ConfigError, Float8, Parallelism
-from titanrush.models.llama.attention import uses_graph_break
 from titanrush.parallel.activation_checkpoint import apply_ac
-from titanrush.parallel.activation_offload import apply_offload
+from titanrush.parallel.activation_offload import ActivationOffloader, apply_offload
 from titanrush.parallel.compile import apply_compile
 from titanrush.parallel.ddp import apply_ddp
 from titanrush.parallel.float8 import apply_float8
 from titanrush.parallel.fsdp import apply_fsdp
-from titanrush.parallel.parallel_dims import ParallelDims
 from titanrush.parallel.tensor_parallel import (
     ReplicateParallel,
     SyncRowwiseParallel,
     apply_tp_plan,
     enable_async_tp,
 )
+from titanrush.plan import RunPlan
 
 logger = logging.getLogger("titanrush")
 
 
 def parallelize_llama(
-    model: nn.Module,
-    dims: ParallelDims,
-    mesh: DeviceMesh | None,
-    *,
-    parallelism: Parallelism,
-    compile: Compile,
-    ac: ActivationCheckpoint,
-    float8: Float8,
-    precision: str,
-    device: torch.device | None = None,
-) -> nn.Module:
+    model: nn.Module, plan: RunPlan, mesh: DeviceMesh | None, *, device: torch.device | None = None
+) -> ActivationOffloader | None:
     """Apply float8, TP, CP, AC, compile and FSDP/HSDP or DDP to a Llama, in that order, in place.
 
     Runs on the meta-device model, before `to_empty` and `init_weights`.
 
     Args:
-        model: The Llama, on the meta device.
-        dims: The validated parallel degrees.
+        model: The Llama (or one pipeline stage of it), on the meta device.
+        plan: The run's resolved decisions (`titanrush.plan.build_plan`, which has validated them).
         mesh: The job's mesh, or None for a single process (then only AC and compile apply).
-        parallelism: The `[parallelism]` section.
-        compile: The `[compile]` section.
-        ac: The `[activation_checkpoint]` section.
-        float8: The `[float8]` section.
-        precision: `fp32`, or `bf16` (FSDP then all-gathers bf16 parameters and reduces in fp32).
         device: The device the model will compute on (activation offload copies to and from it).
 
     Returns:
-        The same model, changed in place.
-
-    Raises:
-        ConfigError: A combination this version does not support (named in the message).
+        The activation offloader (its traffic is logged) where the plan offloads blocks, else None.
     """
-    # The trainer's check_config runs the same checks before any allocation; these guard direct callers.
-    check_combinations(
-        dims,
-        loss_chunk_size=getattr(model.args, "loss_chunk_size", 0),
-        cpu_offload=parallelism.fsdp_cpu_offload,
-    )
     # 1. float8: swap the linears before TP and FSDP see them.
-    float8_tp = False
-    if float8.enable:
+    if plan.float8:
         apply_float8(
             model,
-            recipe=float8.recipe,
-            emulate=float8.emulate,
-            fsdp_float8_all_gather=float8.fsdp_float8_all_gather and dims.fsdp_enabled,
-            filter_fqns=float8.filter_fqns,
-            min_size=float8.min_size,
+            recipe=plan.float8_recipe,
+            emulate=plan.float8_emulate,
+            fsdp_float8_all_gather=plan.float8_all_gather,
+            filter_fqns=list(plan.float8_filter),
+            min_size=plan.float8_min_size,
         )
-        # torchao's float8 TP styles cast before the all-gather (tensorwise scaling only).
-        float8_tp = float8.recipe == "tensorwise"
 
     # 2. Tensor parallel (with sequence parallel and loss parallel).
-    if mesh is not None and dims.tp > 1:
+    if mesh is not None and plan.tp > 1:
         apply_llama_tp(
             model,
             mesh["tp"],
-            sequence_parallel=parallelism.sequence_parallel,
-            loss_parallel=parallelism.loss_parallel,
-            float8=float8_tp,
+            sequence_parallel=plan.sequence_parallel,
+            loss_parallel=plan.loss_parallel,
+            float8=plan.float8_tp,
         )
-        if parallelism.async_tp:
-            enable_async_tp(mesh["tp"], compiled=compile.enable)
+        if plan.async_tp:
+            enable_async_tp(mesh["tp"], compiled=plan.compile)
 
-    # 3. Context parallel: nothing changes in the modules. The trainer's context_parallel_step shards each
-    #    batch over `cp` and swaps SDPA for ring attention during the step; FSDP below shards the weights
-    #    over dp_shard x cp, since the cp ranks hold the same weights.
+    # 3. Context parallel: nothing changes in the modules (the plan built them with K/V heads repeated
+    #    for ring attention). The trainer's context_parallel_step shards each batch over `cp` and swaps
+    #    SDPA for ring attention during the step; FSDP below shards the weights over dp_shard x cp, since
+    #    the cp ranks hold the same weights.
 
     # 4-5. Activation checkpointing, then compile (which traces the checkpointed blocks).
     apply_ac(
         model,
-        mode=ac.mode,
-        selective=ac.selective,
-        op_matmuls=ac.op_matmuls,
-        op_all_last=ac.op_all_last,
-        offload_first=ac.offload_first,
-        offload_every=ac.offload_every,
-        compiled=compile.enable,
+        mode=plan.ac_mode,
+        selective=plan.ac_selective,
+        op_matmuls=plan.ac_op_matmuls,
+        op_all_last=plan.ac_op_all_last,
+        offload_first=plan.ac_offload_first,
+        offload_every=plan.ac_offload_every,
+        compiled=plan.compile,
     )
-    if compile.enable:
-        backend = model.args.attn_backend
-        fullgraph = compile.fullgraph and not uses_graph_break(backend, model.args.flash_in_graph)
-        if compile.fullgraph and not fullgraph:
-            logger.info(f"compile: attn_backend={backend} runs between compiled graphs (a break per block)")
-        apply_compile(model, fullgraph=fullgraph)
+    if plan.compile:
+        if not plan.fullgraph:
+            logger.info(f"compile: attn_backend={model.args.attn_backend} runs between compiled graphs")
+        apply_compile(model, fullgraph=plan.fullgraph)
 
     # 6. Data parallel: FSDP (or HSDP on a 2-D mesh), else plain DDP.
-    if mesh is not None and dims.fsdp_enabled:
-        dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
+    if mesh is not None and plan.fsdp:
+        dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if plan.dp_replicate > 1 else mesh["dp_shard_cp"]
         apply_fsdp(
             model,
             dp_mesh,
-            param_dtype=torch.bfloat16 if precision == "bf16" else torch.float32,
+            param_dtype=torch.bfloat16 if plan.precision == "bf16" else torch.float32,
             reduce_dtype=torch.float32,
-            reshard_after_forward=parallelism.fsdp_reshard_after_forward,
-            keep_gathered_last=parallelism.fsdp_keep_gathered_last,
-            cpu_offload=parallelism.fsdp_cpu_offload,
-            free_reduce_inputs=parallelism.fsdp_free_reduce_inputs,
-            grads_in_compute_pool=parallelism.fsdp_grads_in_compute_pool,
-            copy_in_by_chunks=parallelism.fsdp_copy_in_by_chunks,
+            reshard_after_forward=plan.reshard,
+            keep_gathered_last=plan.keep_gathered_last,
+            cpu_offload=plan.cpu_offload,
         )
-    elif mesh is not None and dims.ddp_enabled:
+    elif mesh is not None and plan.ddp:
         apply_ddp(model, mesh["dp_replicate"])
 
     # 7. Activation offload of the first blocks (left unwrapped by AC above): its hooks go after FSDP's,
     #    which gather a block's parameters before the offload decides what to leave on the GPU.
-    if ac.offload_first:  # (the trainer reads its traffic from the attribute)
-        model.activation_offloader = apply_offload(
-            model,
-            ac.offload_first,
-            device or torch.device("cuda"),
-            every=ac.offload_every,
+    if plan.ac_offload_first:
+        return apply_offload(
+            model, plan.ac_offload_first, device or torch.device("cuda"), every=plan.ac_offload_every
         )
-    return model
-
-
-def check_combinations(dims: ParallelDims, *, loss_chunk_size: int, cpu_offload: bool) -> None:
-    """Combinations of the parallelisms with each other and with the loss that cannot work.
-
-    Raises:
-        ConfigError: naming the keys and the fix.
-    """
-    if dims.tp > 1 and loss_chunk_size > 0:
-        raise ConfigError(
-            "training.loss = chunked does not compose with parallelism.tp > 1; use training.loss = plain "
-            "(with parallelism.loss_parallel the logits are already sharded over the vocabulary)"
-        )
-    if dims.ddp_enabled and dims.tp > 1:
-        raise ConfigError(
-            "DDP (dp_replicate > 1 with dp_shard = 1) does not compose with tensor parallel; set "
-            "parallelism.dp_shard > 1 (FSDP, or HSDP with dp_replicate) together with tp"
-        )
-    if cpu_offload and not dims.fsdp_enabled:
-        raise ConfigError("parallelism.fsdp_cpu_offload needs FSDP: parallelism.dp_shard > 1")
+    return None
 
 
 def llama_tp_plan(

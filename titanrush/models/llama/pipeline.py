@@ -14,16 +14,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
-from titanrush.config import Parallelism
-from titanrush.models.llama.model import Llama
-from titanrush.parallel.pipeline import (
-    balanced_split,
-    build_schedule,
-    check_explicit_split,
-    stage_ids,
-    stages_per_rank,
-)
+from titanrush.models.llama.model import Llama, ModelArgs, TransformerBlock
+from titanrush.parallel.pipeline import build_schedule
 
 
 class ModelView(nn.Module):
@@ -47,18 +41,18 @@ class PipelinedLlama:
     view: ModelView
     has_first: bool
     has_last: bool
-    layers_per_stage: list[int]
     microbatches: int
 
 
-def stage_costs(model: Llama) -> tuple[float, float]:
+def stage_costs(args: ModelArgs) -> tuple[float, float]:
     """(embedding, output projection) cost in units of one transformer block, from parameter counts.
 
     The output projection is a matmul as large as its parameters (plus the loss); the embedding is a
     lookup whose cost is its gradient, optimizer step and memory, counted at a third of its size.
     """
-    block = sum(p.numel() for p in model.layers["0"].parameters())
-    embed = model.tok_embeddings.weight.numel()
+    with torch.device("meta"):
+        block = sum(p.numel() for p in TransformerBlock(0, args).parameters())
+    embed = args.vocab_size * args.dim
     return embed / block / 3, embed / block
 
 
@@ -80,37 +74,35 @@ def prune_to_stage(model: Llama, first_layer: int, n: int, *, first: bool, last:
 def pipeline_llama(
     model: Llama,
     *,
-    pp_rank: int,
-    pp_mesh: object,
-    parallelism: Parallelism,
-    local_batch_size: int,
+    stage_layers: dict[int, range],
+    n_stages: int,
+    schedule: str,
+    microbatches: int,
+    pp_mesh: DeviceMesh,
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     parallelize: Callable[[nn.Module], nn.Module],
 ) -> PipelinedLlama:
-    """Split the meta model into this rank's stages, parallelize each, and build the schedule.
+    """Cut the meta model into this rank's stages, parallelize each, and build the schedule.
 
-    The combinations it cannot build (tied embeddings, a chunked loss, a batch the micro-batches do not
-    divide) are rejected by the trainer's `check_config` before this runs.
+    Args:
+        model: The whole model on the meta device (untied, plain loss: the plan has checked both).
+        stage_layers: This rank's stages (ids) and the layers of each (the run plan's split).
+        n_stages: Stages of the whole pipeline.
+        schedule: The `torch.distributed.pipelining` schedule's name.
+        microbatches: Micro-batches per local batch.
+        pp_mesh: The pipeline's mesh dimension.
+        device: This rank's device.
+        loss_fn: The last stage's loss of one micro-batch.
+        parallelize: Applied to each stage (TP, AC, compile, FSDP: `parallelize_llama`).
     """
     assert not model.args.tie_embeddings and model.args.loss_chunk_size == 0
-    pp, schedule = parallelism.pp, parallelism.pp_schedule
-    per_rank = stages_per_rank(schedule, parallelism.pp_stages_per_rank)
-    n_stages = pp * per_rank
-    n_layers = model.args.n_layers
-    if parallelism.pp_layers_per_stage:
-        sizes = check_explicit_split(parallelism.pp_layers_per_stage, n_layers, n_stages)
-    else:
-        embed_cost, output_cost = stage_costs(model)
-        sizes = balanced_split(n_layers, n_stages, embed_cost=embed_cost, output_cost=output_cost)
-    microbatches = parallelism.pp_microbatches or n_stages
-    assert local_batch_size % microbatches == 0 and microbatches >= pp
-    ids = stage_ids(schedule, pp_rank, pp, per_rank)
-    starts = [sum(sizes[:i]) for i in range(n_stages)]
+    ids = list(stage_layers)
     parts = [
-        parallelize(prune_to_stage(model, starts[s], sizes[s], first=s == 0, last=s == n_stages - 1))
+        parallelize(prune_to_stage(model, stage_layers[s].start, len(stage_layers[s]), first=s == 0,
+                                   last=s == n_stages - 1))
         for s in ids
-    ]
+    ]  # fmt: skip
     sched, _ = build_schedule(parts, ids, n_stages, schedule=schedule, microbatches=microbatches,
                               pp_mesh=pp_mesh, device=device, loss_fn=loss_fn)  # fmt: skip
     return PipelinedLlama(
@@ -119,6 +111,5 @@ def pipeline_llama(
         view=ModelView(parts),
         has_first=0 in ids,
         has_last=n_stages - 1 in ids,
-        layers_per_stage=sizes,
         microbatches=microbatches,
     )

@@ -1,0 +1,112 @@
+"""titanrush.validate through build_plan: every numeric key has a range that is enforced, the rules between
+keys, and the plan's checks against the mesh and the model, each a ConfigError naming the key."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+import pytest
+
+from titanrush import config, validate
+from titanrush.config import ConfigError
+from titanrush.plan import build_plan
+
+
+def plan(*args: str, world: int = 1):
+    return build_plan(config.load(None, list(args)), world)
+
+
+def numeric_keys() -> list[str]:
+    keys = []
+    for section, cls in config.sections().items():
+        hints = typing.get_type_hints(cls)
+        keys += [f"{section}.{f.name}" for f in dataclasses.fields(cls) if hints[f.name] in (int, float)]
+    return keys
+
+
+def test_every_numeric_key_has_a_range():
+    assert sorted(numeric_keys()) == sorted(validate.RANGES)
+
+
+def _outside(key: str) -> list[str]:
+    """Values just outside the key's range (as the command line writes them)."""
+    low, high, low_in, high_in = validate.RANGES[key]
+    is_int = isinstance(low, int) and (high is None or isinstance(high, int))
+    out = []
+    if low is not None:
+        out.append(low - 1 if is_int and low_in else low if not low_in else low - 1e-3)
+    if high is not None:
+        out.append(high + 1 if is_int and high_in else high if not high_in else high + 1e-3)
+    return [str(v) for v in out]
+
+
+@pytest.mark.parametrize("key", sorted(validate.RANGES))
+def test_every_range_is_enforced_with_the_key_in_the_message(key):
+    for value in _outside(key):
+        with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+            plan(f"--{key}", value)
+
+
+@pytest.mark.parametrize(
+    "args, pattern",
+    [
+        (["--optimizer.beta1", "1.0"], r"optimizer\.beta1 must be in \[0.0, 1.0\)"),
+        (["--optimizer.beta2", "-0.1"], r"optimizer\.beta2 must be in"),
+        (["--optimizer.eps", "0"], r"optimizer\.eps must be > 0.0"),
+        (["--optimizer.weight_decay", "-0.1"], r"optimizer\.weight_decay must be >= 0.0"),
+        (["--training.seed", "-1"], r"training\.seed must be in \[0, "),
+        (["--training.seed", str(2**63)], r"training\.seed must be in"),
+        (["--data.num_workers", "2", "--data.prefetch_factor", "0"], r"data\.prefetch_factor must be >= 1"),
+        (["--training.local_batch_size", "100000000"], "tokens per micro-batch is beyond any GPU"),
+        (["--training.steps", "0"], r"training\.steps must be >= 1"),
+        (["--training.global_batch_size", "0"], "training.global_batch_size must be -1 or > 0"),
+        (["--parallelism.dp_shard", "0"], "parallelism.dp_shard must be -1"),
+        (["--activation_checkpoint.selective", "some"], "use 'op' or a positive integer"),
+        (
+            ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.op_all_last", "4"],
+            "only applies to selective op checkpointing with op_matmuls = alternate",
+        ),
+        (["--parallelism.nccl_max_ctas", "65"], r"parallelism\.nccl_max_ctas must be in \[0, 64\]"),
+        (["--model.flavor", "8b"], r"did you mean '8B'"),
+        (["--float8.enable"], "float8.enable needs training.precision = 'bf16'"),
+        (["--checkpoint.load_model_only"], "load_model_only applies to checkpoint.load_path"),
+        (["--profiling.freq", "3"], r"profiling\.freq \(3\) must be >= profiling.active_steps \+ 2"),
+    ],
+)
+def test_value_rules(args, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        plan(*args)
+
+
+@pytest.mark.parametrize(
+    "world, args, pattern",
+    [
+        (4, ["--parallelism.tp", "3"], "do not divide the world size 4"),
+        (4, ["--parallelism.dp_shard", "3"], r"dp_replicate\(1\) x dp_shard\(3\) x cp\(1\) x tp\(1\) x pp\(1\) = 3"),
+        (2, ["--parallelism.tp", "2", "--training.loss", "chunked"], "chunked does not compose with"),
+        (2, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1", "--parallelism.tp", "1",
+             "--parallelism.fsdp_cpu_offload"], "fsdp_cpu_offload needs FSDP"),
+        (2, ["--parallelism.pp", "2", "--model.tie_embeddings", "tied"], "cannot tie the embedding"),
+        (1, ["--activation_checkpoint.offload_first", "9"], "the debug model has 4 blocks"),
+        (2, ["--training.global_batch_size", "6", "--training.local_batch_size", "4"], "multiple of"),
+        (1, ["--training.seq_len", "4096"], "exceeds the debug model's maximum of 2048"),
+        (1, ["--model.vocab_size", "100"], "does not cover the tokenizer"),
+    ],
+)  # fmt: skip
+def test_run_rules(world, args, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        plan(*args, world=world)
+
+
+def test_machine_rules_on_cpu():
+    for args, pattern in (
+        (["--parallelism.cp", "2"], "needs CUDA GPUs"),
+        (["--model.attn_backend", "flex"], "needs a CUDA GPU for training"),
+        (["--training.precision", "bf16", "--float8.enable"], "float8 tensor cores"),
+    ):
+        world = 2 if "--parallelism.cp" in args else 1
+        with pytest.raises(ConfigError, match=pattern):
+            plan(*args, world=world)
+        # ... and the estimator, which plans for another machine, skips them
+        build_plan(config.load(None, args), world, machine=False)

@@ -1,0 +1,270 @@
+"""The run's plan: every decision derived from the config, made once, read by the trainer and the estimator.
+
+`build_plan(cfg, world_size)` validates the config (`titanrush.validate`) and resolves what the config
+leaves open or implies: the parallel degrees (`dp_shard = -1`), the model's arguments (flavor plus
+overrides, K/V heads repeated under context parallel), gradient accumulation, ZeRO-2 for pipelined
+stages, float8's all-gather, the compiled loss, the pipeline's micro-batches, stages per rank and the
+layers of every stage. The trainer builds the run from the plan; `tools/memory_model` counts the bytes
+of the same plan, so the two cannot drift apart. Tests may construct a `RunPlan` directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from titanrush import validate
+from titanrush.config import JobConfig
+from titanrush.models.llama import ModelArgs, model_args
+from titanrush.models.llama.pipeline import stage_costs
+from titanrush.parallel.parallel_dims import ParallelDims
+from titanrush.parallel.pipeline import balanced_split, stage_ids, stages_per_rank
+
+INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """The resolved decisions of one run (see the module docstring); every field is a plain value."""
+
+    args: ModelArgs
+    local_batch: int
+    seq_len: int
+    precision: str = "fp32"
+    accum: int = 1
+    world_size: int = 1
+    # Parallel degrees (dp_shard resolved; 1 everywhere = one device).
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp_rotate: str = "allgather"  # how ring attention exchanges K/V: allgather or alltoall
+    sequence_parallel: bool = True  # with tp > 1
+    loss_parallel: bool = True  # with tp > 1: the loss on vocabulary-sharded logits
+    async_tp: bool = False
+    # FSDP: `reshard` is the policy in effect (pipelined stages keep their weights gathered: never).
+    reshard: str = "default"
+    keep_gathered_last: int = 0
+    cpu_offload: bool = False
+    # Pipeline: the schedule, and the config's micro-batches / stages per rank / split (0 or () = derived;
+    # the properties below resolve them).
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int = 0
+    pp_stages_per_rank: int = 0
+    pp_layers_per_stage: tuple[int, ...] = ()
+    # Activation checkpointing and offload.
+    ac_mode: str = "none"
+    ac_selective: str = "op"
+    ac_op_matmuls: str = "all"
+    ac_op_all_last: int = 0
+    ac_offload_first: int = 0
+    ac_offload_every: int = 1
+    compile: bool = False
+    fullgraph: bool = True
+    # Float8 (torchao): `float8_all_gather` is in effect (tensorwise scaling under FSDP only).
+    float8: bool = False
+    float8_recipe: str = "tensorwise"
+    float8_emulate: bool = False
+    float8_all_gather: bool = False
+    float8_filter: tuple[str, ...] = ("output",)
+    float8_min_size: int = 1024
+    loss: str = "plain"
+    loss_chunk: int = 4096
+    optimizer: str = "adamw"
+    optimizer_impl: str = "fused"
+    max_norm: float = 1.0
+
+    # -- degrees ----------------------------------------------------------------------------------
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.world_size)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches are processed at once."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp(self) -> bool:
+        return self.dp_shard > 1 or self.cp > 1
+
+    @property
+    def fsdp_shard(self) -> int:
+        """FSDP's shard degree (dp_shard x cp: the cp ranks hold the same weights), 1 without FSDP."""
+        return self.dp_shard * self.cp if self.fsdp else 1
+
+    @property
+    def ddp(self) -> bool:
+        return self.dp_replicate > 1 and not self.fsdp
+
+    # -- precision and loss ---------------------------------------------------------------------
+    @property
+    def c(self) -> int:
+        """Bytes per element of the compute dtype (matmul outputs, attention)."""
+        return 2 if self.precision == "bf16" else 4
+
+    @property
+    def autocast(self) -> bool:
+        """bf16 without FSDP runs under autocast (FSDP casts through its mixed-precision policy)."""
+        return self.precision == "bf16" and not self.fsdp
+
+    @property
+    def r(self) -> int:
+        """Bytes per element of the residual stream (bf16 only when FSDP gathers bf16 weights)."""
+        return 2 if self.precision == "bf16" and self.fsdp else 4
+
+    @property
+    def compiled_loss(self) -> bool:
+        """The plain loss is compiled with the blocks, except under loss parallel (DTensors stay eager)."""
+        return self.compile and self.loss == "plain" and not (self.tp > 1 and self.loss_parallel)
+
+    @property
+    def float8_tp(self) -> bool:
+        """torchao's float8 TP styles (cast before the all-gather) exist for tensorwise scaling only."""
+        return self.float8 and self.float8_recipe == "tensorwise"
+
+    @property
+    def tokens_per_gpu_step(self) -> float:
+        """Tokens of one optimizer step per GPU: each token counts once per data-parallel replica, spread
+        over the GPUs (cp x tp x pp) that hold that replica."""
+        return self.local_batch * self.seq_len * self.accum / (self.cp * self.tp * self.pp)
+
+    # -- pipeline -------------------------------------------------------------------------------
+    @property
+    def stages_per_rank(self) -> int:
+        if self.pp == 1:
+            return 1
+        return stages_per_rank(self.pp_schedule, self.pp_stages_per_rank)
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
+    @property
+    def microbatches(self) -> int:
+        if self.pp == 1:
+            return 1
+        return self.pp_microbatches or self.n_stages
+
+    @property
+    def layers_per_stage(self) -> tuple[int, ...]:
+        """Layers of each pipeline stage: the config's split, or the balanced one (embedding and output
+        projection costed in blocks)."""
+        if self.pp_layers_per_stage:
+            return self.pp_layers_per_stage
+        if self.n_stages == 1:
+            return (self.args.n_layers,)
+        embed, output = stage_costs(self.args)
+        return tuple(balanced_split(self.args.n_layers, self.n_stages, embed_cost=embed, output_cost=output))
+
+    def stage_ids(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank `pp_rank` runs."""
+        return stage_ids(self.pp_schedule, pp_rank, self.pp, self.stages_per_rank)
+
+    def stage_layers(self, stage: int) -> range:
+        """The layer indices of pipeline stage `stage`."""
+        sizes = self.layers_per_stage
+        start = sum(sizes[:stage])
+        return range(start, start + sizes[stage])
+
+
+def resolve_model_args(cfg: JobConfig) -> ModelArgs:
+    """The flavor's arguments with the config's overrides (`validate.check_values` has checked the flavor)."""
+    m, t = cfg.model, cfg.training
+    over: dict[str, object] = {"attn_backend": m.attn_backend, "rope_positions": t.seq_len}
+    if m.vocab_size:
+        over["vocab_size"] = m.vocab_size
+    if m.tie_embeddings != "flavor":
+        over["tie_embeddings"] = m.tie_embeddings == "tied"
+    if t.loss == "chunked":
+        over["loss_chunk_size"] = t.loss_chunk_size
+        over["compile_loss"] = cfg.compile.enable
+    if cfg.parallelism.cp > 1:  # ring attention wants one K/V head per query head
+        over["expand_kv"] = True
+    return model_args(m.flavor, **over)
+
+
+def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunPlan:
+    """Validate `cfg` for `world_size` processes and resolve every decision of the run.
+
+    Args:
+        cfg: The job config.
+        world_size: The number of processes (GPUs) of the job.
+        machine: Also check what this machine must provide (CUDA for context parallel, flash-attn's
+            package, float8 tensor cores); the estimator plans for another machine and passes False.
+
+    Raises:
+        ConfigError: naming the key and the fix.
+    """
+    validate.check_values(cfg)
+    p, t, ac, f8 = cfg.parallelism, cfg.training, cfg.activation_checkpoint, cfg.float8
+    validate.check_degrees(p, world_size)
+    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, world_size)
+    args = resolve_model_args(cfg)
+    validate.check_run(cfg, dims, args)
+    if machine:
+        validate.check_machine(cfg)
+    per_step = t.local_batch_size * dims.dp
+    accum = (t.global_batch_size if t.global_batch_size != -1 else per_step) // per_step
+    reshard = p.fsdp_reshard_after_forward
+    if dims.pp > 1 and reshard == "default":
+        # Each micro-batch runs forward again: re-gathering the weights for each would cost more than it
+        # saves, so pipelined stages keep them gathered until backward (ZeRO-2).
+        reshard = "never"
+    from titanrush.models.llama.attention import uses_graph_break  # (imports flash-attn's probe lazily)
+
+    fullgraph = cfg.compile.fullgraph and not (cfg.compile.enable and uses_graph_break(args.attn_backend))
+    return RunPlan(
+        args=args,
+        local_batch=t.local_batch_size,
+        seq_len=t.seq_len,
+        precision=t.precision,
+        accum=accum,
+        world_size=world_size,
+        dp_replicate=dims.dp_replicate,
+        dp_shard=dims.dp_shard,
+        cp=dims.cp,
+        tp=dims.tp,
+        pp=dims.pp,
+        cp_rotate=p.cp_rotate_method,
+        sequence_parallel=p.sequence_parallel,
+        loss_parallel=p.loss_parallel,
+        async_tp=p.async_tp,
+        reshard=reshard,
+        keep_gathered_last=p.fsdp_keep_gathered_last,
+        cpu_offload=p.fsdp_cpu_offload,
+        pp_schedule=p.pp_schedule,
+        pp_microbatches=p.pp_microbatches,
+        pp_stages_per_rank=p.pp_stages_per_rank,
+        pp_layers_per_stage=tuple(p.pp_layers_per_stage),
+        ac_mode=ac.mode,
+        ac_selective=ac.selective,
+        ac_op_matmuls=ac.op_matmuls,
+        ac_op_all_last=ac.op_all_last,
+        ac_offload_first=ac.offload_first,
+        ac_offload_every=ac.offload_every,
+        compile=cfg.compile.enable,
+        fullgraph=fullgraph,
+        float8=f8.enable,
+        float8_recipe=f8.recipe,
+        float8_emulate=f8.emulate,
+        float8_all_gather=f8.enable
+        and f8.recipe == "tensorwise"
+        and f8.fsdp_float8_all_gather
+        and dims.fsdp_enabled,
+        float8_filter=tuple(f8.filter_fqns),
+        float8_min_size=f8.min_size,
+        loss=t.loss,
+        loss_chunk=t.loss_chunk_size,
+        optimizer=cfg.optimizer.name,
+        optimizer_impl=cfg.optimizer.implementation,
+        max_norm=t.max_norm,
+    )
+
+
+def describe_mesh(plan: RunPlan) -> str:
+    """`dp_shard=4 tp=2`-style description of the degrees above 1, or `single device`."""
+    degrees = [(f.name, getattr(plan, f.name)) for f in dataclasses.fields(plan)
+               if f.name in ("dp_replicate", "dp_shard", "cp", "tp", "pp")]  # fmt: skip
+    return " ".join(f"{n}={d}" for n, d in degrees if d > 1) or "single device"

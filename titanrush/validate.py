@@ -1,0 +1,323 @@
+"""Every check of a job config, in one module: values, degrees, combinations, and what the machine needs.
+
+`titanrush.config` checks keys and types while it parses; everything about values lives here, and
+`titanrush.plan.build_plan` runs it all before anything is built or written. Each failure is a
+`ConfigError` whose message names the key and the fix.
+
+- `check_values`: each key alone (ranges), and pairs of keys of the config alone.
+- `check_degrees`: the parallel degrees against the world size.
+- `check_run`: what needs the model's shape and the mesh (heads, layers, vocabulary, batch arithmetic,
+  combinations of parallelisms and options).
+- `check_machine`: what this machine must provide (CUDA, flash-attn, torchao, float8 tensor cores).
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import math
+from typing import Any
+
+import torch
+
+from titanrush.config import ConfigError, JobConfig, Parallelism
+from titanrush.models.llama import FLAVORS, ModelArgs
+from titanrush.parallel.parallel_dims import ParallelDims
+
+# Tokens in one micro-batch of one rank: far above any GPU's memory for a Llama (the 405B at 128k
+# positions x 1,024 sequences), low enough that a typo fails here and not as a host MemoryError.
+MAX_MICROBATCH_TOKENS = 2**27
+
+# key -> (low, high, low inclusive, high inclusive): the allowed range of every numeric config key
+# (None: unbounded). A test holds every int and float field of the config to having an entry here.
+RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
+    "model.vocab_size": (0, None, True, True),
+    "training.steps": (1, None, True, True),
+    "training.local_batch_size": (1, None, True, True),
+    "training.global_batch_size": (-1, None, True, True),  # -1 or > 0, see check_values
+    "training.seq_len": (1, None, True, True),
+    "training.max_norm": (0.0, None, True, True),
+    "training.seed": (0, 2**63, True, False),
+    "training.loss_chunk_size": (1, None, True, True),
+    "training.gc_freq": (0, None, True, True),
+    "optimizer.lr": (0.0, None, False, True),
+    "optimizer.beta1": (0.0, 1.0, True, False),
+    "optimizer.beta2": (0.0, 1.0, True, False),
+    "optimizer.eps": (0.0, None, False, True),
+    "optimizer.weight_decay": (0.0, None, True, True),
+    "lr_scheduler.warmup_steps": (0, None, True, True),
+    "lr_scheduler.decay_ratio": (0.0, 1.0, True, True),
+    "lr_scheduler.min_lr_factor": (0.0, 1.0, True, True),
+    "metrics.log_freq": (1, None, True, True),
+    "metrics.peak_tflops": (0.0, None, True, True),
+    "parallelism.dp_replicate": (1, None, True, True),
+    "parallelism.dp_shard": (-1, None, True, True),  # -1 or >= 1, see check_values
+    "parallelism.tp": (1, None, True, True),
+    "parallelism.pp": (1, None, True, True),
+    "parallelism.cp": (1, None, True, True),
+    "parallelism.fsdp_keep_gathered_last": (0, None, True, True),
+    "parallelism.nccl_max_ctas": (0, 64, True, True),
+    "parallelism.pp_microbatches": (0, None, True, True),
+    "parallelism.pp_stages_per_rank": (0, None, True, True),
+    "activation_checkpoint.op_all_last": (0, None, True, True),
+    "activation_checkpoint.offload_first": (0, None, True, True),
+    "activation_checkpoint.offload_every": (1, None, True, True),
+    "float8.min_size": (0, None, True, True),
+    "checkpoint.interval": (1, None, True, True),
+    "checkpoint.keep_latest_k": (0, None, True, True),
+    "data.num_workers": (0, None, True, True),
+    "data.prefetch_factor": (1, None, True, True),
+    "validation.freq": (0, None, True, True),
+    "validation.steps": (1, None, True, True),
+    "profiling.freq": (1, None, True, True),
+    "profiling.active_steps": (1, None, True, True),
+}
+
+
+def _value(cfg: JobConfig, key: str) -> Any:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _range_text(low: float | None, high: float | None, low_in: bool, high_in: bool) -> str:
+    if high is None:
+        return f"{'>=' if low_in else '>'} {low}"
+    return f"in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
+
+
+def check_values(cfg: JobConfig) -> None:
+    """Each key's range, and the rules between keys that need neither a model nor devices."""
+    for key, (low, high, low_in, high_in) in RANGES.items():
+        v = _value(cfg, key)
+        ok = (low is None or (v >= low if low_in else v > low)) and (
+            high is None or (v <= high if high_in else v < high)
+        )
+        if not ok:
+            raise ConfigError(f"{key} must be {_range_text(low, high, low_in, high_in)}, got {v}")
+    t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
+    if t.global_batch_size == 0 or t.global_batch_size < -1:
+        raise ConfigError(f"training.global_batch_size must be -1 or > 0, got {t.global_batch_size}")
+    if p.dp_shard == 0:
+        raise ConfigError("parallelism.dp_shard must be -1 (what the other degrees leave) or >= 1, got 0")
+    tokens = t.local_batch_size * t.seq_len
+    if tokens > MAX_MICROBATCH_TOKENS:
+        raise ConfigError(
+            f"training.local_batch_size x seq_len = {t.local_batch_size} x {t.seq_len} = {tokens:,} "
+            f"tokens per micro-batch is beyond any GPU (at most {MAX_MICROBATCH_TOKENS:,}); lower "
+            "local_batch_size and reach a large batch with training.global_batch_size (gradient accumulation)"
+        )
+    if cfg.model.flavor not in FLAVORS:
+        lower = {f.lower(): f for f in FLAVORS}
+        near = [lower[cfg.model.flavor.lower()]] if cfg.model.flavor.lower() in lower else []
+        near = near or difflib.get_close_matches(cfg.model.flavor, list(FLAVORS), n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ConfigError(f"model.flavor = {cfg.model.flavor!r} is not one of {', '.join(FLAVORS)}{hint}")
+    if cfg.profiling.freq < cfg.profiling.active_steps + 2:
+        raise ConfigError(
+            f"profiling.freq ({cfg.profiling.freq}) must be >= profiling.active_steps + 2 (a wait step and a "
+            "warm-up step before the traced ones)"
+        )
+    sel = ac.selective
+    if sel != "op" and not (sel.isdigit() and int(sel) > 0):
+        raise ConfigError(
+            f"activation_checkpoint.selective = {sel!r}: use 'op' or a positive integer N (every N-th block)"
+        )
+    keep = p.fsdp_keep_gathered_last
+    if keep and p.fsdp_reshard_after_forward != "default":
+        raise ConfigError(
+            f"parallelism.fsdp_keep_gathered_last = {keep} only applies to fsdp_reshard_after_forward = "
+            f"default (not {p.fsdp_reshard_after_forward!r}): remove one of them"
+        )
+    if ac.op_all_last and not (ac.mode == "selective" and sel == "op" and ac.op_matmuls == "alternate"):
+        raise ConfigError(
+            f"activation_checkpoint.op_all_last = {ac.op_all_last} only applies to selective op "
+            "checkpointing with op_matmuls = alternate: set mode = 'selective', selective = 'op', "
+            "op_matmuls = 'alternate', or op_all_last = 0"
+        )
+    if p.pp_schedule in ("GPipe", "1F1B") and p.pp_stages_per_rank > 1:
+        raise ConfigError(
+            f"parallelism.pp_schedule = {p.pp_schedule} runs one stage per rank; set pp_stages_per_rank = 1 "
+            "or choose Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble"
+        )
+    if p.pp_schedule == "ZBVZeroBubble" and p.pp_stages_per_rank not in (0, 2):
+        raise ConfigError("parallelism.pp_schedule = ZBVZeroBubble places exactly 2 stages per rank (a V)")
+    if cfg.float8.enable and t.precision != "bf16":
+        raise ConfigError("float8.enable needs training.precision = 'bf16'")
+    if p.async_tp and not cfg.compile.enable:
+        raise ConfigError("parallelism.async_tp needs compile.enable = true")
+    if cfg.checkpoint.load_model_only and not cfg.checkpoint.load_path:
+        raise ConfigError(
+            "checkpoint.load_model_only applies to checkpoint.load_path: set the checkpoint to start from"
+        )
+
+
+def check_degrees(p: Parallelism, world_size: int) -> None:
+    """The degrees multiply to the world size (`dp_shard = -1` taking what the others leave)."""
+    others = p.dp_replicate * p.cp * p.tp * p.pp
+    if p.dp_shard == -1:
+        if world_size % others:
+            raise ConfigError(
+                f"parallelism degrees dp_replicate x cp x tp x pp = {others} do not divide the world size "
+                f"{world_size}; choose degrees whose product divides {world_size}"
+            )
+        return
+    if others * p.dp_shard != world_size:
+        raise ConfigError(
+            f"dp_replicate({p.dp_replicate}) x dp_shard({p.dp_shard}) x cp({p.cp}) x tp({p.tp}) x pp({p.pp}) "
+            f"= {others * p.dp_shard}, but the world size is {world_size}; set parallelism.dp_shard = -1 to "
+            "take what is left, or change the degrees"
+        )
+
+
+def check_run(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
+    """What needs the model's shape and the mesh: fit, batch arithmetic and combinations."""
+    from titanrush.data import build_tokenizer  # (reads the tokenizer file: a missing one is a ConfigError)
+
+    t, p, m = cfg.training, cfg.parallelism, cfg.model
+    words = build_tokenizer(cfg.data.tokenizer).n_words
+    if args.vocab_size < words:
+        raise ConfigError(
+            f"model vocabulary ({args.vocab_size}) does not cover the tokenizer's {words} tokens; "
+            f"set model.vocab_size >= {words} or use a tokenizer that fits"
+        )
+    if t.seq_len > args.max_seq_len:
+        raise ConfigError(
+            f"training.seq_len = {t.seq_len} exceeds the {m.flavor} model's maximum of {args.max_seq_len}"
+        )
+    _check_mesh_fits(dims, args, t.seq_len)
+    ac = cfg.activation_checkpoint
+    for key, count in (("op_all_last", ac.op_all_last), ("offload_first", ac.offload_first)):
+        if count > args.n_layers:
+            raise ConfigError(
+                f"activation_checkpoint.{key} = {count}: the {m.flavor} model has {args.n_layers} blocks; "
+                f"use 0..{args.n_layers}"
+            )
+    per_step = t.local_batch_size * dims.dp
+    gbs = per_step if t.global_batch_size == -1 else t.global_batch_size
+    if gbs % per_step:
+        raise ConfigError(
+            f"training.global_batch_size = {gbs} must be a multiple of local_batch_size x dp = "
+            f"{t.local_batch_size} x {dims.dp} = {per_step}"
+        )
+    if dims.cp > 1:
+        if m.attn_backend not in ("sdpa", "cudnn"):
+            raise ConfigError(
+                f"parallelism.cp > 1 needs model.attn_backend = 'sdpa' or 'cudnn', not {m.attn_backend!r}"
+            )
+        if dims.pp > 1:
+            raise ConfigError("parallelism.cp > 1 with parallelism.pp > 1 is not supported yet")
+    if dims.pp > 1:
+        _check_pipeline(cfg, dims, args)
+    if dims.tp > 1 and args.loss_chunk_size > 0:
+        raise ConfigError(
+            "training.loss = chunked does not compose with parallelism.tp > 1; use training.loss = plain "
+            "(with parallelism.loss_parallel the logits are already sharded over the vocabulary)"
+        )
+    if dims.ddp_enabled and dims.tp > 1:
+        raise ConfigError(
+            "DDP (dp_replicate > 1 with dp_shard = 1) does not compose with tensor parallel; set "
+            "parallelism.dp_shard > 1 (FSDP, or HSDP with dp_replicate) together with tp"
+        )
+    if p.fsdp_cpu_offload and not dims.fsdp_enabled:
+        raise ConfigError("parallelism.fsdp_cpu_offload needs FSDP: parallelism.dp_shard > 1")
+
+
+def _check_mesh_fits(dims: ParallelDims, args: ModelArgs, seq_len: int) -> None:
+    n_heads, n_kv = args.n_heads, args.kv_heads
+    if n_heads % dims.tp or n_kv % dims.tp:
+        g = math.gcd(n_heads, n_kv)
+        choices = ", ".join(str(d) for d in range(1, g + 1) if g % d == 0)
+        raise ConfigError(
+            f"parallelism.tp = {dims.tp} must divide the attention heads ({n_heads}) and KV heads ({n_kv}); "
+            f"choose tp among {choices}"
+        )
+    if dims.pp > args.n_layers:
+        raise ConfigError(f"parallelism.pp = {dims.pp} exceeds the model's {args.n_layers} layers")
+    if dims.cp > 1:
+        need = 2 * dims.cp * max(dims.tp, 1)
+        if seq_len % need:
+            raise ConfigError(
+                f"training.seq_len = {seq_len} must be divisible by 2 x cp{' x tp' if dims.tp > 1 else ''} = "
+                f"{need} (context parallel's load balancing splits each sequence into 2 x cp chunks)"
+            )
+    if dims.tp > 1 and seq_len % dims.tp:
+        raise ConfigError(
+            f"training.seq_len = {seq_len} must be divisible by tp = {dims.tp} (sequence parallel)"
+        )
+
+
+def _check_pipeline(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
+    p = cfg.parallelism
+    if args.tie_embeddings:
+        raise ConfigError(
+            "parallelism.pp > 1 cannot tie the embedding (first stage) to the output projection (last "
+            "stage); set model.tie_embeddings = 'untied'"
+        )
+    if args.loss_chunk_size > 0:
+        raise ConfigError("training.loss = chunked does not compose with parallelism.pp > 1; use 'plain'")
+    per_rank = 1 if p.pp_schedule in ("GPipe", "1F1B") else (p.pp_stages_per_rank or 2)
+    n_stages = dims.pp * per_rank
+    if args.n_layers < n_stages:
+        raise ConfigError(
+            f"{n_stages} pipeline stages (pp x stages per rank) need at least {n_stages} layers, the model "
+            f"has {args.n_layers}"
+        )
+    microbatches = p.pp_microbatches or n_stages
+    if cfg.training.local_batch_size % microbatches:
+        raise ConfigError(
+            f"training.local_batch_size = {cfg.training.local_batch_size} must be divisible by the "
+            f"pipeline's {microbatches} micro-batches (parallelism.pp_microbatches, default pp x stages "
+            "per rank)"
+        )
+    if microbatches < dims.pp:
+        raise ConfigError(f"parallelism.pp_microbatches = {microbatches} must be >= pp = {dims.pp}")
+    split = p.pp_layers_per_stage
+    if split and (len(split) != n_stages or sum(split) != args.n_layers or min(split) < 1):
+        raise ConfigError(
+            f"parallelism.pp_layers_per_stage = {split} must list {n_stages} positive counts "
+            f"(pp x stages per rank) that add up to the model's {args.n_layers} layers"
+        )
+
+
+def check_machine(cfg: JobConfig) -> None:
+    """What this machine must provide for the config: CUDA, flash-attn, torchao, float8 tensor cores."""
+    cuda = torch.cuda.is_available()
+    backend = cfg.model.attn_backend
+    if cfg.parallelism.cp > 1 and not cuda:
+        raise ConfigError("parallelism.cp > 1 needs CUDA GPUs (ring attention runs on SDPA's GPU kernels)")
+    if backend == "flash" and not any(
+        importlib.util.find_spec(m) for m in ("flash_attn", "flash_attn_interface")
+    ):
+        raise ConfigError(
+            "model.attn_backend = 'flash' needs the flash-attn package (pip install flash-attn, or the "
+            "flash-attn-4 / FA3 hopper build); use attn_backend = 'sdpa' or 'cudnn' without it"
+        )
+    if backend in ("flex", "cudnn") and not cuda:
+        why = (
+            "FlexAttention has no backward on CPU" if backend == "flex" else "cuDNN attention is a GPU kernel"
+        )
+        raise ConfigError(
+            f"model.attn_backend = {backend!r} needs a CUDA GPU for training ({why}); use 'sdpa'"
+        )
+    if cfg.parallelism.async_tp and cfg.parallelism.tp > 1 and not cuda:
+        raise ConfigError("parallelism.async_tp needs CUDA devices (symmetric memory); turn it off on CPU")
+    if cfg.activation_checkpoint.offload_first and not cuda:
+        raise ConfigError(
+            "activation_checkpoint.offload_first needs a CUDA GPU (it moves activations to host memory); "
+            "set it to 0 here"
+        )
+    if cfg.float8.enable:
+        if importlib.util.find_spec("torchao") is None:
+            raise ConfigError(
+                "float8.enable needs torchao (pip install torchao); or set float8.enable = false"
+            )
+        if not cfg.float8.emulate and not (cuda and torch.cuda.get_device_capability() >= (8, 9)):
+            where = "on CPU" if not cuda else f"on {torch.cuda.get_device_name()}"
+            raise ConfigError(
+                f"float8 training needs a GPU with float8 tensor cores (compute capability >= 8.9), not "
+                f"{where}; set float8.emulate = true to emulate it (slow, for tests) or float8.enable = false"
+            )
+    if cfg.optimizer.name != "adamw" and importlib.util.find_spec("torchao") is None:
+        raise ConfigError(
+            f"optimizer.name = {cfg.optimizer.name!r} needs torchao (pip install torchao); or use 'adamw'"
+        )
