@@ -168,8 +168,8 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
             toml = work / "configs" / f"torchtitan_{row.name}.toml"
             toml.parent.mkdir(parents=True, exist_ok=True)
             toml.write_text(torchtitan_toml(row, a.steps, work / "tokenizer", work / "corpus", work / "tt"))
-            nproc = f"--nproc_per_node={row.ngpu}"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", nproc,
+            nproc = [f"--nproc_per_node={row.ngpu}", "--local-ranks-filter", "0"]  # rank 0 logs, as ours
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *nproc,
                    "-m", "torchtitan.train", "--job.config_file", str(toml)]  # fmt: skip
             env = {"PYTHONPATH": tt_path, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
             log = work / "logs" / f"torchtitan_{row.name}.log"
