@@ -1,18 +1,12 @@
-"""Profiling on a GPU: each traced window holds exactly its own steps' kernels, and trace_summary reads it."""
+"""Profiling on a GPU: each traced window holds exactly its own steps' kernels."""
 
 from __future__ import annotations
 
 import gzip
 import json
-import sys
-from pathlib import Path
 
 from titanrush import config
 from titanrush.trainer import Trainer
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "scripts"))
-import trace_summary  # noqa: E402
 
 
 def test_a_traced_window_holds_exactly_its_steps(tmp_path):
@@ -47,7 +41,3 @@ def test_a_traced_window_holds_exactly_its_steps(tmp_path):
         assert kernels, "no GPU kernels recorded"
         assert kernels <= launches, f"{len(kernels - launches)} kernels launched before the window"
         assert launches <= kernels, f"{len(launches - kernels)} launches whose kernels ran after it"
-        s = trace_summary.summarize(trace_summary.load(path))
-        assert s["steps"] == 1
-        assert s["by_kind_ms"]["matmul"] > 0 and s["compute_busy_ms"] <= s["span_ms"] + 1e-6
-        assert s["idle_ms"] >= 0 and s["exposed_communication_ms"] == 0  # one GPU: no collectives

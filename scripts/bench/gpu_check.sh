@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU check in one GPU-machine call: the GPU tests, then titanrush beside torchtitan 0.2.2.
+# Usage, from the repo root on the GPU machine (logs and results under $OUT, default /tmp/gpu_check):
+#   bash scripts/bench/gpu_check.sh [all|tests|bench] [ROWS] [SETTINGS]
+#     all    (default) pytest tests/gpu, then side_by_side.py on ROWS (default 1b)
+#     tests  pytest tests/gpu
+#     bench  side_by_side.py on ROWS (default auto: 1b on one GPU, 8b_fsdp2 on two H200s, 3b_fsdp2 on
+#            two smaller GPUs, 8b_fsdp4 on four)
+#   ROWS, SETTINGS: comma-separated (python scripts/bench/side_by_side.py --help; SETTINGS default
+#   same,defaults,best). Environment: BASE=DIR (another titanrush checkout, run beside this one),
+#   STEPS, MEASURE_FROM, BUDGET (seconds for the whole call, default 540), TITANRUSH_COMMIT and
+#   TITANRUSH_BASE_COMMIT (the commits, where the checkouts have no .git).
+# Wheels carried in .whl/ (torchao; torchtitan 0.2.2 and the imports it lacks here) are installed first.
+set -u
+MODE=${1:-all}
+[ "$MODE" = all ] && ROWS=${2:-1b} || ROWS=${2:-auto}
+SETTINGS=${3:-same,defaults,best}
+BUDGET=${BUDGET:-540}
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1 \
+    && export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch; print('torch', torch.__version__)"; } > "$OUT/env.txt" 2>&1
+
+tests="not run"
+if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
+  limit=$([ "$MODE" = tests ] && echo "$BUDGET" || echo 330)
+  timeout "$limit" python3 -m pytest tests/gpu -q -rs -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+  rc=$?
+  tests="$(tail -1 "$OUT/gpu_tests.log") (exit $rc; log: $OUT/gpu_tests.log)"
+fi
+if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
+  left=$((BUDGET - SECONDS))
+  [ "$left" -gt 1 ] || left=1
+  timeout $((left + 30)) python3 scripts/bench/side_by_side.py --out "$OUT/bench" --rows "$ROWS" \
+    --settings "$SETTINGS" --steps "${STEPS:-25}" --measure-from "${MEASURE_FROM:-10}" --time-limit "$left" \
+    ${BASE:+--base "$BASE"} > "$OUT/bench.log" 2>&1
+  echo "side_by_side.py exit $? (log: $OUT/bench.log)" >> "$OUT/env.txt"
+fi
+
+echo "== $(tr '\n' ' ' < "$OUT/env.txt")"
+echo "== GPU tests: $tests"
+if [ -f "$OUT/bench/results.md" ]; then sed '/^Commands:/,$d' "$OUT/bench/results.md"; fi

@@ -1,0 +1,397 @@
+"""titanrush beside torchtitan 0.2.2 on the same GPUs: the table of docs/benchmarks/performance.md.
+
+Usage (on the GPU machine, from the repo root, torchtitan 0.2.2 importable; gpu_check.sh runs it):
+  python scripts/bench/side_by_side.py --out DIR [--rows auto|1b,8b_fsdp2,...] [--settings same,best]
+      [--steps 25] [--measure-from 10] [--base DIR] [--trainers torchtitan,titanrush] [--dry-run]
+
+A row fixes the work (model, GPUs and mesh, sequence, local batch, compile, float8). Per row torchtitan
+runs once, then titanrush once per setting: `same` (torchtitan's work exactly, its AC policy included:
+selective per-op AC keeping every other matmul output, titanrush's op_matmuls = alternate), `defaults`
+(titanrush's defaults for the model and mesh: op AC keeping every matmul output) and `best` (no AC,
+ZeRO-2, chunked loss where they fit an H200); a setting equal to an earlier one runs once. Both: bf16,
+fused AdamW, clipping at 1.0, compiled blocks and loss, the embedded corpus through titanrush's BPE
+(converted for torchtitan's Hugging Face loader), untied output. One run at a time, never two at once.
+`--base DIR` also runs another titanrush checkout (e.g. the commit before a change) at the same rows
+and settings. Rows needing more GPUs than present are skipped; `auto` picks this machine's row.
+
+Per run: tokens/s per GPU (mean over the steps from --measure-from), peak reserved GiB over those steps,
+MFU where logged, time to first step (launch to the first step's log line) and the tokens/s ratio to
+the row's torchtitan run of this invocation. Writes DIR/results.{jsonl,md} and DIR/logs/; prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import fmean
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPAT = Path(__file__).resolve().parent / "torchtitan_compat"
+sys.path.insert(0, str(ROOT))
+
+from titanrush.data.hf_tokenizer import write_hf_tokenizer  # noqa: E402
+from titanrush.tools.rush_runner import detect_oom, kill_group  # noqa: E402
+
+_OP_AC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "op"]
+_NO_AC = ["--activation_checkpoint.mode", "none"]
+_ZERO2 = ["--parallelism.fsdp_reshard_after_forward", "never"]
+_CHUNKED = ["--training.loss", "chunked"]  # (not with TP or PP)
+
+
+@dataclass(frozen=True)
+class Row:
+    """The work both trainers do; `best` is titanrush's best AC, FSDP and loss flags for it."""
+
+    name: str
+    flavor: str
+    ngpu: int
+    seq_len: int
+    batch: int
+    ac: bool = True  # selective per-op activation checkpointing (torchtitan's `op`)
+    float8: bool = False
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    best: tuple[str, ...] = ()  # empty: the row's defaults
+
+
+_8B_BEST = (*_NO_AC, *_ZERO2, *_CHUNKED)  # estimated 117 GiB per H200 (87 with float8)
+ROWS = {
+    r.name: r
+    for r in (
+        Row("1b", "1B", 1, 2048, 8, ac=False),
+        Row("3b_fsdp2", "3B", 2, 8192, 2, best=(*_NO_AC, *_CHUNKED)),  # estimated 68 GiB: fits 80 GB
+        Row("8b_fsdp2", "8B", 2, 8192, 2, best=(*_OP_AC, *_CHUNKED)),  # no AC: does not fit 2 x 141 GB
+        Row("8b_fsdp4", "8B", 4, 8192, 2, best=_8B_BEST),
+        Row("8b_fsdp4_float8", "8B", 4, 8192, 2, float8=True, best=_8B_BEST),
+        Row("8b_tp2_fsdp2", "8B", 4, 8192, 2, tp=2, best=(*_NO_AC, *_ZERO2)),
+        Row("8b_cp2_fsdp2", "8B", 4, 8192, 2, cp=2, best=_8B_BEST),
+        Row("8b_pp2_fsdp2", "8B", 4, 8192, 4, pp=2, best=_NO_AC),  # PP keeps the weights gathered anyway
+    )
+}
+SETTINGS = ("same", "defaults", "best")
+
+
+def row_flags(row: Row) -> list[str]:
+    """titanrush's flags for the row's work (the settings add activation checkpointing and the rest)."""
+    flags = ["--model.flavor", row.flavor, "--training.seq_len", str(row.seq_len),
+             "--training.local_batch_size", str(row.batch), "--training.precision", "bf16",
+             "--optimizer.lr", "3e-4", "--optimizer.eps", "1e-8", "--optimizer.implementation", "fused",
+             "--lr_scheduler.warmup_steps", "10", "--training.max_norm", "1.0", "--compile.enable",
+             "--data.dataset", "embedded"]  # fmt: skip
+    if row.flavor != "8B":  # Llama 3.2 ties its embeddings; torchtitan's llama3 never does
+        flags += ["--model.tie_embeddings", "untied"]
+    for key, degree in (("tp", row.tp), ("cp", row.cp), ("pp", row.pp)):
+        flags += [f"--parallelism.{key}", str(degree)] if degree > 1 else []
+    if row.pp > 1:  # torchtitan's default: 1F1B, micro-batches of one sequence
+        flags += ["--parallelism.pp_schedule", "1F1B", "--parallelism.pp_microbatches", str(row.batch)]
+    return flags + (["--float8.enable"] if row.float8 else [])
+
+
+def setting_flags(row: Row) -> dict[str, list[str]]:
+    """Each named setting's titanrush flags for this row, on top of `row_flags`."""
+    same = [*_OP_AC, "--activation_checkpoint.op_matmuls", "alternate"] if row.ac else _NO_AC
+    defaults = _OP_AC if row.ac else _NO_AC
+    return {"same": same, "defaults": defaults, "best": list(row.best) or defaults}
+
+
+def torchtitan_toml(row: Row, steps: int, assets: Path, corpus: Path, dump: Path) -> str:
+    """torchtitan's job config for the row (JSON values are TOML values here)."""
+    ac = {"mode": "selective", "selective_ac_option": "op"} if row.ac else {"mode": "none"}
+    cfg = {
+        "job": {"dump_folder": str(dump)},
+        "metrics": {"log_freq": 1, "disable_color_printing": True},
+        "model": {"name": "llama3", "flavor": row.flavor, "hf_assets_path": str(assets),
+                  "converters": ["quantize.linear.float8"] if row.float8 else []},
+        "optimizer": {"name": "AdamW", "lr": 3e-4, "eps": 1e-8, "implementation": "fused"},
+        "lr_scheduler": {"warmup_steps": 10},
+        "training": {"local_batch_size": row.batch, "seq_len": row.seq_len, "max_norm": 1.0, "steps": steps,
+                     "dataset": "c4_test", "dataset_path": str(corpus), "mixed_precision_param": "bfloat16",
+                     "mixed_precision_reduce": "float32"},
+        "parallelism": {"data_parallel_shard_degree": -1, "tensor_parallel_degree": row.tp,
+                        "context_parallel_degree": row.cp, "pipeline_parallel_degree": row.pp,
+                        "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 1},
+        "checkpoint": {"enable": False},
+        "activation_checkpoint": ac,
+        "compile": {"enable": True, "components": ["model", "loss"]},
+        "quantize.linear.float8": {"enable_fsdp_float8_all_gather": True, "filter_fqns": ["output"],
+                                   "precompute_float8_dynamic_scale_for_fsdp": True},
+        "experimental": {"custom_import": "tt_flavors"},
+    }  # fmt: skip
+    return "\n".join(
+        f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kv.items()) for name, kv in cfg.items()
+    )
+
+
+# ---------------------------------------------------------------- planning
+
+
+@dataclass
+class Run:
+    """One launch: which trainer, row and setting, the command, its environment and folder."""
+
+    trainer: str  # torchtitan | titanrush | base
+    row: str
+    setting: str  # "-" for torchtitan
+    cmd: list[str]
+    env: dict[str, str]  # set on top of ours
+    cwd: Path
+    log: Path
+
+    def shell(self) -> str:
+        """The command as one would type it."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in self.env.items())
+        cd = f"cd {shlex.quote(str(self.cwd))} && " if self.cwd != ROOT else ""
+        return f"{cd}{env} {shlex.join(self.cmd)}".strip()
+
+
+def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -> list[Run]:
+    """The runs in order: per row torchtitan, then per setting titanrush and the base checkout."""
+    shim = [] if importlib.util.find_spec("datasets") else [str(COMPAT / "shim")]
+    tt_path = os.pathsep.join([str(COMPAT), *shim, *filter(None, [os.environ.get("PYTHONPATH")])])
+    trainers = {"titanrush": ROOT, **({"base": a.base.resolve()} if a.base else {})}
+    runs = []
+    for row in rows:
+        if "torchtitan" in a.trainers:
+            toml = work / "configs" / f"torchtitan_{row.name}.toml"
+            toml.parent.mkdir(parents=True, exist_ok=True)
+            toml.write_text(torchtitan_toml(row, a.steps, work / "tokenizer", work / "corpus", work / "tt"))
+            nproc = [f"--nproc_per_node={row.ngpu}", "--local-ranks-filter", "0"]  # rank 0 logs, as ours
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *nproc,
+                   "-m", "torchtitan.train", "--job.config_file", str(toml)]  # fmt: skip
+            env = {"PYTHONPATH": tt_path, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+            log = work / "logs" / f"torchtitan_{row.name}.log"
+            runs.append(Run("torchtitan", row.name, "-", cmd, env, ROOT, log))
+        seen: list[list[str]] = []
+        for setting, flags in setting_flags(row).items():
+            if setting not in names or flags in seen:
+                continue
+            seen.append(flags)
+            for trainer, checkout in trainers.items():
+                if trainer == "titanrush" and "titanrush" not in a.trainers:
+                    continue
+                tag = f"{trainer}_{row.name}_{setting}"
+                args = [*row_flags(row), *flags, "--training.steps", str(a.steps), "--metrics.log_freq", "1",
+                        "--metrics.tensorboard", "false", "--job.dump_folder", str(work / "runs"),
+                        "--job.name", tag]  # fmt: skip
+                cmd = [str(checkout / "run_train.sh"), *args]
+                runs.append(Run(trainer, row.name, setting, cmd, {"NGPU": str(row.ngpu)}, checkout,
+                                work / "logs" / f"{tag}.log"))  # fmt: skip
+    return runs
+
+
+# ---------------------------------------------------------------- running and reading the logs
+
+_STEP = {"torchtitan": r"step:\s*(\d+)\s+loss:", "titanrush": r"INFO step\s+(\d+)\s+loss"}
+_FIELDS = {
+    "torchtitan": {"tps": r"tps: ([\d,.]+)", "mem_gib": r"memory:\s*([\d.]+)GiB", "mfu": r"mfu: ([\d.]+)%"},
+    "titanrush": {"tps": r"tps ([\d,.]+)", "mem_gib": r"reserved ([\d.]+)GiB", "mfu": r"mfu ([\d.]+)%"},
+}
+
+
+def parse_step(trainer: str, line: str) -> dict | None:
+    """A step's figures from one log line of either trainer (the base is a titanrush), or None."""
+    kind = "torchtitan" if trainer == "torchtitan" else "titanrush"
+    m = re.search(_STEP[kind], line)
+    if not m:
+        return None
+    out: dict = {"step": int(m[1])}
+    for key, pattern in _FIELDS[kind].items():
+        f = re.search(pattern, line)
+        out[key] = float(f[1].replace(",", "")) if f else None
+    return out
+
+
+def execute(run: Run, timeout: float) -> dict:
+    """Run the command in its own process group, killed after `timeout` s; the steps it logged."""
+    run.log.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    first_step_s, steps = None, []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **run.env}
+    with open(run.log, "w") as log:
+        log.write(f"$ {run.shell()}\n")
+        out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True, "errors": "replace"}
+        proc = subprocess.Popen(run.cmd, cwd=run.cwd, env=env, start_new_session=True, **out)
+        timer = threading.Timer(timeout, kill_group, [proc])  # torchrun's ranks too
+        timer.start()
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            log.write(line)
+            step = parse_step(run.trainer, line)
+            if step is not None:
+                first_step_s = first_step_s or time.monotonic() - t0
+                steps.append(step)
+        rc = proc.wait()
+        timer.cancel()
+    if rc == 0:
+        status = "ok"
+    elif time.monotonic() - t0 >= timeout:
+        status = "timeout"
+    else:
+        status = "OOM" if detect_oom(run.log.read_text(errors="replace")) else f"failed ({rc})"
+    return {"status": status, "first_step_s": first_step_s, "steps": steps}
+
+
+def summarize(run: Run, result: dict, measure_from: int) -> dict:
+    """The run's figures: means (tokens/s, MFU) and the peak (reserved GiB) over the measured steps."""
+    steady = [s for s in result.get("steps", []) if s["step"] >= measure_from]
+    out = {"trainer": run.trainer, "row": run.row, "setting": run.setting, "status": result["status"],
+           "first_step_s": result.get("first_step_s"), "command": run.shell()}  # fmt: skip
+    for key, reduce in (("tps", fmean), ("mfu", fmean), ("mem_gib", max)):
+        values = [s[key] for s in steady if s.get(key) is not None]
+        out[key] = reduce(values) if values else None
+    if out["status"] == "ok" and not steady:
+        out["status"] = "no steps logged"
+    return out
+
+
+def table(results: list[dict]) -> str:
+    """One line per run; `vs torchtitan` divides by the row's torchtitan run of the same invocation."""
+    head = (
+        "row | setting | trainer | status | tok/s/GPU | vs torchtitan | reserved GiB | MFU % | first step s"
+    )
+    lines = [f"| {head} |", "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    ref = {r["row"]: r.get("tps") for r in results if r["trainer"] == "torchtitan" and r["status"] == "ok"}
+
+    def f(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    for r in results:
+        ratio = r["tps"] / ref[r["row"]] if r.get("tps") and ref.get(r["row"]) else None
+        cells = [r["row"], r["setting"], r["trainer"], r["status"], f(r.get("tps"), ",.0f"),
+                 f(ratio, ".3f") + ("x" if ratio else ""), f(r.get("mem_gib"), ".1f"), f(r.get("mfu"), ".1f"),
+                 f(r.get("first_step_s"), ".0f")]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def environment(base: Path | None) -> dict[str, str]:
+    """Date, GPUs, torch, torchtitan, the checkouts' commits (or TITANRUSH_COMMIT, TITANRUSH_BASE_COMMIT)."""
+    import torch
+
+    def commit(path: Path, var: str) -> str:
+        if os.environ.get(var):
+            return os.environ[var]
+        res = subprocess.run(
+            ["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+        return res.stdout.strip() or "unknown"
+
+    count = torch.cuda.device_count()
+    env = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "gpus": str(count),
+           "device": torch.cuda.get_device_name(0) if count else "cpu",
+           "commit": commit(ROOT, "TITANRUSH_COMMIT"), "torchtitan": "not installed"}  # fmt: skip
+    with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+        env["torchtitan"] = importlib.metadata.version("torchtitan")
+    if base:
+        env["base_commit"] = commit(base, "TITANRUSH_BASE_COMMIT")
+    return env
+
+
+def auto_rows() -> list[str]:
+    """This machine's row: by the number of GPUs and, on two, their memory."""
+    import torch
+
+    count = torch.cuda.device_count()
+    if count >= 4:
+        return ["8b_fsdp4"]
+    if count >= 2:
+        big = torch.cuda.get_device_properties(0).total_memory >= 120 * 2**30
+        return ["8b_fsdp2" if big else "3b_fsdp2"]
+    return ["1b"]
+
+
+def write_corpus(path: Path) -> None:
+    """The embedded dataset's training documents as JSON lines of {"text": ...}, for torchtitan."""
+    from titanrush.data.sources import embedded_documents
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        for doc in embedded_documents("train"):
+            fh.write(json.dumps({"text": doc.text}) + "\n")
+
+
+# ---------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--rows", default="auto", help=f"auto, or comma-separated from: {', '.join(ROWS)}")
+    ap.add_argument(
+        "--settings", default=",".join(SETTINGS), help=f"comma-separated from: {', '.join(SETTINGS)}"
+    )
+    ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--measure-from", type=int, default=10)
+    ap.add_argument("--base", type=Path, help="another titanrush checkout, run at the same rows and settings")
+    ap.add_argument("--trainers", default="torchtitan,titanrush", help="leave one out to run the other alone")
+    ap.add_argument("--timeout-per-run", type=float, default=300)
+    ap.add_argument("--time-limit", type=float, default=0, help="seconds for all runs (0: none)")
+    ap.add_argument("--dry-run", action="store_true", help="print the commands in order, run nothing")
+    a = ap.parse_args(argv)
+    a.rows = auto_rows() if a.rows == "auto" else a.rows.split(",")
+    a.settings, a.trainers = a.settings.split(","), a.trainers.split(",")
+    for given, known, what in ((a.rows, ROWS, "rows"), (a.settings, SETTINGS, "settings")):
+        if bad := [x for x in given if x not in known]:
+            ap.error(f"unknown {what} {bad}; choose from {', '.join(known)}")
+    if a.base and not (a.base / "run_train.sh").exists():
+        ap.error(f"--base {a.base}: no titanrush checkout there (no run_train.sh)")
+    if not 1 <= a.measure_from <= a.steps:
+        ap.error(f"--measure-from {a.measure_from} must be in 1..--steps ({a.steps})")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    work = a.out.resolve()
+    runs = plan([ROWS[r] for r in a.rows], a.settings, a, work)
+    if a.dry_run:
+        for r in runs:
+            print(f"[{r.trainer} {r.row} {r.setting}] {r.shell()}")
+        return 0
+    import torch
+
+    if "torchtitan" in a.trainers:
+        write_hf_tokenizer(work / "tokenizer")
+        write_corpus(work / "corpus" / "stdlib.jsonl")
+    (work / "results.jsonl").unlink(missing_ok=True)
+    env, gpus, results = environment(a.base), torch.cuda.device_count(), []
+    deadline = time.monotonic() + a.time_limit if a.time_limit else float("inf")
+    for run in runs:
+        need, left = ROWS[run.row].ngpu, deadline - time.monotonic()
+        if need > gpus:
+            result = {"status": f"skipped (needs {need} GPUs, {gpus} present)"}
+        elif left < 60:
+            result = {"status": "skipped (time limit)"}
+        else:
+            print(f"[side-by-side] {run.trainer} {run.row} {run.setting} ...", flush=True)
+            result = execute(run, min(a.timeout_per_run, left))
+        s = summarize(run, result, a.measure_from)
+        results.append(s)
+        with open(work / "results.jsonl", "a") as fh:
+            fh.write(json.dumps({**s, "env": env}) + "\n")
+        print(f"[side-by-side] {run.trainer} {run.row} {run.setting}: {s['status']}", flush=True)
+    base = f", base commit {env['base_commit']}" if a.base else ""
+    header = (f"{env['date']}, {env['gpus']} x {env['device']}, torch {env['torch']}, titanrush commit "
+              f"{env['commit']}{base}, torchtitan {env['torchtitan']}; {a.steps} steps, figures over steps "
+              f">= {a.measure_from}")  # fmt: skip
+    commands = "\n".join(f"- {r['trainer']} {r['row']} {r['setting']}: `{r['command']}`" for r in results)
+    (work / "results.md").write_text(f"{header}\n\n{table(results)}\n\nCommands:\n\n{commands}\n")
+    print(f"\n{header}\n\n{table(results)}")
+    return 0 if all(r["status"] == "ok" or r["status"].startswith("skipped") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

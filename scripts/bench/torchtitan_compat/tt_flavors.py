@@ -1,0 +1,12 @@
+"""Imported by torchtitan through `--experimental.custom_import tt_flavors` (side_by_side.py).
+
+torchtitan 0.2.2 ships no Llama 3.2 shapes; this adds the 1B and the 3B (untied output projection, as
+torchtitan builds every Llama) to its llama3 flavors, so both trainers build the same model.
+"""
+
+from torchtitan.models.llama3 import llama3_args
+from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
+
+_ARGS = dict(n_kv_heads=8, multiple_of=256, rope_theta=500000, rope_scaling_args=RoPEScalingArgs(32.0))
+llama3_args["1B"] = TransformerModelArgs(dim=2048, n_layers=16, n_heads=32, ffn_dim_multiplier=1.5, **_ARGS)
+llama3_args["3B"] = TransformerModelArgs(dim=3072, n_layers=28, n_heads=24, ffn_dim_multiplier=1.0, **_ARGS)

@@ -1,0 +1,128 @@
+"""scripts/bench/side_by_side.py: valid config flags, one run at a time, the ratio table."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import tomllib
+
+from titanrush import config
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+import side_by_side as sbs  # noqa: E402
+
+CASES = [(row, setting) for row in sbs.ROWS for setting in sbs.SETTINGS]
+
+
+@pytest.mark.parametrize(("row", "setting"), CASES, ids=[f"{r}-{s}" for r, s in CASES])
+def test_every_setting_of_every_row_is_a_valid_config(row, setting, tmp_path):
+    r = sbs.ROWS[row]
+    flags = [*sbs.row_flags(r), *sbs.setting_flags(r)[setting]]
+    cfg = config.load(None, flags)  # a removed or renamed key raises ConfigError here
+    # ... and it is the work torchtitan's config for the row describes
+    tt = tomllib.loads(sbs.torchtitan_toml(r, 10, tmp_path, tmp_path, tmp_path))
+    assert (cfg.model.flavor, cfg.training.seq_len) == (tt["model"]["flavor"], tt["training"]["seq_len"])
+    assert cfg.training.local_batch_size == tt["training"]["local_batch_size"]
+    p, tp = cfg.parallelism, tt["parallelism"]
+    assert (p.tp, p.cp, p.pp) == (
+        tp["tensor_parallel_degree"],
+        tp["context_parallel_degree"],
+        tp["pipeline_parallel_degree"],
+    )
+    assert cfg.float8.enable == (tt["model"]["converters"] == ["quantize.linear.float8"])
+    assert cfg.compile.enable and cfg.training.precision == "bf16" and cfg.optimizer.implementation == "fused"
+    assert cfg.model.tie_embeddings in ("untied", "flavor") and cfg.model.attn_backend == "sdpa"
+    if p.pp > 1:  # torchtitan's micro-batches of one sequence
+        assert p.pp_microbatches == r.batch // tp["pipeline_parallel_microbatch_size"]
+    ac = cfg.activation_checkpoint
+    if setting == "same":  # torchtitan's AC policy: per-op, every other matmul output kept
+        assert ac.mode == tt["activation_checkpoint"]["mode"]
+        assert ac.mode == "none" or (ac.selective, ac.op_matmuls) == ("op", "alternate")
+
+
+def test_a_stale_key_fails_the_check():
+    with pytest.raises(config.ConfigError):
+        config.load(None, [*sbs.row_flags(sbs.ROWS["1b"]), "--parallelism.no_such_key", "1"])
+
+
+def test_dry_run_prints_one_command_per_run_in_order(tmp_path, capsys):
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "run_train.sh").write_text("")
+    rows = ["1b", "8b_fsdp4", "8b_pp2_fsdp2"]
+    argv = ["--out", str(tmp_path / "out"), "--rows", ",".join(rows), "--base", str(base), "--dry-run"]
+    assert sbs.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    tags = [line[1 : line.index("]")].split() for line in lines]
+    expected = []
+    for row in rows:
+        expected.append(["torchtitan", row, "-"])
+        # 1b has no AC: its defaults and best are its `same`, run once
+        for setting in ["same"] if row == "1b" else ["same", "defaults", "best"]:
+            expected += [["titanrush", row, setting], ["base", row, setting]]
+    assert tags == expected
+    for line, (trainer, row, _) in zip(lines, tags):
+        cmd = line[line.index("]") + 2 :]
+        launches = cmd.count("run_train.sh") + cmd.count("torchtitan.train")
+        assert launches == 1 and "&" not in cmd.replace("&& ", "")  # one launch, nothing in the background
+        ngpu = sbs.ROWS[row].ngpu
+        assert f"NGPU={ngpu} " in cmd or f"--nproc_per_node={ngpu} " in cmd
+        assert (f"cd {base} && " in cmd) == (trainer == "base")
+    assert "--activation_checkpoint.op_matmuls alternate" in lines[4]  # 8b_fsdp4 same
+    assert (tmp_path / "out" / "configs" / "torchtitan_8b_pp2_fsdp2.toml").exists()
+
+
+FAKE = """
+import sys, time
+name, path, kind = sys.argv[1:4]
+open(path, "a").write(f"{name} start {time.time()}\\n")
+for step in range(1, 5):
+    time.sleep(0.05)
+    if kind == "torchtitan":
+        print(f"[titan] INFO - step: {step}  loss: 7.5  grad_norm: 1.0  memory: {40 + step:.2f}GiB(30.00%)  "
+              f"tps: {1000 * step:,}  tflops: 1.00  mfu: {step}.00%")
+    else:
+        print(f"12:00:00 INFO step {step:>6}  loss 7.5000  gnorm 1.000  tps {1200 * step:,}  tflops 1.0  "
+              f"mfu {step + 1:.1f}%  mem 1.00GiB  (1%)  reserved {30 + step:.2f}GiB  step 0.050s")
+open(path, "a").write(f"{name} end {time.time()}\\n")
+"""
+
+
+def test_runs_go_one_at_a_time_and_the_table_compares_with_torchtitan(tmp_path, monkeypatch):
+    spans = tmp_path / "spans.txt"
+    monkeypatch.setitem(sbs.ROWS, "fake", sbs.Row("fake", "debug", 0, 256, 1))
+
+    def fake_plan(rows, names, a, work):
+        return [
+            sbs.Run(
+                trainer,
+                "fake",
+                setting,
+                [sys.executable, "-c", FAKE, f"{trainer}-{setting}", str(spans), trainer],
+                {},
+                tmp_path,
+                work / f"{trainer}-{setting}.log",
+            )  # fmt: skip
+            for trainer, setting in (("torchtitan", "-"), ("titanrush", "same"), ("base", "same"))
+        ]
+
+    monkeypatch.setattr(sbs, "plan", fake_plan)
+    monkeypatch.setattr(sbs, "write_hf_tokenizer", lambda folder: None)
+    monkeypatch.setattr(sbs, "write_corpus", lambda path: None)
+    out = tmp_path / "out"
+    assert sbs.main(["--out", str(out), "--rows", "fake", "--steps", "4", "--measure-from", "3"]) == 0
+    events = [line.split() for line in spans.read_text().splitlines()]
+    assert [e[1] for e in events] == ["start", "end"] * 3  # each run ended before the next began
+    assert all(float(events[i][2]) <= float(events[i + 1][2]) for i in range(len(events) - 1))
+    results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    tt, ours, base = results
+    assert (tt["tps"], tt["mem_gib"], tt["mfu"]) == (3500, 44, 3.5)  # steps 3-4
+    assert (ours["tps"], ours["mem_gib"], ours["mfu"]) == (4200, 34, 4.5)
+    assert 0 < tt["first_step_s"] < 30 and base["status"] == "ok"
+    table = (out / "results.md").read_text()
+    assert "| fake | same | titanrush | ok | 4,200 | 1.200x | 34.0 | 4.5 |" in table
+    assert "| fake | same | base | ok | 4,200 | 1.200x |" in table
