@@ -10,6 +10,7 @@ gradient's largest entry, plus the two losses.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import os
@@ -21,53 +22,52 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from titanrush.config import ActivationCheckpoint, Compile, Float8, Parallelism
+from titanrush import config
 from titanrush.models.init import _canonical
-from titanrush.models.llama import Llama, model_args
+from titanrush.models.llama import Llama
 from titanrush.models.llama.loss import cross_entropy
 from titanrush.models.llama.parallelize import parallelize_llama
-from titanrush.parallel.fsdp import COPY_IN_CALLS
-from titanrush.parallel.parallel_dims import ParallelDims
 from titanrush.parallel.tensor_parallel import loss_parallel_context
+from titanrush.plan import RunPlan, build_plan
 
-# name -> [parallelism] overrides, for a world of 4.
-MESHES: dict[str, dict[str, Any]] = {
-    "fsdp4": {},
-    "ddp4": {"dp_replicate": 4, "dp_shard": 1},
-    "tp4": {"tp": 4},
-    "tp2_no_sp_no_lp": {"tp": 2, "sequence_parallel": False, "loss_parallel": False},
-    "fsdp2_tp2": {"tp": 2},
-    "hsdp2x2": {"dp_replicate": 2, "dp_shard": 2},
-    "fsdp2_tp2_ac_op": {"tp": 2, "_ac": "selective"},
-    "fsdp2_tp2_tied": {"tp": 2, "_tied": True},
+P = "--parallelism."
+# name -> config overrides, for a world of 4.
+MESHES: dict[str, list[str]] = {
+    "fsdp4": [],
+    "ddp4": [P + "dp_replicate", "4", P + "dp_shard", "1"],
+    "tp4": [P + "tp", "4"],
+    "tp2_no_sp_no_lp": [
+        P + "tp",
+        "2",
+        "--no-parallelism.sequence_parallel",
+        "--no-parallelism.loss_parallel",
+    ],
+    "fsdp2_tp2": [P + "tp", "2"],
+    "hsdp2x2": [P + "dp_replicate", "2", P + "dp_shard", "2"],
+    "fsdp2_tp2_ac_op": [P + "tp", "2", "--activation_checkpoint.mode", "selective"],
+    "fsdp2_tp2_tied": [P + "tp", "2", "--model.tie_embeddings", "tied"],
     # the chunked loss (gradients computed in forward, uneven chunks) under FSDP against the plain loss
-    "fsdp4_chunked": {"_chunk": 24},
-    # FSDP's own timing for releasing the reduce-scatter inputs (the others release them early)
-    "fsdp4_late_release": {"fsdp_free_reduce_inputs": False},
-    # FSDP's own reduce-scatter (the others run titanrush's compute-pool comm: on CPU its collective
-    # with plain buffers)
-    "fsdp4_own_reduce_scatter": {"fsdp_grads_in_compute_pool": False, "_chunk": 24},
-    # FSDP's own copy-in (chunk_cat; the others copy chunk by chunk)
-    "fsdp4_chunk_cat": {"fsdp_copy_in_by_chunks": False},
+    "fsdp4_chunked": ["--training.loss", "chunked", "--training.loss_chunk_size", "24"],
 }
 BATCH, SEQ = 4, 32
+BASE = ["--training.local_batch_size", "1", "--training.seq_len", str(SEQ)]
 
 
-def grads_of(model: torch.nn.Module, mesh: Any, dims: ParallelDims, p: Parallelism) -> tuple[float, dict]:
+def grads_of(model: torch.nn.Module, mesh: Any, plan: RunPlan) -> tuple[float, dict]:
     """Forward and backward on this rank's share of the batch; (global mean loss, full gradients)."""
     gen = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model.args.vocab_size, (BATCH, SEQ + 1), generator=gen)
     x, y = tokens[:, :-1], tokens[:, 1:]
-    if mesh is not None and dims.dp > 1:
-        n, r = BATCH // dims.dp, mesh["dp"].get_local_rank()
+    if mesh is not None and plan.dp > 1:
+        n, r = BATCH // plan.dp, mesh["dp"].get_local_rank()
         x, y = x[r * n : (r + 1) * n], y[r * n : (r + 1) * n]
-    with loss_parallel_context(mesh, dims, p):
+    with loss_parallel_context(plan.tp > 1 and plan.loss_parallel):
         loss = model(x, labels=y) if model.args.loss_chunk_size else cross_entropy(model(x), y)
         loss.backward()
     loss = loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
-    if mesh is not None and dims.dp > 1:
+    if mesh is not None and plan.dp > 1:
         dist.all_reduce(loss, group=mesh["dp"].get_group())
-        loss = loss / dims.dp
+        loss = loss / plan.dp
     grads = {}
     for name, param in model.named_parameters():
         g = param.grad
@@ -75,13 +75,16 @@ def grads_of(model: torch.nn.Module, mesh: Any, dims: ParallelDims, p: Paralleli
     return loss.item(), grads
 
 
-def build(dims: ParallelDims, mesh: Any, p: Parallelism, ac: str, tied: bool, chunk: int = 0) -> nn.Module:
+def plan_of(world: int, over: list[str]) -> RunPlan:
+    """The run plan of the debug model's first two layers with these overrides on `world` ranks."""
+    plan = build_plan(config.load(None, [*BASE, *over]), world)
+    return dataclasses.replace(plan, args=dataclasses.replace(plan.args, n_layers=2))
+
+
+def build(plan: RunPlan, mesh: Any) -> nn.Module:
     with torch.device("meta"):
-        model = Llama(model_args("debug", n_layers=2, tie_embeddings=tied, loss_chunk_size=chunk))
-    parallelize_llama(
-        model, dims, mesh, parallelism=p, compile=Compile(), ac=ActivationCheckpoint(mode=ac),
-        float8=Float8(), precision="fp32",
-    )  # fmt: skip
+        model = Llama(plan.args)
+    parallelize_llama(model, plan, mesh)
     model.to_empty(device="cpu")
     model.init_weights(seed=7)
     return model
@@ -92,27 +95,19 @@ def main(out_path: str) -> None:
     world = int(os.environ["WORLD_SIZE"])
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    one = ParallelDims(1, 1, 1, 1, 1, 1)
     report: dict[str, dict[str, Any]] = {}
     for name, over in MESHES.items():
-        over = dict(over)
-        ac, tied, chunk = over.pop("_ac", "none"), over.pop("_tied", False), over.pop("_chunk", 0)
-        p = Parallelism(**over)
-        dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, world)
-        mesh = dims.build_mesh("cpu")
-        model = build(dims, mesh, p, ac, tied, chunk)
-        calls_before = dict(COPY_IN_CALLS)
-        loss, grads = grads_of(model, mesh, dims, p)
-        copy_in = {k: v - calls_before[k] for k, v in COPY_IN_CALLS.items()}
-        released = getattr(model, "fsdp_released_reduce_inputs", None)
-        rs_calls = getattr(getattr(model, "fsdp_reduce_scatter", None), "calls", None)
-        if rank == 0:
-            ref_loss, ref = grads_of(build(one, None, Parallelism(), "none", tied), None, one, Parallelism())
+        plan = plan_of(world, over)
+        mesh = plan.dims.build_mesh("cpu")
+        loss, grads = grads_of(build(plan, mesh), mesh, plan)
+        if rank == 0:  # the reference: one process, the plain loss, the same model (tied or not)
+            tied = [a for a in over if a in ("--model.tie_embeddings", "tied")]
+            one = plan_of(1, tied)
+            ref_loss, ref = grads_of(build(one, None), None, one)
             assert grads.keys() == ref.keys(), sorted(set(grads) ^ set(ref))
             dev = {k: ((grads[k] - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref}
             worst = max(dev, key=dev.get)
-            report[name] = {"loss": loss, "ref_loss": ref_loss, "max_grad_dev": dev[worst], "worst": worst,
-                            "released": released, "rs_calls": rs_calls, "copy_in": copy_in}  # fmt: skip
+            report[name] = {"loss": loss, "ref_loss": ref_loss, "max_grad_dev": dev[worst], "worst": worst}
         dist.barrier()
     if rank == 0:
         with open(out_path, "w") as f:

@@ -38,24 +38,8 @@ def test_every_gradient_matches_on_every_mesh(tmp_path):
         "fsdp2_tp2",
         "hsdp2x2",
         "fsdp4_chunked",
-        "fsdp4_late_release",
     }
     for mesh, r in report.items():
         print(f"\ngradients {mesh}: max deviation {r['max_grad_dev']:.1e} ({r['worst']})")
         assert r["max_grad_dev"] <= GRAD_RTOL, (mesh, r)
         assert abs(r["loss"] - r["ref_loss"]) <= LOSS_RTOL * r["ref_loss"], (mesh, r)
-    # Early release of FSDP's reduce-scatter inputs: each of the 2 blocks' backward released the input
-    # of the unit after it (the output layer's, then block 1's); off, the hook is not installed.
-    assert report["fsdp4"]["released"] == 2, report["fsdp4"]
-    assert report["fsdp4_chunked"]["released"] == 2, report["fsdp4_chunked"]
-    assert report["fsdp4_late_release"]["released"] is None, report["fsdp4_late_release"]
-    # The compute-pool reduce-scatter (the default) ran every unit's: the embedding, 2 blocks, [norm,
-    # output]; off, or under HSDP, FSDP's own ran.
-    assert report["fsdp4"]["rs_calls"] == 4, report["fsdp4"]
-    assert report["fsdp4_chunked"]["rs_calls"] == 4, report["fsdp4_chunked"]
-    assert report["fsdp4_own_reduce_scatter"]["rs_calls"] is None, report["fsdp4_own_reduce_scatter"]
-    assert report["hsdp2x2"]["rs_calls"] is None, report["hsdp2x2"]
-    # The copy-in chunk by chunk (the default) filled every unit's reduce-scatter input (the debug
-    # model's dims divide by 4); off, FSDP's chunk_cat did, and the gradients match either way.
-    assert report["fsdp4"]["copy_in"] == {"by_chunks": 4, "chunk_cat": 0}, report["fsdp4"]
-    assert report["fsdp4_chunk_cat"]["copy_in"] == {"by_chunks": 0, "chunk_cat": 0}, report["fsdp4_chunk_cat"]

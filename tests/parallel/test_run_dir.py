@@ -1,5 +1,5 @@
-"""The run folder under several ranks: rank 0 makes it (or refuses an existing one) and every rank gets
-the outcome through the process group's store, with no collective."""
+"""The run folder under several ranks: rank 0 checks and makes it (or refuses an existing one) and every
+rank gets the outcome (`distributed.from_rank0`)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ pytestmark = pytest.mark.parallel
 def _rank(rank: int, port: int, out: str) -> None:
     from pathlib import Path
 
-    from titanrush.checkpoint import from_rank0
+    from titanrush.distributed import from_rank0
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3)
     try:
-        got = [from_rank0("a", f"a from {rank}"), from_rank0("b", "" if rank == 0 else "b")]
+        got = [from_rank0(f"a from {rank}"), from_rank0("" if rank == 0 else "b")]
         Path(out, f"rank{rank}.txt").write_text("|".join(got))
     finally:
         dist.destroy_process_group()
@@ -52,19 +52,16 @@ def test_an_existing_run_folder_stops_every_rank_and_stays_as_it_was(tmp_path):
 def _prepare(rank: int, port: int, folder: str, out: str) -> None:
     import datetime
     from pathlib import Path
-    from types import SimpleNamespace
 
-    from titanrush import config
+    from titanrush import run_dir
     from titanrush.config import ConfigError
-    from titanrush.trainer import Trainer
 
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
         timeout=datetime.timedelta(seconds=30),
     )  # fmt: skip
-    cfg = config.load(None, ["--job.dump_folder", folder, "--job.name", "taken", "--no-job.overwrite"])
     try:
-        Trainer._prepare_run_dir(SimpleNamespace(cfg=cfg, rank=rank))
+        run_dir.check(Path(folder, "taken"), overwrite=False, rank=rank)
         outcome = "went on"
     except ConfigError as e:
         outcome = f"refused: {e}"

@@ -366,8 +366,9 @@ def test_op_all_last_adds_the_alternate_blocks_recomputed_outputs_back():
 def test_op_all_last_on_a_pipeline_stage_trace_agrees():
     # PP2 of the debug model (4 blocks): op_all_last = 1 is block 3, on the last stage only. The fake
     # trace of each stage (blocks renumbered 0-1 there) must see the same saved bytes as the model.
-    s = RunPlan(args=model_args("debug"), local_batch=2, seq_len=64, precision="bf16", pp=2, pp_microbatches=2,
-                ac_mode="selective", ac_op_matmuls="alternate", pp_layers_per_stage=(2, 2))  # fmt: skip
+    s = RunPlan(args=model_args("debug"), local_batch=2, seq_len=64, precision="bf16", pp=2,
+                pp_microbatches=2, ac_mode="selective", ac_op_matmuls="alternate",
+                pp_layers_per_stage=(2, 2))  # fmt: skip
     one = dataclasses.replace(s, ac_op_all_last=1)
     first, last = rank_plans(one)
     assert first.layers == [0, 1] and last.layers == [2, 3]

@@ -101,5 +101,3 @@ def test_fsdp2_float8_all_gather_matches_one_process(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert b == pytest.approx(a, rel=2e-3)  # bf16 compute: reduction order moves the last bits
-
-

@@ -74,8 +74,14 @@ def test_plan_resolves_the_pipeline():
         (["--parallelism.pp_layers_per_stage", "2,2,0"], "pp_layers_per_stage"),
         (["--parallelism.pp_layers_per_stage", "1,2"], "pp_layers_per_stage"),
         (["--parallelism.pp_layers_per_stage", "0,4"], "pp_layers_per_stage"),
-        (["--parallelism.pp_schedule", "GPipe", "--parallelism.pp_stages_per_rank", "2"], "one stage per rank"),
-        (["--parallelism.pp_schedule", "Interleaved1F1B", "--parallelism.pp_stages_per_rank", "4"], "need at least"),
+        (
+            ["--parallelism.pp_schedule", "GPipe", "--parallelism.pp_stages_per_rank", "2"],
+            "one stage per rank",
+        ),
+        (
+            ["--parallelism.pp_schedule", "Interleaved1F1B", "--parallelism.pp_stages_per_rank", "4"],
+            "need at least",
+        ),
     ],
 )
 def test_bad_pipeline_settings_are_config_errors(over, match):

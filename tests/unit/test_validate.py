@@ -83,7 +83,7 @@ def test_value_rules(args, pattern):
     "world, args, pattern",
     [
         (4, ["--parallelism.tp", "3"], "do not divide the world size 4"),
-        (4, ["--parallelism.dp_shard", "3"], r"dp_replicate\(1\) x dp_shard\(3\) x cp\(1\) x tp\(1\) x pp\(1\) = 3"),
+        (4, ["--parallelism.dp_shard", "3"], r"dp_shard\(3\) x cp\(1\) x tp\(1\) x pp\(1\) = 3"),
         (2, ["--parallelism.tp", "2", "--training.loss", "chunked"], "chunked does not compose with"),
         (2, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1", "--parallelism.tp", "1",
              "--parallelism.fsdp_cpu_offload"], "fsdp_cpu_offload needs FSDP"),
