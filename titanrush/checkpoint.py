@@ -19,8 +19,6 @@ which rank 0 does at the first step after; that step's wait is not counted); a r
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import json
 import logging
 import os
@@ -112,21 +110,15 @@ class ObjectState(Stateful):
         self.obj.load_state_dict(state_dict)
 
 
-@functools.cache
 def stager_reusable() -> bool:
     """Whether one DCP `DefaultStager` (and its pinned buffers) serves several saves.
 
-    torch 2.11's `DefaultStager._stage` closes its inner stager after every save, so a second save
-    through it fails (`KeyError: <class 'type'>`, pytorch/pytorch#183413); later versions keep it open.
-    Where the source cannot be read, assume not: a fresh stager per save is always correct, only slower.
+    torch 2.11's stager closes its inner stager after every save, so a second save through it fails
+    (`KeyError: <class 'type'>`, pytorch/pytorch#183413); 2.12 and later keep it open. A fresh stager per
+    save is always correct, only slower.
     """
-    from torch.distributed.checkpoint.staging import DefaultStager
-
-    try:
-        source = inspect.getsource(DefaultStager._stage)
-    except (OSError, TypeError):
-        return False
-    return "_state_dict_stager.close()" not in source
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    return (major, minor) >= (2, 12)
 
 
 @dataclasses.dataclass

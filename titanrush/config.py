@@ -164,8 +164,6 @@ class Parallelism:
     """With tp > 1: shard the norms' activations over the sequence."""
     loss_parallel: bool = True
     """With tp > 1: compute the loss on the vocabulary-sharded logits."""
-    async_tp: bool = False
-    """With tp > 1 and compile on GPU: overlap TP communication with matmuls (symmetric memory)."""
     pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble"] = (
         "1F1B"
     )

@@ -42,7 +42,6 @@ class RunPlan:
     cp_rotate: str = "allgather"  # how ring attention exchanges K/V: allgather or alltoall
     sequence_parallel: bool = True  # with tp > 1
     loss_parallel: bool = True  # with tp > 1: the loss on vocabulary-sharded logits
-    async_tp: bool = False
     # FSDP: `reshard` is the policy in effect (pipelined stages keep their weights gathered: never).
     reshard: str = "default"
     keep_gathered_last: int = 0
@@ -230,7 +229,6 @@ def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunP
         cp_rotate=p.cp_rotate_method,
         sequence_parallel=p.sequence_parallel,
         loss_parallel=p.loss_parallel,
-        async_tp=p.async_tp,
         reshard=reshard,
         keep_gathered_last=p.fsdp_keep_gathered_last,
         cpu_offload=p.fsdp_cpu_offload,

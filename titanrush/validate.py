@@ -143,8 +143,6 @@ def check_values(cfg: JobConfig) -> None:
         raise ConfigError("parallelism.pp_schedule = ZBVZeroBubble places exactly 2 stages per rank (a V)")
     if cfg.float8.enable and t.precision != "bf16":
         raise ConfigError("float8.enable needs training.precision = 'bf16'")
-    if p.async_tp and not cfg.compile.enable:
-        raise ConfigError("parallelism.async_tp needs compile.enable = true")
     if cfg.checkpoint.load_model_only and not cfg.checkpoint.load_path:
         raise ConfigError(
             "checkpoint.load_model_only applies to checkpoint.load_path: set the checkpoint to start from"
@@ -299,8 +297,6 @@ def check_machine(cfg: JobConfig) -> None:
         raise ConfigError(
             f"model.attn_backend = {backend!r} needs a CUDA GPU for training ({why}); use 'sdpa'"
         )
-    if cfg.parallelism.async_tp and cfg.parallelism.tp > 1 and not cuda:
-        raise ConfigError("parallelism.async_tp needs CUDA devices (symmetric memory); turn it off on CPU")
     if cfg.activation_checkpoint.offload_first and not cuda:
         raise ConfigError(
             "activation_checkpoint.offload_first needs a CUDA GPU (it moves activations to host memory); "

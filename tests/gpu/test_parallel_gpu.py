@@ -64,7 +64,6 @@ def test_fp32_matches_one_gpu(name, tmp_path, refs):
 BF16 = {
     "fsdp2": (2, []),
     "fsdp2_compile_ac_op": (2, ["--compile.enable", "--activation_checkpoint.mode", "selective"]),
-    "tp2_compile_async": (1, ["--parallelism.tp", "2", "--compile.enable", "--parallelism.async_tp"]),
     "fsdp2_cpu_offload": (2, ["--parallelism.fsdp_cpu_offload"]),
 }
 

@@ -24,6 +24,24 @@ def test_flops_per_token_for_8b_by_hand():
     assert flops_per_token(args, n, seq) == 6 * n + 12 * 32 * 32 * 128 * seq
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_flops_per_token_equals_torchs_flop_counter(tied):
+    """The formula against an independent count: torch's FlopCounterMode over one forward and backward of
+    the debug model, with the unfused attention (its score and weighted-sum matmuls over the full T x T
+    square, as the formula counts them)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    args = model_args("debug", attn_backend="math", tie_embeddings=tied)
+    model = Llama(args)
+    model.init_weights(seed=0)
+    batch, seq = 2, 96
+    tokens = torch.randint(0, args.vocab_size, (batch, seq))
+    with FlopCounterMode(display=False) as counter:
+        logits = model(tokens)
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    assert counter.get_total_flops() == flops_per_token(args, matmul_params(model), seq) * batch * seq
+
+
 def test_tied_output_projection_is_counted():
     with torch.device("meta"):
         tied = Llama(model_args("1B"))

@@ -1,7 +1,9 @@
 """Activation checkpointing of transformer blocks: full, every N-th block, or selective by op.
 
-Each block of `model.layers` (a ModuleDict) is replaced by a non-reentrant `checkpoint_wrapper` around
-it. Parameter names gain `_checkpoint_wrapped_module.`, which checkpoint loading and weight init strip.
+Each block of `model.layers` (a ModuleDict) is replaced by a `CheckpointedBlock` around it, which runs the
+block under `torch.utils.checkpoint.checkpoint` (non-reentrant). Parameter names gain
+`_checkpoint_wrapped_module.` (the name PyTorch's own wrapper uses), which checkpoint loading and weight
+init strip.
 """
 
 from __future__ import annotations
@@ -11,11 +13,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-    CheckpointImpl,
-    CheckpointWrapper,
-    checkpoint_wrapper,
-)
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from titanrush.parallel.activation_offload import offloaded
@@ -97,7 +94,20 @@ def _selective_op_context(op_matmuls: str = "all") -> Any:
 _SAVE = _ops_to_save()
 
 
-class SelectiveOpCheckpoint(CheckpointWrapper):
+class CheckpointedBlock(nn.Module):
+    """A block recomputed in backward: its forward runs under non-reentrant `checkpoint`, nothing saved."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self._checkpoint_wrapped_module = block
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(
+            self._checkpoint_wrapped_module, *args, use_reentrant=False, preserve_rng_state=False, **kwargs
+        )
+
+
+class SelectiveOpCheckpoint(CheckpointedBlock):
     """A block under selective op checkpointing, its policy (`op_matmuls`) an attribute the forward reads.
 
     Every block runs the same forward code, so torch.compile keeps one cache of graphs for all of them and
@@ -108,7 +118,7 @@ class SelectiveOpCheckpoint(CheckpointWrapper):
     """
 
     def __init__(self, block: nn.Module, op_matmuls: str) -> None:
-        super().__init__(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, checkpoint_fn=None)
+        super().__init__(block)
         self.op_matmuls = op_matmuls
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -146,7 +156,7 @@ def wrap_block(block: nn.Module, *, selective_op: bool = False, op_matmuls: str 
     """One block wrapped for non-reentrant checkpointing (recompute all, or only the cheap ops)."""
     if selective_op:
         return SelectiveOpCheckpoint(block, op_matmuls)
-    return checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, preserve_rng_state=False)
+    return CheckpointedBlock(block)
 
 
 def apply_ac(

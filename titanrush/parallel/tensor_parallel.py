@@ -98,21 +98,3 @@ def _get(module: nn.Module, name: str) -> nn.Module | None:
         if module is None:
             return None
     return module
-
-
-def enable_async_tp(tp_mesh: DeviceMesh, *, compiled: bool) -> None:
-    """Turn on asynchronous TP: inductor splits each all-gather -> matmul and matmul -> reduce-scatter
-    pair into chunks that overlap communication with compute, through symmetric memory.
-
-    Only compiled code is rewritten, and symmetric memory needs CUDA (NVLink) devices.
-
-    `titanrush.validate` has checked both (compile on, CUDA devices).
-    """
-    assert compiled and tp_mesh.device_type == "cuda", "async TP: compiled code on CUDA devices"
-    import torch._inductor.config as inductor_config
-    from torch.distributed import _symmetric_memory
-
-    inductor_config._micro_pipeline_tp = True
-    enable = getattr(_symmetric_memory, "enable_symm_mem_for_group", None)
-    if enable is not None:  # newer torch enables symmetric memory per group on demand
-        enable(tp_mesh.get_group().group_name)

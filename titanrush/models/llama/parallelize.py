@@ -39,7 +39,6 @@ from titanrush.parallel.tensor_parallel import (
     ReplicateParallel,
     SyncRowwiseParallel,
     apply_tp_plan,
-    enable_async_tp,
 )
 from titanrush.plan import RunPlan
 
@@ -82,8 +81,6 @@ def parallelize_llama(
             loss_parallel=plan.loss_parallel,
             float8=plan.float8_tp,
         )
-        if plan.async_tp:
-            enable_async_tp(mesh["tp"], compiled=plan.compile)
 
     # 3. Context parallel: nothing changes in the modules (the plan built them with K/V heads repeated
     #    for ring attention). The trainer's context_parallel_step shards each batch over `cp` and swaps
