@@ -101,6 +101,13 @@ class CheckpointedBlock(nn.Module):
         super().__init__()
         self._checkpoint_wrapped_module = block
 
+    def __getattr__(self, name: str) -> Any:
+        """The block's own attributes (e.g. its init scale) read through the wrapper."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._checkpoint_wrapped_module, name)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(
             self._checkpoint_wrapped_module, *args, use_reentrant=False, preserve_rng_state=False, **kwargs
