@@ -211,9 +211,7 @@ def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunP
         # Each micro-batch runs forward again: re-gathering the weights for each would cost more than it
         # saves, so pipelined stages keep them gathered until backward (ZeRO-2).
         reshard = "never"
-    from titanrush.models.llama.attention import uses_graph_break  # (imports flash-attn's probe lazily)
-
-    fullgraph = cfg.compile.fullgraph and not (cfg.compile.enable and uses_graph_break(args.attn_backend))
+    fullgraph = cfg.compile.fullgraph and not (cfg.compile.enable and _graph_break(args.attn_backend))
     return RunPlan(
         args=args,
         local_batch=t.local_batch_size,
@@ -259,6 +257,16 @@ def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunP
         optimizer_impl=cfg.optimizer.implementation,
         max_norm=t.max_norm,
     )
+
+
+def _graph_break(backend: str) -> bool:
+    """Whether blocks with this attention backend compile with a graph break (flash-attn's FA3 or FA2).
+    Where no flash-attn package is installed (a plan for another machine), flash-attn-4 is assumed."""
+    if backend != "flash" or not validate.flash_installed():
+        return False
+    from titanrush.models.llama.attention import uses_graph_break  # (imports the package)
+
+    return uses_graph_break(backend)
 
 
 def describe_mesh(plan: RunPlan) -> str:

@@ -277,6 +277,11 @@ def _check_pipeline(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None
         )
 
 
+def flash_installed() -> bool:
+    """Whether a flash-attn package is installed (found, not imported: FA4's import takes seconds)."""
+    return any(importlib.util.find_spec(m) is not None for m in ("flash_attn", "flash_attn_interface"))
+
+
 def check_machine(cfg: JobConfig) -> None:
     """What this machine must provide for the config: CUDA, flash-attn, torchao, float8 tensor cores."""
     cuda = torch.cuda.is_available()

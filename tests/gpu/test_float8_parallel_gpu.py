@@ -6,7 +6,7 @@ with `float8.min_size = 0`: the debug model's layers are 256 wide, under the def
 stay in bf16. With it every block linear (7 per block) converts; the output projection stays filtered.
 
 Tolerances (max relative deviation over the steps), from CPU runs of the same configuration (torchao's
-emulated float8, gloo) and the bf16 H200 figures in docs/parallelism.md:
+emulated float8, gloo) and bf16 runs on an H200:
 - float8 against bf16, one process: 2.5e-4 to 7e-4 (loss), 3.5e-3 to 6.8e-3 (grad norm) over three
   seeds (float8 mostly lowers the grad norm, by 0.1% to 0.7% from step 4 on).
 - bf16 TP2 against one process: 2.5e-5 / 1.2e-4 on CPU (5.4e-6 loss on H200). The float8 TP plan

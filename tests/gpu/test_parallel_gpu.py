@@ -1,4 +1,4 @@
-"""Parallelisms on 2 GPUs (NCCL): fp32 parity with one GPU, bf16 meshes (compile, async TP, AC) train.
+"""Parallelisms on 2 GPUs (NCCL): fp32 parity with one GPU, bf16 meshes (compile, AC, CPU offload) train.
 
 Run on the GPU machine: `pytest tests/gpu/test_parallel_gpu.py` (needs 2 GPUs). Each test drives the real
 trainer under torchrun on the debug model with synthetic data and compares the per-step loss and
@@ -7,11 +7,10 @@ gradient norm from metrics.jsonl with a one-GPU run.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from gpu_launch import launch, torchrun
+from gpu_launch import launch
 from gpu_launch import max_dev as dev
 
 pytestmark = pytest.mark.multigpu
@@ -75,10 +74,3 @@ def test_bf16_meshes_train_like_one_gpu(name, tmp_path, refs):
     assert dev(rows, refs["bf16"], "loss") <= BF16_RTOL, [r["loss"] for r in rows]
     assert rows[-1]["loss"] < rows[0]["loss"]
     print(f"{name}: loss {dev(rows, refs['bf16'], 'loss'):.2e}")
-
-
-def _fsdp_probe(tmp_path: Path, free: bool, pool: bool) -> dict:
-    path = tmp_path / f"free{free}_pool{pool}.json"
-    probe = str(Path(__file__).with_name("fsdp_memory_probe.py"))
-    torchrun(2, [probe, str(path), str(free).lower(), str(pool).lower()], timeout=300)
-    return json.loads(path.read_text())
