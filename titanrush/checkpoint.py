@@ -117,8 +117,7 @@ def stager_reusable() -> bool:
     (`KeyError: <class 'type'>`, pytorch/pytorch#183413); 2.12 and later keep it open. A fresh stager per
     save is always correct, only slower.
     """
-    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
-    return (major, minor) >= (2, 12)
+    return torch.torch_version.TorchVersion(torch.__version__) >= "2.12.0"  # (a 2.12 pre-release: not)
 
 
 @dataclasses.dataclass

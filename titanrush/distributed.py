@@ -1,6 +1,6 @@
 """The process group and the launch environment: ranks, init, barriers, rank 0's word to every rank.
 
-torchrun (or `run_train.sh`) sets RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE; a process started
+torchrun (or `run_train.sh`) sets RANK, WORLD_SIZE and LOCAL_RANK; a process started
 without them is rank 0 of 1. Everything here is a no-op without a process group, so single-process code
 calls it unconditionally.
 """
@@ -22,16 +22,14 @@ class Ranks:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    local_world_size: int = 1
 
 
 def ranks_from_env(environ: dict[str, str] | os._Environ = os.environ) -> Ranks:
-    """RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE (defaults: one process)."""
+    """RANK, WORLD_SIZE and LOCAL_RANK (defaults: one process)."""
     return Ranks(
         rank=int(environ.get("RANK", "0")),
         world_size=int(environ.get("WORLD_SIZE", "1")),
         local_rank=int(environ.get("LOCAL_RANK", "0")),
-        local_world_size=int(environ.get("LOCAL_WORLD_SIZE", "1")),
     )
 
 
@@ -84,9 +82,11 @@ def destroy() -> None:
 ALLOC_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 
 
-def set_allocator_env(environ: dict[str, str] | os._Environ, *, expandable: bool) -> None:
+def set_allocator_env(environ: dict[str, str] | os._Environ, *, expandable: bool) -> bool:
     """The CUDA caching allocator's `expandable_segments` setting, through the environment variable the
-    allocator reads when it starts (so before this process's first CUDA allocation); a setting already in
-    the environment wins."""
+    allocator reads when CUDA starts in this process (`titanrush.train` sets it before anything does); a
+    setting already in the environment wins. Returns False where CUDA has started already (too late: the
+    allocator runs with what it read)."""
     if not any(environ.get(k) for k in ALLOC_VARS):
         environ["PYTORCH_ALLOC_CONF"] = f"expandable_segments:{expandable}"
+    return not torch.cuda.is_initialized()

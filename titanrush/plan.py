@@ -10,7 +10,7 @@ of the same plan, so the two cannot drift apart. Tests may construct a `RunPlan`
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 from dataclasses import dataclass
 
 from titanrush import validate
@@ -19,8 +19,6 @@ from titanrush.models.llama import ModelArgs, model_args
 from titanrush.models.llama.pipeline import stage_costs
 from titanrush.parallel.parallel_dims import ParallelDims
 from titanrush.parallel.pipeline import balanced_split, stage_ids, stages_per_rank
-
-INTERLEAVED = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 
 
 @dataclass(frozen=True)
@@ -75,7 +73,7 @@ class RunPlan:
     max_norm: float = 1.0
 
     # -- degrees ----------------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def dims(self) -> ParallelDims:
         return ParallelDims(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.world_size)
 
@@ -150,10 +148,10 @@ class RunPlan:
     def layers_per_stage(self) -> tuple[int, ...]:
         """Layers of each pipeline stage: the config's split, or the balanced one (embedding and output
         projection costed in blocks)."""
+        if self.n_stages == 1:  # (a split in the config applies to pipelines only)
+            return (self.args.n_layers,)
         if self.pp_layers_per_stage:
             return self.pp_layers_per_stage
-        if self.n_stages == 1:
-            return (self.args.n_layers,)
         embed, output = stage_costs(self.args)
         return tuple(balanced_split(self.args.n_layers, self.n_stages, embed_cost=embed, output_cost=output))
 
@@ -271,6 +269,5 @@ def _graph_break(backend: str) -> bool:
 
 def describe_mesh(plan: RunPlan) -> str:
     """`dp_shard=4 tp=2`-style description of the degrees above 1, or `single device`."""
-    degrees = [(f.name, getattr(plan, f.name)) for f in dataclasses.fields(plan)
-               if f.name in ("dp_replicate", "dp_shard", "cp", "tp", "pp")]  # fmt: skip
+    degrees = [(n, getattr(plan, n)) for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")]
     return " ".join(f"{n}={d}" for n, d in degrees if d > 1) or "single device"

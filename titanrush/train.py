@@ -6,6 +6,7 @@ Exit status: 0 on success, 2 on a config error (before any model is built), 1 on
 from __future__ import annotations
 
 import gc
+import os
 import sys
 
 from titanrush import config as cfgmod
@@ -69,6 +70,10 @@ def _main(argv: list[str]) -> int:
         return 2
     if cfg.training.gc_freq == 0:
         gc.enable()
+    from titanrush.distributed import set_allocator_env  # (torch's import after the config's checks)
+
+    # Before anything starts CUDA (the plan's machine checks may): the allocator reads it at start-up.
+    set_allocator_env(os.environ, expandable=cfg.training.expandable_segments)
     return _check_or_train(cfg, check)
 
 

@@ -71,7 +71,8 @@ class Trainer:
         # 1. Device, process group, mesh, run folder.
         if torch.cuda.is_available():
             self.device = torch.device("cuda", ranks.local_rank)
-            distributed.set_allocator_env(os.environ, expandable=cfg.training.expandable_segments)
+            if not distributed.set_allocator_env(os.environ, expandable=cfg.training.expandable_segments):
+                logger.warning("CUDA started before the trainer: training.expandable_segments not applied")
             torch.cuda.set_device(self.device)
             if plan.ac_offload_first > 0:  # pinned host memory next to this GPU
                 cpus = bind_near_gpu(self.device)
@@ -181,11 +182,13 @@ class Trainer:
             optimizers=[self.optimizer],
             lr_scheduler=self.scheduler,
             dataloader=self.train_loader,
-            # (the RoPE table's length is this run's, not the model's: a model rebuilt from the checkpoint
-            # gets the full table)
+            # (the RoPE table's length and context parallel's K/V expansion are this run's, not the model's:
+            # a model rebuilt from the checkpoint gets the full table and grouped K/V heads)
             info={
                 "flavor": cfg.model.flavor,
-                "model_args": dataclasses.asdict(dataclasses.replace(plan.args, rope_positions=0)),
+                "model_args": dataclasses.asdict(
+                    dataclasses.replace(plan.args, rope_positions=0, expand_kv=False)
+                ),
             },
             rank=self.rank,
         )

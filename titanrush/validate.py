@@ -134,12 +134,12 @@ def check_values(cfg: JobConfig) -> None:
             "checkpointing with op_matmuls = alternate: set mode = 'selective', selective = 'op', "
             "op_matmuls = 'alternate', or op_all_last = 0"
         )
-    if p.pp_schedule in ("GPipe", "1F1B") and p.pp_stages_per_rank > 1:
+    if p.pp > 1 and p.pp_schedule in ("GPipe", "1F1B") and p.pp_stages_per_rank > 1:
         raise ConfigError(
             f"parallelism.pp_schedule = {p.pp_schedule} runs one stage per rank; set pp_stages_per_rank = 1 "
             "or choose Interleaved1F1B, InterleavedZeroBubble or ZBVZeroBubble"
         )
-    if p.pp_schedule == "ZBVZeroBubble" and p.pp_stages_per_rank not in (0, 2):
+    if p.pp > 1 and p.pp_schedule == "ZBVZeroBubble" and p.pp_stages_per_rank not in (0, 2):
         raise ConfigError("parallelism.pp_schedule = ZBVZeroBubble places exactly 2 stages per rank (a V)")
     if cfg.float8.enable and t.precision != "bf16":
         raise ConfigError("float8.enable needs training.precision = 'bf16'")
@@ -288,9 +288,7 @@ def check_machine(cfg: JobConfig) -> None:
     backend = cfg.model.attn_backend
     if cfg.parallelism.cp > 1 and not cuda:
         raise ConfigError("parallelism.cp > 1 needs CUDA GPUs (ring attention runs on SDPA's GPU kernels)")
-    if backend == "flash" and not any(
-        importlib.util.find_spec(m) for m in ("flash_attn", "flash_attn_interface")
-    ):
+    if backend == "flash" and not flash_installed():
         raise ConfigError(
             "model.attn_backend = 'flash' needs the flash-attn package (pip install flash-attn, or the "
             "flash-attn-4 / FA3 hopper build); use attn_backend = 'sdpa' or 'cudnn' without it"

@@ -210,7 +210,7 @@ def test_async_pinned_on_a_torch_whose_stager_closes_itself_uses_a_fresh_one_per
 
 
 def test_stager_reusable_matches_what_this_torchs_stager_does():
-    # The check reads torch's source; this stages twice through one stager to see the behaviour itself.
+    # The check reads the torch version; this stages twice through one stager to see the behaviour itself.
     import torch
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -235,12 +235,12 @@ def test_barrier_names_this_ranks_device_to_nccl(monkeypatch, backend):
     # one guessed from the global rank.
     import torch.distributed as dist
 
-    from titanrush import checkpoint
+    from titanrush import distributed
 
     calls = []
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     monkeypatch.setattr(dist, "get_backend", lambda *a: backend)
     monkeypatch.setattr(dist, "barrier", lambda **kw: calls.append(kw))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
-    checkpoint.barrier()
+    distributed.barrier()
     assert calls == ([{"device_ids": [2]}] if backend == "nccl" else [{}])

@@ -126,7 +126,7 @@ def test_fake_trace_equals_real_cpu_step(kw):
     ],
 )  # fmt: skip
 def test_trace_agrees_with_analytic(kw):
-    args = model_args("debug", loss_chunk_size=kw.get("loss_chunk", 0))
+    args = model_args("debug", loss_chunk_size=kw.get("loss_chunk", 0), expand_kv=kw.get("cp", 1) > 1)
     s = RunPlan(args=args, **kw)
     traced, analytic = trace(s), analyze(s, as_traced=True)
     assert abs(analytic.peak - traced.peak) <= 0.10 * traced.peak
@@ -138,13 +138,18 @@ MIB = 2**20
 def _block_extra(s: RunPlan, mode: str, n: int, **kw: object) -> int:
     """Bytes one block keeps under context parallel beyond the same local tokens without it (batch 2)."""
     saved = lambda x: sum(block_saved(x, n, 2, mode, **kw).values())  # noqa: E731
-    return saved(s) - saved(dataclasses.replace(s, cp=1))
+    return saved(s) - saved(without_cp(s))
+
+
+def without_cp(s: RunPlan, **over: object) -> RunPlan:
+    """The plan without context parallel: grouped K/V heads again (the plan repeats them for the ring)."""
+    return dataclasses.replace(s, cp=1, args=dataclasses.replace(s.args, expand_kv=False), **over)
 
 
 def test_context_parallel_compiled_ring_attention_keeps_the_received_kv():
     # The 8B at CP2 x FSDP2 (seq 8192, batch 2): 8192 tokens per rank. One K (or V) as ring attention takes
     # it: 8192 tokens x 32 heads (SDPA repeats the 8 KV heads) x 128 x 2 bytes = 64 MiB.
-    cp2 = RunPlan(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=2, cp=2,
+    cp2 = RunPlan(args=model_args("8B", expand_kv=True), local_batch=2, seq_len=8192, precision="bf16", dp_shard=2, cp=2,
                 ac_mode="selective", compile=True)  # fmt: skip
     # Compiled op: both ranks' K and V received (4 x 64) and K, V made contiguous (2 x 64) are kept; wk's
     # and wv's outputs (8192 x 1024 x 2 bytes = 16 MiB each) are not needed any more.
@@ -163,7 +168,7 @@ def test_context_parallel_compiled_ring_attention_keeps_the_received_kv():
     # At the loss's backward (all 32 blocks' tensors alive): 32 x 352 MiB = 11 GiB more than the same local
     # tokens without the ring; measured on H200 before the trainer compiled the loss (when this moment was
     # the peak): 70.0 GiB, 11.1 more than without.
-    plain = analyze(dataclasses.replace(cp2, cp=1, dp_shard=4, seq_len=4096))  # the same FSDP shards
+    plain = analyze(without_cp(cp2, dp_shard=4, seq_len=4096))  # the same FSDP shards
     ring = analyze(cp2)
     at_loss = lambda b: sum(b.moments["loss backward"].values())  # noqa: E731
     assert at_loss(ring) - at_loss(plain) == 32 * 352 * MIB
@@ -345,7 +350,9 @@ def test_selective_op_alternate_recomputes_wk_wo_w3():
     assert b.peak_phase == b_alt.peak_phase == "loss backward"
     assert b.peak - b_alt.peak == 32 * 608 * MIB
     # Under compiled ring attention wk's and wv's outputs are not kept anyway: only wo's and w3's go.
-    cp = dataclasses.replace(s, cp=2)
+    cp = dataclasses.replace(
+        s, cp=2, args=dataclasses.replace(s.args, expand_kv=True)
+    )  # (as the plan builds)
     assert saved(cp) - saved(dataclasses.replace(cp, ac_op_matmuls="alternate")) == (128 + 448) * MIB
     # all_but_w3: only w3's output goes, 448 MiB per block.
     assert saved(s) - saved(dataclasses.replace(s, ac_op_matmuls="all_but_w3")) == 448 * MIB

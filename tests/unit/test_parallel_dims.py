@@ -76,7 +76,7 @@ def test_dp_shard_zero_is_refused():
 
 def test_derived_degrees():
     d = dims(16, dp_replicate=2, tp=2, pp=2)
-    assert (d.dp_shard, d.dp, d.non_data_parallel_size) == (2, 4, 4)
+    assert (d.dp_shard, d.dp) == (2, 4)
     assert d.fsdp_enabled and not d.ddp_enabled
     ddp = dims(4, dp_replicate=4)
     assert ddp.dp_shard == 1 and ddp.ddp_enabled and not ddp.fsdp_enabled

@@ -106,6 +106,8 @@ class CheckpointedBlock(nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
+            if name == "_checkpoint_wrapped_module":  # (not set yet: no block to ask)
+                raise
             return getattr(self._checkpoint_wrapped_module, name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:

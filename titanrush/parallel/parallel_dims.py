@@ -7,7 +7,7 @@ activations between neighbours.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -20,7 +20,6 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
-    _mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         # `titanrush.validate.check_degrees` has checked the degrees against the world size.
@@ -43,11 +42,6 @@ class ParallelDims:
     def ddp_enabled(self) -> bool:
         return self.dp_replicate > 1 and not self.fsdp_enabled
 
-    @property
-    def non_data_parallel_size(self) -> int:
-        """GPUs that together hold one replica and process the same tokens."""
-        return self.cp * self.tp * self.pp
-
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """One mesh over all ranks, with the flattened views that the parts need:
         `dp` (data loading), `dp_shard_cp` (FSDP), `dp_cp` (loss and grad-norm reduction)."""
@@ -58,10 +52,4 @@ class ParallelDims:
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        self._mesh = mesh
         return mesh
-
-    @property
-    def mesh(self) -> DeviceMesh:
-        assert self._mesh is not None, "build_mesh() first"
-        return self._mesh

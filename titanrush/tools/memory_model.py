@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from titanrush.models.llama import ModelArgs
 from titanrush.parallel.activation_offload import offloaded
 from titanrush.parallel.float8 import skip_reason
 from titanrush.plan import RunPlan
@@ -199,11 +200,11 @@ def _ring_kv(s: RunPlan, n: int) -> tuple[int, int]:
     return pair, (s.cp if s.cp_rotate == "allgather" else s.cp - 1) * pair
 
 
-def expands_kv(backend: str, cp: int, as_traced: bool) -> bool:
+def expands_kv(args: ModelArgs, as_traced: bool) -> bool:
     """Whether attention's saved K/V have one head per query head (`attention.repeat_kv` ran first)."""
-    if as_traced:  # memory_trace runs sdpa for every backend but math, on one process (no CP)
-        return backend == "math"
-    return backend in ("cudnn", "math") or (backend == "sdpa" and cp > 1)
+    if as_traced:  # memory_trace runs sdpa (grouped K/V) for every backend but math, on one process
+        return args.attn_backend == "math"
+    return args.attn_backend in ("cudnn", "math") or (args.attn_backend == "sdpa" and args.expand_kv)
 
 
 def keeps_all_matmuls(s: RunPlan, layer: int) -> bool:
@@ -249,7 +250,7 @@ def block_saved(
         return out
     # cudnn and math take K/V repeated to the query heads, and so does sdpa under context parallel;
     # otherwise the kernels read each K/V head for its group of query heads (sdpa's enable_gqa, flash, flex).
-    kv = hq if expands_kv(a.attn_backend, s.cp, as_traced) else hkv
+    kv = hq if expands_kv(a, as_traced) else hkv
     if mode == "compiled":
         # What inductor's partitioner keeps (measured for 1B blocks on H200; float8 and CP from its runs on
         # CPU, docs/estimator.md): the eager set less silu, norms fused, and wo's output (under autocast

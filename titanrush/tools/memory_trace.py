@@ -193,7 +193,11 @@ def build_local_model(s: RunPlan, plan: RankPlan) -> Llama:
     a = s.args
     backend = "math" if a.attn_backend == "math" else "sdpa"  # flash, cudnn, flex: no CPU backward
     # compile_loss off: the trace runs eager (the analytic model says what compile changes)
-    model = Llama(dataclasses.replace(a, n_layers=len(plan.layers), attn_backend=backend, compile_loss=False))
+    model = Llama(
+        dataclasses.replace(
+            a, n_layers=len(plan.layers), attn_backend=backend, compile_loss=False, expand_kv=False
+        )
+    )
     if s.tp > 1:  # what each TP rank holds: its heads, its FFN columns, its vocabulary rows
         d, hd, tp = a.dim, a.head_dim, s.tp
         hq, hkv, f = a.n_heads // tp * hd, a.kv_heads // tp * hd, math.ceil(a.ffn_hidden / tp)

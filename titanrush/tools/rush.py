@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from titanrush import config as cfgmod
+from titanrush import validate
 from titanrush.config import ConfigError
 from titanrush.tools import rush_report as report
 from titanrush.tools import rush_runner as runner
@@ -344,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         base = base_settings(config, code_base, overrides)
         base_cfg = cfgmod.load(config, to_args(base))
+        validate.check_values(base_cfg)  # (each rung's degrees and machine are checked per rung)
     except ConfigError as e:
         print(f"titanrush rush: config error: {e}", file=sys.stderr)
         return 2

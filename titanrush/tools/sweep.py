@@ -7,8 +7,8 @@ The grid names the values of each dimension, `dim=v1,v2,...`, separated by space
 dp_replicate, dp_shard, tp, pp, cp, and the extras reshard (always, never, default: FSDP's
 reshard_after_forward), ac (none, selective, full: activation checkpointing) and batch (the local batch
 size). dp_shard takes what the other degrees leave of N unless the grid names it; a degree the grid
-does not name keeps the config's value. Every combination is checked with the trainer's own
-`check_config` at world size N; the invalid ones are listed with the trainer's reason, never dropped.
+does not name keeps the config's value. Every combination is checked by the trainer's own plan
+(`titanrush.plan.build_plan`) at world size N; the invalid ones are listed with its reason, never dropped.
 `--dry-run` prints the valid shapes, one per line, and runs nothing. Otherwise each shape trains for
 --steps steps (`NGPU=N ./run_train.sh`, one after another) and the output folder gets results.jsonl,
 results.md (sorted by tokens/s), sweep.png and TensorBoard hparams (tb/). `titanrush rush dist
@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from titanrush import config as cfgmod
+from titanrush import validate
 from titanrush.config import ConfigError
 from titanrush.tools import rush_report, sweep_report
 from titanrush.tools import rush_runner as runner
@@ -182,6 +183,7 @@ def plan(
         (valid shapes with dp_shard resolved, [(invalid shape, reason)]).
     """
     base_cfg = cfgmod.load(config, to_args(base))
+    validate.check_values(base_cfg)  # (a bad value is the config's, not a shape's: exit 2)
     degrees = {d: getattr(base_cfg.parallelism, d) for d in DEGREES} | {"dp_shard": -1}
     valid: list[Shape] = []
     invalid: list[tuple[Shape, str]] = []

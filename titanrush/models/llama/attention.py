@@ -14,7 +14,6 @@ q is (B, T, H, D), k and v are (B, T, Hkv, D); the result is (B, T, H, D). Backe
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
 import os
 from collections.abc import Callable
@@ -58,14 +57,6 @@ def flash_attn_func() -> Callable[..., Any]:
             "flash-attn-4 / FA3 hopper build); use attn_backend = 'sdpa' or 'cudnn' without it"
         ) from e
     return fa2
-
-
-FLASH_MODULES = ("flash_attn", "flash_attn_interface")  # FA4 and FA2 (flash_attn), FA3 (hopper build)
-
-
-def flash_installed() -> bool:
-    """Whether a flash-attn package is installed (found, not imported: FA4's import takes seconds)."""
-    return any(importlib.util.find_spec(m) is not None for m in FLASH_MODULES)
 
 
 @functools.cache

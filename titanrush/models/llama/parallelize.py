@@ -99,8 +99,8 @@ def parallelize_llama(
         compiled=plan.compile,
     )
     if plan.compile:
-        if not plan.fullgraph:
-            logger.info(f"compile: attn_backend={model.args.attn_backend} runs between compiled graphs")
+        if not plan.fullgraph and model.args.attn_backend == "flash":
+            logger.info("compile: the flash-attn package (FA3/FA2) runs between the block's compiled graphs")
         apply_compile(model, fullgraph=plan.fullgraph)
 
     # 6. Data parallel: FSDP (or HSDP on a 2-D mesh), else plain DDP.
