@@ -131,6 +131,10 @@ class Metrics:
     device (or CPU) then gets no MFU."""
     all_ranks: bool = False
     """Every rank writes its own metrics (rank0 only by default)."""
+    verbose: bool = False
+    """Every rank prints its INFO lines and every library warning (torch's, Inductor's). Off: rank 0
+    prints its INFO lines and each library warning once; the other ranks only titanrush's warnings and
+    errors."""
 
 
 @dataclass
