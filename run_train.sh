@@ -3,6 +3,7 @@
 #   NGPU      processes per node (default: visible GPUs, or 1 without a GPU)
 #   NNODES    nodes (default 1); with NNODES > 1 also NODE_RANK and RDZV_ENDPOINT (host:port) or
 #             MASTER_ADDR / MASTER_PORT, for torchrun's c10d rendezvous
+#   OMP_NUM_THREADS  CPU threads per process when several run (default: the node's cores / NGPU)
 set -euo pipefail
 # Paths on the command line stay relative to where you run this from; titanrush itself must be
 # importable (pip install -e . in the checkout), or run this from the checkout's root.
@@ -26,6 +27,15 @@ fi
 
 # Several processes: validate the config once first, so that a typo exits 2 before any launch.
 WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titanrush.train --check "$@" >/dev/null
+
+# CPU threads per process: this node's cores shared by its NGPU processes (torchrun would set 1, with a
+# banner saying so). A value in the environment wins.
+if [ -z "${OMP_NUM_THREADS:-}" ]; then
+  cores=$(nproc 2>/dev/null || getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)
+  OMP_NUM_THREADS=$((cores / NGPU))
+  [ "$OMP_NUM_THREADS" -ge 1 ] || OMP_NUM_THREADS=1
+  export OMP_NUM_THREADS
+fi
 
 if [ "$NNODES" = "1" ]; then
   exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" -m titanrush.train "$@"

@@ -12,9 +12,13 @@ import dataclasses
 import difflib
 import inspect
 import math
+import re
+import shutil
 import sys
+import textwrap
 import types
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -131,6 +135,10 @@ class Metrics:
     device (or CPU) then gets no MFU."""
     all_ranks: bool = False
     """Every rank writes its own metrics (rank0 only by default)."""
+    verbose: bool = False
+    """Every rank prints its INFO lines and every library warning (torch's, Inductor's). Off: rank 0
+    prints its INFO lines and each library warning once; the other ranks only titanrush's warnings and
+    errors."""
 
 
 @dataclass
@@ -345,17 +353,39 @@ def _docstrings(cls: type) -> dict[str, str]:
     return docs
 
 
-def help_text() -> str:
-    """Every key with its type, default and docstring."""
-    lines = ["Config keys (set in TOML or as --section.key value):", ""]
+def help_text(width: int | None = None) -> str:
+    """Every key with its type, default and docstring, grouped by section and wrapped to `width` columns.
+
+    Args:
+        width: Columns to wrap to; None: the terminal's (`COLUMNS`, else 80 where there is no terminal).
+    """
+    width = max(40, width or shutil.get_terminal_size().columns)
+
+    def wrap(text: str, first: str, rest: str) -> str:
+        return textwrap.fill(
+            text,
+            width,
+            initial_indent=first,
+            subsequent_indent=rest,
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+
+    intro = (
+        "Config keys, by section: in a TOML file as [section] then key = value, on the command line as "
+        "--section.key value (booleans: --section.key / --no-section.key; lists: a,b,c)."
+    )
+    lines = [wrap(intro, "", ""), ""]
     for name, cls in sections().items():
         lines.append(f"[{name}]")
         docs = _docstrings(cls)
         types_ = _field_types(cls)
         for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"  --{name}.{f.name} ({_type_name(types_[f.name])}, default {default!r})")
-            lines.append(f"      {docs.get(f.name, '')}")
+            # the key is the line's indent, so that it is never broken from its type
+            what = f"({_type_name(types_[f.name])}, default {default!r})"
+            lines.append(wrap(what, f"  --{name}.{f.name} ", "        "))
+            lines.append(wrap(docs.get(f.name, ""), "      ", "      "))
         lines.append("")
     return "\n".join(lines)
 
@@ -467,29 +497,84 @@ def _set(cfg: JobConfig, section: str, key: str, value: Any, from_cli: bool) -> 
 # Loading
 
 
-def read_toml(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, dict[str, Any]]:
+def read_toml(path: str | Path) -> dict[str, dict[str, Any]]:
     """Read a TOML config, following `extends = "other.toml"` (relative to the file) first."""
-    path = Path(path)
+    return _read_toml(Path(path), ())[0]
+
+
+# (section, key) -> the file of an `extends` chain that sets it; (section, None): a file that has the table
+Origins = dict[tuple[str, str | None], Path]
+
+
+def _read_toml(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, dict[str, Any]], Origins]:
+    """`read_toml`, and where each key comes from (the last file of the chain that sets it)."""
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found; pass an existing file to --config")
     resolved = path.resolve()
-    if resolved in _seen:
-        raise ConfigError(f"config file {str(path)!r} extends itself (through {_seen[-1].name})")
+    if resolved in seen:
+        raise ConfigError(f"config file {str(path)!r} extends itself (through {seen[-1].name})")
     try:
         data = tomllib.loads(path.read_text())
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
     base: dict[str, dict[str, Any]] = {}
+    origins: Origins = {}
     parent = data.pop("extends", None)
     if parent is not None:
         if not isinstance(parent, str):
-            raise ConfigError(f"{path}: extends must be a file name string, got {parent!r}")
-        base = read_toml(path.parent / parent, _seen + (resolved,))
+            where = _where(path, "extends", None)
+            raise ConfigError(f"{where}: extends must be a file name string, got {parent!r}")
+        base, origins = _read_toml(path.parent / parent, seen + (resolved,))
     for section, values in data.items():
         if not isinstance(values, dict):
-            raise ConfigError(f"{path}: top-level key {section!r} must be a [section] table")
+            where = _where(path, section, None)
+            raise ConfigError(f"{where}: top-level key {section!r} must be a [section] table")
         base.setdefault(section, {}).update(values)
-    return base
+        origins[(section, None)] = path
+        origins.update({(section, key): path for key in values})
+    return base, origins
+
+
+def _where(path: Path, section: str, key: str | None) -> str:
+    """`path:line` of `key` in table [section] (key None: the table, or a top-level key `section`), or
+    `path` where its text does not show it plainly."""
+    try:
+        line = toml_line(path.read_text(), section, key)
+    except OSError:
+        line = None
+    return f"{path}:{line}" if line else str(path)
+
+
+def toml_line(text: str, section: str, key: str | None = None) -> int | None:
+    """The 1-based line that sets `key` of table [section] in a TOML text (tomllib gives no positions).
+
+    Found: `key = ...` under a `[section]` header; before any header, a dotted `section.key = ...` or an
+    inline table `section = {... key = ...}`. With key None: the `[section]` (or `[[section]]`) header,
+    or a top-level `section = ...` / `section.x = ...`.
+    """
+    bare = _toml_key_pattern
+    header = re.compile(rf"\s*\[\[?{bare(section)}\]")
+    in_table = re.compile(rf"{bare(key)}=") if key else None
+    if key is None:
+        top = re.compile(rf"{bare(section)}[=.]")
+    else:  # section.key = ..., or section = { ..., key = ... } on one line
+        top = re.compile(rf"{bare(section)}(\.{bare(key)}=|=\s*\{{(.*,)?{bare(key)}=)")
+    table: bool | None = None  # None: before the first header; then whether it is [section]
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("["):
+            table = bool(header.match(line))
+            if table and key is None:
+                return number
+            continue
+        inside = bool(table) and in_table is not None and in_table.match(line) is not None
+        if inside or (table is None and top.match(line)):
+            return number
+    return None
+
+
+def _toml_key_pattern(name: str) -> str:
+    """A regular expression for the TOML key `name`, bare or quoted, with the spaces around it."""
+    return rf"""\s*["']?{re.escape(name)}["']?\s*"""
 
 
 def parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
@@ -532,13 +617,25 @@ def load(config_path: str | None = None, overrides: list[str] | None = None) -> 
     """
     cfg = JobConfig()
     if config_path:
-        for section, values in read_toml(config_path).items():
-            _lookup(section, None)
+        data, origins = _read_toml(Path(config_path), ())
+        for section, values in data.items():
+            with _located(origins[(section, None)], section, None):
+                _lookup(section, None)
             for key, value in values.items():
-                _set(cfg, section, key, value, from_cli=False)
+                with _located(origins[(section, key)], section, key):
+                    _set(cfg, section, key, value, from_cli=False)
     for section, key, value in parse_overrides(overrides or []):
         _set(cfg, section, key, value, from_cli=True)
     return cfg
+
+
+@contextlib.contextmanager
+def _located(path: Path, section: str, key: str | None) -> Iterator[None]:
+    """A ConfigError raised inside names the file and line of [section] `key` first."""
+    try:
+        yield
+    except ConfigError as e:
+        raise ConfigError(f"{_where(path, section, key)}: {e}") from None
 
 
 def to_toml(cfg: JobConfig) -> str:

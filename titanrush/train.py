@@ -61,13 +61,13 @@ def _main(argv: list[str]) -> int:
         print(USAGE)
         print(cfgmod.help_text())
         return 0
-    init_logging()
     try:
         path, check, overrides = split_args(argv)
         cfg = cfgmod.load(path, overrides)
     except ConfigError as e:
         print(f"titanrush: config error: {e}", file=sys.stderr)
         return 2
+    init_logging(verbose=cfg.metrics.verbose)  # before torch's import: its warnings follow the policy
     if cfg.training.gc_freq == 0:
         gc.enable()
     from titanrush.distributed import set_allocator_env  # (torch's import after the config's checks)

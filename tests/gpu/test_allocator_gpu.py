@@ -28,7 +28,8 @@ def test_expandable_segments_reach_the_allocator_with_float8(tmp_path, expandabl
         pytest.skip("float8 needs compute capability >= 8.9")
     args = ["--job.dump_folder", str(tmp_path), "--training.steps", "2", "--training.seq_len", "64",
             "--training.precision", "bf16", "--float8.enable", "--float8.min_size", "0",
-            "--training.expandable_segments", str(expandable).lower(), "--no-metrics.tensorboard"]  # fmt: skip
+            "--training.expandable_segments", str(expandable).lower(),
+            "--no-metrics.tensorboard"]  # fmt: skip
     env = {k: v for k, v in __import__("os").environ.items() if "ALLOC_CONF" not in k}
     res = subprocess.run([sys.executable, "-c", SCRIPT, *args], cwd=ROOT, env=env, capture_output=True,
                          text=True, timeout=600)  # fmt: skip

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -123,10 +125,75 @@ def test_toml_errors(tmp_path):
         config.load(str(broken))
 
 
+@pytest.mark.parametrize(
+    "files, fragment",
+    [
+        # an unknown key, its line under its table
+        ({"a.toml": "[training]\nsteps = 3\n\n[model]\nflavr = 'debug'\n"},
+         "a.toml:5: unknown config key model.flavr; did you mean model.flavor?"),
+        # a bad type, quoted key
+        ({"a.toml": "# run\n[training]\nsteps = 3\n'seq_len' = 'long'\n"},
+         "a.toml:4: training.seq_len must be an integer, got 'long'"),
+        # an unknown section: its header
+        ({"a.toml": "[optimizer]\nlr = 0.1\n[trainer]\nsteps = 3\n"},
+         "a.toml:3: unknown config section [trainer]; did you mean [training]?"),
+        # a dotted key and an inline table before any header
+        ({"a.toml": "training.steps = 3\nmodel = { flavor = 'debug', vocab_sise = 3 }\n"},
+         "a.toml:2: unknown config key model.vocab_sise"),
+        # in an extends chain: the file that has the key, not the one passed to --config
+        ({"a.toml": "extends = 'base.toml'\n[training]\nsteps = 4\n",
+          "base.toml": "[optimizer]\nlr = 0.1\n\n[training]\nsteps = 2\nprecision = 'fp16'\n"},
+         "base.toml:6: training.precision = 'fp16' is not one of fp32, bf16"),
+        ({"a.toml": "extends = 3\n"}, "a.toml:1: extends must be a file name string"),
+        ({"a.toml": "training = 3\n"}, "a.toml:1: top-level key 'training' must be a [section] table"),
+    ],
+)  # fmt: skip
+def test_toml_key_and_type_errors_name_the_file_and_line(tmp_path, files, fragment):
+    for name, text in files.items():
+        write(tmp_path / name, text)
+    with pytest.raises(ConfigError) as e:
+        config.load(str(tmp_path / "a.toml"))
+    assert str(e.value).startswith(f"{tmp_path}/{fragment}"), str(e.value)
+
+
+def test_toml_line():
+    text = "extends = 'b.toml'\n[training]\nsteps = 3\n[optimizer]\nlr = 1.0\n"
+    assert config.toml_line(text, "training", "steps") == 3
+    assert config.toml_line(text, "optimizer", "lr") == 5 and config.toml_line(text, "optimizer") == 4
+    assert config.toml_line(text, "training", "lr") is None  # lr is in another table
+    assert config.toml_line(text, "extends") == 1
+
+
+def test_help_is_wrapped_and_grouped_by_section():
+    width = 64
+    text = config.help_text(width)
+    lines = text.splitlines()
+    # Only a word longer than the line (a long type such as pp_schedule's choices) overflows it.
+    assert all(len(line) <= width or len(line.split()) <= 2 for line in lines), max(lines, key=len)
+    assert sum(len(line) > width for line in lines) <= 2
+    # Keys by section: each [section] header, in order, followed by exactly its own keys.
+    heads = [i for i, line in enumerate(lines) if line.startswith("[")]
+    assert [lines[i] for i in heads] == [f"[{name}]" for name in config.sections()]
+    for i, (name, cls) in zip(heads, config.sections().items()):
+        block = lines[i + 1 : (heads + [len(lines)])[heads.index(i) + 1]]
+        keys = [line.split()[0] for line in block if line.startswith("  --")]
+        assert keys == [f"--{name}.{f.name}" for f in dataclasses.fields(cls)]
+    # Unwrapped, a docstring would run past 200 columns.
+    assert max(len(line) for line in config.help_text(1000).splitlines()) > 200
+
+
+def test_help_follows_the_terminal_width():
+    env = {**os.environ, "COLUMNS": "72"}
+    res = subprocess.run([sys.executable, "-m", "titanrush.train", "--help"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == 0 and "[parallelism]" in res.stdout
+    keys = res.stdout[res.stdout.index("Config keys") :]  # (the usage lines above are train.py's own)
+    assert all(len(line) <= 72 or len(line.split()) <= 2 for line in keys.splitlines())
+    assert keys.strip() == config.help_text(72).strip()
+
+
 def test_help_lists_every_key_with_doc():
     text = config.help_text()
-    import dataclasses
-
     for section, cls in config.sections().items():
         for f in dataclasses.fields(cls):
             assert f"--{section}.{f.name} " in text

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from titanrush import config
+from titanrush.config import ConfigError
 from titanrush.models.llama import model_args
 from titanrush.plan import RunPlan
 from titanrush.tools import estimate as est_mod
@@ -149,8 +150,8 @@ def without_cp(s: RunPlan, **over: object) -> RunPlan:
 def test_context_parallel_compiled_ring_attention_keeps_the_received_kv():
     # The 8B at CP2 x FSDP2 (seq 8192, batch 2): 8192 tokens per rank. One K (or V) as ring attention takes
     # it: 8192 tokens x 32 heads (SDPA repeats the 8 KV heads) x 128 x 2 bytes = 64 MiB.
-    cp2 = RunPlan(args=model_args("8B", expand_kv=True), local_batch=2, seq_len=8192, precision="bf16", dp_shard=2, cp=2,
-                ac_mode="selective", compile=True)  # fmt: skip
+    cp2 = RunPlan(args=model_args("8B", expand_kv=True), local_batch=2, seq_len=8192, precision="bf16",
+                  dp_shard=2, cp=2, ac_mode="selective", compile=True)  # fmt: skip
     # Compiled op: both ranks' K and V received (4 x 64) and K, V made contiguous (2 x 64) are kept; wk's
     # and wv's outputs (8192 x 1024 x 2 bytes = 16 MiB each) are not needed any more.
     assert _block_extra(cp2, "op", 8192) == (256 + 128 - 32) * MIB
@@ -502,6 +503,45 @@ def test_cli_text_and_overrides(capsys):
     assert est_mod.main(argv) == 0
     text = capsys.readouterr().out
     assert "local batch 2 x seq 256" in text and "fits" in text and "largest local batch size" in text
+    # No CUDA device on this machine and no --gpu-mem: 80 GiB, and the report says so.
+    assert "of 80.0 GiB: fits" in text
+    assert "GPU memory: assuming 80 GiB per GPU (no CUDA device here; pass --gpu-mem)" in text
+
+
+def test_cli_exit_status_1_when_the_config_does_not_fit(capsys):
+    cfg = config.load(DEBUG)
+    total = est_mod.estimate(cfg, 1, trace=False).total_gib
+    small = f"{total / 2:.3f}"  # half of what the debug model needs
+    assert est_mod.main(["--config", DEBUG, "--ngpu", "1", "--no-trace", "--gpu-mem", small]) == 1
+    text = capsys.readouterr().out
+    assert f"of {float(small):.1f} GiB: does NOT fit" in text
+    assert f"GPU memory: {float(small):g} GiB per GPU (--gpu-mem)" in text
+    argv = ["--config", DEBUG, "--ngpu", "1", "--no-trace", "--json", "--gpu-mem", small]
+    assert est_mod.main(argv) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["fits"] is False and out["gpu_mem_note"] == f"{float(small):g} GiB per GPU (--gpu-mem)"
+    assert est_mod.main(["--config", DEBUG, "--ngpu", "1", "--no-trace", "--gpu-mem", f"{2 * total}"]) == 0
+
+
+def test_gpu_memory_rule():
+    """One rule for estimate, sweep and rush: --gpu-mem, else the GPU here, else 80 GiB, said so."""
+    assert est_mod.gpu_memory(141.0, {"cuda": True, "name": "NVIDIA H100", "mem_gib": 79.2}) == (
+        141.0,
+        "141 GiB per GPU (--gpu-mem)",
+    )
+    gib, note = est_mod.gpu_memory(None, {"cuda": True, "name": "NVIDIA H100 80GB HBM3", "mem_gib": 79.19})
+    assert gib == 79.19 and note.startswith("79.2 GiB per GPU (this machine's NVIDIA H100 80GB HBM3")
+    # A CPU machine's RAM (the device probe's host_mem_gib) is never taken for a GPU's memory.
+    cpu = {"cuda": False, "name": "cpu", "mem_gib": None, "host_mem_gib": 23.6}
+    assert est_mod.gpu_memory(None, cpu) == (
+        80.0,
+        "assuming 80 GiB per GPU (no CUDA device here; pass --gpu-mem)",
+    )
+    if not torch.cuda.is_available():  # asked of torch in this process: the same answer here
+        assert est_mod.gpu_memory(None) == est_mod.gpu_memory(None, cpu)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match="--gpu-mem must be a positive number of GiB"):
+            est_mod.gpu_memory(bad)
 
 
 @pytest.mark.parametrize(

@@ -107,7 +107,6 @@ def test_mesh_dims_order_and_flattened_views(fake_world):
     assert mesh["dp"].size() == 4  # dp_replicate x dp_shard: data loading
     assert mesh["dp_shard_cp"].size() == 2  # FSDP's shard dimension
     assert mesh["dp_cp"].size() == 4  # loss and gradient-norm reduction
-    assert d.mesh is mesh
     # TP innermost (neighbouring ranks, the fastest links), PP outermost.
     assert mesh["tp"].mesh.tolist() == [0, 1]
     assert mesh["pp"].mesh.tolist() == [0, 8]
@@ -120,3 +119,26 @@ def test_mesh_of_a_later_rank(fake_world):
     assert mesh["tp"].mesh.tolist() == [4, 5]
     assert mesh["dp"].mesh.tolist() == [1, 3, 5, 7]
     assert mesh["dp"].get_local_rank() == 2
+
+
+def test_mesh_views_are_kept_not_sliced_from_the_root(fake_world):
+    """torch deprecates slicing a flattened dimension from the root mesh ("Slicing a flattened dim from
+    root mesh will be deprecated"): every view the trainer and parallelize_llama take is the mesh kept
+    when it was made, so none of them warns."""
+    import warnings
+
+    fake_world(16)
+    d = dims(16, dp_replicate=2, cp=2, tp=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails the test
+        mesh = d.build_mesh("cpu")
+        views = {name: mesh[name] for name in ("dp", "dp_shard_cp", "dp_cp", "tp", "cp", "pp")}
+        hsdp = mesh["dp_replicate", "dp_shard_cp"]
+    assert {n: v.mesh_dim_names for n, v in views.items()} == {n: (n,) for n in views}
+    assert mesh["dp_cp"] is views["dp_cp"]  # the same mesh (and process group) every time
+    # The HSDP view joins the replicate dimension and FSDP's flattened shard dimension, with their groups.
+    assert hsdp.mesh_dim_names == ("dp_replicate", "dp_shard_cp") and tuple(hsdp.shape) == (2, 4)
+    assert hsdp.mesh.tolist() == [[0, 2, 4, 6], [8, 10, 12, 14]]
+    assert hsdp.get_group(0) is mesh["dp_replicate"].get_group()
+    assert hsdp.get_group(1) is views["dp_shard_cp"].get_group()
+    assert mesh.root.mesh_dim_names == mesh.mesh_dim_names  # the rest is the root DeviceMesh's

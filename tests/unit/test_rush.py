@@ -189,6 +189,45 @@ def test_ladder_dry_run_prints_the_plan_and_runs_nothing(tmp_path, capsys):
     assert "python -m titanrush.train --config" in printed and "--job.name fp32" in printed
     assert printed.count(NEEDS_GPU) == 4  # sdpa, flash-attn, compile, float8 on this CPU
     assert not out.exists()
+    # Every planned run has the estimator's verdict against the one rule's GPU memory (a CPU here: 80
+    # GiB, said so), and the tiny runs fit: the AC rungs take twice the last batch tried.
+    assert "GPU memory: assuming 80 GiB per GPU (no CUDA device here; pass --gpu-mem)" in printed
+    planned = [line for line in printed.splitlines() if line.startswith("        + ")]
+    assert len(planned) == 7 and all(line.endswith(" of 80 GiB: fits)") for line in planned), planned
+    assert "ac-full          full activation checkpointing at batch 8" in printed
+
+
+def fake_estimate(cfg: Any, ngpu: int, gpu_mem_gib: float) -> Any:
+    """10 GiB per sequence of the local batch."""
+    total = 10.0 * cfg.training.local_batch_size
+    return type("Est", (), {"total_gib": total, "fits": total <= gpu_mem_gib})()
+
+
+@pytest.mark.parametrize(
+    "device, extra, rule, stop",
+    [
+        (None, ["--gpu-mem", "30"], "30 GiB per GPU (--gpu-mem)", 4),  # this CPU machine
+        (FAKE_GPU, [], "139.8 GiB per GPU (this machine's NVIDIA H200", 16),
+    ],
+)
+def test_ladder_dry_run_stops_the_batch_doubling_where_the_estimator_says(
+    monkeypatch, capsys, device, extra, rule, stop
+):
+    """A dry run predicts the real ladder: the doubling stops at the first batch the estimator says does
+    not fit under the GPU memory rule, and the AC rungs take that batch."""
+    if device is not None:
+        monkeypatch.setattr(rush_runner, "probe_device", lambda: dict(device))
+    monkeypatch.setattr(rush_runner, "quick_estimate", fake_estimate)
+    argv = ["ladder", "--config", DEBUG, "--dry-run", "--max-doublings", "6", *SMALL, *extra]
+    assert rush.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert f"GPU memory: {rule}" in printed
+    gib = rule.split()[0]
+    assert f"local_batch_size {stop} (estimate {10 * stop:.1f} of {gib} GiB: does not fit)" in printed
+    assert f"local_batch_size {stop // 2} (estimate {5 * stop:.1f} of {gib} GiB: fits)" in printed
+    assert f"batch-{2 * stop}" not in printed  # the doubling stopped
+    assert f"ac-selective     selective (op) activation checkpointing at batch {stop}" in printed
+    assert f"the batch doubling would stop at {stop}" in printed and f"batch {stop // 2} is kept" in printed
 
 
 def test_dist_dry_run_plan(tmp_path, capsys):

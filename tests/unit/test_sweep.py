@@ -9,7 +9,9 @@ from typing import Any
 
 import pytest
 
+from titanrush import config as cfgmod
 from titanrush.tools import rush, rush_runner, sweep
+from titanrush.tools.estimate import estimate
 from titanrush.tools.rush_runner import OK, OOM
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -79,6 +81,8 @@ def test_bad_input_exits_2(fake_cpu, capsys):
     assert sweep.main(["--config", DEBUG, "--ngpu", "2", "--assume-cuda"]) == 2
     assert "use it with --dry-run" in capsys.readouterr().err
     assert sweep.main(["--ngpu", "2"]) == 2  # --config is required (argparse's message)
+    assert sweep.main(["--config", DEBUG, "--ngpu", "2", "--dry-run", "--gpu-mem", "-1"]) == 2
+    assert "--gpu-mem must be a positive number of GiB, got -1.0" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,13 +313,14 @@ def test_cpu_sweep_end_to_end(tmp_path):
     assert "sweep/tps" in acc.Tags()["scalars"]
 
 
-def test_dry_run_flags_and_skips_what_the_estimator_says_will_not_fit(fake_cpu, monkeypatch, capsys):
-    class Est:
-        def __init__(self, cfg: Any) -> None:
-            self.total_gib = 100.0 / cfg.parallelism.tp
-            self.fits = self.total_gib <= 60.0
+def fake_estimate(cfg: Any, ngpu: int, gpu_mem_gib: float) -> Any:
+    """100 GiB over tp: tp=1 needs 100 GiB, tp=2 50."""
+    total = 100.0 / cfg.parallelism.tp
+    return type("Est", (), {"total_gib": total, "fits": total <= gpu_mem_gib})()
 
-    monkeypatch.setattr(sweep, "load_estimator", lambda: (lambda cfg, ngpu, mem, trace: Est(cfg), ""))
+
+def test_dry_run_flags_and_skips_what_the_estimator_says_will_not_fit(fake_cpu, monkeypatch, capsys):
+    monkeypatch.setattr(rush_runner, "quick_estimate", fake_estimate)
     argv = ["--config", DEBUG, "--ngpu", "2", "--grid", "tp=1,2", "--dry-run", "--gpu-mem", "60"]
     assert sweep.main(argv) == 0
     captured = capsys.readouterr()
@@ -323,13 +328,40 @@ def test_dry_run_flags_and_skips_what_the_estimator_says_will_not_fit(fake_cpu, 
         "dp_replicate=1 dp_shard=2 tp=1 pp=1 cp=1",
         "dp_replicate=1 dp_shard=1 tp=2 pp=1 cp=1",
     ]
-    assert (
-        "estimate: dp_replicate=1 dp_shard=2 tp=1 pp=1 cp=1: 100.0 GiB > 60.0 GiB: may not fit"
-        in captured.err
-    )
+    assert "GPU memory: 60 GiB per GPU (--gpu-mem)" in captured.err
+    assert "estimate: dp_replicate=1 dp_shard=2 tp=1 pp=1 cp=1: 100.0 of 60 GiB: does not fit" in captured.err
+    assert "estimate: dp_replicate=1 dp_shard=1 tp=2 pp=1 cp=1: 50.0 of 60 GiB: fits" in captured.err
     assert sweep.main([*argv, "--skip-unfit"]) == 0
     captured = capsys.readouterr()
-    assert (
-        captured.out == "dp_replicate=1 dp_shard=1 tp=2 pp=1 cp=1\n"
-        and "skipped (--skip-unfit)" in captured.err
-    )
+    assert captured.out == "dp_replicate=1 dp_shard=1 tp=2 pp=1 cp=1\n"
+    assert "100.0 of 60 GiB: does not fit (skipped: --skip-unfit)" in captured.err
+    # Nothing would run: exit 1, as when no shape is valid.
+    assert sweep.main([*argv[:-1], "40", "--skip-unfit"]) == 1
+    assert capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize(
+    "device, extra, rule",
+    [
+        # A CPU machine: its host RAM (64 GiB in FAKE_CPU) says nothing about the GPUs: 80 GiB, said so.
+        (FAKE_CPU, [], ("assuming 80 GiB per GPU (no CUDA device here; pass --gpu-mem)", 80.0)),
+        (FAKE_CPU, ["--gpu-mem", "141"], ("141 GiB per GPU (--gpu-mem)", 141.0)),
+        ({**FAKE_CPU, "cuda": True, "name": "NVIDIA H200", "count": 4, "mem_gib": 139.8}, [],
+         ("139.8 GiB per GPU (this machine's NVIDIA H200", 139.8)),
+    ],
+)  # fmt: skip
+def test_dry_run_holds_every_shape_against_the_one_gpu_memory_rule(monkeypatch, capsys, device, extra, rule):
+    """The 8B on 4 GPUs, with the real estimator: the same figure for every shape, the rule stated."""
+    monkeypatch.setattr(rush_runner, "probe_device", lambda: dict(device))
+    config = str(ROOT / "train_configs" / "llama8b_fsdp.toml")
+    assert sweep.main(["--config", config, "--ngpu", "4", "--grid", "tp=1,2", "--dry-run", *extra]) == 0
+    err = capsys.readouterr().err
+    text, gib = rule
+    assert f"GPU memory: {text}" in err
+    verdicts = [line for line in err.splitlines() if line.startswith("estimate: ")]
+    assert len(verdicts) == 2 and all(f" of {gib:g} GiB: " in line for line in verdicts), verdicts
+    # Each verdict is estimate()'s own against that memory.
+    cfg = cfgmod.load(config, ["--parallelism.tp", "1"])
+    est = estimate(cfg, 4, gib, trace=False)
+    verdict = "fits" if est.fits else "does not fit"
+    assert f"tp=1 pp=1 cp=1: {est.total_gib:.1f} of {gib:g} GiB: {verdict}" in verdicts[0]

@@ -187,7 +187,7 @@ def test_launch_builds_the_trainer_with_the_collector_off(monkeypatch, gc_freq, 
 
     seen = []
     monkeypatch.setattr(train, "_check_or_train", lambda cfg, check: seen.append(gc.isenabled()) or 0)
-    monkeypatch.setattr(train, "init_logging", lambda: None)
+    monkeypatch.setattr(train, "init_logging", lambda **kw: None)
     assert gc.isenabled()
     assert train.main(["--training.gc_freq", gc_freq]) == 0
     assert seen == [collecting]

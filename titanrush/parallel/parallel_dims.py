@@ -8,8 +8,47 @@ activations between neighbours.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+# The flattened views and the root dimensions each one spans.
+FLATTENED = {
+    "dp": ("dp_replicate", "dp_shard"),  # data loading: ranks with different batches
+    "dp_shard_cp": ("dp_shard", "cp"),  # FSDP's shard dimension
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # loss and gradient-norm reduction
+}
+HSDP = ("dp_replicate", "dp_shard_cp")  # FSDP's 2-D mesh with replicas: (replicate, shard)
+
+
+class JobMesh:
+    """The job's DeviceMesh and the views taken from it, each made once.
+
+    `mesh["tp"]` (a dimension of the root) is the root's slice. The flattened views `mesh["dp"]`,
+    `mesh["dp_shard_cp"]`, `mesh["dp_cp"]` and FSDP's 2-D `mesh["dp_replicate", "dp_shard_cp"]` are the
+    meshes `ParallelDims.build_mesh` kept when it made them: torch deprecates slicing a flattened
+    dimension from the root mesh ("Users need to bookkeep the flattened mesh directly"). Everything else
+    (`mesh_dim_names`, `shape`, `size()`, `get_group()`, ...) is the root DeviceMesh's; `root` is the
+    DeviceMesh itself, for an API that takes one.
+    """
+
+    def __init__(self, root: DeviceMesh, views: dict[str | tuple[str, ...], DeviceMesh]) -> None:
+        self.root = root
+        self._views = views
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        key = names if isinstance(names, str) else tuple(names)
+        if key in self._views:
+            return self._views[key]
+        return self.root[key]
+
+    def __getattr__(self, name: str) -> Any:  # only called for what JobMesh itself does not have
+        if name == "root":  # not set yet (copy, pickle): no recursion through self.root
+            raise AttributeError(name)
+        return getattr(self.root, name)
+
+    def __repr__(self) -> str:
+        return f"JobMesh({self.root!r}, views {list(self._views)})"
 
 
 @dataclass
@@ -42,14 +81,21 @@ class ParallelDims:
     def ddp_enabled(self) -> bool:
         return self.dp_replicate > 1 and not self.fsdp_enabled
 
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """One mesh over all ranks, with the flattened views that the parts need:
-        `dp` (data loading), `dp_shard_cp` (FSDP), `dp_cp` (loss and grad-norm reduction)."""
+    def build_mesh(self, device_type: str) -> JobMesh:
+        """One mesh over all ranks, with the flattened views that the parts need: `dp` (data loading),
+        `dp_shard_cp` (FSDP), `dp_cp` (loss and grad-norm reduction), and HSDP's (`dp_replicate`,
+        `dp_shard_cp`).
+
+        The views are made here and kept (`JobMesh`). `DeviceMesh._flatten` and `_concatenate` are the
+        only ways torch 2.11 and 2.13 offer to make them (FSDP2 itself joins its meshes with
+        `_concatenate`); the HSDP view joins the two existing dimensions, so it adds no process group.
+        """
         dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
                 ("cp", self.cp), ("tp", self.tp)]  # fmt: skip
         names = tuple(n for n, _ in dims)
-        mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
-        return mesh
+        root = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
+        views: dict[str | tuple[str, ...], DeviceMesh] = {
+            name: root[spans]._flatten(name) for name, spans in FLATTENED.items()
+        }
+        views[HSDP] = DeviceMesh._concatenate([root["dp_replicate"], views["dp_shard_cp"]])
+        return JobMesh(root, views)

@@ -6,16 +6,19 @@ Two methods check each other: the analytic model (`memory_model`) counts every t
 shapes and the parallel layout; the trace (`memory_trace`) runs one real step of the rank's local model on
 fake tensors and follows the live bytes. Where they disagree by more than 10% on the part the trace runs,
 the report says so. `estimate()` is the function the sweep and the rush call to skip shapes that will not
-fit. Exit status: 0, or 2 on a config error (one line on stderr).
+fit; `gpu_memory()` is the one rule all three use for the memory of a GPU. Exit status: 0 when the config
+fits, 1 when it does not, 2 on a config error (one line on stderr).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,14 +34,17 @@ USAGE = """usage: titanrush estimate --config FILE [--ngpu N] [--gpu-mem GiB] [-
 Per-GPU memory of one training step of the config (the trainer's --section.key overrides apply):
 parameters, gradients, optimizer states, activations, logits, FSDP buffers, and whether it fits.
   --ngpu N       GPUs of the job (default: NGPU, else the visible GPUs, else 1; as run_train.sh)
-  --gpu-mem GiB  memory per GPU (default: the CUDA device's, else 80 GiB)
+  --gpu-mem GiB  memory per GPU (default: the CUDA device's here, else 80 GiB; the report says which)
   --json         print one JSON object instead of the table
   --no-trace     skip the fake-tensor trace (the analytic model alone; instant)
+
+Exit status: 0 the config fits, 1 it does not fit, 2 config error (one line on stderr).
 """
 GIB = mm.GIB
 CUDA_CONTEXT_GIB = 0.75  # CUDA context, kernels and cuBLAS workspace: outside PyTorch's allocator
 NCCL_GIB = 0.5  # NCCL communicators' buffers with more than one GPU
 TOLERANCE = 0.10  # the analytic model and the trace should agree within this on the traced part
+ASSUMED_GPU_MEM_GIB = 80.0  # without --gpu-mem and without a CUDA device: an 80 GiB GPU (H100, A100 80GB)
 
 
 @dataclass
@@ -74,6 +80,7 @@ class Estimate:
     cuda_context_gib: float
     total_gib: float
     gpu_mem_gib: float
+    gpu_mem_note: str  # where gpu_mem_gib comes from (`gpu_memory`'s rule)
     fits: bool
     max_local_batch_size: int
     peak_phase: str
@@ -112,12 +119,41 @@ def plan_for(cfg: JobConfig, ngpu: int) -> tuple[RunPlan, int, str]:
     return plan, n_params, refused
 
 
-def default_gpu_mem() -> tuple[float, list[str]]:
-    """The CUDA device's memory in GiB, or 80 GiB (with a note saying so) without one."""
-    if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        return props.total_memory / GIB, [f"GPU memory: {props.name}, {props.total_memory / GIB:.1f} GiB"]
-    return 80.0, ["no CUDA device here: assuming 80 GiB per GPU (pass --gpu-mem for another GPU)"]
+def gpu_memory(given_gib: float | None, device: dict[str, Any] | None = None) -> tuple[float, str]:
+    """The memory of one GPU that an estimate is held against, and the sentence that says where it came
+    from: the one rule of `titanrush estimate`, `sweep` and `rush`, dry run or not, on a CPU machine or a
+    GPU one.
+
+    1. `--gpu-mem` when given (planning for another GPU);
+    2. else the CUDA device's memory, where there is one;
+    3. else 80 GiB, said so (the host's RAM says nothing about the GPUs the job will run on).
+
+    Args:
+        given_gib: `--gpu-mem`, or None.
+        device: What the jobs will see: `cuda`, `name` and `mem_gib` (the rush's device probe, run in a
+            child so that the tool's own process makes no CUDA context); None: ask torch here.
+
+    Returns:
+        (GiB per GPU, the sentence every report prints).
+
+    Raises:
+        ConfigError: `given_gib` is not a positive number.
+    """
+    if given_gib is not None:
+        if not math.isfinite(given_gib) or given_gib <= 0:
+            raise ConfigError(f"--gpu-mem must be a positive number of GiB, got {given_gib}")
+        return given_gib, f"{given_gib:g} GiB per GPU (--gpu-mem)"
+    if device is None:
+        device = {"cuda": torch.cuda.is_available()}
+        if device["cuda"]:
+            props = torch.cuda.get_device_properties(0)
+            device.update(name=props.name, mem_gib=props.total_memory / GIB)
+    if device.get("cuda") and device.get("mem_gib"):
+        mem = float(device["mem_gib"])
+        return mem, f"{mem:.1f} GiB per GPU (this machine's {device.get('name')}; --gpu-mem for another GPU)"
+    return ASSUMED_GPU_MEM_GIB, (
+        f"assuming {ASSUMED_GPU_MEM_GIB:g} GiB per GPU (no CUDA device here; pass --gpu-mem)"
+    )
 
 
 def _context_bytes(ngpu: int) -> int:
@@ -169,7 +205,7 @@ def estimate(cfg: JobConfig, ngpu: int, gpu_mem_gib: float | None = None, *, tra
     Args:
         cfg: The job config (as `titanrush.config.load` returns it).
         ngpu: The number of GPUs (the world size).
-        gpu_mem_gib: Memory per GPU; None: the CUDA device's, or 80 GiB without one.
+        gpu_mem_gib: Memory per GPU; None: `gpu_memory`'s rule (the CUDA device's, else 80 GiB).
         trace: Also trace one step on fake tensors (seconds for 8B) to check the analytic model.
 
     Returns:
@@ -183,11 +219,7 @@ def estimate(cfg: JobConfig, ngpu: int, gpu_mem_gib: float | None = None, *, tra
     s, n_params, refused = plan_for(cfg, ngpu)
     mesh = describe_mesh(s)
     notes: list[str] = [refused] if refused else []
-    if gpu_mem_gib is None:
-        gpu_mem_gib, more = default_gpu_mem()
-        notes += more
-    if gpu_mem_gib <= 0:
-        raise ConfigError(f"--gpu-mem must be > 0 GiB, got {gpu_mem_gib}")
+    gpu_mem_gib, gpu_mem_note = gpu_memory(gpu_mem_gib)
     ranks = [mm.analyze_rank(s, p) for p in mm.rank_plans(s)]
     b = max(ranks, key=lambda r: r.peak)  # as mm.analyze
     context = _context_bytes(ngpu)
@@ -207,6 +239,7 @@ def estimate(cfg: JobConfig, ngpu: int, gpu_mem_gib: float | None = None, *, tra
         cuda_context_gib=context / GIB,
         total_gib=total / GIB,
         gpu_mem_gib=gpu_mem_gib,
+        gpu_mem_note=gpu_mem_note,
         fits=total <= gpu_mem_gib * GIB,
         max_local_batch_size=max_local_batch(s, gpu_mem_gib * GIB, context),
         peak_phase=b.peak_phase,
@@ -314,6 +347,7 @@ def format_report(est: Estimate) -> str:
         f"{est.cuda_context_gib:8.2f}",
         f"  {'= total':<52} {'':8} {est.total_gib:8.2f}   of {est.gpu_mem_gib:.1f} GiB: "
         + ("fits" if est.fits else "does NOT fit"),
+        f"GPU memory: {est.gpu_mem_note}",
         f"largest local batch size that fits: {est.max_local_batch_size or 'none (not even 1)'}",
     ]
     if est.trace_peak_allocated_gib is not None:
@@ -364,7 +398,7 @@ def _default_ngpu() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the estimate; print the table or JSON; return the exit status."""
+    """Run the estimate; print the table or JSON; return the exit status (0 fits, 1 does not, 2 bad input)."""
     from titanrush.train import split_args
 
     argv = sys.argv[1:] if argv is None else argv
@@ -381,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"titanrush estimate: config error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(dataclasses.asdict(est), indent=2) if opts["json"] else format_report(est))
-    return 0
+    return 0 if est.fits else 1
 
 
 if __name__ == "__main__":

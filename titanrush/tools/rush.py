@@ -1,7 +1,9 @@
 """`titanrush rush`: measure what each optimization buys on this machine, reproducibly.
 
-  titanrush rush ladder [--config FILE] [--steps S] [--warmup W] [--output DIR] [--dry-run] [overrides]
-  titanrush rush dist --ngpu N [--config FILE] [--steps S] [--output DIR] [--dry-run] [overrides]
+  titanrush rush ladder [--config FILE] [--steps S] [--warmup W] [--output DIR] [--dry-run]
+                        [--skip-unfit] [--gpu-mem GiB] [overrides]
+  titanrush rush dist --ngpu N [--config FILE] [--steps S] [--output DIR] [--dry-run] [--skip-unfit]
+                      [--gpu-mem GiB] [overrides]
 
 `ladder` climbs the single-GPU rungs, each adding to the last one that ran: fp32 with unfused attention
 and for-loop AdamW, bf16, fused AdamW, fused attention (SDPA; the flash-attn package as a side rung),
@@ -12,6 +14,12 @@ own child process; the output folder gets results.jsonl, report.md, PNG charts a
 (tb/). Overrides (`--section.key value`) apply to every run; the rungs' own settings win over them.
 Base: the 1B flavor on synthetic data, seq 2048, batch 1 (dist: batch 4, bf16, fused AdamW, SDPA,
 compile on GPU); what a --config file sets wins over the base.
+
+Every run gets the memory estimator's verdict against one GPU memory (`titanrush estimate`'s rule:
+--gpu-mem, else the GPU here, else 80 GiB, said so); --skip-unfit skips the runs it says will not fit. A
+dry run prints each run's command and verdict; the ladder's batch doubling then stops where the estimator
+says the batch no longer fits, and the AC rungs take that batch. Exit status: 0 when the rush ran
+(whatever its rungs did), 2 on bad input.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from titanrush import validate
 from titanrush.config import ConfigError
 from titanrush.tools import rush_report as report
 from titanrush.tools import rush_runner as runner
+from titanrush.tools.estimate import gpu_memory
 from titanrush.tools.rush_runner import (
     NEEDS_GPU,
     NOT_AVAILABLE,
@@ -38,7 +47,7 @@ from titanrush.tools.rush_runner import (
     Ctx,
     Rung,
     base_settings,
-    load_estimator,
+    fit_text,
     to_args,
 )
 
@@ -82,7 +91,6 @@ STRATEGIES = [
     ("hsdp", "HSDP", "parallelism.dp_replicate=2 parallelism.dp_shard={half}"),
 ]  # fmt: skip
 BATCH, SEQ = "training.local_batch_size", "training.seq_len"
-TARGET = "<first that did not fit>"  # the AC rungs' batch in a dry run
 
 
 def record(ctx: Ctx, row: dict[str, Any]) -> None:
@@ -143,7 +151,9 @@ def run_ladder(ctx: Ctx, plan: list[Rung], base: dict[str, str], ac_target: str)
     Each rung's settings are those of the last rung that ran plus its own (an OOM rung, and the first
     rung whatever happened to it, still count); a rung that failed, or cannot run here, is left out
     of what follows. Side and AC rungs are measured but not built on, so float8 builds on the largest
-    batch that fitted. Speedups are against the last rung that ran OK, and against the first.
+    batch that fitted. Speedups are against the last rung that ran OK, and against the first. A dry run
+    takes the estimator's verdict for the batch rungs' outcome: the doubling stops at the first batch it
+    says will not fit.
     """
     chain, prev, first, target, notes = dict(base), None, None, None, []
     kept = cfgmod.load(ctx.config, to_args(chain)).training.local_batch_size
@@ -156,10 +166,13 @@ def run_ladder(ctx: Ctx, plan: list[Rung], base: dict[str, str], ac_target: str)
             settings[SEQ] = str(2 * cfgmod.load(ctx.config, to_args(chain)).training.seq_len)
             rung.adds += f" at seq {settings[SEQ]}"
         elif rung.group == "ac":
-            settings[BATCH] = target or (TARGET if ctx.dry_run else str(2 * kept))
+            settings[BATCH] = target or str(2 * kept)
             rung.adds += f" at batch {settings[BATCH]}"
         row = execute_and_compare(ctx, rung, settings, prev, first)
         ok = row["status"] in (OK, PLANNED)
+        predicted_oom = ctx.dry_run and (row.get("estimate") or {}).get("fits") is False
+        if rung.group == "batch" and predicted_oom:
+            ok = False
         # The first rung defines the baseline; an OOM main rung's change stays (the next may make it fit).
         if (
             rung is plan[0]
@@ -172,9 +185,13 @@ def run_ladder(ctx: Ctx, plan: list[Rung], base: dict[str, str], ac_target: str)
             kept = int(settings.get(BATCH, kept))
         if rung.group == "batch" and not ok:
             target = settings[BATCH]
-            notes.append(f"the batch doubling stopped at {target} ({row['status']}); batch {kept} is kept")
-    if target is None and not ctx.dry_run:
-        notes.append(f"every batch size tried fitted (the doubling is capped); AC ran at batch {2 * kept}")
+            why = f"estimate {fit_text(row['estimate'])}" if predicted_oom else row["status"]
+            stops = "would stop" if ctx.dry_run else "stopped"
+            notes.append(f"the batch doubling {stops} at {target} ({why}); batch {kept} is kept")
+    if target is None:
+        fitted = "the estimator says every batch tried fits" if ctx.dry_run else "every batch tried fitted"
+        at = f"; AC at batch {2 * kept}" if ac_target == "batch" else ""
+        notes.append(f"{fitted} (the doubling is capped){at}")
     return notes
 
 
@@ -305,6 +322,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     ap.add_argument("--output", type=Path, default=Path(f"outputs/rush/{sub}"), help="output folder")
     ap.add_argument("--dry-run", action="store_true", help="print the plan and run nothing")
     ap.add_argument("--skip-unfit", action="store_true", help="skip runs the memory estimator says won't fit")
+    ap.add_argument(
+        "--gpu-mem", type=float, help="GiB per GPU for the estimator (default: the GPU here, else 80 GiB)"
+    )
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is killed")
     if sub == "ladder":
         ap.add_argument("--max-batch", type=int, default=256, help="largest local batch the doubling tries")
@@ -346,12 +366,12 @@ def main(argv: list[str] | None = None) -> int:
         base = base_settings(config, code_base, overrides)
         base_cfg = cfgmod.load(config, to_args(base))
         validate.check_values(base_cfg)  # (each rung's degrees and machine are checked per rung)
+        gpu_mem_gib, gpu_mem_note = gpu_memory(args.gpu_mem, dev)
     except ConfigError as e:
         print(f"titanrush rush: config error: {e}", file=sys.stderr)
         return 2
     warmup = min(args.warmup, args.steps - 1)
-    estimator, why_not = load_estimator()
-    notes = [why_not] if why_not else []
+    notes: list[str] = []
     if warmup != args.warmup:
         notes.append(f"--warmup {args.warmup} clamped to {warmup} (below --steps {args.steps})")
     if kind == "ladder":
@@ -381,12 +401,14 @@ def main(argv: list[str] | None = None) -> int:
         device=dev,
         launcher="python" if kind == "ladder" else "torchrun",
         progress=report.Progress(len(plan)),
-        estimator=estimator,
+        gpu_mem_gib=gpu_mem_gib,
+        gpu_mem_note=gpu_mem_note,
     )
     if not args.dry_run:
-        ctx.env = report.environment(dev, "titanrush rush " + shlex.join(argv))
+        ctx.env = report.environment(dev, "titanrush rush " + shlex.join(argv), gpu_mem_note)
     what = "dry run: the plan, nothing runs" if args.dry_run else f"output {ctx.out}"
     print(f"titanrush rush {kind} on {dev.get('name')} (torch {dev.get('torch')}): {len(plan)} runs; {what}")
+    print(f"GPU memory: {gpu_mem_note}")
     notes += run_ladder(ctx, plan, base, args.ac_target) if kind == "ladder" else run_dist(ctx, plan, base)
     if args.dry_run:
         print("\n".join(f"note: {n}" for n in notes))

@@ -121,7 +121,7 @@ def write_report(
     Args:
         path: The file to write.
         title: The heading.
-        env: `rush_runner.environment()`.
+        env: `environment()`.
         settings: Lines about the measurement (steps, warm-up, base config).
         table: The markdown table.
         summary: Speedup or scaling lines.
@@ -140,6 +140,7 @@ def write_report(
         f"- torch {env['torch']}, python {env['python']}, titanrush commit {env['commit']}, "
         f"host {env['host']}",
         f"- command: `{env['command']}`",
+        f"- GPU memory of the estimates (estimate GiB): {env.get('gpu_mem', '?')}",
         *[f"- {s}" for s in settings],
         "",
         table,
@@ -364,8 +365,9 @@ def _driver() -> str:
         return "n/a (no nvidia-smi)"
 
 
-def environment(device: dict[str, Any], command: str) -> dict[str, Any]:
-    """The environment every row and report records."""
+def environment(device: dict[str, Any], command: str, gpu_mem_note: str) -> dict[str, Any]:
+    """The environment every row and report records (`gpu_mem_note`: what the memory estimates are held
+    against, `titanrush.tools.estimate.gpu_memory`'s sentence)."""
     return {
         "device": device.get("name"),
         "gpus": device.get("count", 0),
@@ -380,6 +382,7 @@ def environment(device: dict[str, Any], command: str) -> dict[str, Any]:
         "commit": _commit(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": command,
+        "gpu_mem": gpu_mem_note,
     }
 
 

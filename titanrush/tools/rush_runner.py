@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,9 +64,8 @@ if d["cuda"]:
              cudnn=torch.backends.cudnn.version(), flash_sdp=bool(flash and p.major >= 8),
              cudnn_sdp=bool(torch.backends.cudnn.is_available() and p.major >= 8
                             and (torch.backends.cudnn.version() or 0) >= 90000))
-else:
-    d.update(name="cpu", count=0, capability=None, mem_gib=d["host_mem_gib"], flash_sdp=False,
-             cudnn_sdp=False)
+else:  # no GPU memory here (the estimates follow estimate.gpu_memory's rule, not the host's RAM)
+    d.update(name="cpu", count=0, capability=None, mem_gib=None, flash_sdp=False, cudnn_sdp=False)
 d["flash_attn"] = any(importlib.util.find_spec(m) is not None for m in ("flash_attn", "flash_attn_interface"))
 d["torchao"] = importlib.util.find_spec("torchao") is not None
 print(json.dumps(d))
@@ -336,7 +334,8 @@ class Ctx:
     device: dict[str, Any]
     launcher: str  # "python" (python -m titanrush.train) or "torchrun" (NGPU=k ./run_train.sh)
     progress: Any  # rush_report.Progress
-    estimator: Callable[..., Any] | None = None
+    gpu_mem_gib: float  # what the estimates are held against, and where it comes from (estimate.gpu_memory)
+    gpu_mem_note: str
     rows: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     env: dict[str, Any] = dataclasses.field(default_factory=dict)  # rush_report.environment()
 
@@ -374,16 +373,30 @@ def command(ctx: Ctx, rung: Rung, settings: dict[str, str]) -> tuple[list[str], 
     return [str(ROOT / "run_train.sh"), *args], shown, env
 
 
+def quick_estimate(cfg: cfgmod.JobConfig, ngpu: int, gpu_mem_gib: float) -> Any:
+    """`titanrush.tools.estimate.estimate` without its fake-tensor trace (the analytic model: ~10 ms)."""
+    from titanrush.tools.estimate import estimate
+
+    return estimate(cfg, ngpu, gpu_mem_gib, trace=False)  # it plans for the GPU machine
+
+
 def estimate_fit(ctx: Ctx, settings: dict[str, str], ngpu: int) -> dict[str, Any]:
-    """The memory estimator's prediction for one rung: total_gib and fits, or a note saying why none."""
-    if ctx.estimator is None:
-        return {"note": "estimator not available"}
+    """The memory estimator's verdict on one run against `ctx.gpu_mem_gib`: total_gib, gpu_mem_gib and
+    fits, or a note saying why there is none."""
     try:
         cfg = cfgmod.load(ctx.config, to_args(settings))
-        est = ctx.estimator(cfg, ngpu, ctx.device.get("mem_gib"))
-        return {"total_gib": float(est.total_gib), "fits": bool(est.fits)}
-    except Exception as e:  # an estimate must never stop the rush (a dry run's placeholders land here)
+        est = quick_estimate(cfg, ngpu, ctx.gpu_mem_gib)
+        return {"total_gib": float(est.total_gib), "gpu_mem_gib": ctx.gpu_mem_gib, "fits": bool(est.fits)}
+    except Exception as e:  # an estimate must never stop the rush
         return {"note": f"estimator error: {type(e).__name__}: {e}"[:200]}
+
+
+def fit_text(est: dict[str, Any]) -> str:
+    """`37.2 of 80 GiB: fits` (or `does not fit`), or the note of a missing estimate."""
+    if "total_gib" not in est:
+        return est.get("note", "no estimate")
+    verdict = "fits" if est["fits"] else "does not fit"
+    return f"{est['total_gib']:.1f} of {est['gpu_mem_gib']:g} GiB: {verdict}"
 
 
 def execute(ctx: Ctx, rung: Rung, settings: dict[str, str], parent: dict[str, Any] | None) -> dict[str, Any]:
@@ -418,10 +431,12 @@ def execute(ctx: Ctx, rung: Rung, settings: dict[str, str], parent: dict[str, An
     ctx.progress.start(rung.name, rung.adds)
     est = row["estimate"] = estimate_fit(ctx, settings, rung.ngpu)
     if ctx.skip_unfit and est.get("fits") is False:
-        row.update(status=SKIPPED, reason=f"the memory estimator predicts {est['total_gib']:.1f} GiB: no fit")
+        row.update(status=SKIPPED, reason=f"--skip-unfit: estimate {fit_text(est)}")
     elif ctx.dry_run:
-        fit = f" (estimate {est['total_gib']:.1f} GiB, fits: {est['fits']})" if "total_gib" in est else ""
-        print(f"        + {shlex.join(to_args(rung.delta))}{fit}\n        $ {shown}", flush=True)
+        print(
+            f"        + {shlex.join(to_args(rung.delta))} (estimate {fit_text(est)})\n        $ {shown}",
+            flush=True,
+        )
         row.update(status=PLANNED, reason="")
         return row
     else:
@@ -466,12 +481,3 @@ def base_settings(config: str | None, code_base: dict[str, str], overrides: list
     for section, key, value in cfgmod.parse_overrides(overrides):
         settings[f"{section}.{key}"] = str(value).lower() if isinstance(value, bool) else str(value)
     return settings
-
-
-def load_estimator() -> tuple[Any, str]:
-    """titanrush.tools.estimate.estimate, or (None, why not) where it cannot be imported."""
-    try:
-        from titanrush.tools.estimate import estimate
-    except ImportError as e:
-        return None, f"estimator not available ({type(e).__name__}: {e})"
-    return estimate, ""

@@ -12,8 +12,13 @@ does not name keeps the config's value. Every combination is checked by the trai
 `--dry-run` prints the valid shapes, one per line, and runs nothing. Otherwise each shape trains for
 --steps steps (`NGPU=N ./run_train.sh`, one after another) and the output folder gets results.jsonl,
 results.md (sorted by tokens/s), sweep.png and TensorBoard hparams (tb/). `titanrush rush dist
---sweep-results <output>/results.jsonl` takes the fastest shape from it. Exit status: 0 when the sweep
-ran (whatever its shapes did), 1 when no shape is valid, 2 on bad input.
+--sweep-results <output>/results.jsonl` takes the fastest shape from it.
+
+Each valid shape gets the memory estimator's verdict against one GPU memory (`titanrush estimate`'s rule:
+--gpu-mem, else the GPU here, else 80 GiB, said so); --skip-unfit skips the shapes it says will not fit.
+--assume-cuda validates as on a GPU machine (context parallel needs CUDA), to plan a GPU sweep here.
+Exit status: 0 when the sweep ran (whatever its shapes did), 1 when no shape is valid (or, in a dry
+run with --skip-unfit, none would run), 2 on bad input.
 """
 
 from __future__ import annotations
@@ -23,7 +28,6 @@ import difflib
 import itertools
 import shlex
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +36,8 @@ from titanrush import validate
 from titanrush.config import ConfigError
 from titanrush.tools import rush_report, sweep_report
 from titanrush.tools import rush_runner as runner
-from titanrush.tools.rush_runner import SKIPPED, Ctx, Rung, base_settings, load_estimator, to_args
+from titanrush.tools.estimate import gpu_memory
+from titanrush.tools.rush_runner import SKIPPED, Ctx, Rung, base_settings, fit_text, to_args
 
 Shape = dict[str, Any]  # grid dimension -> value, in DIMS order
 
@@ -211,18 +216,6 @@ def plan(
 # Running
 
 
-def make_estimator(assume_cuda: bool) -> tuple[Callable[..., Any] | None, str]:
-    """The memory estimator without its fake-tensor trace (instant), or (None, why not)."""
-    estimate, why_not = load_estimator()
-    if estimate is None:
-        return None, why_not
-
-    def run(cfg: cfgmod.JobConfig, ngpu: int, gpu_mem_gib: float | None) -> Any:
-        return estimate(cfg, ngpu, gpu_mem_gib, trace=False)  # (it plans for the GPU machine)
-
-    return run, ""
-
-
 def run_shapes(
     ctx: Ctx,
     shapes: list[Shape],
@@ -298,28 +291,24 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     add("--dry-run", action="store_true", help="print the valid shapes and run nothing")
     add("--skip-unfit", action="store_true", help="skip shapes the memory estimator says won't fit")
     add("--assume-cuda", action="store_true", help="dry run: validate as if CUDA were here (plan GPU sweeps)")
-    add("--gpu-mem", type=float, help="GiB per GPU for the estimator (default: this GPU's, or 80)")
+    add("--gpu-mem", type=float, help="GiB per GPU for the estimator (default: the GPU here, else 80 GiB)")
     add("--timeout", type=float, default=1800, help="seconds per shape before it is killed")
     return runner.parse_with_overrides(ap, argv)
 
 
-def print_plan(ctx: Ctx, shapes: list[Shape], user: dict[str, str], ngpu: int) -> None:
-    """The dry run: each valid shape on stdout, one per line (a shape the estimator says won't fit goes,
-    with --skip-unfit, to stderr only); the estimator's verdicts on stderr."""
-    mem = ctx.device.get("mem_gib") or 0.0
+def print_plan(ctx: Ctx, shapes: list[Shape], user: dict[str, str], ngpu: int) -> int:
+    """The dry run: each valid shape on stdout, one per line (with --skip-unfit, a shape the estimator says
+    won't fit goes to stderr only); the estimator's verdict on each on stderr. Returns how many would run."""
+    printed = 0
     for shape in shapes:
         est = runner.estimate_fit(ctx, {**user, **settings_of(shape)}, ngpu)
-        if est.get("note") and ctx.estimator is not None:
-            print(f"estimate: {label(shape)}: {est['note']}", file=sys.stderr)
-        if est.get("fits") is False:
-            verdict = "skipped (--skip-unfit)" if ctx.skip_unfit else "may not fit"
-            print(
-                f"estimate: {label(shape)}: {est['total_gib']:.1f} GiB > {mem:.1f} GiB: {verdict}",
-                file=sys.stderr,
-            )
-            if ctx.skip_unfit:
-                continue
-        print(label(shape), flush=True)
+        skip = ctx.skip_unfit and est.get("fits") is False
+        verdict = f"estimate: {label(shape)}: {fit_text(est)}"
+        print(verdict + (" (skipped: --skip-unfit)" if skip else ""), file=sys.stderr)
+        if not skip:
+            print(label(shape), flush=True)
+            printed += 1
+    return printed
 
 
 def _fail(message: str) -> int:
@@ -347,11 +336,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and dev.get("cuda") and args.ngpu > (dev.get("count") or 0):
         return _fail(f"--ngpu {args.ngpu}, but only {dev.get('count')} GPUs are visible")
     warmup = min(args.warmup, args.steps - 1)
-    estimator, why_not = make_estimator(args.assume_cuda)
-    mem = args.gpu_mem or (dev.get("mem_gib") if dev.get("cuda") or not args.assume_cuda else 80.0)
+    try:
+        gpu_mem_gib, gpu_mem_note = gpu_memory(args.gpu_mem, dev)
+    except ConfigError as e:
+        return _fail(str(e))
     ctx = Ctx(config=config, out=args.output.resolve(), steps=args.steps, warmup=warmup, timeout=args.timeout,
-              dry_run=args.dry_run, skip_unfit=args.skip_unfit, device={**dev, "mem_gib": mem},
-              launcher="torchrun", progress=sweep_report.Progress(0), estimator=estimator)  # fmt: skip
+              dry_run=args.dry_run, skip_unfit=args.skip_unfit, device=dev, launcher="torchrun",
+              progress=sweep_report.Progress(0), gpu_mem_gib=gpu_mem_gib,
+              gpu_mem_note=gpu_mem_note)  # fmt: skip
     try:
         user = base_settings(config, {}, overrides)
         fixed = {k: v for k, v in runner.forced(ctx, "check").items() if not k.startswith("job.")}
@@ -359,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         return _fail(f"config error: {e}")
     grid_text = " ".join(f"{d}={','.join(map(str, v))}" for d, v in grid.items())
-    notes = [why_not] if why_not else []
+    notes: list[str] = []
     if warmup != args.warmup:
         notes.append(f"--warmup {args.warmup} clamped to {warmup} (below --steps {args.steps})")
     if any("needs CUDA" in reason for _, reason in invalid):
@@ -372,18 +364,19 @@ def main(argv: list[str] | None = None) -> int:
     # A dry run keeps stdout to the shapes (one per line, for scripts); the rest goes to stderr.
     info = sys.stderr if args.dry_run else sys.stdout
     print(head, file=info)
+    print(f"GPU memory: {gpu_mem_note}", file=info)
     for shape, reason in invalid:
         print(f"invalid: {label(shape)}: {reason}", file=info)
     if args.dry_run:
-        print_plan(ctx, shapes, user, args.ngpu)
+        would_run = print_plan(ctx, shapes, user, args.ngpu)
         for note in notes:
             print(f"note: {note}", file=info)
-        return 0 if shapes else 1
+        return 0 if would_run else 1
     if not shapes:
         print("titanrush sweep: no valid shape in the grid; nothing to run", file=sys.stderr)
         return 1
     ctx.progress.total = len(shapes)
-    ctx.env = rush_report.environment(dev, "titanrush sweep " + shlex.join(argv))
+    ctx.env = rush_report.environment(dev, "titanrush sweep " + shlex.join(argv), gpu_mem_note)
     rejected = [invalid_row(ctx, s, r, args.ngpu, user, overrides) for s, r in invalid]
     run_shapes(ctx, shapes, args.ngpu, user, overrides, rejected)
     sweep_report.write_all(

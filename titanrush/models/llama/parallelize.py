@@ -35,6 +35,7 @@ from titanrush.parallel.compile import apply_compile
 from titanrush.parallel.ddp import apply_ddp
 from titanrush.parallel.float8 import apply_float8
 from titanrush.parallel.fsdp import apply_fsdp
+from titanrush.parallel.parallel_dims import JobMesh
 from titanrush.parallel.tensor_parallel import (
     ReplicateParallel,
     SyncRowwiseParallel,
@@ -46,7 +47,7 @@ logger = logging.getLogger("titanrush")
 
 
 def parallelize_llama(
-    model: nn.Module, plan: RunPlan, mesh: DeviceMesh | None, *, device: torch.device | None = None
+    model: nn.Module, plan: RunPlan, mesh: JobMesh | None, *, device: torch.device | None = None
 ) -> ActivationOffloader | None:
     """Apply float8, TP, CP, AC, compile and FSDP/HSDP or DDP to a Llama, in that order, in place.
 
