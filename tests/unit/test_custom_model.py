@@ -163,13 +163,18 @@ def test_the_command_line_refuses_before_building(tmp_path, capsys):
     assert not any(tmp_path.iterdir())
 
 
-def test_continued_pretraining_of_a_converted_llama_in_one_command(tmp_path, capsys):
-    """A SmolLM-style Hugging Face folder with its own tokenizer.json: `convert --from-hf`, then the
-    printed command (plus a dataset and a step count) trains from exactly its weights, in its shape."""
+@pytest.mark.parametrize("kind", ["smol_like", "llama31_like"])
+def test_continued_pretraining_of_a_converted_llama_in_one_command(tmp_path, capsys, kind):
+    """A Hugging Face folder with its own tokenizer.json (SmolLM-style: a small BPE of its own, tied;
+    Llama-3.1-style: llama3 RoPE, untied, a vocabulary larger than the tokenizer's): `convert --from-hf`,
+    then the printed command (plus a dataset and a step count) trains from exactly its weights."""
     pytest.importorskip("tokenizers", reason=NO_TRANSFORMERS)
-    _, tokenizer = make_stand_in(tmp_path)
-    smol = dataclasses.replace(SMOL_LIKE, vocab_size=704)  # the stand-in's few hundred ids, padded
-    model = make_model(smol, seed=5)
+    if kind == "smol_like":
+        _, tokenizer = make_stand_in(tmp_path)
+        source_args = dataclasses.replace(SMOL_LIKE, vocab_size=704)  # the stand-in's few hundred ids, padded
+    else:
+        tokenizer, source_args = "default", LLAMA31_LIKE
+    model = make_model(source_args, seed=5)
     source = hf.export_hf(
         save_checkpoint(model, tmp_path / "src"), tmp_path / "hf", torch.float32, str(tokenizer)
     )
@@ -187,7 +192,7 @@ def test_continued_pretraining_of_a_converted_llama_in_one_command(tmp_path, cap
 
     trainer = Trainer(config.load(None, argv))
     try:
-        assert shape(trainer.plan.args) == shape(smol)
+        assert shape(trainer.plan.args) == shape(source_args)
         assert_same_state({k: v.float() for k, v in trainer_weights(trainer).items()}, model.state_dict())
         losses = trainer.train()
     finally:

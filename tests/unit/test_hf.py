@@ -19,7 +19,8 @@ from titanrush.models.llama.model import apply_rope, rope_cache
 from titanrush.tools import convert
 
 TOKENIZER_FILES = ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
-NO_TRANSFORMERS = "transformers is not installed: it is in [dev] (pip install -e '.[dev]')"
+NO_DEV = "it is in [dev] (pip install -e '.[dev]')"
+NO_TRANSFORMERS = "transformers is not installed: " + NO_DEV
 
 
 def make_model(args: ModelArgs, seed: int = 0) -> Llama:
@@ -441,6 +442,7 @@ def start_from_import(tmp_path: Path, flags_of) -> None:
 
 def test_trainer_starts_from_an_imported_checkpoint(tmp_path):
     """The command `titanrush convert --from-hf` prints: the shape from the checkpoint, in one command."""
+    pytest.importorskip("tokenizers", reason="the command trains with the import's tokenizer.json: " + NO_DEV)
     start_from_import(tmp_path, hf.import_command)
 
 
@@ -467,9 +469,7 @@ def test_trainer_starts_from_an_import_under_the_flavor_it_matches(tmp_path):
     "tied, rope_scaling", [(False, True), (True, False)], ids=["untied_llama3rope", "tied"]
 )
 def test_transformers_llama_gives_titanrush_logits(tmp_path, tied, rope_scaling):
-    transformers = pytest.importorskip(
-        "transformers", reason="transformers is in [dev]: pip install -e '.[dev]'"
-    )
+    transformers = pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
     over = {"rope_scaling": True, "rope_original_max_len": 64} if rope_scaling else {}
     args = model_args("debug", tie_embeddings=tied, **over)
     model = make_model(args, seed=3)

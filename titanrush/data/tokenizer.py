@@ -204,6 +204,7 @@ class HFTokenizer:
     """
 
     def __init__(self, path: Path, *, spec: str) -> None:
+        self.spec, self.path = spec, path
         fix = "pass data.tokenizer = a Hugging Face tokenizer.json (or its folder), a rank file or 'default'"
         try:
             import tokenizers
@@ -232,12 +233,10 @@ class HFTokenizer:
         self.bos_id, self.eos_id = self.backend.token_to_id(bos), self.backend.token_to_id(eos)
         self.n_words = max(self.backend.get_vocab(with_added_tokens=True).values()) + 1
         self.n_ranks = self.backend.get_vocab_size(with_added_tokens=False)
-        self.spec = spec
-        self.path = path
         self.hash = hashlib.sha256(raw + f"|{bos}|{eos}".encode()).hexdigest()
 
     def __repr__(self) -> str:
-        return f"HFTokenizer(spec={self.spec!r}, n_words={self.n_words})"
+        return f"HFTokenizer(spec={self.spec!r}, n_words={getattr(self, 'n_words', None)})"
 
     def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
         """Token ids of `text` (the tokenizer's own post-processing, e.g. an added BOS, not applied)."""
