@@ -10,6 +10,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("titanrush.train", "train a model (single process; ./run_train.sh launches several)"),
     "prepare": ("titanrush.data.prepare", "tokenize text files into binary shards"),
     "convert": ("titanrush.tools.convert", "convert checkpoints to/from Hugging Face Llama folders and .pt"),
+    "generate": (
+        "titanrush.tools.generate",
+        "continue a prompt with a checkpoint's model (greedy or top-p)",
+    ),
     "estimate": ("titanrush.tools.estimate", "will this config fit, and what uses the memory"),
     "rush": ("titanrush.tools.rush", "measure what each optimization buys (ladder, dist)"),
     "sweep": ("titanrush.tools.sweep", "run mesh shapes (tp/pp/cp/...) and rank them"),

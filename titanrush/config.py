@@ -48,15 +48,59 @@ class Job:
 @dataclass
 class Model:
     flavor: str = "debug"
-    """Model size: debug, 1B, 3B, 8B, 70B, 405B (Llama 3.x shapes)."""
+    """Model size: debug, 1B, 3B, 8B, 70B, 405B (Llama 3.x shapes), or custom: the shape from
+    model.from_checkpoint and/or the dimension keys below (dim, n_layers, n_heads, ...)."""
+    from_checkpoint: str = ""
+    """custom: take every shape field from a titanrush checkpoint (a step folder, its checkpoint folder,
+    or a `titanrush convert --from-hf` output: titanrush.json's model_args) or a Hugging Face Llama folder
+    (its config.json); the dimension keys below that are set override it."""
     attn_backend: Literal["sdpa", "cudnn", "flash", "flex", "math"] = "sdpa"
     """Attention kernel: sdpa (PyTorch picks; grouped K/V heads), cudnn, flash (the flash-attn package:
     FA4 as an operator inside compiled blocks; FA3 or FA2 between the block's graphs under compile), flex
     (block-causal FlexAttention over document boundaries), math (the unfused baseline)."""
     vocab_size: int = 0
-    """Override the flavor's vocabulary size (0 keeps the flavor's). Must cover the tokenizer's."""
+    """Override the flavor's vocabulary size (0 keeps the flavor's). Must cover the tokenizer's. custom
+    without model.from_checkpoint: required."""
     tie_embeddings: Literal["flavor", "tied", "untied"] = "flavor"
-    """Share the input embedding with the output projection: `flavor` keeps the flavor's choice."""
+    """Share the input embedding with the output projection: `flavor` keeps the flavor's choice (custom:
+    the checkpoint's, else untied)."""
+    max_seq_len: int = 0
+    """Override the longest sequence the model is for (its max_seq_len; training.seq_len may not exceed
+    it); 0 keeps the flavor's (custom: the checkpoint's, else 2048)."""
+    dim: int = 0
+    """custom: model width (hidden size); required without model.from_checkpoint; 0 keeps the checkpoint's."""
+    n_layers: int = 0
+    """custom: transformer blocks; required without model.from_checkpoint; 0 keeps the checkpoint's."""
+    n_heads: int = 0
+    """custom: attention (query) heads, dividing dim; required without model.from_checkpoint."""
+    n_kv_heads: int = 0
+    """custom: key/value heads (grouped-query attention), dividing n_heads; 0 keeps the checkpoint's, else
+    n_heads."""
+    ffn_hidden: int = 0
+    """custom: the SwiGLU width exactly (Hugging Face's intermediate_size); instead of multiple_of and
+    ffn_dim_multiplier. 0: those two decide (or the checkpoint)."""
+    multiple_of: int = 0
+    """custom: the SwiGLU width is int(8 dim / 3 x ffn_dim_multiplier) rounded up to a multiple of this
+    (Meta's sizing); 0 keeps the checkpoint's, else 256."""
+    ffn_dim_multiplier: float = 0.0
+    """custom: see multiple_of; 0 keeps the checkpoint's, else none (1)."""
+    norm_eps: float = 0.0
+    """custom: RMSNorm epsilon; 0 keeps the checkpoint's, else 1e-5."""
+    rope_theta: float = 0.0
+    """custom: RoPE base; 0 keeps the checkpoint's, else 500000 (Llama 3)."""
+    rope_scaling: Literal["flavor", "none", "llama3"] = "flavor"
+    """custom: RoPE frequency scaling: none, or llama3 (Llama 3.1's long-context scaling, with the four
+    keys below); `flavor` keeps the checkpoint's (none without one)."""
+    rope_scale_factor: float = 0.0
+    """custom, llama3 scaling: the factor long wavelengths are stretched by; 0 keeps the checkpoint's,
+    else 8."""
+    rope_low_freq_factor: float = 0.0
+    """custom, llama3 scaling: low_freq_factor; 0 keeps the checkpoint's, else 1."""
+    rope_high_freq_factor: float = 0.0
+    """custom, llama3 scaling: high_freq_factor; 0 keeps the checkpoint's, else 4."""
+    rope_original_max_len: int = 0
+    """custom, llama3 scaling: the context length before scaling (original_max_position_embeddings); 0
+    keeps the checkpoint's, else 8192."""
 
 
 @dataclass
@@ -270,7 +314,8 @@ class Data:
     path: str = ""
     """files: a path or glob; shards: the folder `titanrush prepare` wrote; hf: the dataset name."""
     tokenizer: str = "default"
-    """`default` (the shipped BPE) or the path of a tiktoken rank file (e.g. Llama 3 tokenizer.model)."""
+    """`default` (the shipped BPE), the path of a tiktoken rank file (e.g. Llama 3's tokenizer.model), or
+    of a Hugging Face tokenizer.json or its folder (needs the `tokenizers` package)."""
     text_field: str = "text"
     """Field holding the text in .jsonl / .parquet files and hf datasets."""
     num_workers: int = 0

@@ -14,8 +14,10 @@ import functools
 from dataclasses import dataclass
 
 from titanrush import validate
-from titanrush.config import JobConfig
+from titanrush.config import ConfigError, JobConfig
+from titanrush.hf import model_args_at
 from titanrush.models.llama import ModelArgs, model_args
+from titanrush.models.llama.flavors import CUSTOM, ffn_sizing, shape_of
 from titanrush.models.llama.pipeline import stage_costs
 from titanrush.parallel.parallel_dims import ParallelDims
 from titanrush.parallel.pipeline import balanced_split, stage_ids, stages_per_rank
@@ -167,19 +169,42 @@ class RunPlan:
 
 
 def resolve_model_args(cfg: JobConfig) -> ModelArgs:
-    """The flavor's arguments with the config's overrides (`validate.check_values` has checked the flavor)."""
+    """The flavor's arguments with the config's overrides (`validate.check_values` has checked the keys).
+
+    A custom shape starts from `model.from_checkpoint`'s arguments (or `flavors.CUSTOM_BASE`), and every
+    [model] dimension that is set replaces the field it names.
+    """
     m, t = cfg.model, cfg.training
     over: dict[str, object] = {"attn_backend": m.attn_backend, "rope_positions": t.seq_len}
     if m.vocab_size:
         over["vocab_size"] = m.vocab_size
     if m.tie_embeddings != "flavor":
         over["tie_embeddings"] = m.tie_embeddings == "tied"
+    if m.max_seq_len:
+        over["max_seq_len"] = m.max_seq_len
     if t.loss == "chunked":
         over["loss_chunk_size"] = t.loss_chunk_size
         over["compile_loss"] = cfg.compile.enable
     if cfg.parallelism.cp > 1:  # ring attention wants one K/V head per query head
         over["expand_kv"] = True
-    return model_args(m.flavor, **over)
+    if m.flavor != CUSTOM:
+        return model_args(m.flavor, **over)
+    if m.from_checkpoint:
+        try:
+            base = model_args_at(m.from_checkpoint)
+        except ConfigError as e:
+            raise ConfigError(f"model.from_checkpoint = {m.from_checkpoint!r}: {e}") from None
+        over = {**shape_of(base), **over}
+    for key in validate.ARCHITECTURE_KEYS:
+        if key != "ffn_hidden" and getattr(m, key):  # 0: keep the checkpoint's (or CUSTOM_BASE's)
+            over[key] = getattr(m, key)
+    if m.rope_scaling != "flavor":
+        over["rope_scaling"] = m.rope_scaling == "llama3"
+    args = model_args(CUSTOM, **over)
+    if m.ffn_hidden:  # the width itself (Hugging Face's intermediate_size): Meta's sizing that gives it
+        multiple_of, multiplier = ffn_sizing(args.dim, m.ffn_hidden)
+        args = dataclasses.replace(args, multiple_of=multiple_of, ffn_dim_multiplier=multiplier)
+    return args
 
 
 def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunPlan:

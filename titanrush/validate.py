@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
-from titanrush.config import ConfigError, JobConfig, Parallelism
+from titanrush.config import ConfigError, JobConfig, Model, Parallelism
 from titanrush.models.llama import FLAVORS, ModelArgs
+from titanrush.models.llama.flavors import CUSTOM
 from titanrush.parallel.parallel_dims import ParallelDims
 
 # Tokens in one micro-batch of one rank: far above any GPU's memory for a Llama (the 405B at 128k
@@ -32,6 +33,21 @@ MAX_MICROBATCH_TOKENS = 2**27
 # (None: unbounded). A test holds every int and float field of the config to having an entry here.
 RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "model.vocab_size": (0, None, True, True),
+    # The model's dimensions: 0 keeps the flavor's or model.from_checkpoint's (see _check_model_keys).
+    "model.max_seq_len": (0, None, True, True),
+    "model.dim": (0, None, True, True),
+    "model.n_layers": (0, None, True, True),
+    "model.n_heads": (0, None, True, True),
+    "model.n_kv_heads": (0, None, True, True),
+    "model.ffn_hidden": (0, None, True, True),
+    "model.multiple_of": (0, None, True, True),
+    "model.ffn_dim_multiplier": (0.0, None, True, True),
+    "model.norm_eps": (0.0, 1.0, True, False),
+    "model.rope_theta": (0.0, None, True, True),
+    "model.rope_scale_factor": (0.0, None, True, True),
+    "model.rope_low_freq_factor": (0.0, None, True, True),
+    "model.rope_high_freq_factor": (0.0, None, True, True),
+    "model.rope_original_max_len": (0, None, True, True),
     "training.steps": (1, None, True, True),
     "training.local_batch_size": (1, None, True, True),
     "training.global_batch_size": (-1, None, True, True),  # -1 or > 0, see check_values
@@ -106,12 +122,7 @@ def check_values(cfg: JobConfig) -> None:
             f"tokens per micro-batch is beyond any GPU (at most {MAX_MICROBATCH_TOKENS:,}); lower "
             "local_batch_size and reach a large batch with training.global_batch_size (gradient accumulation)"
         )
-    if cfg.model.flavor not in FLAVORS:
-        lower = {f.lower(): f for f in FLAVORS}
-        near = [lower[cfg.model.flavor.lower()]] if cfg.model.flavor.lower() in lower else []
-        near = near or difflib.get_close_matches(cfg.model.flavor, list(FLAVORS), n=1)
-        hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ConfigError(f"model.flavor = {cfg.model.flavor!r} is not one of {', '.join(FLAVORS)}{hint}")
+    _check_model_keys(cfg.model)
     if cfg.profiling.freq < cfg.profiling.active_steps + 2:
         raise ConfigError(
             f"profiling.freq ({cfg.profiling.freq}) must be >= profiling.active_steps + 2 (a wait step and a "
@@ -149,6 +160,86 @@ def check_values(cfg: JobConfig) -> None:
         )
 
 
+# [model] keys that change the architecture: only a custom shape takes them (a named flavor stays what its
+# name says); model.vocab_size, tie_embeddings and max_seq_len adapt any flavor.
+ARCHITECTURE_KEYS = (
+    "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "multiple_of", "ffn_dim_multiplier",
+    "norm_eps", "rope_theta", "rope_scale_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+    "rope_original_max_len",
+)  # fmt: skip
+_LLAMA3_ROPE_KEYS = ARCHITECTURE_KEYS[-4:]
+
+
+def _check_model_keys(m: Model) -> None:
+    """The flavor's name, and which shape keys it takes (see ARCHITECTURE_KEYS)."""
+    if m.flavor not in FLAVORS and m.flavor != CUSTOM:
+        names = [*FLAVORS, CUSTOM]
+        lower = {f.lower(): f for f in names}
+        near = [lower[m.flavor.lower()]] if m.flavor.lower() in lower else []
+        near = near or difflib.get_close_matches(m.flavor, names, n=1)
+        hint = f" (did you mean {near[0]!r}?)" if near else ""
+        raise ConfigError(f"model.flavor = {m.flavor!r} is not one of {', '.join(names)}{hint}")
+    given = [k for k in ARCHITECTURE_KEYS if getattr(m, k)] + ["rope_scaling"] * (m.rope_scaling != "flavor")
+    if m.flavor != CUSTOM:
+        if m.from_checkpoint:
+            raise ConfigError(
+                f"model.from_checkpoint takes the model's shape from {m.from_checkpoint!r}: set "
+                f"model.flavor = 'custom' (not {m.flavor!r}), or remove model.from_checkpoint"
+            )
+        if given:
+            raise ConfigError(
+                f"model.{given[0]} applies to model.flavor = 'custom' (this run uses {m.flavor!r}, whose "
+                f"shape is fixed): set model.flavor = 'custom' with the model's dimensions, or remove "
+                f"model.{given[0]}"
+            )
+        return
+    if not m.from_checkpoint:
+        missing = [k for k in ("dim", "n_layers", "n_heads", "vocab_size") if not getattr(m, k)]
+        if missing:
+            raise ConfigError(
+                "model.flavor = 'custom' takes its shape from model.from_checkpoint (a checkpoint or Hugging "
+                f"Face folder) or from the [model] keys; set model.{', model.'.join(missing)}"
+            )
+    if m.ffn_hidden and (m.multiple_of or m.ffn_dim_multiplier):
+        raise ConfigError(
+            "model.ffn_hidden sets the SwiGLU width exactly; remove model.multiple_of and "
+            "model.ffn_dim_multiplier (they derive it), or remove model.ffn_hidden"
+        )
+    scale_keys = [k for k in _LLAMA3_ROPE_KEYS if getattr(m, k)]
+    if m.rope_scaling == "none" and scale_keys:
+        raise ConfigError(
+            f"model.{scale_keys[0]} applies to model.rope_scaling = 'llama3', not 'none': remove one of them"
+        )
+
+
+def check_model_args(args: ModelArgs) -> None:
+    """The resolved shape can be built: heads divide the width, K/V heads the heads, RoPE's pairs fit."""
+    if args.dim % args.n_heads:
+        raise ConfigError(
+            f"model.dim ({args.dim}) must be divisible by model.n_heads ({args.n_heads}): the heads split it"
+        )
+    if args.n_heads % args.kv_heads:
+        raise ConfigError(
+            f"model.n_heads ({args.n_heads}) must be a multiple of model.n_kv_heads ({args.kv_heads}): "
+            "each K/V head serves a group of query heads"
+        )
+    if args.head_dim % 2:
+        raise ConfigError(
+            f"the head dimension model.dim / model.n_heads = {args.head_dim} must be even (RoPE rotates "
+            "pairs)"
+        )
+    if args.rope_scaling and not (
+        args.rope_scale_factor > 0
+        and 0 < args.rope_low_freq_factor < args.rope_high_freq_factor
+        and args.rope_original_max_len > 0
+    ):
+        raise ConfigError(
+            f"llama3 RoPE scaling needs model.rope_scale_factor > 0 ({args.rope_scale_factor}), 0 < "
+            f"rope_low_freq_factor ({args.rope_low_freq_factor}) < rope_high_freq_factor "
+            f"({args.rope_high_freq_factor}) and rope_original_max_len > 0 ({args.rope_original_max_len})"
+        )
+
+
 def check_degrees(p: Parallelism, world_size: int) -> None:
     """The degrees multiply to the world size (`dp_shard = -1` taking what the others leave)."""
     others = p.dp_replicate * p.cp * p.tp * p.pp
@@ -172,6 +263,7 @@ def check_run(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     from titanrush.data import build_tokenizer  # (reads the tokenizer file: a missing one is a ConfigError)
 
     t, p, m = cfg.training, cfg.parallelism, cfg.model
+    check_model_args(args)
     words = build_tokenizer(cfg.data.tokenizer).n_words
     if args.vocab_size < words:
         raise ConfigError(

@@ -13,9 +13,14 @@ import torch.distributed.checkpoint as dcp
 
 from titanrush import hf
 from titanrush.config import ConfigError
+from titanrush.data.tokenizer import build_tokenizer
 from titanrush.models.llama import FLAVORS, Llama, ModelArgs, model_args
 from titanrush.models.llama.model import apply_rope, rope_cache
 from titanrush.tools import convert
+
+TOKENIZER_FILES = ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+NO_DEV = "it is in [dev] (pip install -e '.[dev]')"
+NO_TRANSFORMERS = "transformers is not installed: " + NO_DEV
 
 
 def make_model(args: ModelArgs, seed: int = 0) -> Llama:
@@ -245,26 +250,29 @@ def test_export_hf_and_import_hf_through_files(tmp_path, tied, drop):
     save_checkpoint(model, tmp_path / "run" / "checkpoint", step=2)
     ckpt = save_checkpoint(model, tmp_path / "run" / "checkpoint", step=5, drop_tied_output=drop)
     out = hf.export_hf(ckpt, tmp_path / "hf", dtype=torch.float32)
-    assert sorted(p.name for p in out.iterdir()) == [
-        "config.json",
-        "generation_config.json",
-        "model.safetensors",
-    ]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["config.json", "generation_config.json", "model.safetensors", *TOKENIZER_FILES]
+    )
     cfg = json.loads((out / "config.json").read_text())
     assert (
         cfg["torch_dtype"] == "float32"
         and cfg["model_type"] == "llama"
         and cfg["tie_word_embeddings"] is tied
     )
+    tok = build_tokenizer("default")  # no config.toml above the checkpoint: the shipped tokenizer
+    assert (cfg["bos_token_id"], cfg["eos_token_id"]) == (tok.bos_id, tok.eos_id)
     assert_same_state(
         hf.load_safetensors(out / "model.safetensors"), hf.to_hf_state_dict(model.state_dict(), args)
     )
 
     imported = hf.import_hf(out, tmp_path / "imported")
     info = json.loads((imported / "titanrush.json").read_text())
-    assert (
-        info["flavor"] == "debug" and info["model_only"] and info["step"] == 0 and info["dtype"] == "float32"
-    )
+    assert info["model_only"] and info["step"] == 0 and info["dtype"] == "float32"
+    # A run takes the shape from model_args (model.flavor = custom); the matching flavor is only named.
+    assert info["flavor"] == "custom" and info["architecture"] == "debug"
+    assert sorted(p.name for p in imported.iterdir() if p.suffix == ".json") == sorted(
+        ["titanrush.json", *TOKENIZER_FILES]
+    )  # the tokenizer travels with the weights
     sd, back_args, _ = hf.read_checkpoint(imported)
     assert back_args == args
     assert_same_state(sd, model.state_dict())
@@ -318,11 +326,20 @@ def test_cli_round_trip(tmp_path, capsys):
     ckpt = save_checkpoint(model, tmp_path / "ck")
     assert cli.main(["convert", "--to-hf", str(ckpt), str(tmp_path / "hf"), "--dtype", "fp32"]) == 0
     assert convert.main(["--from-hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
-    assert "load_model_only" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    for flag in hf.import_command(tmp_path / "back"):
+        assert flag in printed
     assert_same_state(hf.read_checkpoint(tmp_path / "back")[0], model.state_dict())
     assert convert.main(["--to-pt", str(ckpt), str(tmp_path / "m.pt"), "--dtype", "bf16"]) == 0
     assert torch.load(tmp_path / "m.pt", weights_only=True)["model"]["norm.weight"].dtype == torch.bfloat16
     assert convert.main(["--from-hf", str(tmp_path / "hf"), str(tmp_path / "x"), "--dtype", "bf16"]) == 2
+    assert convert.main(["--from-hf", str(tmp_path / "hf"), str(tmp_path / "x"), "--tokenizer", "none"]) == 2
+    assert not (tmp_path / "x").exists()
+    assert convert.main(["--to-hf", str(ckpt), str(tmp_path / "bare"), "--tokenizer", "none"]) == 0
+    assert sorted(p.name for p in (tmp_path / "bare").iterdir()) == [
+        "config.json", "generation_config.json", "model.safetensors"
+    ]  # fmt: skip
+    assert "bos_token_id" not in json.loads((tmp_path / "bare" / "config.json").read_text())
     assert convert.main([]) == 2
     assert convert.main(["--help"]) == 0
 
@@ -405,15 +422,15 @@ def test_trainer_written_checkpoints_export(tmp_path):
     assert sorted(back) == sorted(trained) and not torch.equal(back["norm.weight"], trained["norm.weight"])
 
 
-def test_trainer_starts_from_an_imported_checkpoint(tmp_path):
+def start_from_import(tmp_path: Path, flags_of) -> None:
+    """A run starts from an imported checkpoint with exactly its weights, at step 0."""
     from titanrush import config
     from titanrush.trainer import Trainer
 
     model = make_model(model_args("debug"), seed=7)
     out = hf.export_hf(save_checkpoint(model, tmp_path / "ck"), tmp_path / "hf", dtype=torch.float32)
     imported = hf.import_hf(out, tmp_path / "imported")
-    argv = ["--job.dump_folder", str(tmp_path), "--job.name", "ft", *TRAIN,
-            "--checkpoint.load_path", str(imported), "--checkpoint.load_model_only"]  # fmt: skip
+    argv = ["--job.dump_folder", str(tmp_path), "--job.name", "ft", *TRAIN, *flags_of(imported)]
     trainer = Trainer(config.load(None, argv))
     try:
         loaded = trainer_weights(trainer)
@@ -423,13 +440,36 @@ def test_trainer_starts_from_an_imported_checkpoint(tmp_path):
         trainer.close()
 
 
+def test_trainer_starts_from_an_imported_checkpoint(tmp_path):
+    """The command `titanrush convert --from-hf` prints: the shape from the checkpoint, in one command."""
+    pytest.importorskip("tokenizers", reason="the command trains with the import's tokenizer.json: " + NO_DEV)
+    start_from_import(tmp_path, hf.import_command)
+
+
+# Integrator: remove this mark once checkpoint.py compares model arguments instead of flavor names. It
+# fails today ("saved by model.flavor = 'custom', this run uses 'debug'"), strictly, so that the change
+# that makes it pass cannot go unnoticed.
+@pytest.mark.xfail(
+    strict=True, raises=ConfigError, reason="checkpoint loading still compares flavor names (model args soon)"
+)
+def test_trainer_starts_from_an_import_under_the_flavor_it_matches(tmp_path):
+    def named(imported: Path) -> list[str]:
+        return [
+            "--model.flavor",
+            "debug",
+            "--checkpoint.load_path",
+            str(imported),
+            "--checkpoint.load_model_only",
+        ]
+
+    start_from_import(tmp_path, named)
+
+
 @pytest.mark.parametrize(
     "tied, rope_scaling", [(False, True), (True, False)], ids=["untied_llama3rope", "tied"]
 )
 def test_transformers_llama_gives_titanrush_logits(tmp_path, tied, rope_scaling):
-    transformers = pytest.importorskip(
-        "transformers", reason="transformers is not installed (it is on the GPU box)"
-    )
+    transformers = pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
     over = {"rope_scaling": True, "rope_original_max_len": 64} if rope_scaling else {}
     args = model_args("debug", tie_embeddings=tied, **over)
     model = make_model(args, seed=3)
@@ -444,3 +484,40 @@ def test_transformers_llama_gives_titanrush_logits(tmp_path, tied, rope_scaling)
     sd, back_args, _ = hf.read_checkpoint(hf.import_hf(tmp_path / "saved", tmp_path / "imported"))
     assert back_args == args
     assert_same_state(sd, model.state_dict())
+
+
+def test_model_args_at_reads_every_kind_of_folder(tmp_path):
+    args = model_args("debug", n_layers=2, tie_embeddings=True)
+    run = tmp_path / "run" / "checkpoint"
+    save_checkpoint(make_model(args), run, step=3)
+    step = save_checkpoint(make_model(args), run, step=7)
+    (step.parent.parent / "config.toml").write_text('[data]\ntokenizer = "/somewhere/tokenizer.model"\n')
+    out = hf.export_hf(step, tmp_path / "hf", dtype=torch.float32, tokenizer="default")
+    for path in (step, run, step / "titanrush.json", out, out / "config.json"):
+        assert hf.model_args_at(path) == args, path
+    with pytest.raises(ConfigError, match="holds neither a titanrush checkpoint"):
+        hf.model_args_at(tmp_path)
+    (tmp_path / "bad.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="does not hold a JSON object"):
+        hf.model_args_at(tmp_path / "bad.json")
+    # The tokenizer a checkpoint was trained with: the run's config.toml, else the shipped one; an import
+    # carries its own tokenizer.json.
+    assert hf.training_tokenizer(step) == hf.training_tokenizer(run) == "/somewhere/tokenizer.model"
+    assert hf.training_tokenizer(out) == str((out / "tokenizer.json").resolve())
+    imported = hf.import_hf(out, tmp_path / "imported")
+    assert hf.training_tokenizer(imported) == str((imported / "tokenizer.json").resolve())
+    assert hf.training_tokenizer(hf.export_hf(step, tmp_path / "bare", tokenizer=None)) == "default"
+    with pytest.raises(
+        ConfigError, match=r"tokenizer file '/somewhere/tokenizer.model' not found.*--tokenizer"
+    ):
+        hf.export_hf(step, tmp_path / "hf2")  # the run's tokenizer is gone: say so, and how to choose one
+    assert not (tmp_path / "hf2").exists()
+
+
+def test_export_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path):
+    ckpt = save_checkpoint(make_model(model_args("debug", vocab_size=4096)), tmp_path / "ck")
+    with pytest.raises(ConfigError, match=r"has 8192 ids, the model's vocabulary only 4096"):
+        hf.export_hf(ckpt, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    out = hf.export_hf(ckpt, tmp_path / "hf", tokenizer=None)
+    assert "eos_token_id" not in json.loads((out / "generation_config.json").read_text())

@@ -6,6 +6,10 @@ its merge list instead. Listing, for every multi-byte token, its splits into two
 ordered by the merged token's rank, makes the two agree: the Hugging Face merge that fires first is the
 pair whose result has the lowest rank, as in tiktoken. Bytes map to printable characters with GPT-2's
 byte-level table, which Llama 3's `tokenizer.json` uses too.
+
+`tokenizer_files` gives the files a Hugging Face export carries (`titanrush convert --to-hf`): the
+training tokenizer as `tokenizer.json`, `tokenizer_config.json` and `special_tokens_map.json`, so that
+`transformers.AutoTokenizer` loads it and encodes text as training did (BOS first, as Llama 3's does).
 """
 
 from __future__ import annotations
@@ -14,7 +18,16 @@ import json
 from pathlib import Path
 from typing import Any
 
-from titanrush.data.tokenizer import DEFAULT_PATH, LLAMA3_PATTERN, load_ranks, special_tokens
+from titanrush.data.tokenizer import (
+    DEFAULT_PATH,
+    LLAMA3_PATTERN,
+    HFTokenizer,
+    Tokenizer,
+    build_tokenizer,
+    load_ranks,
+    special_tokens,
+    tokenizer_path,
+)
 
 
 def bytes_to_unicode() -> dict[int, str]:
@@ -50,11 +63,13 @@ def bpe_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return [(left, right) for _, _, left, right in merges]
 
 
-def hf_tokenizer_spec(ranks: dict[bytes, int]) -> dict[str, Any]:
+def hf_tokenizer_spec(ranks: dict[bytes, int], *, add_bos: bool = False) -> dict[str, Any]:
     """The `tokenizer.json` content for these ranks, Llama 3's pre-tokenizer and special tokens.
 
     Args:
         ranks: token bytes -> rank; the special tokens take the ids after the last rank.
+        add_bos: encoding with special tokens puts BOS first (Llama 3's post-processor), as the training
+            data frames every document.
     """
     enc = bytes_to_unicode()
 
@@ -75,7 +90,7 @@ def hf_tokenizer_spec(ranks: dict[bytes, int]) -> dict[str, Any]:
         "added_tokens": added,
         "normalizer": None,
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [split, byte_level]},
-        "post_processor": None,
+        "post_processor": _bos_template(len(ranks), special_tokens()[0]) if add_bos else None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
         "model": {
             "type": "BPE",
@@ -90,6 +105,54 @@ def hf_tokenizer_spec(ranks: dict[bytes, int]) -> dict[str, Any]:
             "merges": [[text(left), text(right)] for left, right in bpe_merges(ranks)],
         },
     }
+
+
+def _bos_template(bos_id: int, bos: str) -> dict[str, Any]:
+    """A post-processor that puts BOS before each sequence (Llama 3's `TemplateProcessing`)."""
+    piece = {"SpecialToken": {"id": bos, "type_id": 0}}
+    first, second = {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}
+    return {
+        "type": "TemplateProcessing",
+        "single": [piece, first],
+        "pair": [piece, first, piece, second],
+        "special_tokens": {bos: {"id": bos, "ids": [bos_id], "tokens": [bos]}},
+    }
+
+
+def tokenizer_files(spec: str, max_len: int) -> tuple[dict[str, str], Tokenizer | HFTokenizer]:
+    """The Hugging Face tokenizer files of the tokenizer `data.tokenizer = spec` names, and that tokenizer.
+
+    A tiktoken rank file (the shipped BPE, Llama 3's tokenizer.model) becomes a `tokenizer.json` that puts
+    BOS first; a `tokenizer.json` is carried unchanged, with its `tokenizer_config.json` and
+    `special_tokens_map.json` where they lie beside it.
+
+    Args:
+        spec: `data.tokenizer`'s value ("default", a rank file, or a tokenizer.json or its folder).
+        max_len: the model's longest sequence (`model_max_length` of a written tokenizer_config.json).
+
+    Returns:
+        (file name -> text, the tokenizer); the names are tokenizer.json, tokenizer_config.json and
+        special_tokens_map.json.
+    """
+    tok = build_tokenizer(spec)
+    bos, eos = tok.decode([tok.bos_id]), tok.decode([tok.eos_id])
+    names = {"bos_token": bos, "eos_token": eos}
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast", **names, "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"], "model_max_length": max_len,
+    }  # fmt: skip
+    if isinstance(tok, HFTokenizer):
+        files = {"tokenizer.json": tok.path.read_text()}
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            if (tok.path.parent / name).exists():
+                files[name] = (tok.path.parent / name).read_text()
+    else:
+        ranks, _ = load_ranks(tokenizer_path(spec))
+        files = {"tokenizer.json": json.dumps(hf_tokenizer_spec(ranks, add_bos=True))}
+        config.update(add_bos_token=True, add_eos_token=False)
+    files.setdefault("tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+    files.setdefault("special_tokens_map.json", json.dumps(names, indent=2) + "\n")
+    return files, tok
 
 
 def write_hf_tokenizer(folder: Path, rank_file: Path = DEFAULT_PATH) -> None:

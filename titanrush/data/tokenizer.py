@@ -1,8 +1,12 @@
-"""The tokenizer: byte-level BPE through tiktoken, with the Llama 3 pre-tokenizer and special tokens.
+"""The tokenizers: byte-level BPE through tiktoken, or a Hugging Face `tokenizer.json`.
 
 A rank file holds one `base64(token bytes) rank` pair per line (tiktoken's format, the format of the
 Llama 3 `tokenizer.model`). The 256 special tokens follow the ranks, in Llama 3's order, so the shipped
 7936-rank file gives 8192 ids and Llama 3's 128000-rank file gives 128256.
+
+A `tokenizer.json` (any Hugging Face tokenizer: Llama 3's, SmolLM's, ...) is read through the `tokenizers`
+package, imported only when one is named; its BOS and EOS come from the `tokenizer_config.json` beside it.
+Both classes offer the same methods and attributes, which is all the data layer uses.
 """
 
 from __future__ import annotations
@@ -10,9 +14,11 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import json
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import tiktoken
@@ -132,7 +138,10 @@ def load_ranks(path: Path) -> tuple[dict[bytes, int], str]:
     Raises:
         ConfigError: naming the file and the fix when it is missing or not a valid rank file.
     """
-    fix = "pass data.tokenizer = 'default' or the path of a tiktoken rank file (e.g. Llama 3 tokenizer.model)"
+    fix = (
+        "pass data.tokenizer = 'default', the path of a tiktoken rank file (e.g. Llama 3 tokenizer.model) "
+        "or of a Hugging Face tokenizer.json"
+    )
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
@@ -181,16 +190,146 @@ def _check_ranks(ranks: dict[bytes, int], n_lines: int) -> str:
     return ""
 
 
-def build_tokenizer(spec: str) -> Tokenizer:
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` (through the `tokenizers` package) with Tokenizer's interface.
+
+    Attributes:
+        n_words: vocabulary size (the highest id + 1, added tokens included).
+        bos_id, eos_id: the ids of the BOS and EOS tokens that `tokenizer_config.json` beside the file
+            names (else Llama 3's, `<s>`/`</s>` or `<|endoftext|>`, whichever the vocabulary has).
+        n_ranks: the size of the model's own vocabulary (ids below it are ordinary tokens in Llama 3's
+            and titanrush's exports).
+        spec: what `data.tokenizer` said.
+        hash: hex digest of the file and the chosen BOS/EOS, to key caches and check shards.
+    """
+
+    def __init__(self, path: Path, *, spec: str) -> None:
+        self.spec, self.path = spec, path
+        fix = "pass data.tokenizer = a Hugging Face tokenizer.json (or its folder), a rank file or 'default'"
+        try:
+            import tokenizers
+        except ImportError:
+            raise ConfigError(
+                f"data.tokenizer = {spec!r} is a Hugging Face tokenizer.json, which needs the `tokenizers` "
+                "package: pip install tokenizers (or pass a tiktoken rank file such as Llama 3's "
+                "original/tokenizer.model)"
+            ) from None
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            raise ConfigError(f"tokenizer file {str(path)!r} not found; {fix}") from None
+        except OSError as e:
+            raise ConfigError(f"tokenizer file {str(path)!r} cannot be read ({e.strerror}); {fix}") from None
+        try:
+            self.backend = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+        except Exception as e:  # the Rust side raises its own exception types for a malformed file
+            raise ConfigError(
+                f"tokenizer file {str(path)!r} is not a Hugging Face tokenizer.json ({str(e)[:200]}); {fix}"
+            ) from None
+        # Special-token strings inside a text are encoded as ordinary text, as tiktoken's encode_ordinary
+        # does: a document that mentions "<|end_of_text|>" must not end there.
+        self.backend.encode_special_tokens = True
+        bos, eos = _special_tokens_of(path, self.backend)
+        self.bos_id, self.eos_id = self.backend.token_to_id(bos), self.backend.token_to_id(eos)
+        self.n_words = max(self.backend.get_vocab(with_added_tokens=True).values()) + 1
+        self.n_ranks = self.backend.get_vocab_size(with_added_tokens=False)
+        self.hash = hashlib.sha256(raw + f"|{bos}|{eos}".encode()).hexdigest()
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(spec={self.spec!r}, n_words={getattr(self, 'n_words', None)})"
+
+    def encode(self, text: str, *, bos: bool, eos: bool) -> list[int]:
+        """Token ids of `text` (the tokenizer's own post-processing, e.g. an added BOS, not applied)."""
+        return _framed(self.backend.encode(_valid(text), add_special_tokens=False).ids, bos, eos, self)
+
+    def encode_batch(
+        self, texts: Sequence[str], *, bos: bool, eos: bool, num_threads: int = 8
+    ) -> list[list[int]]:
+        """`encode` over many texts (the `tokenizers` package parallelizes a batch itself)."""
+        batch = self.backend.encode_batch_fast([_valid(t) for t in texts], add_special_tokens=False)
+        return [_framed(e.ids, bos, eos, self) for e in batch]
+
+    def encode_arrays(self, texts: Sequence[str], *, num_threads: int = 8) -> list[np.ndarray]:
+        """Token ids of each text as a uint32 array, without BOS/EOS."""
+        batch = self.backend.encode_batch_fast([_valid(t) for t in texts], add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.uint32) for e in batch]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of `ids` (special tokens as their strings)."""
+        return self.backend.decode(list(ids), skip_special_tokens=False)
+
+
+def _valid(text: str) -> str:
+    """text without lone surrogates (Rust strings cannot hold them; tiktoken replaces them too)."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _framed(ids: list[int], bos: bool, eos: bool, tok: HFTokenizer) -> list[int]:
+    return ([tok.bos_id] if bos else []) + list(ids) + ([tok.eos_id] if eos else [])
+
+
+_BOS_NAMES = ("<|begin_of_text|>", "<s>", "<|endoftext|>")
+_EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>")
+
+
+def _special_tokens_of(path: Path, backend: Any) -> tuple[str, str]:
+    """(BOS, EOS) token strings: `tokenizer_config.json` beside the file, else a well-known pair."""
+    named: dict[str, str] = {}
+    config = path.parent / "tokenizer_config.json"
+    if config.exists():
+        try:
+            data = json.loads(config.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{config} (beside data.tokenizer) is not valid JSON ({e})") from None
+        for key in ("bos_token", "eos_token"):
+            value = data.get(key)
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                named[key] = value
+    found = []
+    for key, fallbacks in (("bos_token", _BOS_NAMES), ("eos_token", _EOS_NAMES)):
+        names = [named[key]] if key in named else list(fallbacks)
+        token = next((n for n in names if backend.token_to_id(n) is not None), None)
+        if token is None:
+            raise ConfigError(
+                f"tokenizer {str(path)!r} has no {key[:3].upper()} token ({' or '.join(names)} not in its "
+                "vocabulary); put a tokenizer_config.json naming bos_token and eos_token beside it"
+            )
+        found.append(token)
+    return found[0], found[1]
+
+
+def tokenizer_path(spec: str) -> Path:
+    """The file that `data.tokenizer` names: the shipped rank file, the file itself, or a folder's
+    `tokenizer.json`."""
+    path = DEFAULT_PATH if spec == "default" else Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "tokenizer.json").exists():
+            raise ConfigError(
+                f"data.tokenizer = {spec!r} is a folder without a tokenizer.json; pass the tokenizer file "
+                "itself (a tokenizer.json or a tiktoken rank file)"
+            )
+        path = path / "tokenizer.json"
+    return path
+
+
+def build_tokenizer(spec: str) -> Tokenizer | HFTokenizer:
     """The tokenizer named by `data.tokenizer`.
 
     Args:
-        spec: "default" (the shipped 8192-id BPE) or the path of a tiktoken rank file such as
-            the Llama 3 `tokenizer.model` (128000 ranks; 128256 ids with the special tokens).
+        spec: "default" (the shipped 8192-id BPE); the path of a tiktoken rank file such as the Llama 3
+            `tokenizer.model` (128000 ranks; 128256 ids with the special tokens); or a Hugging Face
+            `tokenizer.json` (a path ending in `.json`, or a folder holding one).
 
     Raises:
-        ConfigError: the file is missing or is not a valid rank file.
+        ConfigError: the file is missing or malformed, or `tokenizers` is missing for a tokenizer.json.
     """
-    path = DEFAULT_PATH if spec == "default" else Path(spec).expanduser()
+    path = tokenizer_path(spec)
+    if path.suffix == ".json":
+        return HFTokenizer(path, spec=spec)
     ranks, file_hash = load_ranks(path)
     return Tokenizer(ranks, spec=spec, file_hash=file_hash)

@@ -1,6 +1,6 @@
 """`titanrush convert`: checkpoints to and from Hugging Face Llama folders, and to a single `.pt` file.
 
-    titanrush convert --to-hf CKPT_DIR OUT_DIR [--dtype bf16|fp32|fp16]
+    titanrush convert --to-hf CKPT_DIR OUT_DIR [--dtype bf16|fp32|fp16] [--tokenizer SPEC|none]
     titanrush convert --to-pt CKPT_DIR OUT.pt [--dtype fp32|bf16|fp16]
     titanrush convert --from-hf HF_DIR OUT_CKPT_DIR
 
@@ -10,6 +10,7 @@ Exit status: 0 on success, 2 on bad input (a missing folder, a non-Llama config,
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from titanrush import hf
@@ -29,6 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", choices=sorted(hf.DTYPES), help="export dtype (default: bf16 for HF, fp32 for .pt)"
     )
+    p.add_argument(
+        "--tokenizer",
+        metavar="SPEC",
+        help="--to-hf: the tokenizer to export (data.tokenizer's syntax: default, a rank file, a "
+        "tokenizer.json), or none; default: the one the checkpoint's run trained with",
+    )
     return p
 
 
@@ -39,20 +46,23 @@ def main(argv: list[str] | None = None) -> int:
         ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
         if ns.from_hf and ns.dtype:
             parser.error("--dtype applies to exports; --from-hf always writes float32")
+        if ns.tokenizer is not None and not ns.to_hf:
+            parser.error("--tokenizer applies to --to-hf (an import carries the HF folder's tokenizer files)")
     except SystemExit as e:  # --help or a usage error: argparse has printed it
         return int(e.code or 0)
     try:
         if ns.to_hf:
-            out = hf.export_hf(*ns.to_hf, dtype=hf.DTYPES[ns.dtype or "bf16"])
-            print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'}")
+            tokenizer = "auto" if ns.tokenizer is None else None if ns.tokenizer == "none" else ns.tokenizer
+            out = hf.export_hf(*ns.to_hf, dtype=hf.DTYPES[ns.dtype or "bf16"], tokenizer=tokenizer)
+            names = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
+            print(f"wrote {out}: {', '.join(names)}")
         elif ns.to_pt:
             out = hf.export_pt(*ns.to_pt, dtype=hf.DTYPES[ns.dtype or "fp32"])
             print(f"wrote {out}")
         else:
             out = hf.import_hf(*ns.from_hf)
-            print(
-                f"wrote {out}; train from it with --checkpoint.load_path {out} --checkpoint.load_model_only"
-            )
+            flags = " ".join(shlex.quote(f) for f in hf.import_command(out))
+            print(f"wrote {out}; train from it with\n  titanrush train --config FILE {flags}")
     except ConfigError as e:
         print(f"titanrush convert: error: {e}", file=sys.stderr)
         return 2

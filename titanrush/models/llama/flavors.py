@@ -1,4 +1,4 @@
-"""Model sizes: the debug model and the published Llama 3.x shapes."""
+"""Model sizes: the debug model, the published Llama 3.x shapes, and custom shapes."""
 
 from __future__ import annotations
 
@@ -76,8 +76,52 @@ FLAVORS: dict[str, ModelArgs] = {
 }
 
 
+CUSTOM = "custom"
+"""The flavor name of a shape given field by field (`[model]` keys or `model.from_checkpoint`)."""
+
+CUSTOM_BASE = ModelArgs(multiple_of=256)
+"""What a custom shape starts from before its fields are set: Meta's reference defaults (FFN rounded to
+256, RMSNorm eps 1e-5, RoPE theta 500000, no RoPE scaling, 2048 positions, untied)."""
+
+SHAPE_FIELDS = (
+    "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier",
+    "norm_eps", "rope_theta", "rope_scaling", "rope_scale_factor", "rope_low_freq_factor",
+    "rope_high_freq_factor", "rope_original_max_len", "max_seq_len", "tie_embeddings",
+)  # fmt: skip
+"""The ModelArgs fields that make up a model's shape (the rest say how a run computes it: the
+attention kernel, the loss's chunking, the RoPE table's length)."""
+
+
 def model_args(flavor: str, **overrides: object) -> ModelArgs:
-    """A copy of the flavor's arguments with the given fields replaced."""
+    """A copy of the flavor's arguments with the given fields replaced (`custom`: from CUSTOM_BASE)."""
+    if flavor == CUSTOM:
+        return dataclasses.replace(CUSTOM_BASE, **overrides)
     if flavor not in FLAVORS:
         raise KeyError(flavor)
     return dataclasses.replace(FLAVORS[flavor], **overrides)
+
+
+def shape_of(args: ModelArgs) -> dict[str, object]:
+    """The shape fields of args (what a checkpoint's `model_args` must agree on to load)."""
+    return {name: getattr(args, name) for name in SHAPE_FIELDS}
+
+
+def ffn_sizing(dim: int, hidden: int) -> tuple[int, float | None]:
+    """(multiple_of, ffn_dim_multiplier) that make `ModelArgs.ffn_hidden == hidden` for this dim.
+
+    A flavor's pair when one fits, else the simplest pair that does: Hugging Face configs state the FFN
+    width (`intermediate_size`) directly, Meta's derive it from these two numbers.
+    """
+    base = int(8 * dim / 3)
+    candidates = [(a.multiple_of, a.ffn_dim_multiplier) for a in FLAVORS.values() if a.dim == dim]
+    for multiple_of in (4096, 2048, 1024, 512, 256, 128, 64, 32, 16, 8, 4, 2, 1):
+        if hidden % multiple_of == 0:
+            candidates += [(multiple_of, None)] + [
+                (multiple_of, round(hidden / base, d)) for d in range(1, 5)
+            ]
+    # multiple_of = hidden rounds any 0 < int(multiplier * base) <= hidden up to exactly hidden.
+    candidates.append((hidden, None if base <= hidden else hidden / base))
+    for multiple_of, mult in candidates:
+        if ModelArgs(dim=dim, multiple_of=multiple_of, ffn_dim_multiplier=mult).ffn_hidden == hidden:
+            return multiple_of, mult
+    raise AssertionError(f"no ffn sizing for dim={dim}, hidden={hidden}")  # unreachable: the last one fits

@@ -1,0 +1,135 @@
+"""`titanrush generate`: continue a prompt with a checkpoint's model, to see what it has learned.
+
+    titanrush generate --checkpoint DIR --prompt TEXT [--prompt TEXT ...] [--max-new-tokens 64]
+                       [--temperature 0] [--top-p 1.0] [--seed 0] [--tokenizer SPEC]
+                       [--device auto|cpu|cuda] [--dtype auto|fp32|bf16|fp16] [--no-bos]
+
+DIR is a titanrush checkpoint (a `step-<N>` folder, its checkpoint folder, or a `convert --from-hf`
+output) or a Hugging Face Llama folder. The model runs on one device (a GPU when there is one) with a KV
+cache (`titanrush.models.llama.generate`). Temperature 0 decodes greedily; above 0 it samples, from the
+top-p nucleus, seeded. Each prompt is printed with its continuation, which ends at EOS or after
+--max-new-tokens. Exit status: 0 on success, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from titanrush import hf
+from titanrush.config import ConfigError
+from titanrush.data.tokenizer import build_tokenizer
+from titanrush.models.llama import Llama
+from titanrush.models.llama.generate import generate
+from titanrush.models.llama.model import rope_cache
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser."""
+    p = argparse.ArgumentParser(prog="titanrush generate", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", required=True, metavar="DIR", help="titanrush checkpoint or HF folder")
+    p.add_argument("--prompt", action="append", required=True, help="text to continue (repeatable)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="the most tokens to add (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sample")
+    p.add_argument("--top-p", type=float, default=1.0, help="sampling: keep the top-p nucleus (default 1)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument(
+        "--tokenizer",
+        metavar="SPEC",
+        help="data.tokenizer's syntax; default: the checkpoint's (its tokenizer.json, or the run's config)",
+    )
+    p.add_argument("--device", default="auto", help="auto (a GPU if there is one), cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default="auto", choices=["auto", *sorted(hf.DTYPES)], help="auto: bf16 on GPU")
+    p.add_argument("--no-bos", action="store_true", help="do not put BOS before the prompt")
+    return p
+
+
+def load_model(path: str | Path, device: torch.device, dtype: torch.dtype, max_len: int) -> Llama:
+    """The whole model of a titanrush checkpoint or an HF Llama folder, on device, in dtype, in eval mode.
+
+    max_len: the longest sequence it will see (the RoPE table's length).
+    """
+    folder = Path(path).expanduser()
+    if (folder / "config.json").exists() and not (folder / hf.INFO_FILE).exists():  # a Hugging Face folder
+        args = hf.model_args_at(folder)
+        sd = hf.from_hf_state_dict(hf.load_hf_weights(folder), args)
+    else:
+        sd, args, _ = hf.read_checkpoint(folder)
+    args = dataclasses.replace(args, rope_positions=max_len)
+    moved: dict[int, torch.Tensor] = {}  # by tensor: a tied embedding is moved once
+    for v in sd.values():
+        if id(v) not in moved:
+            moved[id(v)] = v.to(device=device, dtype=dtype)
+    sd = {k: moved[id(v)] for k, v in sd.items()}
+    with torch.device("meta"):
+        model = Llama(args)
+    model.load_state_dict(sd, assign=True)  # the parameters become these tensors: no second copy
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    # The RoPE table is a buffer, not in the state dict.
+    model.rope = rope_cache(args, args.rope_len).to(device)
+    return model.eval()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Generate a continuation of every prompt; return the exit status."""
+    parser = build_parser()
+    try:
+        ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        if ns.max_new_tokens < 1 or ns.temperature < 0 or not 0 < ns.top_p <= 1:
+            parser.error("--max-new-tokens must be >= 1, --temperature >= 0 and --top-p in (0, 1]")
+    except SystemExit as e:  # --help or a usage error: argparse has printed it
+        return int(e.code or 0)
+    try:
+        cuda = torch.cuda.is_available()
+        try:
+            device = torch.device(("cuda" if cuda else "cpu") if ns.device == "auto" else ns.device)
+        except RuntimeError:
+            raise ConfigError(
+                f"--device {ns.device!r} is not a device: use auto, cpu, cuda or cuda:N"
+            ) from None
+        if device.type == "cuda" and not cuda:
+            raise ConfigError(f"--device {ns.device}: no CUDA GPU here; use --device cpu")
+        on_gpu = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dtype = hf.DTYPES[ns.dtype] if ns.dtype != "auto" else on_gpu
+        spec = ns.tokenizer or hf.training_tokenizer(ns.checkpoint)
+        tok = build_tokenizer(spec)
+        prompts = [tok.encode(p, bos=not ns.no_bos, eos=False) for p in ns.prompt]
+        args = hf.model_args_at(ns.checkpoint)
+        if tok.n_words > args.vocab_size:
+            raise ConfigError(
+                f"tokenizer {spec!r} has {tok.n_words} ids, the model only {args.vocab_size}: pass the one "
+                "it was trained with (--tokenizer)"
+            )
+        longest = max(len(p) for p in prompts) + ns.max_new_tokens
+        if longest > args.max_seq_len:
+            raise ConfigError(
+                f"the longest prompt ({longest - ns.max_new_tokens} tokens) + --max-new-tokens "
+                f"{ns.max_new_tokens} exceeds the model's max_seq_len {args.max_seq_len}"
+            )
+        if any(not p for p in prompts):
+            raise ConfigError("an empty --prompt with --no-bos has no token to start from")
+        model = load_model(ns.checkpoint, device, dtype, longest)
+    except ConfigError as e:
+        print(f"titanrush generate: error: {e}", file=sys.stderr)
+        return 2
+    for text, ids in zip(ns.prompt, prompts):
+        t0 = time.perf_counter()
+        new = generate(model, ids, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
+                       top_p=ns.top_p, eos_id=tok.eos_id, seed=ns.seed)  # fmt: skip
+        seconds = time.perf_counter() - t0
+        shown = new[:-1] if new and new[-1] == tok.eos_id else new
+        print(text + tok.decode(shown), flush=True)
+        print("", flush=True)
+        end = "EOS" if len(shown) < len(new) else "max tokens"
+        print(f"[{len(new)} tokens, {len(new) / seconds:.1f} tokens/s, stopped at {end}]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
