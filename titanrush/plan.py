@@ -10,6 +10,7 @@ of the same plan, so the two cannot drift apart. Tests may construct a `RunPlan`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
