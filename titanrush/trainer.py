@@ -314,12 +314,14 @@ class Trainer:
 
     def _pipeline_eval(self, batch: Any) -> torch.Tensor:
         """Forward-only pass of one batch through the pipeline: the batch's mean loss on the last stage
-        (times the accumulation steps the loss function divides by), zero on the others."""
+        (times the accumulation steps the loss function divides by), zero on the others. Under context
+        parallel sharded as in training: the stages' buffers have the sharded sequence's shapes."""
         p = self.pipeline
         losses: list[torch.Tensor] | None = [] if p.has_last else None
         target = batch.labels if p.has_last else None
         inputs = (batch.input_ids,) if p.has_first else ()
-        with torch.no_grad(), self._autocast(), self._loss_parallel():
+        cp = self._cp_step(batch.input_ids, batch.labels)
+        with torch.no_grad(), cp, self._autocast(), self._loss_parallel():
             p.schedule.eval(*inputs, target=target, losses=losses)
         if not losses:
             return torch.zeros((), device=self.device)

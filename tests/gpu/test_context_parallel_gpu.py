@@ -14,7 +14,8 @@ is the sharding both paths share (`context_parallel_step` with the model's RoPE 
 for one stage or several): CP2 here, and its bf16 compiled run, whose blocks must compile without a
 complex tensor (inductor's "complex operators" warning, printed by every rank before the real-valued
 RoPE). On 4 GPUs CP2 x PP2 with a one-stage (1F1B) and a two-stage-per-rank, split-backward schedule
-(ZBVZeroBubble), and a bf16 compiled CP2 x PP2 run; on 8, CP2 x PP2 x TP2 and CP2 x PP2 x FSDP2.
+(ZBVZeroBubble), a bf16 compiled CP2 x PP2 run and CP2 x PP2's validation loss; on 8, CP2 x PP2 x
+TP2 and CP2 x PP2 x FSDP2.
 """
 
 from __future__ import annotations
@@ -144,3 +145,17 @@ def test_cp2_pp2_bf16_compiled_4gpu(tmp_path, bf16_compiled_1gpu):
                        "--training.local_batch_size", "4"])  # fmt: skip
     assert COMPLEX_WARNING not in log
     assert_bf16_matches(rows, bf16_compiled_1gpu)
+
+
+@pytest.mark.multigpu(4)
+def test_cp2_pp2_4gpu_validation_matches_cp1(tmp_path):
+    """The pipeline's forward-only validation pass runs sharded over cp like its training steps (the
+    stages' buffers have the sharded shapes) and logs one GPU's validation loss."""
+    val = ("--validation.freq", "3", "--validation.steps", "2", "--training.local_batch_size", "4")
+    one = [r for r in run(tmp_path, "val_cp1", 1, *val) if "val_loss" in r]
+    cp_pp = run(tmp_path, "val_cp2_pp2", 4, "--parallelism.cp", "2", "--parallelism.pp", "2",
+                "--parallelism.dp_shard", "1", *val)  # fmt: skip
+    cp_pp = [r for r in cp_pp if "val_loss" in r]
+    assert [r["step"] for r in cp_pp] == [r["step"] for r in one] == [3, 6]
+    for a, b in zip(cp_pp, one, strict=True):
+        assert abs(a["val_loss"] - b["val_loss"]) / b["val_loss"] < LOSS_RTOL, (a["val_loss"], b["val_loss"])

@@ -103,9 +103,10 @@ CP = {
 
 @pytest.mark.parametrize("name", list(CP))
 def test_context_parallel_shards_every_stage_table_with_the_batch(name, tmp_path):
-    """Two steps of the trainer's forward/backward under CP (x PP): every attention call of every stage
-    on every rank rotated with the table's rows at its tokens' positions, the tables were whole again
-    after each step, and every rank has the same finite loss and gradient norm (`cp_probe.py`)."""
+    """Two steps of the trainer's forward/backward under CP (x PP), and with PP a validation pass: every
+    attention call of every stage on every rank rotated with the table's rows at its tokens' positions,
+    the tables were whole again after each step, and every rank has the same finite loss and gradient
+    norm (`cp_probe.py`)."""
     nproc, overrides = CP[name]
     out = tmp_path / "reports"
     args = ["--job.dump_folder", str(tmp_path), "--job.name", name, "--training.seq_len", "64",
@@ -122,3 +123,6 @@ def test_context_parallel_shards_every_stage_table_with_the_batch(name, tmp_path
         values = [r[key] for r in reports]
         assert all(v == values[0] for v in values), (key, values)
         assert all(math.isfinite(x) and x > 0 for x in values[0])
+    if "pp" in name and "zbv" not in name:  # the pipeline's validation pass, sharded like its training
+        values = [r["val_loss"] for r in reports]
+        assert all(v == values[0] for v in values) and math.isfinite(values[0]) and values[0] > 0
