@@ -176,6 +176,8 @@ def resolve_model_args(cfg: JobConfig) -> ModelArgs:
     [model] dimension that is set replaces the field it names.
     """
     m, t = cfg.model, cfg.training
+    # The RoPE table holds one row per position of the run's sequence: context parallel shards it with the
+    # batch (every pipeline stage's table, in the tokens' layout), which needs exactly seq_len rows.
     over: dict[str, object] = {"attn_backend": m.attn_backend, "rope_positions": t.seq_len}
     if m.vocab_size:
         over["vocab_size"] = m.vocab_size

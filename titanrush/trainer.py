@@ -48,7 +48,7 @@ from titanrush.models.llama.parallelize import parallelize_llama
 from titanrush.models.llama.pipeline import PipelinedLlama, pipeline_llama
 from titanrush.optim import build_lr_scheduler, build_optimizer
 from titanrush.parallel.activation_offload import ActivationOffloader, bind_near_gpu
-from titanrush.parallel.context_parallel import context_parallel_step, set_rotate_method
+from titanrush.parallel.context_parallel import cp_step_context, set_rotate_method
 from titanrush.parallel.float8 import precompute_float8_scales
 from titanrush.parallel.grad_clip import clip_grad_norm_
 from titanrush.parallel.tensor_parallel import loss_parallel_context
@@ -276,12 +276,7 @@ class Trainer:
         chunked = self.plan.args.loss_chunk_size > 0
         inputs, labels = batch.input_ids, batch.labels
         positions, docs = self._document_inputs(batch)
-        cp_ctx: contextlib.AbstractContextManager = contextlib.nullcontext()
-        if self.plan.cp > 1:
-            # Positions are sharded with the tokens, so each shard's RoPE uses its tokens' true positions.
-            positions = torch.arange(inputs.shape[1], device=self.device).expand_as(inputs).contiguous()
-            cp_ctx = context_parallel_step(self.mesh["cp"], [inputs, labels, positions])
-        with cp_ctx, self._loss_parallel():
+        with self._cp_step(inputs, labels), self._loss_parallel():
             with ctx:  # autocast covers the forward and the loss; backward runs outside it, which frees
                 # autocast's cache of bf16 weight copies as soon as backward is done with each one
                 if chunked:
@@ -293,6 +288,12 @@ class Trainer:
         # Under loss parallel the loss is a replicated DTensor: its local value is the loss.
         return _local(loss.detach())
 
+    def _cp_step(self, *batch: torch.Tensor) -> contextlib.AbstractContextManager:
+        """Under context parallel: the batch's tensors and every model part's RoPE table sharded over cp
+        (in one layout: each token keeps its true position), SDPA as ring attention, for one step."""
+        cp_mesh = self.mesh["cp"] if self.plan.cp > 1 else None
+        return cp_step_context(cp_mesh, list(batch), [part.rope for part in self.model_parts])
+
     def _pipeline_loss(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The last stage's loss per pipeline micro-batch, scaled so that a step's losses sum to the mean."""
         loss = self.loss_fn(pred, labels)
@@ -303,8 +304,9 @@ class Trainer:
         p = self.pipeline
         losses: list[torch.Tensor] | None = [] if p.has_last else None
         target = batch.labels if p.has_last else None
-        # bf16 without FSDP is autocast: the schedule runs each stage's forward inside this context.
-        with self._autocast(), self._loss_parallel():
+        # bf16 without FSDP is autocast: the schedule runs each stage's forward inside this context. Under
+        # context parallel the whole step is ring attention, its batch sharded once for all micro-batches.
+        with self._cp_step(batch.input_ids, batch.labels), self._autocast(), self._loss_parallel():
             if p.has_first:
                 p.schedule.step(batch.input_ids, target=target, losses=losses)
             else:
@@ -315,12 +317,14 @@ class Trainer:
 
     def _pipeline_eval(self, batch: Any) -> torch.Tensor:
         """Forward-only pass of one batch through the pipeline: the batch's mean loss on the last stage
-        (times the accumulation steps the loss function divides by), zero on the others."""
+        (times the accumulation steps the loss function divides by), zero on the others. Under context
+        parallel sharded as in training: the stages' buffers have the sharded sequence's shapes."""
         p = self.pipeline
         losses: list[torch.Tensor] | None = [] if p.has_last else None
         target = batch.labels if p.has_last else None
         inputs = (batch.input_ids,) if p.has_first else ()
-        with torch.no_grad(), self._autocast(), self._loss_parallel():
+        cp = self._cp_step(batch.input_ids, batch.labels)
+        with torch.no_grad(), cp, self._autocast(), self._loss_parallel():
             p.schedule.eval(*inputs, target=target, losses=losses)
         if not losses:
             return torch.zeros((), device=self.device)

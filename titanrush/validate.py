@@ -289,13 +289,14 @@ def check_run(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
             f"training.global_batch_size = {gbs} must be a multiple of local_batch_size x dp = "
             f"{t.local_batch_size} x {dims.dp} = {per_step}"
         )
-    if dims.cp > 1:
-        if m.attn_backend not in ("sdpa", "cudnn"):
-            raise ConfigError(
-                f"parallelism.cp > 1 needs model.attn_backend = 'sdpa' or 'cudnn', not {m.attn_backend!r}"
-            )
-        if dims.pp > 1:
-            raise ConfigError("parallelism.cp > 1 with parallelism.pp > 1 is not supported yet")
+    # Context parallel composes with every other degree (pp included: the pipeline's step runs inside
+    # it); its ring attention replaces SDPA, so the other attention kernels would attend within each
+    # rank's shard of the sequence only.
+    if dims.cp > 1 and m.attn_backend not in ("sdpa", "cudnn"):
+        raise ConfigError(
+            f"parallelism.cp > 1 needs model.attn_backend = 'sdpa' or 'cudnn' (context parallel's ring "
+            f"attention replaces SDPA), not {m.attn_backend!r}"
+        )
     if dims.pp > 1:
         _check_pipeline(cfg, dims, args)
     if dims.tp > 1 and args.loss_chunk_size > 0:

@@ -1,16 +1,24 @@
-"""Pipeline parallel trains like one process, and every rank logs the true loss and grad norm.
+"""Pipeline parallel trains like one process, and every rank logs the true loss and grad norm; context
+parallel's plumbing with and without pipelining.
 
 The real trainer under torchrun (gloo, CPU) against the single-process run of the same global batch
 (6 steps). Stages differ from the single process only in where the sums of the loss and of the squared
 gradients are taken (per micro-batch, per stage), so the tolerance is the parity suite's RTOL.
+
+Context parallel's ring attention needs CUDA: its parity (CP x PP against one GPU) is a GPU test
+(tests/gpu/test_context_parallel_gpu.py); here `cp_probe.py` checks, through the trainer's own step on
+gloo, that every stage's attention rotates each token by its true position.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import subprocess
+import sys
 
 import pytest
-from harness import STEPS, launch, max_rel_dev, run_train
+from harness import ROOT, STEPS, child_env, failure, free_port, launch, max_rel_dev, run_train
 from test_parity import RTOL, assert_parity
 
 pytestmark = pytest.mark.parallel
@@ -80,3 +88,41 @@ def test_pipeline_without_fsdp_trains_in_bf16(tmp_path):
     precision_gap = max_rel_dev(one_fp32[:1], one_bf16[:1], "grad_norm")
     assert precision_gap > 5e-5  # bf16 really moves it on this model
     assert max_rel_dev(pp_bf16[:1], one_bf16[:1], "grad_norm") < precision_gap / 10
+
+
+CP = {
+    # name: (processes, overrides)
+    "cp2": (2, ["--parallelism.cp", "2"]),
+    "cp2_pp2_1f1b": (4, ["--parallelism.cp", "2", "--parallelism.pp", "2",
+                         "--parallelism.pp_schedule", "1F1B"]),
+    # split backward (input, then weight gradients) and two stages per rank in a V
+    "cp2_pp2_zbv": (4, ["--parallelism.cp", "2", "--parallelism.pp", "2",
+                        "--parallelism.pp_schedule", "ZBVZeroBubble"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(CP))
+def test_context_parallel_shards_every_stage_table_with_the_batch(name, tmp_path):
+    """Two steps of the trainer's forward/backward under CP (x PP), and with PP a validation pass: every
+    attention call of every stage on every rank rotated with the table's rows at its tokens' positions,
+    the tables were whole again after each step, and every rank has the same finite loss and gradient
+    norm (`cp_probe.py`)."""
+    nproc, overrides = CP[name]
+    out = tmp_path / "reports"
+    args = ["--job.dump_folder", str(tmp_path), "--job.name", name, "--training.seq_len", "64",
+            "--training.local_batch_size", "4", "--training.precision", "fp32", "--no-metrics.tensorboard",
+            *overrides]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+           str(ROOT / "tests" / "parallel" / "cp_probe.py"), str(out), *args]  # fmt: skip
+    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, failure(cmd, res.stdout + res.stderr)
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+    assert all(all(n > 0 for n in r["calls"]) for r in reports)  # every rank's stages attended, each step
+    for key in ("losses", "grad_norms"):
+        values = [r[key] for r in reports]
+        assert all(v == values[0] for v in values), (key, values)
+        assert all(math.isfinite(x) and x > 0 for x in values[0])
+    if "pp" in name and "zbv" not in name:  # the pipeline's validation pass, sharded like its training
+        values = [r["val_loss"] for r in reports]
+        assert all(v == values[0] for v in values) and math.isfinite(values[0]) and values[0] > 0

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
+import shutil
+import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from titanrush.models.llama import FLAVORS, Llama, model_args
 from titanrush.models.llama.loss import chunked_cross_entropy, cross_entropy
-from titanrush.models.llama.model import apply_rope, rope_cache, rope_frequencies
+from titanrush.models.llama.model import TransformerBlock, apply_rope, rope_cache, rope_frequencies
 
 
 def count(flavor: str, **over) -> int:
@@ -72,6 +75,145 @@ def test_rope_position_ids_select_rows():
     out = apply_rope(x, rope[pos])
     torch.testing.assert_close(out[:, :2], apply_rope(x[:, :2], rope[5:7]))
     torch.testing.assert_close(out[:, 2:], apply_rope(x[:, 2:], rope[0:2]))
+
+
+def test_rope_table_is_fp32_cos_sin_of_the_complex_rotation_and_not_checkpointed():
+    args = model_args("debug", rope_scaling=True, rope_original_max_len=64)
+    table = rope_cache(args, 96)
+    assert table.dtype == torch.float32 and table.shape == (96, args.head_dim // 2, 2)
+    # Bit for bit the complex table it replaces, exp(i * position * frequency), as (real, imaginary).
+    angles = torch.outer(torch.arange(96, dtype=torch.float32), rope_frequencies(args))
+    assert torch.equal(table, torch.view_as_real(torch.polar(torch.ones_like(angles), angles)))
+    with torch.device("meta"):
+        model = Llama(args)
+    assert "rope" not in model.state_dict() and model.rope.dtype == torch.float32
+
+
+def _rope_complex_numbers(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """The reference: each consecutive pair as a complex number times exp(i * angle), in float64."""
+    xc = torch.view_as_complex(x.double().unflatten(-1, (-1, 2)).contiguous())
+    rot = torch.polar(torch.ones_like(angles, dtype=torch.float64), angles.double())
+    rot = rot[None, :, None] if rot.dim() == 2 else rot[:, :, None]
+    return torch.view_as_real(xc * rot).flatten(-2)
+
+
+@pytest.mark.parametrize("per_sequence", [False, True], ids=["table", "position_ids"])
+def test_rope_eager_and_compiled_paths_rotate_alike(per_sequence):
+    # The eager path multiplies complex views; under compile the same rotation runs in real numbers.
+    # Both must give the reference rotation, forward and backward, in bf16 and fp32.
+    args = model_args("debug")
+    table = rope_cache(args, 32)
+    pos = torch.tensor([[5, 6, 7, 0], [1, 2, 3, 4]]) if per_sequence else torch.arange(4)
+    rope = table[pos] if per_sequence else table[:4]
+    angles = torch.outer(torch.arange(32, dtype=torch.float32), rope_frequencies(args))[pos]
+    compiled = torch.compile(apply_rope, backend="eager", fullgraph=True)
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        x = torch.randn(2, 4, 3, args.head_dim).to(dtype)
+        want = _rope_complex_numbers(x, angles)
+        outs, grads = [], []
+        for fn in (apply_rope, compiled):
+            xg = x.clone().requires_grad_(True)
+            out = fn(xg, rope)
+            out.float().square().sum().backward()
+            assert out.dtype == dtype
+            outs.append(out)
+            grads.append(xg.grad)
+        for out in outs:
+            torch.testing.assert_close(out.double(), want.to(out.dtype).double(), atol=tol, rtol=tol)
+        torch.testing.assert_close(outs[0], outs[1], atol=tol, rtol=tol)
+        torch.testing.assert_close(grads[0], grads[1], atol=tol, rtol=tol)
+
+
+def _block_and_input(batch: int = 3) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """A small block, its input (batch, 16, 64) and the model's whole RoPE table (64 positions): the
+    sequence, the table's size and every width are powers of two, and the batch is 3, so a saved tensor
+    with the batch in it has a multiple of 3 elements and a copy of (part of) the table does not."""
+    args = model_args("debug", dim=64, n_heads=4, n_kv_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    block = TransformerBlock(0, args)
+    return block, torch.randn(batch, 16, args.dim, requires_grad=True), rope_cache(args, 64)
+
+
+def test_compiled_block_graphs_hold_no_complex_tensor():
+    """Forward and backward graphs of a compiled block, as AOTAutograd hands them to the compiler: no
+    input, output or intermediate is complex (inductor cannot generate code for complex operators)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    dtypes: list[torch.dtype] = []
+
+    def inspect(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        for node in gm.graph.nodes:
+            vals = node.meta.get("val")
+            for v in vals if isinstance(vals, (list, tuple)) else [vals]:
+                if isinstance(v, torch.Tensor):
+                    dtypes.append(v.dtype)
+        return make_boxed_func(gm.forward)
+
+    block, x, table = _block_and_input()
+    compiled = torch.compile(
+        block, backend=aot_autograd(fw_compiler=inspect, bw_compiler=inspect), fullgraph=True
+    )
+    compiled(x, table).sum().backward()
+    assert torch.float32 in dtypes  # the graphs were seen (forward and backward)
+    assert not [d for d in dtypes if d.is_complex]
+    # The eager block, by contrast, multiplies complex views (one kernel instead of six).
+    seen: list[torch.dtype] = []
+
+    class Dtypes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen.extend(
+                t.dtype
+                for t in (out if isinstance(out, (list, tuple)) else [out])
+                if isinstance(t, torch.Tensor)
+            )
+            return out
+
+    with Dtypes():
+        block(x, table)
+    assert any(d.is_complex for d in seen)
+
+
+@pytest.mark.skipif(
+    shutil.which("g++") is None and shutil.which("c++") is None, reason="inductor on CPU needs a C++ compiler"
+)
+def test_inductor_compiles_the_block_without_the_complex_operator_warning():
+    block, x, table = _block_and_input()
+    want = block(x, table)
+    want.sum().backward()
+    want_grad, x.grad = x.grad, None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = torch.compile(block, backend="inductor", fullgraph=True)(x, table)
+        out.sum().backward()
+    messages = [str(w.message) for w in caught]
+    assert not [m for m in messages if "complex" in m], messages
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(x.grad, want_grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_block_keeps_no_copy_of_the_rope_table_for_backward(compiled):
+    """What a block saves for backward: the table itself (the model's one fp32 buffer) or its slice, never
+    a copy of it. With inductor's partitioner (no-op compilers, so on CPU) as in a compiled run."""
+    block, x, table = _block_and_input()
+    params = {p.untyped_storage().data_ptr() for p in block.parameters()}
+    fn = torch.compile(block, backend="aot_eager_decomp_partition", fullgraph=True) if compiled else block
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.untyped_storage().data_ptr() not in params and t.numel() > 1:
+            saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(x, table).sum().backward()
+    table_ptr = table.untyped_storage().data_ptr()
+    shares = [t for t in saved if t.untyped_storage().data_ptr() == table_ptr]
+    copies = [tuple(t.shape) for t in saved if t.untyped_storage().data_ptr() != table_ptr and t.numel() % 3]
+    assert shares  # the rotation's backward reads the table where it is
+    assert not copies, f"saved tensors without the batch dimension (copies of the table?): {copies}"
 
 
 def test_llama31_rope_scaling_formula():

@@ -317,21 +317,25 @@ def test_float8_tp_keeps_plain_styles_for_a_part_with_bf16_linears(fake_world, c
 
 
 def test_fsdp_bf16_casts_block_inputs_but_not_the_rope_table(fake_world):
-    # FSDP's mixed-precision policy casts a block's floating-point inputs to bf16; the complex table is
-    # left alone, so no block keeps a bf16 copy of it and the eager RoPE takes its complex path.
+    # Under FSDP's bf16 policy the residual stream reaches every block in bf16 (the embedding's output,
+    # then each block's), while the block units cast nothing: the fp32 RoPE table arrives as the model's
+    # own buffer, so no block rotates with a rounded table or keeps a bf16 copy of it for backward.
     fake_world(2)
     model = parallel(2, dp_shard=2, precision="bf16")
     model.to_empty(device="cpu")
     model.init_weights(seed=0, buffer_device=torch.device("cpu"))
-    seen = {}
+    seen = []
 
     def grab(module, args):
-        seen["x"], seen["rope"] = args[0].dtype, args[1].dtype
+        seen.append((args[0].dtype, args[1].dtype, args[1].untyped_storage().data_ptr()))
 
-    model.layers["1"].attention.register_forward_pre_hook(grab)
+    for block in model.layers.values():
+        block.register_forward_pre_hook(grab)
     with torch.no_grad():
         model(torch.randint(0, 8192, (2, 16)))  # a fake world: values are garbage, dtypes are real
-    assert seen == {"x": torch.bfloat16, "rope": torch.complex64}
+    table = model.rope.untyped_storage().data_ptr()
+    assert model.rope.dtype == torch.float32
+    assert seen == [(torch.bfloat16, torch.float32, table)] * len(model.layers)
 
 
 def test_compiled_blocks_keep_their_own_selective_policy():

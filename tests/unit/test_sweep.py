@@ -45,7 +45,7 @@ def test_parse_grid():
                     "batch": [1, 2]}  # fmt: skip
     assert list(grid) == ["tp", "pp", "reshard", "ac", "batch"]  # the canonical order, whatever the input's
     assert sweep.default_grid(4) == "tp=1,2,4 pp=1,2,4 cp=1,2,4"
-    assert sweep.default_grid(6) == "tp=1,2,4 pp=1,2,4 cp=1,2,4"
+    assert sweep.default_grid(6) == "tp=1,2,3,6 pp=1,2,3,6 cp=1,2,3,6"  # every divisor, not only 2^k
 
 
 @pytest.mark.parametrize(

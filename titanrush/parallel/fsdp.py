@@ -41,7 +41,9 @@ def apply_fsdp(
         mesh: The data-parallel mesh: 1-D (`dp_shard_cp`) for FSDP, 2-D (`dp_replicate`, `dp_shard_cp`)
             for HSDP.
         param_dtype: dtype of the all-gathered parameters, i.e. of the compute (bf16 for mixed precision).
-            The sharded master weights and the optimizer stay in their own dtype (fp32).
+            The sharded master weights and the optimizer stay in their own dtype (fp32). The root and the
+            embedding and output units cast their floating-point forward inputs to it; the blocks do not
+            (their residual input is in it already, and the RoPE table stays fp32).
         reduce_dtype: dtype of the gradient reduce-scatter / all-reduce (fp32 keeps the sum exact enough).
         reshard_after_forward: `always` frees every unit's gathered parameters after its forward (ZeRO-3,
             least memory); `never` keeps them until backward (ZeRO-2 like, no second all-gather);
@@ -60,6 +62,14 @@ def apply_fsdp(
     }
     if cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    # A block's inputs are the residual stream, already in param_dtype (the output of the embedding or
+    # of the previous block, whose weights are gathered in it; a later pipeline stage's root casts what
+    # it receives), and the RoPE table, which must stay fp32: cast, every block would rotate with a
+    # rounded table and keep its own bf16 copy of it for backward. So block units cast nothing; the
+    # root (token ids, or a stage's received activations) and the other units keep FSDP's cast.
+    block_policy = MixedPrecisionPolicy(
+        param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
+    )
     never = reshard_after_forward == "never"
     always = reshard_after_forward == "always"
 
@@ -74,7 +84,11 @@ def apply_fsdp(
     keep_from = len(blocks) - max(1, keep_gathered_last)
     for i, block in enumerate(blocks):
         kept = i >= keep_from  # backward needs it early (the last block), or asked for (ZeRO-2 blocks)
-        fully_shard(block, reshard_after_forward=always or (not never and not kept), **common)
+        fully_shard(
+            block,
+            reshard_after_forward=always or (not never and not kept),
+            **{**common, "mp_policy": block_policy},
+        )
         units.append(block)
     if out is not None and not tied:
         head = [m for m in (norm, out) if m is not None]

@@ -170,7 +170,7 @@ def states(s: RunPlan, plan: RankPlan) -> dict[str, int]:
         "master_weights": stored * on_gpu if s.precision == "bf16" else 0,
         "grads": stored * on_gpu,
         "optimizer": sum(optimizer_bytes(x, s.optimizer) for x in local) * on_gpu,
-        # the RoPE table: rope_len positions x head_dim / 2 complex64 values
+        # the RoPE table: rope_len positions x head_dim / 2 fp32 (cos, sin) pairs
         "buffers": s.args.rope_len * s.args.head_dim // 2 * 8,
     }
 

@@ -105,9 +105,10 @@ def _grid_value(dim: str, value: str) -> Any:
 
 
 def default_grid(ngpu: int) -> str:
-    """tp, pp and cp each over the powers of two up to N."""
-    powers = ",".join(str(2**i) for i in range(ngpu.bit_length()) if 2**i <= ngpu)
-    return f"tp={powers} pp={powers} cp={powers}"
+    """tp, pp and cp each over the divisors of N: with dp_shard taking what they leave, the grid holds
+    every 4-D shape (tp x pp x cp x dp) of N GPUs, powers of two or not (N = 6: tp = 3)."""
+    divisors = ",".join(str(d) for d in range(1, ngpu + 1) if ngpu % d == 0)
+    return f"tp={divisors} pp={divisors} cp={divisors}"
 
 
 def candidates(grid: dict[str, list[Any]], base: dict[str, int]) -> list[Shape]:
@@ -284,7 +285,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     add = ap.add_argument
     add("--config", required=True, help="TOML config of the job to sweep")
     add("--ngpu", type=int, required=True, help="GPUs (processes) of every run: the world size")
-    add("--grid", help='e.g. "tp=1,2,4 pp=1,2 cp=1,2" (default: tp, pp, cp over the powers of 2 <= N)')
+    add("--grid", help='e.g. "tp=1,2,4 pp=1,2 cp=1,2" (default: tp, pp, cp over the divisors of N)')
     add("--steps", type=int, default=30, help="training steps per shape")
     add("--warmup", type=int, default=10, help="steps left out of the means (clamped below --steps)")
     add("--output", type=Path, default=Path("outputs/sweep"), help="output folder")

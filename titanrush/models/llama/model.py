@@ -87,27 +87,32 @@ def rope_frequencies(args: ModelArgs) -> torch.Tensor:
 
 
 def rope_cache(args: ModelArgs, length: int) -> torch.Tensor:
-    """exp(i * position * frequency), complex64: (length, head_dim/2).
+    """cos and sin of position x frequency, fp32: (length, head_dim/2, 2), [..., 0] cos and [..., 1] sin.
 
-    Complex on purpose: FSDP's mixed-precision policy casts a block's floating-point inputs to bf16, but
-    leaves complex ones alone, so every block rotates with the fp32 table (and no block keeps a bf16
-    copy of the whole table for its backward).
+    Real-valued so that compiled blocks hold no complex tensor (inductor generates no code for complex
+    operators and leaves them to eager kernels between its fused ones); the trailing pair is what
+    `torch.view_as_complex` reads as exp(i * position * frequency), which the eager path uses (a view,
+    not a copy). Blocks take the table as a forward input in fp32: FSDP's block units do not cast their
+    inputs (`titanrush.parallel.fsdp`), so no block rotates with a bf16-rounded table or keeps a copy of it.
     """
     angles = torch.outer(torch.arange(length, dtype=torch.float32), rope_frequencies(args))
-    return torch.polar(torch.ones_like(angles), angles)
+    # torch.polar's cos and sin (bit for bit the complex table titanrush used before), as real numbers
+    return torch.view_as_real(torch.polar(torch.ones_like(angles), angles)).clone()
 
 
 def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-    """Rotate consecutive pairs (x[2i], x[2i+1]) of x (B, T, H, D) by rope (T or B x T, D/2; complex)."""
+    """Rotate consecutive pairs (x[2i], x[2i+1]) of x (B, T, H, D) by the angles of rope (T or B x T,
+    D/2, 2; fp32 cos and sin), in fp32: x[2i] cos - x[2i+1] sin, x[2i] sin + x[2i+1] cos."""
     xp = x.float().unflatten(-1, (-1, 2))  # (B, T, H, D/2, 2)
-    # One table for the batch (T, D/2), or per-sequence positions (B, T, D/2): broadcast over heads.
-    rope = rope[None, :, None] if rope.dim() == 2 else rope[:, :, None]
-    if not torch.compiler.is_compiling() and xp.is_contiguous():
-        # Eager: one complex multiply, (x0 + i x1)(cos + i sin), instead of six element-wise kernels.
-        return torch.view_as_real(torch.view_as_complex(xp) * rope).flatten(-2).type_as(x)
-    # Compiled: the same arithmetic in real form, which inductor fuses into one kernel.
-    table = torch.view_as_real(rope)
-    cos, sin = table[..., 0], table[..., 1]
+    if not torch.compiler.is_compiling() and xp.is_contiguous() and rope.is_contiguous():
+        # Eager: one complex multiply, (x0 + i x1)(cos + i sin), over views of both (no copy of the table),
+        # instead of six element-wise kernels.
+        table = torch.view_as_complex(rope)
+        table = table[None, :, None] if table.dim() == 2 else table[:, :, None]  # broadcast over heads
+        return torch.view_as_real(torch.view_as_complex(xp) * table).flatten(-2).type_as(x)
+    # Compiled: the same arithmetic in real numbers, which inductor fuses into one kernel.
+    rope = rope[None, :, None] if rope.dim() == 3 else rope[:, :, None]  # (1 or B, T, 1, D/2, 2)
+    cos, sin = rope[..., 0], rope[..., 1]
     x0, x1 = xp[..., 0], xp[..., 1]
     out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
     return out.flatten(-2).type_as(x)
@@ -142,7 +147,7 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: object = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        if rope.dim() == 2:  # the model's whole table: this sequence's positions
+        if rope.dim() == 3:  # the model's whole table (positions, D/2, 2): this sequence's positions
             rope = rope[:seq]
         # -1 heads: under tensor parallel each rank holds only its share of the heads.
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)  # (B, T, H, D)
@@ -211,7 +216,10 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         seq = h.shape[1]
         # The whole table: each attention slices it to the sequence it sees. Under sequence parallel the
-        # hidden states between blocks hold 1/tp of the sequence and attention all of it.
+        # hidden states between blocks hold 1/tp of the sequence and attention all of it. Under context
+        # parallel the table holds this rank's positions in its tokens' order for the step
+        # (`titanrush.parallel.context_parallel`). One table (or one gather by position_ids) for all the
+        # blocks, in fp32: the blocks keep no copy of it for backward.
         rope = self.rope if position_ids is None else self.rope[position_ids]
         # The mask spans the whole sequence (under sequence parallel h holds only a shard of it).
         mask_len = document_ids.shape[1] if document_ids is not None else seq
