@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import math
+import sys
 from typing import Any
 
 import torch
@@ -372,7 +373,14 @@ def _check_pipeline(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None
 
 def flash_installed() -> bool:
     """Whether a flash-attn package is installed (found, not imported: FA4's import takes seconds)."""
-    return any(importlib.util.find_spec(m) is not None for m in ("flash_attn", "flash_attn_interface"))
+    return any(_found(m) for m in ("flash_attn", "flash_attn_interface"))
+
+
+def _found(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ValueError:  # imported already, without an import spec (a module made in-process)
+        return module in sys.modules
 
 
 def check_machine(cfg: JobConfig) -> None:
