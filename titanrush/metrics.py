@@ -61,12 +61,11 @@ def resolve_peak(device: torch.device, *, configured: float, precision: str, flo
     (no MFU) on CPU and on GPUs not in the table. Says why in the log when there is none."""
     if configured > 0:
         return configured
-    where = "CPU" if device.type != "cuda" else None
-    peak = None
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        peak = peak_tflops(name, "bf16" if float8 else precision)
-        where = f"GPU {name!r} is not in titanrush's peak table"
+        peak, where = peak_tflops(name, "bf16" if float8 else precision), f"{name!r} is not in the peak table"
+    else:
+        peak, where = None, "CPU"
     if peak is None:
         logger.warning(
             f"MFU: not reported ({where}; set metrics.peak_tflops to the device's dense "

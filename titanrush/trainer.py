@@ -256,16 +256,11 @@ class Trainer:
         ranks, with explicit positions, so that each shard's RoPE uses its tokens' true positions."""
         inputs, labels, flex = batch.input_ids, batch.labels, self.plan.args.attn_backend == "flex"
         positions, docs = (batch.position_ids, batch.document_ids) if flex else (None, None)
-        if self.plan.cp == 1:
-            return inputs, labels, positions, docs, contextlib.nullcontext()
-        positions = torch.arange(inputs.shape[1], device=self.device).expand_as(inputs).contiguous()
-        return (
-            inputs,
-            labels,
-            positions,
-            docs,
-            context_parallel_step(self.mesh["cp"], [inputs, labels, positions]),
-        )
+        ctx: Any = contextlib.nullcontext()
+        if self.plan.cp > 1:
+            positions = torch.arange(inputs.shape[1], device=self.device).expand_as(inputs).contiguous()
+            ctx = context_parallel_step(self.mesh["cp"], [inputs, labels, positions])
+        return inputs, labels, positions, docs, ctx
 
     def _loss(
         self, inputs: torch.Tensor, labels: torch.Tensor, positions: Any, docs: Any, norm: torch.Tensor
@@ -401,7 +396,7 @@ class Trainer:
 
     def _log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> float:
         """Log the window's mean loss (`loss`), the last step's (`loss_last`), ...; return the mean."""
-        self.guard.settle()  # (logging reads the weights' loss: a host sync here anyway)
+        self.guard.settle()  # (logging reads the loss: a host sync here anyway)
         (window, n), self._window = self._window, (torch.zeros((), device=self.device), 0)
         dp_cp = self.plan.dp * self.plan.cp
         mean_sum, last = (self._global_sum(torch.stack([window, loss])) / dp_cp).tolist()
