@@ -213,6 +213,7 @@ def test_sigterm_finishes_the_step_saves_and_a_rerun_resumes_as_a_new_attempt(tm
     assert (run / "config.attempt-1.toml").exists() and (run / "config.toml").exists()
 
 
+@pytest.mark.parallel
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """SIGINT reaches only rank 1 (rank 0 never sees it): both stop after the same step, and the
     checkpoint of that step is complete."""
@@ -233,6 +234,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     assert "titanrush: stopped by SIGINT after step" in log, log[-3000:]
 
 
+@pytest.mark.parallel
 def test_workers_end_when_their_launcher_is_killed(tmp_path):
     """kill -9 of torchrun: its workers (in sessions of their own) get SIGTERM from the kernel and stop;
     with checkpoint.save_on_signal = false they save nothing, and the run folder's lock is free again."""
@@ -293,6 +295,7 @@ def test_the_mask_is_uneven_across_micro_batches():
     assert len(set(counts)) > 1 and max(counts) > 1.5 * min(counts), counts
 
 
+@pytest.mark.parallel
 @pytest.mark.parametrize("mesh", ["fsdp2", "pp2"])
 def test_masked_tokens_with_accumulation_match_one_process(mesh, tmp_path, masked_reference):
     """2 ranks (FSDP over 2, or a 2-stage 1F1B pipeline), gradient accumulation, masked labels: the loss
