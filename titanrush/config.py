@@ -42,7 +42,8 @@ class Job:
     description: str = "debug model on the embedded corpus"
     """Free text, printed at start-up (any characters; written to the run's config.toml escaped)."""
     overwrite: bool = True
-    """Reuse an existing run folder (metrics.jsonl is appended to). False refuses a folder that exists."""
+    """Reuse an existing run folder: the run is a new attempt there (its metrics rows carry `attempt`,
+    TensorBoard goes to tb/attempt-<n>; docs/operations.md). False refuses a folder that exists."""
 
 
 @dataclass
@@ -136,6 +137,13 @@ class Training:
     gc_freq: int = 50
     """Run Python's garbage collector every N steps (it is off from launch, through the set-up and in
     between); 0 leaves it automatic."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """What a step whose loss or global gradient norm is NaN or infinite does: stop (the run ends with
+    exit status 3 and a line naming the step, before any checkpoint of it is written) or skip (that
+    step's optimizer update is not applied, the weights stay as they were). See docs/operations.md."""
+    max_skips: int = 10
+    """With on_nonfinite = skip: the most steps in a row that may be skipped; one more non-finite step
+    in a row stops the run as `stop` would."""
 
 
 @dataclass
@@ -305,6 +313,9 @@ class Checkpoint:
     """The final save holds only the model, in export_dtype."""
     export_dtype: Literal["float32", "bfloat16"] = "float32"
     """dtype of a model-only final save."""
+    save_on_signal: bool = True
+    """On SIGTERM or SIGINT (preemption, Ctrl-C) finish the current step, save a checkpoint (with
+    checkpoint.enable) and exit with status 128 + the signal's number. False exits without saving."""
 
 
 @dataclass

@@ -8,11 +8,17 @@ calls it unconditionally.
 from __future__ import annotations
 
 import gc
+import logging
 import os
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger("titanrush")
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,18 @@ def ranks_from_env(environ: dict[str, str] | os._Environ = os.environ) -> Ranks:
         world_size=int(environ.get("WORLD_SIZE", "1")),
         local_rank=int(environ.get("LOCAL_RANK", "0")),
     )
+
+
+def init_device(local_rank: int, *, expandable: bool) -> torch.device:
+    """This process's device: CUDA device `local_rank` (made current, the allocator's expandable_segments
+    set before its first allocation, see `set_allocator_env`), or the CPU without CUDA."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    if not set_allocator_env(os.environ, expandable=expandable):
+        logger.warning("CUDA started before the trainer: training.expandable_segments not applied")
+    torch.cuda.set_device(device)
+    return device
 
 
 def init(device: torch.device, *, nccl_max_ctas: int = 0) -> None:
@@ -60,14 +78,24 @@ def barrier() -> None:
         dist.barrier()
 
 
-def from_rank0(value: str = "") -> str:
-    """Rank 0's `value` on every rank (every rank calls it; the others' values are ignored)."""
+def from_rank0(value: T) -> T:
+    """Rank 0's `value` (any picklable object) on every rank (every rank calls it; the others' values
+    are ignored)."""
     if not dist.is_initialized():
         return value
     box = [value]
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else None
     dist.broadcast_object_list(box, src=0, device=device)
     return box[0]
+
+
+def all_sum(value: torch.Tensor, groups: list[Any]) -> torch.Tensor:
+    """`value` summed in place over each process group of `groups` in turn (None entries: skipped, as is
+    everything without a process group); returns `value`."""
+    for group in groups:
+        if group is not None and dist.is_initialized():
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=group)
+    return value
 
 
 def destroy() -> None:
@@ -90,3 +118,15 @@ def set_allocator_env(environ: dict[str, str] | os._Environ, *, expandable: bool
     if not any(environ.get(k) for k in ALLOC_VARS):
         environ["PYTORCH_ALLOC_CONF"] = f"expandable_segments:{expandable}"
     return not torch.cuda.is_initialized()
+
+
+def set_determinism(seed: int, *, deterministic: bool) -> None:
+    """Seed torch's generators; with `deterministic`, deterministic algorithms only (slower). TF32 stays
+    off: fp32 runs are measured against the fp32 peak."""
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False

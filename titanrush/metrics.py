@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import json
 import logging
+import math
+import os
 import resource
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +56,42 @@ def peak_tflops(device_name: str, precision: str) -> float | None:
     return None
 
 
+def resolve_peak(device: torch.device, *, configured: float, precision: str, float8: bool) -> float | None:
+    """Peak TFLOP/s per device for MFU: `metrics.peak_tflops` when set, else the GPU's table entry; None
+    (no MFU) on CPU and on GPUs not in the table. Says why in the log when there is none."""
+    if configured > 0:
+        return configured
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        peak, where = peak_tflops(name, "bf16" if float8 else precision), f"{name!r} is not in the peak table"
+    else:
+        peak, where = None, "CPU"
+    if peak is None:
+        logger.warning(
+            f"MFU: not reported ({where}; set metrics.peak_tflops to the device's dense "
+            f"{precision} TFLOP/s): mfu is null in metrics.jsonl and TensorBoard has no mfu series"
+        )
+    elif float8:
+        logger.info(f"float8: MFU is against the bf16 peak ({peak:.0f} TFLOP/s); TFLOP/s is exact")
+    return peak
+
+
+def log_header(
+    flavor: str, plan: Any, mesh: str, n_params: int, flops_per_token: float, run_dir: Path
+) -> None:
+    """The run's first lines: the model, the mesh (`mesh`: its description), the batch and the run folder
+    (`plan`: the run's RunPlan)."""
+    a, batch = plan.args, plan.local_batch * plan.dp * plan.accum
+    logger.info(
+        f"titanrush: {flavor} ({n_params / 1e6:,.1f}M params, {a.n_layers} layers, dim {a.dim}) on "
+        f"{plan.world_size} x {'cuda' if torch.cuda.is_available() else 'cpu'}; mesh {mesh}"
+    )
+    logger.info(
+        f"batch: local {plan.local_batch} x seq {plan.seq_len}, accumulation {plan.accum}, global {batch}; "
+        f"{flops_per_token / 1e9:.3f} GFLOP/token; run folder {run_dir}"
+    )
+
+
 def flops_per_token(model_args: Any, n_matmul_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6 x matmul parameters + 12 x layers x heads x head_dim x seq_len.
 
@@ -78,26 +119,40 @@ def matmul_params(model: nn.Module) -> int:
 class DeviceMemory:
     """Peak memory since the last reset, in GiB, and as a share of the device's capacity."""
 
-    active_gib: float | None
-    reserved_gib: float | None
-    active_pct: float | None
-    reserved_pct: float | None
+    mem_active_gib: float | None
+    mem_reserved_gib: float | None
+    mem_active_pct: float | None
+    mem_reserved_pct: float | None
 
 
 class MemoryMonitor:
-    """Peak active / reserved memory per logging interval (process RSS on CPU)."""
+    """Peak active / reserved memory per logging interval (process RSS on CPU); `apart` measures a block
+    (a validation) on its own without losing the interval's peak so far."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._carried: DeviceMemory | None = None  # the interval's peak from before an `apart` block
         if device.type == "cuda":
             self.capacity = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.reset_peak_memory_stats(device)
         else:
-            import os
-
             self.capacity = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
     def read_and_reset(self) -> DeviceMemory:
+        """The peak since the last read (blocks measured `apart` left out)."""
+        now, self._carried = _peak(self._read_and_reset(), self._carried), None
+        return now
+
+    @contextlib.contextmanager
+    def apart(self) -> Iterator[list[DeviceMemory]]:
+        """Measure the block's own peak (appended to the yielded list once it ends). On CPU, where the
+        peak RSS cannot be reset, it is the process's peak so far."""
+        self._carried = _peak(self._read_and_reset(), self._carried)
+        out: list[DeviceMemory] = []
+        yield out
+        out.append(self._read_and_reset())
+
+    def _read_and_reset(self) -> DeviceMemory:
         gib = 1024**3
         if self.device.type == "cuda":
             active = torch.cuda.max_memory_allocated(self.device)
@@ -110,12 +165,28 @@ class MemoryMonitor:
         return DeviceMemory(rss / gib, None, 100 * rss / self.capacity, None)
 
 
-class MetricsLogger:
-    """One console line, one metrics.jsonl object and TensorBoard scalars per logged step."""
+def _peak(a: DeviceMemory, b: DeviceMemory | None) -> DeviceMemory:
+    """The larger of two peaks, field by field (None where neither is known)."""
+    if b is None:
+        return a
+    pairs = zip(dataclasses.astuple(a), dataclasses.astuple(b))
+    return DeviceMemory(*(y if x is None else x if y is None else max(x, y) for x, y in pairs))
 
-    def __init__(self, run_dir: Path, *, enabled: bool, tensorboard: bool, rank: int) -> None:
+
+class MetricsLogger:
+    """One console line, one metrics.jsonl object and TensorBoard scalars per logged step.
+
+    Every row carries the run's `attempt` (see `titanrush.run_dir`); TensorBoard writes under
+    `tb/attempt-<n>/`. Numbers that are not finite are written as null (JSON has no NaN) and skipped in
+    TensorBoard; the console shows them as they are.
+    """
+
+    def __init__(
+        self, run_dir: Path, *, enabled: bool, tensorboard: bool, rank: int, attempt: int = 1
+    ) -> None:
         self.enabled = enabled
         self.rank = rank
+        self.attempt = attempt
         self.jsonl = None
         self.tb = None
         if not enabled:
@@ -125,19 +196,30 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(run_dir / "tb" / ("" if rank == 0 else f"rank{rank}")))
+            folder = run_dir / "tb" / f"attempt-{attempt}" / ("" if rank == 0 else f"rank{rank}")
+            self.tb = SummaryWriter(str(folder))
 
     def log(self, step: int, values: dict[str, Any], *, prefix: str = "") -> None:
-        """Write values for this step; None values stay null in JSON and are skipped in TensorBoard."""
+        """Write values for this step; None and non-finite values are null in JSON and skipped in
+        TensorBoard."""
         if not self.enabled:
             return
-        record = {"step": step, **{f"{prefix}{k}": v for k, v in values.items()}}
-        self.jsonl.write(json.dumps(record) + "\n")
+        record = {"step": step, "attempt": self.attempt, **{f"{prefix}{k}": v for k, v in values.items()}}
+        clean = {k: _finite_or_none(v) for k, v in record.items()}
+        self.jsonl.write(json.dumps(clean, allow_nan=False) + "\n")
         if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+            for k, v in clean.items():
+                if k not in ("step", "attempt") and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self.tb.add_scalar(k.replace("val_", "validation/"), v, step)
         logger.info(format_line(record))
+
+    def flush(self) -> None:
+        """Push what is written to disk (before an exit the process may not survive)."""
+        if self.jsonl is not None:
+            self.jsonl.flush()
+            os.fsync(self.jsonl.fileno())
+        if self.tb is not None:
+            self.tb.flush()
 
     def close(self) -> None:
         if self.jsonl is not None:
@@ -146,10 +228,25 @@ class MetricsLogger:
             self.tb.close()
 
 
+def _finite_or_none(value: Any) -> Any:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+# How the console names each checkpoint mode (the config's "disabled" async mode is a synchronous save).
+_CKPT_MODES = {
+    "disabled": "sync",
+    "async": "async",
+    "async_pinned": "async, pinned",
+    "model_only": "model only",
+}
+
 _FORMATS = [
     ("loss", "loss {:.4f}"),
+    ("loss_last", "(last {:.4f})"),
+    ("skipped", "skipped {} step(s)"),
     ("val_loss", "val_loss {:.4f}"),
     ("val_ppl", "val_ppl {:.2f}"),
+    ("val_time_s", "validation {:.2f}s"),
     ("grad_norm", "gnorm {:.3f}"),
     ("lr", "lr {:.2e}"),
     ("tps", "tps {:,.0f}"),
@@ -161,7 +258,8 @@ _FORMATS = [
     ("offload_gib", "offload {:.1f}GiB"),
     ("data_wait_pct", "data {:.1f}%"),
     ("step_time", "step {:.3f}s"),
-    ("ckpt_mode", "checkpoint ({})"),
+    ("stop", "stopped ({})"),
+    ("ckpt_mode", "checkpoint ({} save)"),
     ("ckpt_blocking_s", "training blocked {:.2f}s"),
     ("ckpt_save_s", "saved in {:.2f}s"),
     ("ckpt_load_s", "checkpoint loaded in {:.2f}s"),
@@ -169,13 +267,19 @@ _FORMATS = [
 
 
 def format_line(record: dict[str, Any]) -> str:
+    """The console line of a metrics row."""
+    shown = {**record, "ckpt_mode": _CKPT_MODES.get(record.get("ckpt_mode"), record.get("ckpt_mode"))}
     parts = [f"step {record['step']:>6}"]
-    parts += [fmt.format(record[k]) for k, fmt in _FORMATS if record.get(k) is not None]
+    parts += [fmt.format(shown[k]) for k, fmt in _FORMATS if shown.get(k) is not None]
     return "  ".join(parts)
 
 
 class Throughput:
-    """Accumulates tokens and time between logs; turns them into tps, TFLOP/s and MFU."""
+    """Accumulates tokens and training time between logs; turns them into tps, TFLOP/s and MFU.
+
+    Time spent `paused` (validation, checkpoint saves) is left out: step time and tokens/s count
+    training only, and the paused work reports its own time.
+    """
 
     def __init__(self, flops_per_token: float, peak: float | None) -> None:
         self.flops_per_token = flops_per_token
@@ -187,6 +291,19 @@ class Throughput:
         self.tokens = 0
         self.steps = 0
         self.data_wait = 0.0
+        self.excluded = 0.0
+
+    @contextlib.contextmanager
+    def paused(self, device: torch.device) -> Iterator[None]:
+        """Leave the block's time out of the window. The device is synchronized first (only here, not
+        per step), so that training work still queued at its start counts as training."""
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.excluded += time.perf_counter() - t0
 
     def add(self, tokens: int, data_wait: float) -> None:
         self.tokens += tokens
@@ -194,7 +311,7 @@ class Throughput:
         self.data_wait += data_wait
 
     def read(self) -> dict[str, float | None]:
-        elapsed = max(time.perf_counter() - self.t0, 1e-9)
+        elapsed = max(time.perf_counter() - self.t0 - self.excluded, 1e-9)
         tps = self.tokens / elapsed
         tflops = tps * self.flops_per_token / 1e12
         return {

@@ -1,20 +1,71 @@
-"""The run folder `<job.dump_folder>/<job.name>`: checked before the run is built, written once accepted.
+"""The run folder `<job.dump_folder>/<job.name>`: checked and locked before the run is built, written once
+accepted, and each attempt in it told apart.
 
 Rank 0 does the file work and every rank gets its outcome (`distributed.from_rank0`), so that a refused
 folder stops every rank with the same message. Nothing is created or written while the run can still be
-refused: `check` only looks, `create` makes the folder and records the resolved config (`config.toml`)
-after the model is built and any checkpoint has loaded.
+refused: `check` only looks (and locks a folder that exists), `create` makes the folder and records the
+resolved config (`config.toml`) after the model is built and any checkpoint has loaded.
+
+The lock: rank 0 holds an exclusive `flock` on `<run folder>/.lock` (which records its pid and host) for
+the run's life, so a second run cannot write into the folder, or load a checkpoint from it that the
+first is still writing. The kernel releases it when the process ends, however it ends.
+
+Attempts: each run in a folder is an attempt, numbered from 1. Every metrics row carries its attempt,
+TensorBoard writes under `tb/attempt-<n>/`, and the config.toml of an earlier attempt is kept as
+`config.attempt-<n>.toml`. A resumed run is a new attempt that continues the same step series.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import json
+import logging
 import os
+import re
+import socket
 from pathlib import Path
 
 from titanrush.config import ConfigError
 from titanrush.distributed import from_rank0
 
 CONFIG_FILE = "config.toml"
+LOCK_FILE = ".lock"
+METRICS_FILE = "metrics.jsonl"
+logger = logging.getLogger("titanrush")
+_KEPT_CONFIG = re.compile(r"^config\.attempt-(\d+)\.toml$")
+
+
+class RunLock:
+    """Rank 0's exclusive lock on a run folder (a no-op object on the other ranks)."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+
+    def acquire(self, folder: Path) -> str:
+        """Lock `folder` (it exists); return "" or the reason it is refused."""
+        if self.fd is not None:
+            return ""
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = os.read(fd, 256).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            return (
+                f"run folder {folder} is in use by another run ({holder}); wait for it to end (or stop it), "
+                "or choose another job.name"
+            )
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self.fd = fd
+        return ""
+
+    def release(self) -> None:
+        """Let the folder go (closing the descriptor drops the flock)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 def _existing_parent(path: Path) -> Path:
@@ -23,43 +74,101 @@ def _existing_parent(path: Path) -> Path:
     return path
 
 
-def check(path: Path, *, overwrite: bool, rank: int) -> None:
-    """Refuse a folder the run cannot use, before anything is written (every rank calls this).
+def check(path: Path, *, overwrite: bool, rank: int) -> RunLock:
+    """Refuse a folder the run cannot use, before anything is written (every rank calls this); lock it
+    when it exists.
+
+    Returns:
+        The lock, held on rank 0 when the folder exists (`create` takes it for a new folder).
 
     Raises:
-        ConfigError: The folder exists and `job.overwrite` is false, is a file, or cannot be written.
+        ConfigError: The folder exists and `job.overwrite` is false, is a file, cannot be written, or
+            another run holds it.
     """
     error = ""
+    lock = RunLock()
     if rank == 0:
         if path.exists() and not path.is_dir():
             error = f"run folder {path} is a file; choose another job.name or job.dump_folder"
         elif path.exists() and not overwrite:
             error = f"run folder {path} exists and job.overwrite = false; choose another job.name"
+        elif path.is_dir():
+            error = _unwritable(path, path) or lock.acquire(path)
         else:
-            parent = _existing_parent(path)
-            if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-                error = (
-                    f"cannot write the run folder {path} ({parent} is not a writable folder); choose "
-                    "another job.dump_folder"
-                )
+            error = _unwritable(path, _existing_parent(path))
     error = from_rank0(error)
     if error:
+        lock.release()
         raise ConfigError(error)
+    return lock
 
 
-def create(path: Path, config_text: str, *, rank: int) -> None:
-    """Make the folder and write the run's resolved config into it (every rank calls this).
+def _unwritable(path: Path, folder: Path) -> str:
+    if folder.is_dir() and os.access(folder, os.W_OK | os.X_OK):
+        return ""
+    return (
+        f"cannot write the run folder {path} ({folder} is not a writable folder); choose another "
+        "job.dump_folder"
+    )
+
+
+def create(path: Path, config_text: str, *, rank: int, lock: RunLock, resumed_step: int = 0) -> int:
+    """Make the folder, lock it, keep an earlier attempt's config and write this run's (every rank calls
+    this). `resumed_step`: the step a resumed run continues after (0: a run from step 1).
+
+    Returns:
+        This attempt's number (1 for the folder's first run), the same on every rank.
 
     Raises:
-        ConfigError: The folder or the config file cannot be written.
+        ConfigError: The folder or the config file cannot be written, or another run took the folder.
     """
-    error = ""
+    outcome: str | int = ""
     if rank == 0:
         try:
             path.mkdir(parents=True, exist_ok=True)
-            (path / CONFIG_FILE).write_text(config_text)
+            outcome = lock.acquire(path)
+            if not outcome:
+                previous = previous_attempt(path)
+                config = path / CONFIG_FILE
+                if config.exists():  # an earlier attempt's: kept beside this one's
+                    os.replace(config, path / f"config.attempt-{previous}.toml")
+                config.write_text(config_text)
+                outcome = previous + 1
         except OSError as e:
-            error = f"cannot write the run folder {path} ({e}); choose another job.dump_folder"
-    error = from_rank0(error)
-    if error:
-        raise ConfigError(error)
+            outcome = f"cannot write the run folder {path} ({e}); choose another job.dump_folder"
+    outcome = from_rank0(outcome)
+    if isinstance(outcome, str):
+        lock.release()
+        raise ConfigError(outcome)
+    if outcome > 1:  # the folder was used before: say how this attempt's rows relate to the earlier ones
+        how = (
+            f"resuming after step {resumed_step}: the step series continues"
+            if resumed_step
+            else "from step 1"
+        )
+        logger.info(
+            f'attempt {outcome} in {path}, {how}; its metrics rows carry "attempt": {outcome}, TensorBoard '
+            f"goes to tb/attempt-{outcome}"
+        )
+    return outcome
+
+
+def previous_attempt(path: Path) -> int:
+    """The number of the folder's latest attempt (0: none), from its metrics and kept configs."""
+    kept = [int(m[1]) for p in path.glob("config.attempt-*.toml") if (m := _KEPT_CONFIG.match(p.name))]
+    latest = max(kept, default=0) + 1 if (path / CONFIG_FILE).exists() else max(kept, default=0)
+    return max(latest, _last_logged_attempt(path / METRICS_FILE))
+
+
+def _last_logged_attempt(metrics: Path) -> int:
+    """The attempt of the last complete row of metrics.jsonl (1 for rows written before attempts)."""
+    try:
+        with open(metrics, "rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - 65536, 0))
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return 0
+    for line in reversed(lines):
+        with contextlib.suppress(ValueError, AttributeError, TypeError):
+            return int(json.loads(line).get("attempt", 1))
+    return 1 if lines else 0

@@ -1,12 +1,20 @@
 """Entry point: `python -m titanrush.train [--config FILE] [--section.key value ...]`.
 
-Exit status: 0 on success, 2 on a config error (before any model is built), 1 on other failures.
+Exit status (docs/operations.md):
+  0        the run reached training.steps
+  1        another failure (a traceback)
+  2        a config error: one line naming the key, before anything is built or written
+  3        a non-finite loss or gradient norm stopped the run (training.on_nonfinite): one line naming
+           the step; nothing of that step was saved
+  128 + N  signal N stopped the run after a step (143: SIGTERM, 130: SIGINT), with a checkpoint of that
+           step when checkpoint.enable and checkpoint.save_on_signal; a second SIGINT stops at once
 """
 
 from __future__ import annotations
 
 import gc
 import os
+import signal
 import sys
 
 from titanrush import config as cfgmod
@@ -77,24 +85,46 @@ def _main(argv: list[str]) -> int:
     return _check_or_train(cfg, check)
 
 
+NONFINITE_STATUS = 3
+
+
 def _check_or_train(cfg: cfgmod.JobConfig, check: bool) -> int:
     from titanrush.distributed import ranks_from_env
+    from titanrush.nonfinite import NonFiniteError
     from titanrush.plan import build_plan
+    from titanrush.signals import end_with_launcher
     from titanrush.trainer import Trainer
 
+    ranks = ranks_from_env()
+    say = (
+        (lambda line: print(f"titanrush: {line}", file=sys.stderr))
+        if ranks.rank == 0
+        else (lambda line: None)
+    )
     try:
-        plan = build_plan(cfg, ranks_from_env().world_size)
-        if check:
-            print("config OK")
-            return 0
-        trainer = Trainer(cfg, plan)
-    except ConfigError as e:
-        print(f"titanrush: config error: {e}", file=sys.stderr)
-        return 2
-    try:
-        trainer.train()
-    finally:
-        trainer.close()
+        try:
+            plan = build_plan(cfg, ranks.world_size)
+            if check:
+                print("config OK")
+                return 0
+            end_with_launcher()  # a worker of a launcher killed from here on ends too
+            trainer = Trainer(cfg, plan)
+        except ConfigError as e:
+            print(f"titanrush: config error: {e}", file=sys.stderr)
+            return 2
+        try:
+            trainer.train()
+        except NonFiniteError as e:  # every rank stops at the same step; rank 0 says why
+            say(f"stopped: {e}")
+            return NONFINITE_STATUS
+        finally:
+            trainer.close()
+    except KeyboardInterrupt:  # before the loop's handler is in place, or a second Ctrl-C
+        say("interrupted: stopped at once, nothing saved (exit status 130)")
+        return 128 + signal.SIGINT
+    if trainer.stopped_by is not None:
+        say(trainer.stop_reason)
+        return 128 + trainer.stopped_by
     return 0
 
 

@@ -8,7 +8,12 @@ Build order (each step only sees the values it needs):
     CP -> AC -> compile -> FSDP/DDP) -> to_empty on the device -> init_weights(seed), identical
     whatever the mesh
  3. optimizer and LR schedule; data loaders; checkpoint manager (resumes if a checkpoint exists)
- 4. the run folder written (config.toml), metrics (console, metrics.jsonl, TensorBoard), the profiler
+ 4. the run folder written (config.toml) as this run's attempt, metrics (console, metrics.jsonl,
+    TensorBoard), the profiler
+
+The loop's safeguards live in small modules: `titanrush.nonfinite` (a non-finite step stops the run or
+is skipped, and is never saved), `titanrush.signals` (SIGTERM/SIGINT stop at a step boundary all ranks
+agree on, after a checkpoint), `titanrush.run_dir` (the folder's lock and attempts).
 """
 
 from __future__ import annotations
@@ -19,14 +24,13 @@ import gc
 import itertools
 import logging
 import math
-import os
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from titanrush import config as cfgmod
@@ -39,13 +43,15 @@ from titanrush.metrics import (
     MetricsLogger,
     Throughput,
     flops_per_token,
+    log_header,
     matmul_params,
-    peak_tflops,
+    resolve_peak,
 )
 from titanrush.models.llama import Llama
-from titanrush.models.llama.loss import cross_entropy
+from titanrush.models.llama.loss import cross_entropy_sum, loss_divisor, valid_tokens
 from titanrush.models.llama.parallelize import parallelize_llama
 from titanrush.models.llama.pipeline import PipelinedLlama, pipeline_llama
+from titanrush.nonfinite import NonFiniteError, NonFiniteGuard, poison
 from titanrush.optim import build_lr_scheduler, build_optimizer
 from titanrush.parallel.activation_offload import ActivationOffloader, bind_near_gpu
 from titanrush.parallel.context_parallel import cp_step_context, set_rotate_method
@@ -54,6 +60,7 @@ from titanrush.parallel.grad_clip import clip_grad_norm_
 from titanrush.parallel.tensor_parallel import loss_parallel_context
 from titanrush.plan import RunPlan, build_plan, describe_mesh
 from titanrush.profiling import Profiler
+from titanrush.signals import StopSignals, stop_message
 
 logger = logging.getLogger("titanrush")
 
@@ -69,26 +76,28 @@ class Trainer:
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.plan = plan = plan or build_plan(cfg, self.world_size)
         # 1. Device, process group, mesh, run folder.
-        if torch.cuda.is_available():
-            self.device = torch.device("cuda", ranks.local_rank)
-            if not distributed.set_allocator_env(os.environ, expandable=cfg.training.expandable_segments):
-                logger.warning("CUDA started before the trainer: training.expandable_segments not applied")
-            torch.cuda.set_device(self.device)
-            if plan.ac_offload_first > 0:  # pinned host memory next to this GPU
-                cpus = bind_near_gpu(self.device)
-                if cpus is not None:
-                    logger.info(f"activation offload: bound to the GPU's {len(cpus)} NUMA-local CPUs")
-        else:
-            self.device = torch.device("cpu")
+        self.device = distributed.init_device(ranks.local_rank, expandable=cfg.training.expandable_segments)
+        if plan.ac_offload_first > 0 and self.device.type == "cuda":  # pinned host memory next to this GPU
+            cpus = bind_near_gpu(self.device)
+            if cpus is not None:
+                logger.info(f"activation offload: bound to the GPU's {len(cpus)} NUMA-local CPUs")
         distributed.init(self.device, nccl_max_ctas=cfg.parallelism.nccl_max_ctas)
         marks.append(("config and process group", time.perf_counter()))
         self.mesh = plan.dims.build_mesh(self.device.type) if self.world_size > 1 else None
         marks.append(("mesh", time.perf_counter()))
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
-        run_dir.check(self.run_dir, overwrite=cfg.job.overwrite, rank=self.rank)
+        self.lock = run_dir.check(self.run_dir, overwrite=cfg.job.overwrite, rank=self.rank)
+        try:  # a run refused from here on lets the folder go
+            self._build(cfg, plan, marks)
+        except BaseException:
+            self.lock.release()
+            raise
+
+    def _build(self, cfg: JobConfig, plan: RunPlan, marks: list[tuple[str, float]]) -> None:
+        """Steps 2 to 4 of the build order (the module docstring), once the run folder is locked."""
         if plan.cp > 1:
             set_rotate_method(plan.cp_rotate)
-        _set_determinism(cfg.training)
+        distributed.set_determinism(cfg.training.seed, deterministic=cfg.training.deterministic)
         dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None and plan.dp > 1 else 0
 
         # 2. Model: meta -> parallelize -> materialize -> init.
@@ -136,8 +145,13 @@ class Trainer:
         marks.append(("weights materialized and initialized", time.perf_counter()))
         self.model = model
         # The loss (log-softmax over the vocabulary in fp32) fuses well; under loss parallel it works on
-        # DTensors, which stay eager.
-        self.loss_fn = torch.compile(cross_entropy) if plan.compiled_loss else cross_entropy
+        # DTensors, which stay eager. It is a sum: the step divides it by its global count of valid tokens.
+        self.loss_fn = torch.compile(cross_entropy_sum) if plan.compiled_loss else cross_entropy_sum
+        self._norm = torch.ones((), device=self.device)  # the pipeline loss's divisor of the current step
+        self.guard = NonFiniteGuard(cfg.training.on_nonfinite, cfg.training.max_skips)
+        self.signals = StopSignals()  # (every rank: it may create a process group)
+        self.stopped_by: int | None = None
+        self.stop_reason = ""
 
         # 3. Optimizer, schedule, data, checkpoints.
         o, s = cfg.optimizer, cfg.lr_scheduler
@@ -195,12 +209,15 @@ class Trainer:
         self.step = self.checkpointer.resume(load_path=ck.load_path, model_only=ck.load_model_only)
 
         # 4. The run is accepted: its folder, metrics and profiler.
-        run_dir.create(self.run_dir, cfgmod.to_toml(cfg), rank=self.rank)
+        self.attempt = run_dir.create(
+            self.run_dir, cfgmod.to_toml(cfg), rank=self.rank, lock=self.lock, resumed_step=self.step
+        )
         self.metrics = MetricsLogger(
             self.run_dir,
             enabled=self.rank == 0 or cfg.metrics.all_ranks,
             tensorboard=cfg.metrics.tensorboard,
             rank=self.rank,
+            attempt=self.attempt,
         )
         self.memory = MemoryMonitor(self.device)
         pr = cfg.profiling
@@ -215,75 +232,52 @@ class Trainer:
             start_step=self.step,
         )
         self._log_checkpoint_records()  # the load time of a resume
-        self.peak = self._peak_tflops()
+        self.peak = resolve_peak(self.device, configured=cfg.metrics.peak_tflops, precision=plan.precision,
+                                 float8=plan.float8)  # fmt: skip
         marks.append(("checkpoint, metrics, profiler", time.perf_counter()))
-        self._log_header()
+        log_header(
+            cfg.model.flavor, plan, describe_mesh(plan), self.n_params, self.flops_per_token, self.run_dir
+        )
         stages = ", ".join(f"{name} {t1 - t0:.1f}" for (_, t0), (name, t1) in itertools.pairwise(marks))
         logger.info(f"set-up {marks[-1][1] - marks[0][1]:.1f} s: {stages}")
 
     # ------------------------------------------------------------------------------------------
-    def _peak_tflops(self) -> float | None:
-        if self.cfg.metrics.peak_tflops > 0:
-            return self.cfg.metrics.peak_tflops
-        if self.device.type != "cuda":
-            logger.warning("MFU is not reported on CPU; set metrics.peak_tflops to report one")
-            return None
-        name = torch.cuda.get_device_name(self.device)
-        precision = "bf16" if self.cfg.float8.enable else self.cfg.training.precision
-        peak = peak_tflops(name, precision)
-        if peak is None:
-            logger.warning(
-                f"GPU {name!r} is not in titanrush's peak table: MFU is not reported; set "
-                f"metrics.peak_tflops to this GPU's dense {precision} TFLOP/s"
-            )
-        elif self.cfg.float8.enable:
-            logger.info(f"float8: MFU is against the bf16 peak ({peak:.0f} TFLOP/s); TFLOP/s is exact")
-        return peak
-
-    def _log_header(self) -> None:
-        p, a = self.plan, self.plan.args
-        logger.info(
-            f"titanrush: {self.cfg.model.flavor} ({self.n_params / 1e6:,.1f}M params, {a.n_layers} layers, "
-            f"dim {a.dim}) on {self.world_size} x {self.device.type}; mesh {describe_mesh(p)}"
-        )
-        logger.info(
-            f"batch: local {p.local_batch} x seq {p.seq_len}, accumulation {p.accum}, "
-            f"global {p.local_batch * p.dp * p.accum}; {self.flops_per_token / 1e9:.3f} GFLOP/token; "
-            f"run folder {self.run_dir}"
-        )
-
-    # ------------------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
         """bf16 autocast where no FSDP mixed-precision policy does the casting."""
-        if self.plan.autocast:
-            return torch.autocast(self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        bf16 = self.plan.autocast
+        return torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
     def _loss_parallel(self) -> contextlib.AbstractContextManager:
         """Under tensor parallel with loss parallel: the loss on the vocabulary-sharded logits."""
         return loss_parallel_context(self.plan.tp > 1 and self.plan.loss_parallel)
 
-    def _document_inputs(self, batch: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(position_ids, document_ids) for the model: with flex attention, block-causal attention within
-        each document and positions restarting at each document start; else plain causal attention."""
-        if self.plan.args.attn_backend == "flex":
-            return batch.position_ids, batch.document_ids
-        return None, None
+    def _step_inputs(self, batch: Any) -> tuple[Any, ...]:
+        """(inputs, labels, position_ids, document_ids, context) of one micro-batch. With flex attention:
+        block-causal attention within each document, positions restarting at each document start; else
+        causal (None, None). Under context parallel, the context shards the sequence in place over the cp
+        ranks with every model part's RoPE table (`_cp_step`), so that each shard's tokens keep their true
+        positions."""
+        inputs, labels, flex = batch.input_ids, batch.labels, self.plan.args.attn_backend == "flex"
+        positions, docs = (batch.position_ids, batch.document_ids) if flex else (None, None)
+        return inputs, labels, positions, docs, self._cp_step(inputs, labels)
 
-    def _forward_backward(self, batch: Any) -> torch.Tensor:
-        """Loss of one micro-batch (divided by the accumulation steps), with backward done."""
-        ctx = self._autocast()
-        chunked = self.plan.args.loss_chunk_size > 0
-        inputs, labels = batch.input_ids, batch.labels
-        positions, docs = self._document_inputs(batch)
-        with self._cp_step(inputs, labels), self._loss_parallel():
-            with ctx:  # autocast covers the forward and the loss; backward runs outside it, which frees
-                # autocast's cache of bf16 weight copies as soon as backward is done with each one
-                if chunked:
-                    loss = self.model(inputs, position_ids=positions, document_ids=docs, labels=labels)
-                else:
-                    loss = self.loss_fn(self.model(inputs, position_ids=positions, document_ids=docs), labels)
-                loss = loss / self.plan.accum
+    def _loss(
+        self, inputs: torch.Tensor, labels: torch.Tensor, positions: Any, docs: Any, norm: torch.Tensor
+    ) -> torch.Tensor:
+        """This rank's summed token loss divided by `norm` (training and validation alike). The chunked
+        loss gives the mean over this rank's valid tokens: times their count, it is the sum."""
+        if self.plan.args.loss_chunk_size > 0:
+            mean = self.model(inputs, position_ids=positions, document_ids=docs, labels=labels)
+            return mean * valid_tokens(labels) / norm
+        return self.loss_fn(self.model(inputs, position_ids=positions, document_ids=docs), labels) / norm
+
+    def _forward_backward(self, batch: Any, norm: torch.Tensor) -> torch.Tensor:
+        """This rank's loss of one micro-batch (its sum over `norm`), with backward done."""
+        inputs, labels, positions, docs, cp_ctx = self._step_inputs(batch)
+        with cp_ctx, self._loss_parallel():
+            with self._autocast():  # autocast covers the forward and the loss; backward runs outside it,
+                # which frees autocast's cache of bf16 weight copies as soon as backward is done with each
+                loss = poison(self._loss(inputs, labels, positions, docs, norm))
             loss.backward()
         # Under loss parallel the loss is a replicated DTensor: its local value is the loss.
         return _local(loss.detach())
@@ -295,159 +289,189 @@ class Trainer:
         return cp_step_context(cp_mesh, list(batch), [part.rope for part in self.model_parts])
 
     def _pipeline_loss(self, pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The last stage's loss per pipeline micro-batch, scaled so that a step's losses sum to the mean."""
-        loss = self.loss_fn(pred, labels)
-        return loss / (self.pipeline.microbatches * self.plan.accum)
+        """The last stage's loss of one pipeline micro-batch: its sum over the step's divisor."""
+        return poison(self.loss_fn(pred, labels) / self._norm)
 
-    def _pipeline_forward_backward(self, batch: Any) -> torch.Tensor:
-        """One local batch through the pipeline schedule; the loss is nonzero on the last stage only."""
-        p = self.pipeline
+    def _pipeline_run(self, batch: Any, norm: torch.Tensor, *, evaluate: bool = False) -> torch.Tensor:
+        """One local batch through the pipeline schedule (forward and backward, or forward only): this
+        rank's loss, nonzero on the last stage only."""
+        p, self._norm = self.pipeline, norm
         losses: list[torch.Tensor] | None = [] if p.has_last else None
-        target = batch.labels if p.has_last else None
+        inputs = (batch.input_ids,) if p.has_first else ()
+        run = p.schedule.eval if evaluate else p.schedule.step
         # bf16 without FSDP is autocast: the schedule runs each stage's forward inside this context. Under
         # context parallel the whole step is ring attention, its batch sharded once for all micro-batches.
         with self._cp_step(batch.input_ids, batch.labels), self._autocast(), self._loss_parallel():
-            if p.has_first:
-                p.schedule.step(batch.input_ids, target=target, losses=losses)
-            else:
-                p.schedule.step(target=target, losses=losses)
+            run(*inputs, target=batch.labels if p.has_last else None, losses=losses)
         if not losses:
             return torch.zeros((), device=self.device)
         return _local(torch.stack([x.detach().float() for x in losses]).sum())
 
-    def _pipeline_eval(self, batch: Any) -> torch.Tensor:
-        """Forward-only pass of one batch through the pipeline: the batch's mean loss on the last stage
-        (times the accumulation steps the loss function divides by), zero on the others. Under context
-        parallel sharded as in training: the stages' buffers have the sharded sequence's shapes."""
-        p = self.pipeline
-        losses: list[torch.Tensor] | None = [] if p.has_last else None
-        target = batch.labels if p.has_last else None
-        inputs = (batch.input_ids,) if p.has_first else ()
-        cp = self._cp_step(batch.input_ids, batch.labels)
-        with torch.no_grad(), cp, self._autocast(), self._loss_parallel():
-            p.schedule.eval(*inputs, target=target, losses=losses)
-        if not losses:
-            return torch.zeros((), device=self.device)
-        return _local(torch.stack([x.detach().float() for x in losses]).sum() * self.plan.accum)
+    def _eval_sums(self, batch: Any) -> torch.Tensor:
+        """[loss sum, valid tokens] of one validation batch on this rank (counted where the loss is)."""
+        one = torch.ones((), device=self.device)
+        if self.pipeline is not None:
+            total = self._pipeline_run(batch, one, evaluate=True)
+            return torch.stack([total, valid_tokens(batch.labels).float() * self.pipeline.has_last])
+        inputs, labels, positions, docs, cp_ctx = self._step_inputs(batch)
+        with cp_ctx, self._loss_parallel(), self._autocast():
+            total = _local(self._loss(inputs, labels, positions, docs, one)).float()
+            return torch.stack([total, valid_tokens(labels).float()])  # (labels: this cp rank's shard)
 
-    def train_step(self, data_iter: Iterator[Any]) -> tuple[torch.Tensor, torch.Tensor, float]:
-        """One optimizer step over `accum` micro-batches; returns (loss, grad norm, data wait seconds)."""
+    def train_step(self, data_iter: Iterator[Any]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
+        """One optimizer step over `accum` micro-batches.
+
+        Returns:
+            (this rank's loss, the global gradient norm, data wait seconds, whether the update was applied).
+        """
         self.optimizer.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
+        batches = [next(data_iter).to(self.device, non_blocking=True) for _ in range(self.plan.accum)]
+        data_wait = time.perf_counter() - t0
+        dp_group = self.mesh["dp"].get_group() if self.plan.dp > 1 else None  # (tp/cp/pp peers: same labels)
+        norm = loss_divisor(
+            [b.labels for b in batches], group=dp_group, averaged_over=self.plan.dp * self.plan.cp
+        )
         total = torch.zeros((), device=self.device)
-        data_wait = 0.0
-        step_fn = self._pipeline_forward_backward if self.pipeline is not None else self._forward_backward
-        for _ in range(self.plan.accum):
-            t0 = time.perf_counter()
-            batch = next(data_iter).to(self.device, non_blocking=True)
-            data_wait += time.perf_counter() - t0
-            total += step_fn(batch)
+        step_fn = self._pipeline_run if self.pipeline is not None else self._forward_backward
+        for batch in batches:
+            total += step_fn(batch, norm)
         pp_mesh = self.mesh["pp"] if self.pipeline is not None else None
         grad_norm = clip_grad_norm_(self.model.parameters(), self.plan.max_norm, pp_mesh=pp_mesh)
         # This step's rate (torchao's low-bit AdamW keeps it as a tensor).
         self.lr = float(self.optimizer.param_groups[0]["lr"])
+        stepped = self.guard.should_step(self.step, total, grad_norm)
         self.checkpointer.wait_for_staging()  # an async_pinned save may still be copying the weights
-        self.optimizer.step()
-        if self.plan.float8_all_gather:  # FSDP's float8 all-gather: every weight's scale, once per step
-            precompute_float8_scales(self.model)
-        self.scheduler.step()
-        return total, grad_norm, data_wait
+        if stepped:
+            self.optimizer.step()
+            if self.plan.float8_all_gather:  # FSDP's float8 all-gather: every weight's scale, once per step
+                precompute_float8_scales(self.model)
+        self.scheduler.step()  # (a skipped step still advances the schedule: it is a function of the step)
+        return total, grad_norm, data_wait, stepped
 
-    def _global_mean(self, value: torch.Tensor) -> float:
-        """Average over the data-parallel (and context-parallel) ranks; the same on every rank.
-
-        With pipelining only the last stage holds the loss: summing over the pipeline ranks first gives
-        every stage the true value.
-        """
-        if self.mesh is None:
-            return value.item()
-        value = value.detach().float().clone()
-        if self.plan.pp > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh["pp"].get_group())
-        if self.plan.dp * self.plan.cp == 1:
-            return value.item()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh["dp_cp"].get_group())
-        return value.item() / (self.plan.dp * self.plan.cp)
+    def _global_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Summed over the pipeline stages (only the last holds a loss) and the data-parallel and
+        context-parallel ranks; the same on every rank."""
+        p, mesh = self.plan, self.mesh
+        groups = [mesh[d].get_group() for d, n in (("pp", p.pp), ("dp_cp", p.dp * p.cp)) if n > 1]
+        return distributed.all_sum(value.detach().float().clone(), groups)
 
     def train(self, stop_at: int | None = None) -> list[float]:
-        """Run the loop to training.steps (or to step `stop_at`, as if the job were cut off there);
-        return the losses of the logged steps."""
+        """Run the loop to training.steps (or to step `stop_at`, as if the job were cut off there), or
+        until a signal stops it (`stopped_by`); return the (window mean) losses of the logged steps.
+
+        Raises:
+            NonFiniteError: A non-finite step stopped the run (training.on_nonfinite).
+        """
         t = self.cfg.training
         last = t.steps if stop_at is None else min(stop_at, t.steps)
         if t.gc_freq > 0:
             gc.disable()
             gc.collect()
         data_iter = iter(self.train_loader)
-        throughput = Throughput(self.flops_per_token, self.peak)
-        logged: list[float] = []
-        while self.step < last:
-            self.step += 1
-            if t.gc_freq > 0 and self.step % t.gc_freq == 0:
-                gc.collect(1)
-            for offloader in self.offloaders:  # the traffic of the step about to run
-                offloader.bytes_offloaded = 0
-            loss, grad_norm, data_wait = self.train_step(data_iter)
-            self.profiler.step()
-            throughput.add(self.plan.tokens_per_gpu_step, data_wait)
-            if self._should_log(self.step):
-                loss_value = self._global_mean(loss)
-                if not math.isfinite(loss_value):
-                    raise FloatingPointError(f"loss is {loss_value} at step {self.step}")
-                logged.append(loss_value)
-                mem = self.memory.read_and_reset()
-                record = {
-                    "loss": loss_value,
-                    "grad_norm": grad_norm.item(),
-                    "lr": self.lr,
-                    **throughput.read(),
-                    "mem_active_gib": mem.active_gib,
-                    "mem_reserved_gib": mem.reserved_gib,
-                    "mem_active_pct": mem.active_pct,
-                    "mem_reserved_pct": mem.reserved_pct,
-                }
-                if self.offloaders:  # activation offload: GiB this rank moved to the host (and back)
-                    record["offload_gib"] = sum(o.bytes_offloaded for o in self.offloaders) / 2**30
-                self.metrics.log(self.step, record)
-                throughput.reset()
-            validate = bool(self.cfg.validation.freq) and self.step % self.cfg.validation.freq == 0
-            if validate:
+        self.throughput = Throughput(self.flops_per_token, self.peak)
+        self.signals.install()
+        self._window, logged = (torch.zeros((), device=self.device), 0), []  # (loss sum, steps) since a log
+        try:
+            while self.step < last and self.stopped_by is None:
+                self.step += 1
+                if t.gc_freq > 0 and self.step % t.gc_freq == 0:
+                    gc.collect(1)
+                for offloader in self.offloaders:  # the traffic of the step about to run
+                    offloader.bytes_offloaded = 0
+                loss, grad_norm, data_wait, stepped = self.train_step(data_iter)
+                self.profiler.step()
+                self.throughput.add(self.plan.tokens_per_gpu_step, data_wait)
+                if stepped:  # (a skipped step's loss stays out of the window's mean)
+                    self._window = (self._window[0] + loss, self._window[1] + 1)
+                if self._should_log(self.step):
+                    logged.append(self._log_step(loss, grad_norm))
+                self._validate_and_save()
+                if self.step < last:  # (every rank polls at the same boundaries)
+                    self.stopped_by = self.signals.poll()
+            self.guard.settle()
+            if self.stopped_by is not None:
+                self._stop_on_signal()
+        except NonFiniteError as e:  # the series of this attempt ends here: say why in it
+            self.metrics.log(e.step, {"stop": "non-finite"})
+            raise
+        finally:
+            if t.gc_freq > 0:
+                gc.enable()
+        return logged
+
+    def _log_step(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> float:
+        """Log the window's mean loss (`loss`), the last step's (`loss_last`), ...; return the mean."""
+        self.guard.settle()  # (logging reads the loss: a host sync here anyway)
+        (window, n), self._window = self._window, (torch.zeros((), device=self.device), 0)
+        dp_cp = self.plan.dp * self.plan.cp
+        mean_sum, last = (self._global_sum(torch.stack([window, loss])) / dp_cp).tolist()
+        mean = mean_sum / n if n else float("nan")
+        record = {"loss": mean, "loss_last": last, "grad_norm": grad_norm.item(), "lr": self.lr}
+        if self.guard.skipped:
+            record["skipped"], self.guard.skipped = self.guard.skipped, 0
+        record |= self.throughput.read()
+        record |= dataclasses.asdict(self.memory.read_and_reset())
+        if self.offloaders:  # activation offload: GiB this rank moved to the host (and back)
+            record["offload_gib"] = sum(o.bytes_offloaded for o in self.offloaders) / 2**30
+        self.metrics.log(self.step, record)
+        self.throughput.reset()
+        return mean
+
+    def _validate_and_save(self) -> None:
+        """Validation and checkpoints of this step, their time kept out of the training throughput; the
+        step's non-finite check is read first, so that no checkpoint holds a non-finite step."""
+        t, ck = self.cfg.training, self.cfg.checkpoint
+        if self.cfg.validation.freq and self.step % self.cfg.validation.freq == 0:
+            self.guard.settle()
+            with self.throughput.paused(self.device):
                 self.validate()
-            ck = self.cfg.checkpoint
+        due = self.checkpointer.due(self.step, last=self.step == t.steps)
+        if due:
+            self.guard.settle()
+        with self.throughput.paused(self.device) if due else contextlib.nullcontext():
             self.checkpointer.maybe_save(
                 self.step,
                 last=self.step == t.steps,
                 model_only=ck.last_save_model_only,
                 dtype=getattr(torch, ck.export_dtype),
             )
+        self._log_checkpoint_records()
+
+    def _stop_on_signal(self) -> None:
+        """After the step all ranks agreed to stop at: a checkpoint (unless this step's is saved or it is
+        switched off), the metrics flushed, and `stop_reason` for the entry point to print."""
+        ck = self.cfg.checkpoint
+        if ck.enable and ck.save_on_signal:
+            if not self.checkpointer.due(self.step, last=self.step == self.cfg.training.steps):
+                self.checkpointer.save(self.step)
+            self.checkpointer.wait()  # written and renamed before the process may be killed
             self._log_checkpoint_records()
-        if t.gc_freq > 0:
-            gc.enable()
-        return logged
+        self.metrics.log(self.step, {"stop": signal.Signals(self.stopped_by).name})
+        self.metrics.flush()
+        self.stop_reason = stop_message(self.stopped_by, self.step, enable=ck.enable, save=ck.save_on_signal)
 
     def _should_log(self, step: int) -> bool:
         return step == 1 or step % self.cfg.metrics.log_freq == 0 or step == self.cfg.training.steps
 
     @torch.no_grad()
     def validate(self) -> float:
-        """Mean loss over validation.steps batches of the held-out split (same batches every time)."""
+        """Mean loss over the valid tokens of validation.steps batches of the held-out split (the same
+        batches every time), through the training's loss path (chunked, context parallel, pipeline)."""
+        t0 = time.perf_counter()
         self.model.eval()
         if self._val_loader is None:  # built once: a validation pass replays the same batches
             self._val_loader = build_dataloader(self.cfg.data, split="validation", **self.loader_args)
-        total = torch.zeros((), device=self.device)
-        n = 0
-        for batch in itertools.islice(self._val_loader, self.cfg.validation.steps):
-            batch = batch.to(self.device)
-            n += 1
-            if self.pipeline is not None:
-                total += self._pipeline_eval(batch)
-                continue
-            with self._autocast(), self._loss_parallel():
-                positions, docs = self._document_inputs(batch)
-                logits = self.model(batch.input_ids, position_ids=positions, document_ids=docs)
-                loss = self.loss_fn(logits, batch.labels).detach()
-                total += _local(loss)
+        sums = torch.zeros(2, device=self.device)
+        with self.memory.apart() as mem:  # its own peak, kept out of the training rows'
+            for batch in itertools.islice(self._val_loader, self.cfg.validation.steps):
+                sums += self._eval_sums(batch.to(self.device))
+            total, count = self._global_sum(sums).tolist()
         self.model.train()
-        loss = self._global_mean(total / max(n, 1))
-        self.metrics.log(self.step, {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0))})
+        loss = total / max(count, 1.0)
+        self.metrics.log(self.step, {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
+                                     "val_time_s": time.perf_counter() - t0,
+                                     "val_mem_active_gib": mem[0].mem_active_gib})  # fmt: skip
         return loss
 
     def _log_checkpoint_records(self) -> None:
@@ -457,22 +481,14 @@ class Trainer:
         self.checkpointer.records.clear()
 
     def close(self) -> None:
+        """Wait for a save in flight, flush the metrics, let the run folder go, end the process group."""
         self.profiler.close()
         self.checkpointer.close()  # waits for a save in flight
         self._log_checkpoint_records()
         self.metrics.close()
+        self.signals.close()
+        self.lock.release()
         distributed.destroy()
-
-
-def _set_determinism(t: cfgmod.Training) -> None:
-    torch.manual_seed(t.seed)
-    if t.deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
-    # fp32 runs are measured against the fp32 peak, so keep TF32 tensor cores off for them.
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

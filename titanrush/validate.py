@@ -57,6 +57,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "training.seed": (0, 2**63, True, False),
     "training.loss_chunk_size": (1, None, True, True),
     "training.gc_freq": (0, None, True, True),
+    "training.max_skips": (1, None, True, True),
     "optimizer.lr": (0.0, None, False, True),
     "optimizer.beta1": (0.0, 1.0, True, False),
     "optimizer.beta2": (0.0, 1.0, True, False),

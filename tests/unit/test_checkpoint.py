@@ -74,7 +74,12 @@ def test_saves_and_resumes_log_their_timings(tmp_path, mode):
     ckpt = tmp_path / "src" / "checkpoint" / "step-2"
     train(args(tmp_path, "dst", 3, "--checkpoint.load_path", str(ckpt)))
     rows = rows_of(tmp_path / "dst")
-    assert rows[0] == {"step": 2, "ckpt_load_s": rows[0]["ckpt_load_s"], "ckpt_load_path": str(ckpt)}
+    assert rows[0] == {
+        "step": 2,
+        "attempt": 1,
+        "ckpt_load_s": rows[0]["ckpt_load_s"],
+        "ckpt_load_path": str(ckpt),
+    }
     assert 0 < rows[0]["ckpt_load_s"] < 60
     assert [r["step"] for r in rows[1:]] == [3] and "loss" in rows[1]
 

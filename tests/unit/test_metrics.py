@@ -88,11 +88,49 @@ def test_metrics_logger_writes_jsonl_console_and_tensorboard(tmp_path, caplog):
         log.log(3, {"loss": 2.5, "mfu": None, "tps": 1234.0})
     log.close()
     rec = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
-    assert rec == {"step": 3, "loss": 2.5, "mfu": None, "tps": 1234.0}
+    assert rec == {"step": 3, "attempt": 1, "loss": 2.5, "mfu": None, "tps": 1234.0}
     assert "loss 2.5000" in caplog.text and "mfu" not in caplog.text
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(tmp_path / "tb"))
+    acc = EventAccumulator(str(tmp_path / "tb" / "attempt-1"))
     acc.Reload()
     assert set(acc.Tags()["scalars"]) == {"loss", "tps"}
     assert acc.Scalars("loss")[0].value == pytest.approx(2.5)
+
+
+def test_non_finite_numbers_are_null_in_json_and_absent_from_tensorboard(tmp_path, caplog):
+    log = MetricsLogger(tmp_path, enabled=True, tensorboard=True, rank=0, attempt=2)
+    with caplog.at_level(logging.INFO, logger="titanrush"):
+        logging.getLogger("titanrush").propagate = True
+        log.log(4, {"loss": float("nan"), "grad_norm": float("inf"), "lr": 1e-3})
+    log.close()
+    line = (tmp_path / "metrics.jsonl").read_text().splitlines()[0]
+    rec = json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in {line}"))
+    assert rec == {"step": 4, "attempt": 2, "loss": None, "grad_norm": None, "lr": 1e-3}
+    assert "loss nan" in caplog.text and "gnorm inf" in caplog.text  # the console shows what happened
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tmp_path / "tb" / "attempt-2"))
+    acc.Reload()
+    assert set(acc.Tags()["scalars"]) == {"lr"}
+
+
+def test_throughput_leaves_paused_time_out():
+    import time
+
+    t = Throughput(flops_per_token=1e9, peak=None)
+    t.add(1000, 0.0)
+    time.sleep(0.05)
+    with t.paused(torch.device("cpu")):
+        time.sleep(0.3)  # a validation or a checkpoint save
+    out = t.read()
+    assert 0.04 < out["step_time"] < 0.2, out
+    assert out["tps"] == pytest.approx(1000 / out["step_time"], rel=1e-6)
+
+
+def test_the_synchronous_checkpoint_mode_is_not_called_disabled():
+    from titanrush.metrics import format_line
+
+    line = format_line({"step": 5, "ckpt_mode": "disabled", "ckpt_blocking_s": 1.16, "ckpt_save_s": 1.2})
+    assert "disabled" not in line and "checkpoint (sync save)" in line and "training blocked 1.16s" in line
+    assert "checkpoint (async save)" in format_line({"step": 5, "ckpt_mode": "async"})

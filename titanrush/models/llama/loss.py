@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 IGNORE_INDEX = -100  # F.cross_entropy's default: labels with this value add nothing to the loss
@@ -23,6 +25,32 @@ IGNORE_INDEX = -100  # F.cross_entropy's default: labels with this value add not
 def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean token cross-entropy of logits (B, T, V) against labels (B, T), computed in fp32."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed token cross-entropy of logits (B, T, V) against labels (B, T), in fp32; labels equal to
+    IGNORE_INDEX add nothing. The trainer divides it by the step's global count of valid tokens."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1), reduction="sum")
+
+
+def valid_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """How many labels count (are not IGNORE_INDEX), as a 0-dim int64 tensor on the labels' device."""
+    return (labels != IGNORE_INDEX).sum()
+
+
+def loss_divisor(labels: list[torch.Tensor], *, group: Any = None, averaged_over: int = 1) -> torch.Tensor:
+    """The divisor of every loss sum of one optimizer step (a 0-dim fp32 tensor; no host sync).
+
+    The step's valid tokens, over its micro-batches (`labels`) and summed over `group` (the data-parallel
+    ranks; None: this process alone), divided by `averaged_over`, the number of ranks whose gradients the
+    reduction averages (dp x cp under FSDP/DDP). Each rank's loss sum divided by it gives, once averaged,
+    the gradient of the mean over every valid token of the step, however the masked labels fall across
+    micro-batches and ranks. One all-reduce of a count.
+    """
+    count = torch.stack([valid_tokens(x) for x in labels]).sum()
+    if group is not None:
+        dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+    return count.clamp_min(1).float() / averaged_over
 
 
 def chunk_loss_and_grad(
@@ -122,4 +150,18 @@ def chunked_cross_entropy(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return _LinearCrossEntropy.apply(h.flatten(0, -2), weight, labels.flatten(), chunk_size, compiled)
+    h, labels = h.flatten(0, -2), labels.flatten()
+    if not (torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)):
+        return _chunked_loss_only(h, weight, labels, chunk_size)
+    return _LinearCrossEntropy.apply(h, weight, labels, chunk_size, compiled)
+
+
+def _chunked_loss_only(
+    h: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_size: int
+) -> torch.Tensor:
+    """The chunked loss without gradients (validation): the same chunks and fp32 math, no gradient work."""
+    total = torch.zeros((), dtype=torch.promote_types(h.dtype, torch.float32), device=h.device)
+    for start in range(0, h.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        total += cross_entropy_sum((h[rows] @ weight.t()).unsqueeze(0), labels[rows].unsqueeze(0))
+    return total / valid_tokens(labels).clamp_min(1)

@@ -1,0 +1,169 @@
+"""Helpers of the training loop's reliability tests: masked labels, runs in-process, under torchrun and as
+a child process that the tests signal.
+
+Labels are masked here, in the tests, and not by any dataset: titanrush's data layer masks no label today
+(every window's labels are its next tokens), but the loss must be right for the masks that document
+boundaries, padding or an `IGNORE_INDEX` in the data will bring. The mask depends on a window's tokens
+alone, so every mesh masks the same tokens: a row whose first token id t has (t * 7919) % (2T) = c < T
+loses its labels from position c on, the other rows keep all of theirs. The counts of valid tokens are
+thus very uneven between micro-batches and ranks, which is what an average of per-micro-batch means
+gets wrong.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
+
+from harness import ROOT, child_env, failure, free_port  # noqa: E402
+
+from titanrush.models.llama.loss import IGNORE_INDEX  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+
+
+def mask_labels(batch: Any) -> Any:
+    """The batch with the labels of some rows masked from a position on (see the module docstring)."""
+    labels = batch.labels.clone()
+    t = labels.shape[1]
+    for row in range(labels.shape[0]):
+        cut = int(batch.input_ids[row, 0]) * 7919 % (2 * t)
+        if cut < t:
+            labels[row, cut:] = IGNORE_INDEX
+    return dataclasses.replace(batch, labels=labels)
+
+
+class MaskedLoader:
+    """A titanrush DataLoader whose batches come out with masked labels (state and length unchanged)."""
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+
+    def __iter__(self) -> Iterator[Any]:
+        return (mask_labels(b) for b in self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+
+def install_masking(set_attribute: Callable[[Any, str, Any], None] = setattr) -> None:
+    """Make the trainer's loaders (train and validation) mask labels, in this process (`set_attribute`:
+    pytest's monkeypatch.setattr to undo it after a test)."""
+    from titanrush import trainer
+
+    build = trainer.build_dataloader
+    set_attribute(trainer, "build_dataloader", lambda *a, **k: MaskedLoader(build(*a, **k)))
+
+
+def small_args(dump: Path, name: str, *extra: str) -> list[str]:
+    """A debug run of a few CPU-seconds: seq 32, batch 2, a metrics row per step, no TensorBoard."""
+    return [
+        "--job.dump_folder", str(dump), "--job.name", name, "--training.seq_len", "32",
+        "--training.local_batch_size", "2", "--training.deterministic", "--lr_scheduler.warmup_steps", "2",
+        "--metrics.log_freq", "1", "--no-metrics.tensorboard", "--training.gc_freq", "0", *extra,
+    ]  # fmt: skip
+
+
+def read_rows(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    """metrics.jsonl's rows, parsed as strict JSON (a bare NaN or Infinity fails the test)."""
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{run_dir / name} holds a bare {constant}: not JSON")
+
+    return [json.loads(x, parse_constant=refuse) for x in (run_dir / name).read_text().splitlines()]
+
+
+def launcher(nproc: int, entry: list[str]) -> list[str]:
+    """The command that runs `entry` (after `python`) under `nproc` processes of torchrun (gloo, CPU)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
+            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", *entry]  # fmt: skip
+
+
+def run_masked(dump: Path, name: str, nproc: int, *args: str) -> list[dict]:
+    """Train with masked labels under `nproc` processes (1: no launcher); rank 0's metrics rows."""
+    entry = [str(HERE / "masked_train.py"), "--job.dump_folder", str(dump), "--job.name", name, *args]
+    cmd = [sys.executable, *entry] if nproc == 1 else launcher(nproc, entry)
+    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, failure(cmd, res.stdout + res.stderr)
+    return read_rows(dump / name)
+
+
+class Child:
+    """A training run in a child process (its own session), read line by line so a test can signal it
+    at a known step."""
+
+    def __init__(self, cmd: list[str]) -> None:
+        self.cmd = cmd
+        self.proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True,
+        )  # fmt: skip
+        self.log: list[str] = []
+
+    def wait_for(self, text: str, timeout: float = 300) -> None:
+        """Read the output until a line contains `text`."""
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            line = self.proc.stdout.readline()
+            if not line and self.proc.poll() is not None:
+                break
+            self.log.append(line)
+            if text in line:
+                return
+        raise AssertionError(f"{text!r} never appeared:\n" + failure(self.cmd, "".join(self.log)))
+
+    def finish(self, timeout: float = 300) -> tuple[int, str]:
+        """(exit status, the whole output) once the process has ended."""
+        try:
+            out, _ = self.proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            out, _ = self.proc.communicate()
+        self.log.append(out)
+        return self.proc.returncode, "".join(self.log)
+
+
+def children(pid: int) -> list[int]:
+    """The pids of the processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` is a live process (not a zombie)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def finite_weights(checkpoint: Path) -> bool:
+    """Whether every model weight stored in a titanrush checkpoint is finite (read through DCP)."""
+    import torch.distributed.checkpoint as dcp
+
+    from titanrush.models.llama import Llama, model_args
+
+    model = Llama(model_args("debug"))
+    state = {"model": {k: torch.empty_like(v) for k, v in model.state_dict().items()}}
+    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    return all(bool(torch.isfinite(v).all()) for v in state["model"].values())
