@@ -66,21 +66,24 @@ def main() -> None:
         seen.clear()
         batch = probe_batch(step)
         trainer.optimizer.zero_grad(set_to_none=True)
+        one = torch.ones(())  # (the loss divisor: the sum's plumbing is what this probe checks)
         if trainer.pipeline is not None:
-            loss = trainer._pipeline_forward_backward(batch)
+            loss = trainer._pipeline_run(batch, one)
         else:
-            loss = trainer._forward_backward(batch)
+            loss = trainer._forward_backward(batch, one)
         report["calls"].append(check(batch))
         pp_mesh = trainer.mesh["pp"] if trainer.pipeline is not None else None
         norm = clip_grad_norm_(trainer.model.parameters(), 0.0, pp_mesh=pp_mesh)
-        report["losses"].append(trainer._global_mean(loss))
+        report["losses"].append(trainer._global_sum(loss).item())
         report["grad_norms"].append(norm.item())
     # Validation's forward-only pass through the schedule, sharded alike (torch's eval of ZBVZeroBubble
     # fails with or without context parallel: "can't steal_bwd_input if this stage doesn't have backward").
     if trainer.pipeline is not None and plan.pp_schedule != "ZBVZeroBubble":
         seen.clear()
         batch = probe_batch(2)
-        report["val_loss"] = trainer._global_mean(trainer._pipeline_eval(batch))
+        report["val_loss"] = trainer._global_sum(
+            trainer._pipeline_run(batch, torch.ones(()), evaluate=True)
+        ).item()
         report["calls"].append(check(batch))
     out.mkdir(parents=True, exist_ok=True)
     (out / f"rank{ranks.rank}.json").write_text(json.dumps(report))
