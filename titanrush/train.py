@@ -1,6 +1,7 @@
 """Entry point: `python -m titanrush.train [--config FILE] [--section.key value ...]`.
 
-Exit status: 0 on success, 2 on a config error (before any model is built), 1 on other failures.
+Exit status: 0 on success, 2 on a config error (before any model is built), 1 on a `RunError` (a run
+stopped for a reason outside the config, such as a full disk: one line on stderr) and other failures.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import sys
 
 from titanrush import config as cfgmod
 from titanrush.config import ConfigError
+from titanrush.errors import RunError
 from titanrush.logging_utils import init_logging
 
 USAGE = """usage: titanrush train [--config FILE] [--check] [--section.key value | --section.key=value
@@ -87,9 +89,13 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool) -> int:
         print(f"titanrush: config error: {e}", file=sys.stderr)
         return 2
     try:
-        trainer.train()
-    finally:
-        trainer.close()
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    except RunError as e:  # a run stopped for a reason outside the config (a full disk, ...)
+        print(f"titanrush: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
