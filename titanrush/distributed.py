@@ -90,3 +90,13 @@ def set_allocator_env(environ: dict[str, str] | os._Environ, *, expandable: bool
     the environment wins."""
     if not any(environ.get(k) for k in ALLOC_VARS):
         environ["PYTORCH_ALLOC_CONF"] = f"expandable_segments:{expandable}"
+
+
+def all_ranks(value: list[str]) -> list[str]:
+    """Every rank's `value` lists joined in rank order, duplicates dropped (every rank calls it): findings
+    that each rank makes on its share of the work, so that every rank can raise the same error."""
+    if not dist.is_initialized():
+        return list(value)
+    out: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)  # NCCL: through the current device, which the trainer has set
+    return list(dict.fromkeys(item for items in out for item in items or []))
