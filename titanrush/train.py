@@ -2,7 +2,8 @@
 
 Exit status (docs/operations.md):
   0        the run reached training.steps
-  1        another failure (a traceback)
+  1        a run stopped for a reason outside the config (a full disk during a save: one line), or
+           another failure (a traceback)
   2        a config error: one line naming the key, before anything is built or written
   3        a non-finite loss or gradient norm stopped the run (training.on_nonfinite): one line naming
            the step; nothing of that step was saved
@@ -19,6 +20,7 @@ import sys
 
 from titanrush import config as cfgmod
 from titanrush.config import ConfigError
+from titanrush.errors import RunError
 from titanrush.logging_utils import init_logging
 
 USAGE = """usage: titanrush train [--config FILE] [--check] [--section.key value | --section.key=value
@@ -113,12 +115,16 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool) -> int:
             print(f"titanrush: config error: {e}", file=sys.stderr)
             return 2
         try:
-            trainer.train()
+            try:
+                trainer.train()
+            finally:
+                trainer.close()  # (waits for a save in flight: a full disk may surface here)
         except NonFiniteError as e:  # every rank stops at the same step; rank 0 says why
             say(f"stopped: {e}")
             return NONFINITE_STATUS
-        finally:
-            trainer.close()
+        except RunError as e:  # a run stopped for a reason outside the config (a full disk, ...)
+            print(f"titanrush: error: {e}", file=sys.stderr)
+            return 1
     except KeyboardInterrupt:  # before the loop's handler is in place, or a second Ctrl-C
         say("interrupted: stopped at once, nothing saved (exit status 130)")
         return 128 + signal.SIGINT

@@ -197,16 +197,22 @@ class Trainer:
             lr_scheduler=self.scheduler,
             dataloader=self.train_loader,
             # (the RoPE table's length and context parallel's K/V expansion are this run's, not the model's:
-            # a model rebuilt from the checkpoint gets the full table and grouped K/V heads)
+            # a model rebuilt from the checkpoint gets the full table and grouped K/V heads); a resume names
+            # the schedule settings that changed since the save
             info={
                 "flavor": cfg.model.flavor,
                 "model_args": dataclasses.asdict(
                     dataclasses.replace(plan.args, rope_positions=0, expand_kv=False)
                 ),
+                "optimizer": o.name,
+                "schedule": {"training.steps": cfg.training.steps}
+                | {f"lr_scheduler.{k}": v for k, v in dataclasses.asdict(s).items()},
             },
             rank=self.rank,
         )
-        self.step = self.checkpointer.resume(load_path=ck.load_path, model_only=ck.load_model_only)
+        self.step = self.checkpointer.resume(
+            load_path=ck.load_path, model_only=ck.load_model_only, steps=cfg.training.steps
+        )
 
         # 4. The run is accepted: its folder, metrics and profiler.
         self.attempt = run_dir.create(

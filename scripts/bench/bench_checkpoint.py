@@ -6,10 +6,11 @@ Usage (on the GPU machine, from the repo root):
       [--resume-overrides "--parallelism.tp 2"] [--keep] [--dry-run] [overrides ...]
 
 Per mode (`checkpoint.async_mode`), 3 steps with a full checkpoint at step 2 (step 3 runs while an async
-save is in flight): the time training was blocked (`ckpt_blocking_s`) and until the checkpoint was
-complete (`ckpt_save_s`). Then one run loads the last good checkpoint under `--resume-overrides` and
-trains on: its `ckpt_load_s`, and whether it went on at step 3. The table goes to stdout and
-DIR/results.md (DIR/results.jsonl: each run's exact command). Exit status 1 if any run is not ok.
+save is in flight): the time training was blocked (`ckpt_blocking_s`), until the checkpoint was
+complete (`ckpt_save_s`), and of it rank 0's checksumming for the integrity record (`ckpt_integrity_s`).
+Then one run loads the last good checkpoint under `--resume-overrides` and trains on: its `ckpt_load_s`,
+the integrity check inside it (`ckpt_verify_s`), and whether it went on at step 3. The table goes to stdout
+and DIR/results.md (DIR/results.jsonl: each run's exact command). Exit status 1 if any run is not ok.
 """
 
 from __future__ import annotations
@@ -90,18 +91,20 @@ def main() -> int:
         ckpt = a.folder / f"save_{mode}" / f"step-{SAVE_STEP}"
         if rec is not None and ckpt.is_dir():
             size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / 2**30
-            row.update(mode=mode, blocking_s=rec["ckpt_blocking_s"], save_s=rec["ckpt_save_s"], size_gib=size)
+            row.update(mode=mode, blocking_s=rec["ckpt_blocking_s"], save_s=rec["ckpt_save_s"], size_gib=size,
+                       record_s=rec.get("ckpt_integrity_s"))  # fmt: skip
             source = ckpt
         elif row["status"] == "ok":
             row["status"] = f"no checkpoint of step {SAVE_STEP} logged"
         rows.append({"mode": mode, **row})
     if source is not None:
         row, metrics = launch("resume", resume_args(source, a), a)
-        load = next((r.get("ckpt_load_s") for r in metrics if "ckpt_load_s" in r), None)
+        load = next((r for r in metrics if "ckpt_load_s" in r), {})
         steps = [r["step"] for r in metrics if "loss" in r]
         if row["status"] == "ok" and steps[:1] != [SAVE_STEP + 1]:
             row["status"] = f"resumed at steps {steps}, expected {SAVE_STEP + 1}.."
-        rows.append({"mode": f"resume from {source.parent.name}", "load_s": load, **row})
+        rows.append({"mode": f"resume from {source.parent.name}", "load_s": load.get("ckpt_load_s"),
+                     "verify_s": load.get("ckpt_verify_s"), **row})  # fmt: skip
     if not a.keep:
         for mode in modes:
             shutil.rmtree(a.folder / f"save_{mode}", ignore_errors=True)
@@ -110,9 +113,12 @@ def main() -> int:
     def f(row: dict, key: str) -> str:
         return "-" if row.get(key) is None else f"{row[key]:.2f}"
 
-    lines = ["| mode | checkpoint GiB | training blocked s | save complete s | load s | status |",
-             "|---|---:|---:|---:|---:|---|"]  # fmt: skip
-    keys = ("size_gib", "blocking_s", "save_s", "load_s")
+    for r in rows:  # the integrity record's share: checksums written inside the save, checked inside the load
+        if r.get("record_s") is not None and r.get("save_s"):
+            r["record_pct"] = 100 * r["record_s"] / r["save_s"]
+    lines = ["| mode | checkpoint GiB | training blocked s | save complete s | of it record s | record % "
+             "| load s | of it verify s | status |", "|---|" + "---:|" * 7 + "---|"]  # fmt: skip
+    keys = ("size_gib", "blocking_s", "save_s", "record_s", "record_pct", "load_s", "verify_s")
     lines += ["| " + " | ".join([r["mode"], *(f(r, k) for k in keys), r["status"]]) + " |" for r in rows]
     header = (f"{env['date']}, {a.ngpu} x {env['device']}, torch {env['torch']}, commit {env['commit']}; "
               f"{shlex.join([a.config, *a.extra])}; resumed with {a.resume_overrides}")  # fmt: skip

@@ -8,11 +8,16 @@ Each async mode is run: the save path differs (pinned staging for async_pinned),
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from gpu_launch import launch, max_dev
+from gpu_launch import ROOT, free_port, launch, max_dev
+
+from titanrush import checkpoint_integrity as integrity
 
 pytestmark = pytest.mark.multigpu
 
@@ -61,3 +66,31 @@ def test_several_async_pinned_saves_in_one_run_then_resume(tmp_path, full):
     rows, _ = launch(tmp_path, "many", 2, [*ARGS, *ckpt])
     resumed = steps(rows)
     assert max_dev([resumed[s] for s in (5, 6)], [full[s] for s in (5, 6)], "loss") < FP32_RTOL
+
+
+def test_records_of_every_rank_verify_and_a_flipped_bit_stops_every_rank(tmp_path):
+    """On 2 GPUs (NCCL): an async_pinned save's integrity record holds every rank's file, written on the
+    save's background thread; a bit flipped in rank 1's file stops the relaunch on every rank with the
+    same "corrupt" line (the ranks' findings are gathered over NCCL) before anything is read, no hang."""
+    ckpt = ["--checkpoint.enable", "--checkpoint.interval", "3", "--checkpoint.async_mode", "async_pinned"]
+    rows, _ = launch(tmp_path, "run", 2, [*ARGS, *ckpt], entry=(STOP_AT, "3"))
+    assert [r["step"] for r in rows if "ckpt_integrity_s" in r] == [3]
+    step = tmp_path / "run" / "checkpoint" / "step-3"
+    record = integrity.read_record(step)
+    shards = sorted(name for name in record["files"] if name.endswith(".distcp"))
+    assert {f"__{r}_" for r in (0, 1)} == {name[:4] for name in shards}, shards  # both ranks' files
+    assert integrity.verify(step, record) == []
+    shard = step / shards[-1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    env = dict(
+        os.environ, NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", TORCH_SYMM_MEM_DISABLE_MULTICAST="1"
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "titanrush.train",
+           "--job.dump_folder", str(tmp_path), "--job.name", "run", *ARGS, *ckpt]  # fmt: skip
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode != 0
+    lines = [x for x in res.stderr.splitlines() if x.startswith("titanrush: config error:")]
+    assert lines and all(f"step-3 is corrupt: {shard.name} bytes" in x for x in lines), res.stderr[-4000:]

@@ -69,18 +69,16 @@ def test_saves_and_resumes_log_their_timings(tmp_path, mode):
     for r in saves.values():
         assert r["ckpt_mode"] == mode
         assert 0 < r["ckpt_blocking_s"] <= r["ckpt_save_s"] < 60, r
+        assert 0 < r["ckpt_integrity_s"] < r["ckpt_save_s"], r  # the record is written inside the save
         if mode == "disabled":
             assert r["ckpt_blocking_s"] == r["ckpt_save_s"]
     ckpt = tmp_path / "src" / "checkpoint" / "step-2"
     train(args(tmp_path, "dst", 3, "--checkpoint.load_path", str(ckpt)))
     rows = rows_of(tmp_path / "dst")
-    assert rows[0] == {
-        "step": 2,
-        "attempt": 1,
-        "ckpt_load_s": rows[0]["ckpt_load_s"],
-        "ckpt_load_path": str(ckpt),
-    }
-    assert 0 < rows[0]["ckpt_load_s"] < 60
+    load = {"step": 2, "attempt": 1, "ckpt_load_s": rows[0]["ckpt_load_s"], "ckpt_load_path": str(ckpt),
+            "ckpt_verify_s": rows[0]["ckpt_verify_s"]}  # fmt: skip
+    assert rows[0] == load
+    assert 0 < rows[0]["ckpt_verify_s"] < rows[0]["ckpt_load_s"] < 60
     assert [r["step"] for r in rows[1:]] == [3] and "loss" in rows[1]
 
 
@@ -116,7 +114,7 @@ def test_other_flavor_is_a_clear_error_and_nothing_is_touched(tmp_path):
     before = sorted((p.name, p.stat().st_size) for p in ck.iterdir())
     bad = args(tmp_path, "b", 3, "--checkpoint.load_path", str(ck), "--model.vocab_size", "9000")
     with pytest.raises(
-        ConfigError, match=r"tok_embeddings.weight has shape \(8192, 256\) there, \(9000, 256\) here"
+        ConfigError, match=r"is incompatible with this run: model: vocab_size is 8192 there, 9000 here"
     ):
         Trainer(config.load(None, bad))
     assert sorted((p.name, p.stat().st_size) for p in ck.iterdir()) == before
@@ -127,11 +125,13 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
     ck = tmp_path / "c" / "checkpoint" / "step-3"
     data = next(ck.glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:1000])  # truncated
-    with pytest.raises(ConfigError, match="is corrupt"):
+    with pytest.raises(
+        ConfigError, match=rf"step-3 is corrupt: {data.name} has 1,000 bytes, the record says"
+    ):
         Trainer(config.load(None, args(tmp_path, "c", 6, *CKPT)))
     assert data.exists() and (ck / ".metadata").exists()
     (ck / ".metadata").write_bytes(b"garbage")
-    with pytest.raises(ConfigError, match="incomplete or corrupt"):
+    with pytest.raises(ConfigError, match="is corrupt: .metadata has 7 bytes"):
         Trainer(config.load(None, args(tmp_path, "d", 3, "--checkpoint.load_path", str(ck))))
 
 
@@ -249,3 +249,30 @@ def test_barrier_names_this_ranks_device_to_nccl(monkeypatch, backend):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     distributed.barrier()
     assert calls == ([{"device_ids": [2]}] if backend == "nccl" else [{}])
+
+
+def test_every_model_argument_but_the_run_time_choices_is_compared():
+    """A field added to ModelArgs is compared unless it is listed as a run-time choice
+    (checkpoint_compat.RUNTIME_ARGS): a checkpoint of another model must never load silently."""
+    import dataclasses
+
+    from titanrush.checkpoint_compat import RUNTIME_ARGS, model_arg_differences
+    from titanrush.models.llama import FLAVORS, ModelArgs
+
+    base = dataclasses.asdict(dataclasses.replace(FLAVORS["debug"], rope_scaling=True))
+    fields = {f.name for f in dataclasses.fields(ModelArgs)}
+    assert fields >= RUNTIME_ARGS, RUNTIME_ARGS - fields
+    for name in sorted(fields):
+        value = base[name]
+        other = {
+            bool: lambda v: not v,
+            int: lambda v: v + 1,
+            float: lambda v: v * 2,
+            str: lambda v: v + "x",
+        }.get(type(value), lambda v: 1.5)(value)  # None (ffn_dim_multiplier): a multiplier
+        diffs = model_arg_differences(base, {**base, name: other})
+        if name in RUNTIME_ARGS:
+            assert diffs == [], (name, diffs)
+        else:
+            assert len(diffs) == 1 and "there" in diffs[0], (name, diffs)
+    assert model_arg_differences({**base, "n_kv_heads": None}, {**base, "n_kv_heads": base["n_heads"]}) == []

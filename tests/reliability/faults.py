@@ -1,0 +1,51 @@
+"""Helpers of the reliability tests: the shrunk debug run, training in this process, and what a folder
+holds (to show that a failure touched nothing).
+
+A run trains the debug model on synthetic tokens (no corpus to read) at seq_len 32 and local batch 2.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BASE = [
+    "--training.seq_len", "32", "--training.local_batch_size", "2", "--data.dataset", "synthetic",
+    "--metrics.log_freq", "1", "--no-metrics.tensorboard", "--training.deterministic",
+    "--lr_scheduler.warmup_steps", "2", "--training.gc_freq", "0",
+]  # fmt: skip
+CKPT = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+
+
+def run_args(dump: Path, name: str, steps: int, *extra: str) -> list[str]:
+    """The shrunk debug run `dump/name` of `steps` steps; `extra` last (it wins)."""
+    return ["--job.dump_folder", str(dump), "--job.name", name, "--training.steps", str(steps), *BASE, *extra]
+
+
+def build(argv: list[str]):  # -> Trainer (imported late: the fixtures set the environment first)
+    from titanrush import config
+    from titanrush.trainer import Trainer
+
+    return Trainer(config.load(None, argv))
+
+
+def train(argv: list[str], stop_at: int | None = None) -> list[float]:
+    """Build, train (to `stop_at`, as if cut off there) and close a run; its logged losses."""
+    trainer = build(argv)
+    try:
+        return trainer.train(stop_at)
+    finally:
+        trainer.close()
+
+
+def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
+    """{relative path: (size, mtime in ns)} of every file under folder."""
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def assert_one_line(message: str) -> None:
+    """A message for people: one line, no traceback pasted into it."""
+    assert "\n" not in message and "Traceback" not in message and 'File "' not in message, message

@@ -1,0 +1,490 @@
+"""Checkpoint faults, each reproduced on CPU with the real trainer, and the clear outcome each must have.
+
+Loading: flipped bytes are *corrupt* (named file and bytes, the earlier checkpoint to use, nothing read
+or touched); another model or data layout is *incompatible* (what differs, what to do), never corrupt; a
+step folder that lacks a file is *incomplete*, moved aside, and the run resumes from the newest complete
+one; a model-only final save falls back to the newest full checkpoint. Saving: a full disk stops the run
+with exit status 1 and one line, removes the partial `.tmp` and leaves earlier checkpoints alone; an
+unwritable folder is refused at start. Resuming: `training.steps` at or below the checkpoint, a changed
+learning rate, and each rank's own random generators.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch.distributed.checkpoint as dcp
+from faults import CKPT, assert_one_line, build, run_args, snapshot, train
+from torch.distributed.checkpoint.filesystem import FileSystem
+
+from titanrush import checkpoint_integrity as integrity
+from titanrush.config import ConfigError
+from titanrush.optim import lr_factor
+from titanrush.train import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+class Said(logging.Handler):
+    """The titanrush logger's messages (it does not propagate to pytest's caplog once the CLI set it up)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+    def find(self, text: str) -> str:
+        return next((line for line in self.lines if text in line), "")
+
+
+@pytest.fixture
+def said():
+    logger = logging.getLogger("titanrush")
+    handler, level = Said(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+@pytest.fixture
+def no_tensor_read(monkeypatch):
+    """Fail the test if DCP loads any tensor (the checks must come first; reading the small objects of the
+    data loader's state, which the checks compare, is allowed)."""
+    from titanrush.checkpoint_compat import ObjectReader
+
+    real = dcp.load
+
+    def objects_only(state, *args, **kwargs):
+        if not all(isinstance(v, ObjectReader) for v in state.values()):
+            raise AssertionError(f"dcp.load read {sorted(state)} before the checkpoint was refused")
+        return real(state, *args, **kwargs)
+
+    monkeypatch.setattr(dcp, "load", objects_only)
+
+
+# --------------------------------------------------------------------------------------------------
+# Corrupt
+
+
+@pytest.mark.parametrize("target", ["__0_0.distcp", ".metadata"])
+def test_flipped_bytes_are_corrupt_named_and_nothing_is_read_or_touched(copy, target, monkeypatch):
+    ck = copy / "checkpoint"
+    path = ck / "step-4" / target
+    data = bytearray(path.read_bytes())
+    flip = len(data) // 2
+    data[flip] ^= 0x01  # one bit: the file still unpickles and DCP would read it silently
+    path.write_bytes(bytes(data))
+    before = snapshot(ck)
+    with monkeypatch.context() as m:
+        m.setattr(dcp, "load", lambda *a, **k: pytest.fail("dcp.load ran on a corrupt checkpoint"))
+        m.setattr(dcp.FileSystemReader, "read_metadata", lambda *a, **k: pytest.fail(".metadata was read"))
+        with pytest.raises(ConfigError) as e:
+            build(run_args(copy.parent, "src", 8, *CKPT))
+    msg = str(e.value)
+    assert_one_line(msg)
+    start = flip // integrity.BLOCK_BYTES * integrity.BLOCK_BYTES  # the block that holds the flipped bit
+    end = min(start + integrity.BLOCK_BYTES, len(data))
+    assert f"step-4 is corrupt: {target} bytes {start:,}-{end:,} differ" in msg
+    assert (
+        f"resume from step-2, the newest earlier complete checkpoint, by moving this one aside (mv {ck}/"
+        in msg
+    )
+    assert snapshot(ck) == before  # nothing moved, deleted or rewritten
+    # The advice works: moved aside, the run resumes from step 2.
+    os.replace(ck / "step-4", ck / "step-4.bad")
+    trainer = build(run_args(copy.parent, "src", 8, *CKPT))
+    assert trainer.step == 2
+    trainer.close()
+    # Through checkpoint.load_path the advice names the earlier checkpoint's path.
+    with pytest.raises(
+        ConfigError, match=rf"resume from {ck}/step-2 with --checkpoint.load_path {ck}/step-2"
+    ):
+        build(run_args(copy.parent, "other", 8, "--checkpoint.load_path", str(ck / "step-4.bad")))
+
+
+# --------------------------------------------------------------------------------------------------
+# Incompatible
+
+
+def test_untied_checkpoint_into_a_tied_model_is_incompatible_before_any_tensor_loads(copy, no_tensor_read):
+    ck = copy / "checkpoint" / "step-4"
+    with pytest.raises(ConfigError) as e:
+        build(
+            run_args(
+                copy.parent, "tied", 8, "--checkpoint.load_path", str(ck), "--model.tie_embeddings", "tied"
+            )
+        )
+    msg = str(e.value)
+    assert_one_line(msg)
+    assert (
+        f"checkpoint {ck} is incompatible with this run: model: tie_embeddings is false there, true here"
+        in msg
+    )
+    assert "model.tie_embeddings = untied" in msg and "corrupt" not in msg
+    assert not (copy.parent / "tied").exists()  # refused before the run folder is written
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (["--training.seed", "7"], "data loader state was saved for training.seed = 42, this run has "
+         "training.seed = 7: resuming the data position is impossible"),
+        (["--training.local_batch_size", "3"], "data loader state was saved for dp=1 with local batch 2 "
+         "after 8 windows, this run has dp=1 with local batch 3 (3 windows a micro-batch): 8 is not a "
+         "multiple of 3"),
+    ],
+    ids=["seed", "batch_layout"],
+)  # fmt: skip
+def test_healthy_checkpoint_under_other_settings_is_incompatible_not_corrupt(copy, change, expected):
+    ck = copy / "checkpoint" / "step-4"
+    with pytest.raises(ConfigError) as e:
+        build(run_args(copy.parent, "other", 8, "--checkpoint.load_path", str(ck), *change))
+    msg = str(e.value)
+    assert_one_line(msg)
+    assert msg.startswith(f"checkpoint {ck} is incompatible with this run: ") and expected in msg, msg
+    assert "corrupt" not in msg
+    assert msg.endswith("take only its weights into a new run: add --checkpoint.load_model_only")
+    # What the message offers works: the weights alone load.
+    trainer = build(run_args(copy.parent, "weights", 8, "--checkpoint.load_path", str(ck), *change,
+                             "--checkpoint.load_model_only"))  # fmt: skip
+    assert trainer.step == 0
+    trainer.close()
+
+
+def test_missing_optimizer_entry_is_incompatible_and_names_the_optimizer_it_was_saved_with(copy):
+    """A healthy checkpoint (its record matches) whose optimizer state lacks an entry this run needs, as one
+    saved by another optimizer: named, with the optimizer it was saved with, never called corrupt."""
+    ck = copy / "checkpoint" / "step-4"
+    metadata = pickle.loads((ck / ".metadata").read_bytes())
+    key = next(k for k in sorted(metadata.state_dict_metadata) if k.startswith("optimizer.state."))
+    del metadata.state_dict_metadata[key]
+    (ck / ".metadata").write_bytes(pickle.dumps(metadata))
+    info = json.loads((ck / "titanrush.json").read_text())
+    (ck / "titanrush.json").write_text(json.dumps({**info, "optimizer": "adamw8bit"}))
+    integrity.record_folder(ck)  # the edited files are what the record says: a healthy checkpoint
+    with pytest.raises(ConfigError) as e:
+        build(run_args(copy.parent, "other", 8, "--checkpoint.load_path", str(ck)))
+    msg = str(e.value)
+    assert_one_line(msg)
+    assert f"is incompatible with this run: optimizer state: {key} is missing there" in msg
+    assert (
+        "set optimizer.name = 'adamw8bit' (the optimizer it was saved with)" in msg and "corrupt" not in msg
+    )
+
+
+def test_checkpoint_without_a_record_loads_unverified_with_a_warning(copy, said):
+    """As saved before integrity records (or by `titanrush convert`): complete, loaded, said."""
+    ck = copy / "checkpoint" / "step-4"
+    (ck / integrity.RECORD_FILE).unlink()
+    info = json.loads((ck / "titanrush.json").read_text())
+    (ck / "titanrush.json").write_text(json.dumps({k: v for k, v in info.items() if k != "integrity"}))
+    trainer = build(run_args(copy.parent, "src", 8, *CKPT))
+    assert trainer.step == 4 and "its bytes are not verified" in said.find(f"{ck} has no integrity record")
+    trainer.close()
+
+
+def test_a_batch_layout_that_divides_the_data_position_resumes_it_exactly(copy):
+    ck = copy / "checkpoint" / "step-4"  # 4 steps x 2 sequences = 8 windows read
+    trainer = build(run_args(copy.parent, "wide", 8, "--checkpoint.load_path", str(ck),
+                             "--training.local_batch_size", "4"))  # fmt: skip
+    assert trainer.step == 4 and trainer.train_loader.state_dict()["windows"] == 8
+    trainer.close()
+
+
+# --------------------------------------------------------------------------------------------------
+# Incomplete
+
+
+@pytest.mark.parametrize("missing", [".metadata", "integrity.json", "__0_0.distcp"])
+def test_incomplete_step_folder_is_moved_aside_and_the_run_resumes_from_the_newest_complete(
+    copy, missing, said
+):
+    ck = copy / "checkpoint"
+    (ck / "step-4" / missing).unlink()
+    (ck / "step-3.tmp").mkdir()  # and a partial save of a run killed while writing it
+    (ck / "step-3.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    trainer = build(run_args(copy.parent, "src", 4, *CKPT))
+    assert trainer.step == 2
+    assert not (ck / "step-3.tmp").exists() and said.find(f"removed {ck / 'step-3.tmp'}, a save that did not")
+    warning = said.find("is incomplete")
+    assert f"it lacks {missing}" in warning and "moved aside to step-4.incomplete-1" in warning
+    assert (ck / "step-4.incomplete-1").is_dir() and not (ck / "step-4").exists()
+    try:
+        trainer.train()  # saves step 4 again: the folder in the way is gone
+    finally:
+        trainer.close()
+    assert sorted(p.name for p in ck.iterdir()) == ["step-2", "step-4", "step-4.incomplete-1"]
+
+
+# --------------------------------------------------------------------------------------------------
+# A model-only final save
+
+
+def test_model_only_final_save_falls_back_to_the_newest_full_checkpoint(tmp_path, said):
+    only = ["--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16"]
+    train(run_args(tmp_path, "run", 4, "--checkpoint.enable", "--checkpoint.interval", "3", *only))
+    ck = tmp_path / "run" / "checkpoint"
+    trainer = build(run_args(tmp_path, "run", 7, "--checkpoint.enable", "--checkpoint.interval", "3", *only))
+    assert trainer.step == 3  # step-4 holds only weights
+    assert "resuming the full state from step-3, the newest full checkpoint" in said.find("step-4 holds only")
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    assert sorted(p.name for p in ck.iterdir()) == ["step-3", "step-4", "step-6", "step-7"]
+
+
+def test_model_only_save_in_the_way_of_a_full_one_is_kept_aside(tmp_path):
+    only = ["--checkpoint.last_save_model_only"]
+    train(run_args(tmp_path, "run", 4, *CKPT, *only))  # step-2 full, step-4 weights only
+    train(run_args(tmp_path, "run", 6, *CKPT, *only))  # resumes at 2, saves step 4 in full
+    ck = tmp_path / "run" / "checkpoint"
+    assert sorted(p.name for p in ck.iterdir()) == ["step-2", "step-4", "step-4.model-only-1", "step-6"]
+    trainer = build(run_args(tmp_path, "run", 8, *CKPT))
+    assert trainer.step == 4  # step 4 is a full checkpoint now
+    trainer.close()
+
+
+def test_only_model_only_checkpoints_say_exactly_what_works(tmp_path, capsys):
+    only = ["--checkpoint.enable", "--checkpoint.interval", "100", "--checkpoint.last_save_model_only"]
+    train(run_args(tmp_path, "run", 2, *only))
+    assert main(run_args(tmp_path, "run", 4, *only)) == 2
+    err = capsys.readouterr().err.strip()
+    assert_one_line(err)
+    final = tmp_path / "run" / "checkpoint" / "step-2"
+    fix = f"--job.name <new name> --checkpoint.load_path {final} --checkpoint.load_model_only"
+    assert "holds only model-only checkpoints (step-2" in err and fix in err
+    # The command it gives works.
+    new = fix.replace("<new name>", "fresh").split()
+    assert main(run_args(tmp_path, "run", 4, *only) + new) == 0
+    assert (
+        len([x for x in (tmp_path / "fresh" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x])
+        == 4
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# Saving: a full disk, an unwritable folder
+
+
+@contextlib.contextmanager
+def full_disk_for(monkeypatch, folder_name: str):
+    """Writes of DCP's data files into `folder_name` go to /dev/full: the kernel's real ENOSPC, through
+    torch's real write path (torch.save into a stream, DCP's writer threads, its failure gathering)."""
+    real = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        if Path(path).parent.name == folder_name and str(path).endswith(".distcp"):
+            with open("/dev/full", "wb") as stream:
+                yield stream
+        else:
+            with real(self, path, mode) as stream:
+                yield stream
+
+    monkeypatch.setattr(FileSystem, "create_stream", create_stream)
+    yield
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async"])
+def test_full_disk_during_a_save_stops_with_one_line_and_exit_1_leaving_earlier_checkpoints(
+    copy, mode, monkeypatch, capsys
+):
+    ck = copy / "checkpoint"
+    before = snapshot(ck)
+    with full_disk_for(monkeypatch, "step-6.tmp"):
+        status = main(run_args(copy.parent, "src", 8, *CKPT, "--checkpoint.async_mode", mode))
+    assert status == 1
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert_one_line(err)
+    assert err.startswith(
+        f"titanrush: error: checkpoint step-6 could not be written: the disk of {ck} is full"
+    )
+    assert "The partial step-6.tmp was removed; earlier checkpoints are untouched (newest: step-4)" in err
+    assert snapshot(ck) == before  # no .tmp left, step-2 and step-4 as they were
+    for step in (2, 4):
+        record = integrity.read_record(ck / f"step-{step}")
+        assert integrity.verify(ck / f"step-{step}", record) == []
+
+
+def test_torch_write_failure_without_errno_on_a_full_disk_is_named_full(tmp_path, monkeypatch):
+    # torch.save to a path on a full disk raises "[enforce fail at inline_container.cc:672] unexpected pos"
+    # with no errno: the free space tells.
+    from titanrush import checkpoint_folder
+
+    err = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 768 vs 662")
+    monkeypatch.setattr(checkpoint_folder, "free_bytes", lambda path: 0)
+    assert checkpoint_folder.is_disk_full(err, tmp_path)
+    monkeypatch.setattr(checkpoint_folder, "free_bytes", lambda path: 100 * 2**30)
+    assert not checkpoint_folder.is_disk_full(err, tmp_path)
+
+
+def test_unwritable_checkpoint_folder_is_refused_at_start(tmp_path, capsys):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file where a folder is needed")
+    argv = run_args(tmp_path, "run", 4, *CKPT, "--checkpoint.folder", str(blocker / "checkpoints"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert_one_line(err)
+    assert "checkpoint.folder: " in err and "so the first save (step 2) would fail" in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # stopped before any step
+
+
+@pytest.mark.skipif(
+    os.geteuid() == 0, reason="root writes through permission bits (the file case covers root)"
+)
+def test_read_only_checkpoint_folder_is_refused_at_start(tmp_path):
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o500)
+    try:
+        with pytest.raises(ConfigError, match=r"checkpoint.folder: .* cannot be written"):
+            build(run_args(tmp_path, "run", 4, *CKPT, "--checkpoint.folder", str(folder)))
+    finally:
+        folder.chmod(0o700)
+
+
+def _tmpfs_available() -> str:
+    """'' where this user can mount a tmpfs in a mount namespace of its own, else why not."""
+    if not shutil.which("unshare"):
+        return "no unshare command"
+    mount = ["unshare", "--mount", "--map-root-user", "sh", "-c", "mount -t tmpfs -o size=1m x /mnt"]
+    probe = subprocess.run(mount, capture_output=True, text=True)
+    return "" if probe.returncode == 0 else f"cannot mount a tmpfs here: {probe.stderr.strip()[:100]}"
+
+
+@pytest.mark.skipif(bool(_tmpfs_available()), reason=_tmpfs_available() or "")
+def test_a_real_full_disk_warns_at_start_and_stops_the_save_cleanly(tmp_path):
+    """A 140 MB tmpfs holds one checkpoint of the debug model (about 83 MB), not two."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    argv = run_args(tmp_path, "run", 6, *CKPT, "--checkpoint.folder", str(mnt / "ck"))
+    train_cmd = " ".join([sys.executable, "-m", "titanrush.train", *argv])
+    script = (
+        f"mount -t tmpfs -o size=140m tmpfs {mnt} && {train_cmd} --training.steps 2; "  # step-2 fits
+        f"{train_cmd}; echo status=$?; ls {mnt}/ck"  # resumes at 2: warned at start, step 4 does not fit
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(["unshare", "--mount", "--map-root-user", "sh", "-c", script], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = res.stdout + res.stderr
+    assert "the next save (step 3) will not fit" in out, out[-3000:]
+    assert "status=1" in out, out[-3000:]
+    line = next(x for x in out.splitlines() if x.startswith("titanrush: error:"))
+    assert f"checkpoint step-4 could not be written: the disk of {mnt / 'ck'} is full" in line
+    assert res.stdout.split("status=1")[1].split() == ["step-2"]  # no step-4.tmp left
+
+
+# --------------------------------------------------------------------------------------------------
+# Saves and their records
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async", "async_pinned"])
+def test_every_save_mode_writes_an_integrity_record_of_every_file(tmp_path, mode):
+    train(run_args(tmp_path, "run", 2, *CKPT, "--checkpoint.async_mode", mode))
+    step = tmp_path / "run" / "checkpoint" / "step-2"
+    record = integrity.read_record(step)
+    files = sorted(p.name for p in step.iterdir() if p.name != integrity.RECORD_FILE)
+    assert sorted(record["files"]) == files and ".metadata" in files and "titanrush.json" in files
+    assert integrity.verify(step, record) == []
+    assert all(record["files"][f]["size"] == (step / f).stat().st_size for f in files)
+
+
+# --------------------------------------------------------------------------------------------------
+# Resuming
+
+
+def test_training_steps_at_the_resumed_step_says_so_and_exits_0(copy, said):
+    before = snapshot(copy / "checkpoint")
+    assert main(run_args(copy.parent, "src", 4, *CKPT)) == 0
+    assert said.find("the checkpoint at step 4 already reaches training.steps = 4: nothing to train")
+    assert snapshot(copy / "checkpoint") == before
+
+
+def test_training_steps_below_the_resumed_step_is_refused_with_exit_2(copy, capsys):
+    assert main(run_args(copy.parent, "src", 3, *CKPT)) == 2
+    err = capsys.readouterr().err.strip()
+    assert_one_line(err)
+    ck = copy / "checkpoint"
+    assert (
+        f"the checkpoint at step 4 ({ck}/step-4) is past training.steps = 3: raise training.steps above 4"
+        in err
+    )
+    new_run = f"--job.name <new name> --checkpoint.load_path {ck}/step-2"
+    assert f"to stop at step-2 instead, start a new run from it: {new_run}" in err
+
+
+def test_changed_learning_rate_and_weight_decay_on_resume_are_applied_and_said(copy, said):
+    lr, wd = 1e-3, 0.05  # the saved run: optimizer.lr 3e-3, weight_decay 0.1 (the defaults)
+    trainer = build(run_args(copy.parent, "src", 8, *CKPT, "--optimizer.lr", str(lr),
+                             "--optimizer.weight_decay", str(wd)))  # fmt: skip
+    line = said.find("resumed with this run's settings")
+    assert "optimizer.lr 0.003 -> 0.001" in line and "optimizer.weight_decay 0.1 -> 0.05" in line
+    group = trainer.optimizer.param_groups[0]
+    factor = lr_factor(5, warmup_steps=2, total_steps=8, decay="linear", decay_ratio=0.2, min_lr_factor=0.1)
+    assert group["lr"] == pytest.approx(lr * factor) and group["weight_decay"] == wd
+    assert trainer.scheduler.base_lrs == [lr]
+    try:
+        trainer.train(stop_at=5)
+    finally:
+        trainer.close()
+    rows = [json.loads(x) for x in (copy / "metrics.jsonl").read_text().splitlines()]
+    assert [r for r in rows if "loss" in r][-1]["step"] == 5
+    assert [r for r in rows if "loss" in r][-1]["lr"] == pytest.approx(lr * factor)  # step 5 ran at it
+
+
+RNG_WORKER = r"""
+import os, sys, torch, torch.distributed as dist
+from pathlib import Path
+from titanrush.checkpoint import CheckpointManager
+
+class Plain:  # a schedule / data loader stand-in: plain state
+    def state_dict(self): return {"value": 1}
+    def load_state_dict(self, state): pass
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = torch.nn.Linear(4, 4)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+def manager():
+    return CheckpointManager(Path(sys.argv[1]), enable=True, interval=1, keep_latest_k=0,
+        async_mode="disabled", model_parts=[model], optimizers=[opt], lr_scheduler=Plain(),
+        dataloader=Plain(), info={}, rank=rank)
+torch.manual_seed(100 + rank)  # each rank's generator in its own state, as dropout would leave it
+torch.rand(rank + 1)
+manager().save(1)
+expected = torch.rand(8)  # what each rank draws next after the save
+torch.manual_seed(0)  # a relaunch: every rank seeded alike
+assert manager().resume(steps=2) == 1
+got = torch.rand(8)
+out = [None, None]
+dist.all_gather_object(out, (torch.equal(got, expected), got.tolist()))
+if rank == 0:
+    print("RESULT", out[0][0], out[1][0], out[0][1] != out[1][1])
+dist.destroy_process_group()
+"""
+
+
+def test_each_rank_gets_its_own_rng_state_back(tmp_path):
+    script = tmp_path / "rng_worker.py"
+    script.write_text(RNG_WORKER)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", str(script),
+           str(tmp_path / "ck")]  # fmt: skip
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = next(x for x in res.stdout.splitlines() if x.startswith("RESULT"))
+    assert result == "RESULT True True True", result  # each rank its own state back; the two differ

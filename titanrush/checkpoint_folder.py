@@ -1,0 +1,409 @@
+"""The checkpoint folder on disk: which step folders are complete, moving incomplete ones aside, whether
+the folder can be written and the next save fits, and telling a full disk from other write failures.
+
+A `step-<N>` folder is complete when it holds DCP's `.metadata`, `titanrush.json` and, for a checkpoint
+saved with one (`titanrush.json` names it), the integrity record with every file it lists. Checkpoints
+saved before integrity records, and those `titanrush convert` writes, have none: they are complete with
+`.metadata` and `titanrush.json`, and load unverified.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+from titanrush.checkpoint_integrity import RECORD_FILE, read_record, verify
+from titanrush.config import ConfigError
+from titanrush.distributed import all_ranks
+
+logger = logging.getLogger("titanrush")
+STEP_DIR = re.compile(r"^step-(\d+)$")
+INFO_FILE = "titanrush.json"
+GiB = 2**30
+# After a write failure, a disk with less free space than this is taken to be full (a failed write on a
+# full disk leaves it at ~0; the bound leaves room for reserved blocks and other writers).
+FULL_BELOW = 256 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class StepFolder:
+    """One `step-<N>` folder: its step, whether it holds only weights, and what it lacks ('' if none)."""
+
+    step: int
+    path: Path
+    model_only: bool
+    missing: str
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+
+def read_info(path: Path) -> dict[str, Any] | None:
+    """The folder's titanrush.json, None where it has none.
+
+    Raises:
+        ValueError: titanrush.json exists but is not readable JSON.
+    """
+    try:
+        info = json.loads((path / INFO_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{INFO_FILE} cannot be read ({type(e).__name__})") from e
+    if not isinstance(info, dict):
+        raise ValueError(f"{INFO_FILE} is not a JSON object")
+    return info
+
+
+def inspect(path: Path) -> StepFolder:
+    """What a step folder is and lacks (looks at names and the record's file list; reads no data)."""
+    m = STEP_DIR.match(path.name)
+    step = int(m.group(1)) if m else -1
+    if not (path / ".metadata").is_file():
+        return StepFolder(step, path, False, ".metadata (DCP's index of the tensors)")
+    try:
+        info = read_info(path)
+    except ValueError:
+        info = {}  # unreadable: complete as far as names go; loading calls it corrupt
+    if info is None:
+        return StepFolder(step, path, False, INFO_FILE)
+    model_only = bool(info.get("model_only"))
+    if info.get("integrity"):
+        record = path / RECORD_FILE
+        if not record.is_file():
+            return StepFolder(step, path, model_only, f"{RECORD_FILE} (the integrity record)")
+        try:
+            files = json.loads(record.read_text()).get("files", {})
+        except (OSError, ValueError, AttributeError):
+            files = {}  # unreadable record: loading calls it corrupt
+        gone = sorted(name for name in files if not (path / name).is_file())
+        if gone:
+            return StepFolder(step, path, model_only, ", ".join(gone[:3]) + (" ..." if len(gone) > 3 else ""))
+    return StepFolder(step, path, model_only, "")
+
+
+def scan(folder: Path) -> list[StepFolder]:
+    """Every `step-<N>` folder in folder, oldest first."""
+    if not folder.is_dir():
+        return []
+    found = [inspect(p) for p in folder.iterdir() if STEP_DIR.match(p.name) and p.is_dir()]
+    return sorted(found, key=lambda s: s.step)
+
+
+def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint in folder (full or model-only), oldest first."""
+    return [(s.step, s.path) for s in scan(folder) if s.complete]
+
+
+def move_aside(path: Path, tag: str) -> Path:
+    """Rename `path` to `<name>.<tag>-<n>` (the first free n), so that nothing is deleted."""
+    n = 1
+    while (target := path.with_name(f"{path.name}.{tag}-{n}")).exists():
+        n += 1
+    os.replace(path, target)
+    return target
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes of the files under path."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes (for an unprivileged user) on the disk that holds path, or would hold it."""
+    return shutil.disk_usage(_existing(path)).free
+
+
+def check_writable(folder: Path) -> str:
+    """Why the checkpoint folder cannot be made or written ('' if it can): a probe file is created and
+    removed in it, or in its nearest existing parent (permissions, read-only mounts and quotas all show)."""
+    if folder.exists() and not folder.is_dir():
+        return f"{folder} is a file"
+    target = _existing(folder)
+    if not target.is_dir():
+        return f"{target} is a file, so {folder} cannot be made"
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".titanrush-write-probe-", dir=target)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        return f"{target} cannot be written ({e.strerror or e})"
+    return ""
+
+
+def space_warning(folder: Path, last: Path | None, next_step: int) -> str:
+    """A warning when the disk cannot hold another checkpoint the size of the last one ('' if it can)."""
+    if last is None or not last.is_dir():
+        return ""
+    need = folder_bytes(last)
+    free = free_bytes(folder)
+    if free >= need:
+        return ""
+    return (
+        f"the disk of {folder} has {free / GiB:.2f} GiB free and the last checkpoint ({last.name}) took "
+        f"{need / GiB:.2f} GiB: the next save (step {next_step}) will not fit. Free space, set "
+        "checkpoint.keep_latest_k (old checkpoints are pruned only after a save completes) or move "
+        "checkpoint.folder to a larger disk"
+    )
+
+
+def _causes(exc: BaseException) -> Iterator[BaseException]:
+    """exc, its causes and contexts, and the per-rank failures a CheckpointException wraps."""
+    seen: set[int] = set()
+    todo = [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        yield e
+        todo += [e.__cause__, e.__context__]
+        if isinstance(e, CheckpointException):
+            todo += [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
+
+
+def os_error(exc: BaseException) -> OSError | None:
+    """The first OSError with an errno behind exc (a save's failure is wrapped by DCP), else None."""
+    return next((e for e in _causes(exc) if isinstance(e, OSError) and e.errno), None)
+
+
+def is_disk_full(exc: BaseException, folder: Path, need: int = 0) -> bool:
+    """Whether a failed write is a full disk: ENOSPC or EDQUOT behind it, or a write failure without an
+    errno (torch's `inline_container.cc ... unexpected pos`) on a disk that now has (almost) no room."""
+    e = os_error(exc)
+    if e is not None and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    texts = " ".join(str(c) for c in _causes(exc) if not isinstance(c, CheckpointException))
+    write_failed = any(k in texts for k in ("unexpected pos", "inline_container", "write failed", "No space"))
+    return write_failed and free_bytes(folder) < max(FULL_BELOW, need)
+
+
+def one_line(exc: BaseException) -> str:
+    """`Type: first line of the message` of the innermost failure, for messages (never a traceback)."""
+    inner = exc
+    if isinstance(exc, CheckpointException) and exc.failures:
+        first = next(iter(exc.failures.values()))
+        inner = first[0] if isinstance(first, tuple) else first
+    text = str(inner).strip().splitlines()
+    return f"{type(inner).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
+
+
+def choose(folder: Path | None, load_path: str, model_only: bool) -> dict[str, Any]:
+    """Rank 0, at start: which checkpoint to load ({} for none, {"error": ...} for a refusal), moving the
+    run's incomplete step folders aside. `folder` is the run's checkpoint folder (None: checkpoints off).
+
+    The run's newest full checkpoint wins over `load_path`; model-only exports newer than it are passed
+    over (said); a run with only exports is refused with the command that starts a new run from them.
+    """
+    found = scan(folder) if folder is not None else []
+    for partial in sorted(folder.glob("step-*.tmp")) if folder is not None and folder.is_dir() else []:
+        shutil.rmtree(partial, ignore_errors=True)  # never loadable: only disk space
+        logger.info(f"removed {partial}, a save that did not finish (the run stopped while writing it)")
+    for s in found:
+        if not s.complete:
+            moved = move_aside(s.path, "incomplete")
+            logger.warning(
+                f"checkpoint {s.path} is incomplete (it lacks {s.missing}; a save that did not finish, or a "
+                f"partial copy): moved aside to {moved.name}; resuming from the newest complete one"
+            )
+    done = [s for s in found if s.complete]
+    full = [s for s in done if not s.model_only]
+    if full:
+        newer = [s for s in done if s.model_only and s.step > full[-1].step]
+        if newer:
+            logger.info(
+                f"{newer[-1].path.name} holds only model weights (checkpoint.last_save_model_only): resuming "
+                f"the full state from {full[-1].path.name}, the newest full checkpoint"
+            )
+        if load_path:
+            logger.info(f"checkpoint.load_path is not used: this run resumes from its own {full[-1].path}")
+        return {"path": str(full[-1].path), "model_only": False, "own": True}
+    if done and not load_path:
+        names = ", ".join(s.path.name for s in done)
+        return {
+            "error": f"{folder} holds only model-only checkpoints ({names}; checkpoint.last_save_model_only) "
+            "and no full one, so this run cannot be resumed or extended: its optimizer state and data "
+            "position were not saved. To train on from these weights as a new run: --job.name <new name> "
+            f"--checkpoint.load_path {done[-1].path} --checkpoint.load_model_only (and leave "
+            "checkpoint.last_save_model_only off to keep a full checkpoint next time)"
+        }
+    if not load_path:
+        return {}
+    path = Path(load_path)
+    inside = scan(path) if STEP_DIR.match(path.name) is None else []
+    if inside:  # a checkpoint folder: take its newest complete (full, unless only the weights are asked)
+        done = [s for s in inside if s.complete]
+        candidates = done if model_only else [s for s in done if not s.model_only] or done
+        if not candidates:
+            lacking = "; ".join(f"{s.path.name} lacks {s.missing}" for s in inside[-3:])
+            return {
+                "error": f"checkpoint.load_path {path} holds no complete checkpoint ({lacking}); name one"
+            }
+        path = candidates[-1].path
+    return {"path": str(path), "model_only": model_only, "own": False}
+
+
+def elsewhere(path: Path, own: bool) -> str:
+    """Where to resume from instead of a bad checkpoint, in words that work: for the run's own checkpoint
+    moving it aside (the run then takes the newest earlier one), for checkpoint.load_path another path."""
+    step = int(m.group(1)) if (m := STEP_DIR.match(path.name)) else None
+    earlier = [
+        s for s in scan(path.parent)
+        if s.complete and not s.model_only and s.path != path and (step is None or s.step < step)
+    ]  # fmt: skip
+    aside = f"mv {path} {path}.bad"
+    if own and earlier:
+        return (
+            f"resume from {earlier[-1].path.name}, the newest earlier complete checkpoint, by moving this "
+            f"one aside ({aside}) or deleting it"
+        )
+    if own:
+        return f"no earlier complete checkpoint exists: move it aside ({aside}) to start over"
+    if earlier:
+        return (
+            f"resume from {earlier[-1].path} with --checkpoint.load_path {earlier[-1].path}, or move this one"
+        )
+    return "no earlier complete checkpoint is beside it; choose another checkpoint.load_path"
+
+
+def prepare_save(folder: Path, final: Path, tmp: Path, step: int, last: Path | None) -> str:
+    """Rank 0, before a save: warn when it may not fit, clear its way; the error, '' if none.
+
+    An export (model-only) or an incomplete folder in the way is moved aside, never deleted; a full
+    checkpoint in the way is refused (it is never overwritten)."""
+    if warning := space_warning(folder, last, step):
+        logger.warning(warning)
+    if final.exists():
+        state = inspect(final)
+        if state.complete and not state.model_only:
+            return (
+                f"checkpoint {final} already exists and is never overwritten (is another run writing into "
+                f"{folder}?); move it aside, or give this run another checkpoint.folder"
+            )
+        tag = "model-only" if state.complete else "incomplete"
+        moved = move_aside(final, tag)
+        logger.warning(
+            f"{final.name} ({tag}) is in the way of this run's save at step {step}: kept as {moved.name}"
+        )
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        return save_failure(e, folder, tmp, step, last)
+    return ""
+
+
+def save_failure(e: BaseException, folder: Path, tmp: Path, step: int, last: Path | None) -> str:
+    """The message for a failed save ('' for a failure that is no storage problem: a bug, to be shown).
+    Call before the partial folder is removed: a full disk shows in its free space."""
+    need = folder_bytes(last) if last is not None and last.is_dir() else 0
+    full = is_disk_full(e, folder, need)
+    err = os_error(e)
+    if not full and err is None:
+        return ""
+    earlier = [s for s in scan(folder) if s.complete and not s.model_only]
+    kept = (
+        f"earlier checkpoints are untouched (newest: {earlier[-1].path.name})"
+        if earlier
+        else "none was earlier"
+    )
+    then = f"then relaunch: the run resumes from {earlier[-1].path.name}" if earlier else "then relaunch"
+    if full:
+        size = f"; the last checkpoint took {need / GiB:.2f} GiB" if need else ""
+        return (
+            f"checkpoint step-{step} could not be written: the disk of {folder} is full "
+            f"({free_bytes(folder) / GiB:.2f} GiB free{size}). The partial {tmp.name} was removed; {kept}. "
+            f"Free space, lower checkpoint.keep_latest_k or set checkpoint.folder to a larger disk, {then}"
+        )
+    where = err.filename or folder
+    return (
+        f"checkpoint step-{step} could not be written ({err.strerror}: {where}). The partial {tmp.name} was "
+        f"removed; {kept}. Make {folder} writable or set checkpoint.folder to another place, {then}"
+    )
+
+
+def check_folder(path: Path, *, own: bool, model_only: bool, steps: int | None) -> dict[str, Any]:
+    """Before a load: the folder exists, is complete, holds what is asked for, and is not past
+    training.steps (`steps`); returns its titanrush.json ({} where it has none).
+
+    Raises:
+        ConfigError: saying incomplete, corrupt or what else is wrong, and what to do.
+    """
+    if not path.is_dir():
+        raise ConfigError(f"checkpoint folder {path} does not exist; check checkpoint.load_path")
+    state = inspect(path)
+    if not state.complete:
+        raise ConfigError(
+            f"checkpoint {path} is incomplete: it lacks {state.missing} (a save that did not finish, or "
+            f"a partial copy); {elsewhere(path, own)}"
+        )
+    try:
+        saved = read_info(path) or {}
+    except ValueError as e:
+        raise ConfigError(f"checkpoint {path} is corrupt: {e}; {elsewhere(path, own)}") from None
+    if saved.get("model_only") and not model_only:
+        raise ConfigError(
+            f"checkpoint {path} holds only model weights; add --checkpoint.load_model_only to start a "
+            "new run from them"
+        )
+    if steps is not None and not model_only and int(saved.get("step", -1)) > steps:
+        within = [s for s in scan(path.parent) if s.complete and not s.model_only and s.step <= steps]
+        other = (
+            f"; to stop at {within[-1].path.name} instead, start a new run from it: --job.name <new name> "
+            f"--checkpoint.load_path {within[-1].path}"
+            if within
+            else ""
+        )
+        raise ConfigError(
+            f"the checkpoint at step {saved['step']} ({path}) is past training.steps = {steps}: raise "
+            f"training.steps above {saved['step']} to continue{other}"
+        )
+    return saved
+
+
+def verify_files(path: Path, *, own: bool, rank: int, world_size: int) -> bool:
+    """Check the files against the integrity record, each rank its share, all ranks raising the same
+    error; False where the checkpoint has no record (said once).
+
+    Raises:
+        ConfigError: "checkpoint ... is corrupt: <file> bytes ... differ ...; resume from ...".
+    """
+    try:
+        record = read_record(path)
+    except ValueError as e:
+        raise ConfigError(f"checkpoint {path} is corrupt: {e}; {elsewhere(path, own)}") from None
+    if record is None:
+        if rank == 0:
+            logger.warning(
+                f"checkpoint {path} has no integrity record (saved by an older titanrush, or by "
+                "`titanrush convert`): its bytes are not verified"
+            )
+        return False
+    problems = all_ranks(verify(path, record, rank=rank, world_size=world_size))
+    if problems:
+        raise ConfigError(f"checkpoint {path} is corrupt: {summarize(problems)}; {elsewhere(path, own)}")
+    return True
+
+
+def summarize(problems: list[str], limit: int = 3) -> str:
+    """The first `limit` problems and how many more, for a one-line message."""
+    more = len(problems) - limit
+    return "; ".join(problems[:limit]) + (f"; and {more} more" if more > 0 else "")
