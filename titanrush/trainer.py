@@ -78,9 +78,7 @@ class Trainer:
         # 1. Device, process group, mesh, run folder.
         self.device = distributed.init_device(ranks.local_rank, expandable=cfg.training.expandable_segments)
         if plan.ac_offload_first > 0 and self.device.type == "cuda":  # pinned host memory next to this GPU
-            cpus = bind_near_gpu(self.device)
-            if cpus is not None:
-                logger.info(f"activation offload: bound to the GPU's {len(cpus)} NUMA-local CPUs")
+            bind_near_gpu(self.device)
         distributed.init(self.device, nccl_max_ctas=cfg.parallelism.nccl_max_ctas)
         marks.append(("config and process group", time.perf_counter()))
         self.mesh = plan.dims.build_mesh(self.device.type) if self.world_size > 1 else None

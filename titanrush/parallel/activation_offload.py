@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import os
 import weakref
 from collections.abc import Iterable
@@ -34,6 +35,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+logger = logging.getLogger("titanrush")
 
 
 class _Saved:
@@ -309,4 +312,5 @@ def bind_near_gpu(device: torch.device, sysfs: str = "/sys/bus/pci/devices") -> 
     for tid in tasks:
         with contextlib.suppress(OSError):  # a thread that has exited since the listing
             os.sched_setaffinity(int(tid), cpus)
+    logger.info(f"activation offload: bound to the GPU's {len(cpus)} NUMA-local CPUs")
     return cpus
