@@ -44,7 +44,8 @@ class Job:
 @dataclass
 class Model:
     flavor: str = "debug"
-    """Model size: debug, 1B, 3B, 8B, 70B, 405B (Llama 3.x shapes)."""
+    """Model size: debug, 1B, 3B, 8B, 70B, 405B (Llama 3.x shapes); llama4_debug, llama4_1Bx8E,
+    llama4_1Bx16E, llama4_17Bx16E, llama4_17Bx128E (Llama 4 mixture of experts: see [moe])."""
     attn_backend: Literal["sdpa", "cudnn", "flash", "flex", "math"] = "sdpa"
     """Attention kernel: sdpa (PyTorch picks; grouped K/V heads), cudnn, flash (the flash-attn package:
     FA4 as an operator inside compiled blocks; FA3 or FA2 between the block's graphs under compile), flex
@@ -176,6 +177,27 @@ class Parallelism:
     """Explicit split: layers in each stage (empty = automatic balancing)."""
     cp_rotate_method: Literal["allgather", "alltoall"] = "allgather"
     """How context parallel exchanges K/V shards."""
+    ep: int = 1
+    """Expert-parallel degree (Llama 4 flavors): the routed experts split over this many ranks, which
+    exchange tokens by all-to-all. Borrowed from dp_shard (it must divide it): each group of ep
+    data-parallel ranks holds one copy of the experts, and FSDP shards the experts over the dp_shard / ep
+    groups (x cp)."""
+
+
+@dataclass
+class MoE:
+    bias_update_rate: float = 1e-3
+    """Auxiliary-loss-free load balancing (DeepSeek-V3): after each step every expert's routing bias
+    moves by this much, down for experts that got more than the mean of the step's tokens, up for the
+    others (the bias steers the choice of experts, never the weights); 0 turns it off."""
+    aux_loss_coeff: float = 0.0
+    """Weight of the sequence-wise load-balance loss (per sequence: experts x sum of token fraction x
+    mean normalized score; 1 when balanced) in the training loss; 0 turns it off."""
+    z_loss_coeff: float = 0.0
+    """Weight of the router z-loss (mean squared log-sum-exp of the router logits); 0 turns it off."""
+    grouped_mm: bool = True
+    """The experts' matmuls as one grouped GEMM (torch.nn.functional.grouped_mm, or torch._grouped_mm on
+    torch 2.9) where torch has it and the inputs fit it (CUDA: bf16); false runs one matmul per expert."""
 
 
 @dataclass
@@ -310,6 +332,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     metrics: Metrics = field(default_factory=Metrics)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    moe: MoE = field(default_factory=MoE)
     compile: Compile = field(default_factory=Compile)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)

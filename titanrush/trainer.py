@@ -46,6 +46,8 @@ from titanrush.models.llama import Llama
 from titanrush.models.llama.loss import cross_entropy
 from titanrush.models.llama.parallelize import parallelize_llama
 from titanrush.models.llama.pipeline import PipelinedLlama, pipeline_llama
+from titanrush.models.llama4 import Llama4, Llama4Args
+from titanrush.models.llama4.balance import ExpertBalance
 from titanrush.optim import build_lr_scheduler, build_optimizer
 from titanrush.parallel.activation_offload import ActivationOffloader, bind_near_gpu
 from titanrush.parallel.context_parallel import context_parallel_step, set_rotate_method
@@ -93,7 +95,7 @@ class Trainer:
         # 2. Model: meta -> parallelize -> materialize -> init.
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         with torch.device("meta"):
-            model = Llama(plan.args)
+            model = (Llama4 if isinstance(plan.args, Llama4Args) else Llama)(plan.args)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.flops_per_token = flops_per_token(plan.args, matmul_params(model), plan.seq_len)
         marks.append(("tokenizer and model on meta", time.perf_counter()))
@@ -134,6 +136,11 @@ class Trainer:
             part.train()
         marks.append(("weights materialized and initialized", time.perf_counter()))
         self.model = model
+        # Llama 4: the experts' load, and the routing bias moved by it, once per step (summed over dp x cp).
+        group = self.mesh["dp_cp"].get_group() if self.mesh is not None and plan.dp * plan.cp > 1 else None
+        tokens = plan.local_batch * plan.seq_len * plan.accum * plan.dp
+        self.balance = ExpertBalance(self.model_parts, rate=plan.moe_bias_rate, group=group, tokens=tokens)
+        self.moe_stats: dict[str, Any] = {}
         # The loss (log-softmax over the vocabulary in fp32) fuses well; under loss parallel it works on
         # DTensors, which stay eager.
         self.loss_fn = torch.compile(cross_entropy) if plan.compiled_loss else cross_entropy
@@ -339,6 +346,7 @@ class Trainer:
         # This step's rate (torchao's low-bit AdamW keeps it as a tensor).
         self.lr = float(self.optimizer.param_groups[0]["lr"])
         self.checkpointer.wait_for_staging()  # an async_pinned save may still be copying the weights
+        self.moe_stats = self.balance.step()
         self.optimizer.step()
         if self.plan.float8_all_gather:  # FSDP's float8 all-gather: every weight's scale, once per step
             precompute_float8_scales(self.model)
@@ -396,6 +404,7 @@ class Trainer:
                     "mem_reserved_gib": mem.reserved_gib,
                     "mem_active_pct": mem.active_pct,
                     "mem_reserved_pct": mem.reserved_pct,
+                    **self.moe_stats,
                 }
                 if self.offloaders:  # activation offload: GiB this rank moved to the host (and back)
                     record["offload_gib"] = sum(o.bytes_offloaded for o in self.offloaders) / 2**30

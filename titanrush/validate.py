@@ -22,6 +22,8 @@ import torch
 
 from titanrush.config import ConfigError, JobConfig, Parallelism
 from titanrush.models.llama import FLAVORS, ModelArgs
+from titanrush.models.llama4 import FLAVORS as LLAMA4_FLAVORS
+from titanrush.models.llama4 import Llama4Args
 from titanrush.parallel.parallel_dims import ParallelDims
 
 # Tokens in one micro-batch of one rank: far above any GPU's memory for a Llama (the 405B at 128k
@@ -59,6 +61,10 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "parallelism.nccl_max_ctas": (0, 64, True, True),
     "parallelism.pp_microbatches": (0, None, True, True),
     "parallelism.pp_stages_per_rank": (0, None, True, True),
+    "parallelism.ep": (1, None, True, True),
+    "moe.bias_update_rate": (0.0, None, True, True),
+    "moe.aux_loss_coeff": (0.0, None, True, True),
+    "moe.z_loss_coeff": (0.0, None, True, True),
     "activation_checkpoint.op_all_last": (0, None, True, True),
     "activation_checkpoint.offload_first": (0, None, True, True),
     "activation_checkpoint.offload_every": (1, None, True, True),
@@ -106,12 +112,21 @@ def check_values(cfg: JobConfig) -> None:
             f"tokens per micro-batch is beyond any GPU (at most {MAX_MICROBATCH_TOKENS:,}); lower "
             "local_batch_size and reach a large batch with training.global_batch_size (gradient accumulation)"
         )
-    if cfg.model.flavor not in FLAVORS:
-        lower = {f.lower(): f for f in FLAVORS}
+    flavors = [*FLAVORS, *LLAMA4_FLAVORS]
+    if cfg.model.flavor not in flavors:
+        lower = {f.lower(): f for f in flavors}
         near = [lower[cfg.model.flavor.lower()]] if cfg.model.flavor.lower() in lower else []
-        near = near or difflib.get_close_matches(cfg.model.flavor, list(FLAVORS), n=1)
+        near = near or difflib.get_close_matches(cfg.model.flavor, flavors, n=1)
         hint = f" (did you mean {near[0]!r}?)" if near else ""
-        raise ConfigError(f"model.flavor = {cfg.model.flavor!r} is not one of {', '.join(FLAVORS)}{hint}")
+        raise ConfigError(f"model.flavor = {cfg.model.flavor!r} is not one of {', '.join(flavors)}{hint}")
+    moe_set = {"parallelism.ep": p.ep > 1, "moe.aux_loss_coeff": cfg.moe.aux_loss_coeff > 0,
+               "moe.z_loss_coeff": cfg.moe.z_loss_coeff > 0}  # fmt: skip
+    key = next((k for k, on in moe_set.items() if on), None)
+    if key and cfg.model.flavor not in LLAMA4_FLAVORS:
+        raise ConfigError(
+            f"{key} applies to mixture-of-experts models: the {cfg.model.flavor} flavor has no experts; "
+            f"choose a Llama 4 flavor ({', '.join(LLAMA4_FLAVORS)}) or leave {key} at its default"
+        )
     if cfg.profiling.freq < cfg.profiling.active_steps + 2:
         raise ConfigError(
             f"profiling.freq ({cfg.profiling.freq}) must be >= profiling.active_steps + 2 (a wait step and a "
@@ -206,6 +221,8 @@ def check_run(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
             raise ConfigError("parallelism.cp > 1 with parallelism.pp > 1 is not supported yet")
     if dims.pp > 1:
         _check_pipeline(cfg, dims, args)
+    if isinstance(args, Llama4Args):
+        _check_moe(cfg, dims, args)
     if dims.tp > 1 and args.loss_chunk_size > 0:
         raise ConfigError(
             "training.loss = chunked does not compose with parallelism.tp > 1; use training.loss = plain "
@@ -275,6 +292,41 @@ def _check_pipeline(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None
             f"parallelism.pp_layers_per_stage = {split} must list {n_stages} positive counts "
             f"(pp x stages per rank) that add up to the model's {args.n_layers} layers"
         )
+
+
+def _check_moe(cfg: JobConfig, dims: ParallelDims, args: Llama4Args) -> None:
+    """Expert parallel against the mesh and the experts; Llama 4's attention options against the run."""
+    m, seq = cfg.model, cfg.training.seq_len
+    if dims.ep > 1 and dims.dp_shard % dims.ep:
+        raise ConfigError(
+            f"parallelism.ep = {dims.ep} must divide dp_shard = {dims.dp_shard} (expert parallel borrows its "
+            "ranks from dp_shard); choose ep among the divisors of dp_shard"
+        )
+    if args.n_experts % dims.ep:
+        raise ConfigError(
+            f"parallelism.ep = {dims.ep} must divide the {m.flavor} model's {args.n_experts} experts"
+        )
+    if dims.tp > 1:
+        raise ConfigError(
+            f"parallelism.tp > 1 is not supported with mixture-of-experts layers yet ({m.flavor}); shard "
+            "the model with dp_shard and parallelism.ep instead"
+        )
+    chunk = args.attn_chunk
+    if chunk and seq > chunk:
+        if seq % chunk:
+            raise ConfigError(
+                f"training.seq_len = {seq} must be a multiple of the {m.flavor} model's attention chunk "
+                f"({chunk} tokens), or at most one chunk"
+            )
+        if m.attn_backend == "flex":
+            raise ConfigError(
+                "model.attn_backend = 'flex' does not take Llama 4's chunked attention; use 'sdpa'"
+            )
+        if dims.cp > 1:
+            raise ConfigError(
+                f"parallelism.cp > 1 does not compose with chunked attention: training.seq_len = {seq} "
+                f"must be at most the attention chunk ({chunk})"
+            )
 
 
 def check_machine(cfg: JobConfig) -> None:

@@ -120,3 +120,18 @@ def test_mesh_of_a_later_rank(fake_world):
     assert mesh["tp"].mesh.tolist() == [4, 5]
     assert mesh["dp"].mesh.tolist() == [1, 3, 5, 7]
     assert mesh["dp"].get_local_rank() == 2
+
+
+def test_expert_parallel_splits_dp_shard_into_efsdp_and_ep(fake_world):
+    """ep borrows from dp_shard: inner `ep` (neighbouring ranks for the all-to-all), outer `efsdp`, and
+    `dp_shard` their flattened view, so the rest of the mesh reads as without EP."""
+    fake_world(16)
+    d = ParallelDims(dp_replicate=1, dp_shard=-1, cp=2, tp=1, pp=2, world_size=16, ep=2)
+    mesh = d.build_mesh("cpu")
+    assert mesh.mesh_dim_names == ("pp", "dp_replicate", "efsdp", "ep", "cp", "tp")
+    assert tuple(mesh.shape) == (2, 1, 2, 2, 2, 1)
+    assert mesh["ep"].mesh.tolist() == [0, 2]  # cp is inner still: EP peers are 2 ranks apart
+    assert mesh["dp_shard"].mesh.tolist() == [0, 2, 4, 6]
+    assert mesh["dp_shard_cp"].size() == 8  # the dense weights' FSDP
+    assert mesh["efsdp_cp"].mesh.tolist() == [0, 1, 4, 5]  # the experts' FSDP: not EP peers
+    assert mesh["dp"].size() == 4 and mesh["dp_cp"].size() == 8

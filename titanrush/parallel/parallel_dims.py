@@ -3,6 +3,11 @@
 Mesh dimension order, outermost first: pp, dp_replicate, dp_shard, cp, tp. TP is innermost so that its
 frequent collectives stay on the fastest links (within a node); PP is outermost since it only sends
 activations between neighbours.
+
+Expert parallel borrows its ranks from dp_shard: with ep > 1, dp_shard is built as two dimensions,
+`efsdp` (dp_shard / ep, outer) and `ep` (inner, so that the all-to-all stays on the nearest ranks), and
+`dp_shard` is their flattened view, so every other part sees the same mesh as without EP. The experts,
+split over `ep`, are sharded by FSDP over `efsdp` (x cp: the flattened `efsdp_cp`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    ep: int = 1
     _mesh: DeviceMesh | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -50,11 +56,23 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """One mesh over all ranks, with the flattened views that the parts need:
-        `dp` (data loading), `dp_shard_cp` (FSDP), `dp_cp` (loss and grad-norm reduction)."""
-        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
-                ("cp", self.cp), ("tp", self.tp)]  # fmt: skip
+        `dp` (data loading), `dp_shard_cp` (FSDP), `dp_cp` (loss and grad-norm reduction); with ep > 1,
+        `dp_shard` (efsdp x ep) and `efsdp_cp` (the experts' FSDP)."""
+        shard = [("dp_shard", self.dp_shard)]
+        if self.ep > 1:  # (check_run has checked that ep divides dp_shard)
+            shard = [("efsdp", self.dp_shard // self.ep), ("ep", self.ep)]
+        dims = [
+            ("pp", self.pp),
+            ("dp_replicate", self.dp_replicate),
+            *shard,
+            ("cp", self.cp),
+            ("tp", self.tp),
+        ]
         names = tuple(n for n, _ in dims)
         mesh = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
+        if self.ep > 1:
+            mesh["efsdp", "ep"]._flatten("dp_shard")
+            mesh["efsdp", "cp"]._flatten("efsdp_cp")
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
