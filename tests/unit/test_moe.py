@@ -255,3 +255,30 @@ def test_experts_must_divide_over_ep():
         cfg = config.load(None, ["--model.flavor", "llama4_debug", "--parallelism.ep", "4"])
         plan = plan_of(4, "--parallelism.ep", "4")
         validate.check_run(cfg, plan.dims, args)
+
+
+def test_llama4_debug_trains_through_the_trainer(tmp_path):
+    """The normal trainer on CPU: the loss falls and every logged row carries the experts' load (the
+    step's tokens per expert over all ranks, summing to the step's tokens x top_k)."""
+    import json
+
+    from titanrush.trainer import Trainer
+
+    args = ["--model.flavor", "llama4_debug", "--job.dump_folder", str(tmp_path), "--training.steps", "20",
+            "--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
+            "--lr_scheduler.warmup_steps", "2", "--moe.bias_update_rate", "0.01"]  # fmt: skip
+    trainer = Trainer(config.load(None, args))
+    try:  # the held-out loss on the same batches before and after (one training batch is a noisy sample)
+        before = trainer.validate()
+        trainer.train()
+        after = trainer.validate()
+    finally:
+        trainer.close()
+    assert after < before - 0.5, (before, after)  # measured 9.38 -> 8.66 (the dense debug model: 8.54)
+    rows = [json.loads(x) for x in (tmp_path / "debug" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    for r in rows:
+        for layer in range(4):  # every layer is MoE: 4 x 64 tokens, top-1, per step
+            assert sum(r[f"moe_tokens_l{layer}"]) == 256 and r[f"moe_imbalance_l{layer}"] >= 1.0
+    assert (tmp_path / "debug" / "tb").is_dir()
