@@ -282,3 +282,25 @@ def test_llama4_debug_trains_through_the_trainer(tmp_path):
         for layer in range(4):  # every layer is MoE: 4 x 64 tokens, top-1, per step
             assert sum(r[f"moe_tokens_l{layer}"]) == 256 and r[f"moe_imbalance_l{layer}"] >= 1.0
     assert (tmp_path / "debug" / "tb").is_dir()
+
+
+def test_chunked_attention_is_causal_attention_within_each_chunk():
+    """Folding the chunks into the batch equals attention under the chunked causal mask (query i sees key
+    j when j <= i and both are in the same chunk), written out here with an explicit mask."""
+    from titanrush.models.llama.model import apply_rope, rope_cache
+    from titanrush.models.llama4.model import Llama4Attention
+
+    args = model_args("llama4_debug", attn_chunk=8)
+    attn = Llama4Attention(args, rope=True)
+    x = torch.randn(2, 24, args.dim)
+    rope = rope_cache(args, 64)
+    out = attn(x, rope)
+    q = apply_rope(attn.wq(x).view(2, 24, 8, -1), rope[:24]).transpose(1, 2)
+    k = apply_rope(attn.wk(x).view(2, 24, 4, -1), rope[:24]).repeat_interleave(2, dim=2).transpose(1, 2)
+    v = attn.wv(x).view(2, 24, 4, -1).repeat_interleave(2, dim=2).transpose(1, 2)
+    i = torch.arange(24)
+    mask = (i[None, :] <= i[:, None]) & (i[None, :] // 8 == i[:, None] // 8)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, attn.wo(ref.transpose(1, 2).reshape(2, 24, -1)), rtol=1e-5, atol=1e-5)
+    nope = Llama4Attention(args, rope=False)  # NoPE layers: the whole sequence, no rotation
+    assert nope.chunk == 0 and not nope.rope

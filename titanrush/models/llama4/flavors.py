@@ -4,7 +4,7 @@ Parameter counts (total / active per token, embedding included; docs/mfu.md has 
 - llama4_debug: 8 experts, 4 layers, the debug model's width: CPU tests.
 - llama4_1Bx8E: 3.2B / 1.25B, every layer MoE (8 routed experts + 1 shared, top-1): one GPU.
 - llama4_1Bx16E: 5.4B / 1.25B, the same with 16 experts: two GPUs (FSDP or EP).
-- llama4_17Bx16E (Scout): 108B / 17B, all 48 layers MoE, NoPE every 4th layer, chunked attention.
+- llama4_17Bx16E (Scout): 108B / 17B, all 48 layers MoE, NoPE every 4th layer, chunked attention, QK-norm.
 - llama4_17Bx128E (Maverick): 400B / 17B, MoE every other layer with 128 experts.
 """
 
@@ -38,19 +38,21 @@ FLAVORS: dict[str, Llama4Args] = {
         max_seq_len=2048,
         n_experts=8,
         moe_every=1,
-    ),  # fmt: skip
+    ),
     "llama4_1Bx8E": Llama4Args(**_1B, n_experts=8),
     "llama4_1Bx16E": Llama4Args(**_1B, n_experts=16),
     "llama4_17Bx16E": Llama4Args(
         **_17B,
         **_SCOUT_ROPE,
+        ffn_dim_multiplier=1.2,  # (no dense layer: only config.json's intermediate_size_mlp shows it)
         max_seq_len=262144,
         n_experts=16,
         moe_hidden=8192,
         moe_every=1,
         nope_every=4,
         attn_chunk=8192,
-    ),  # fmt: skip
+        qk_norm=True,
+    ),
     "llama4_17Bx128E": Llama4Args(
         **_17B,
         rope_theta=500000.0,
@@ -61,7 +63,7 @@ FLAVORS: dict[str, Llama4Args] = {
         moe_every=2,
         nope_every=4,
         attn_chunk=8192,
-    ),  # fmt: skip
+    ),
 }
 
 

@@ -8,7 +8,8 @@ names) whose blocks differ in two ways:
 - iRoPE: every `nope_every`-th block (layer i with (i + 1) % nope_every == 0, as Meta's and Hugging
   Face's Llama 4) attends without rotary embeddings over the whole sequence (NoPE); with `attn_chunk`, the
   other blocks attend only within chunks of that many tokens (chunked attention, computed by folding the
-  chunks into the batch: no mask, any attention kernel).
+  chunks into the batch: no mask, any attention kernel), and with `qk_norm` they RMS-normalize queries
+  and keys after the rotation (Scout).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from titanrush.models.llama.attention import attention
@@ -44,6 +46,7 @@ class Llama4Args(ModelArgs):
     moe_every: int = 1  # layer i is MoE when (i + 1) % moe_every == 0
     nope_every: int = 0  # layer i has no RoPE when (i + 1) % nope_every == 0; 0: RoPE everywhere
     attn_chunk: int = 0  # RoPE layers attend within chunks of this many tokens; 0: the whole sequence
+    qk_norm: bool = False  # RoPE layers: queries and keys RMS-normalized (no weight) after the rotation
     grouped_mm: bool = True  # the experts' grouped GEMM where torch has one (else the per-expert loop)
     # Weights of the router's losses in the training loss (the plan divides the config's coefficients by
     # the micro-batches of one optimizer step); 0: off.
@@ -75,6 +78,7 @@ class Llama4Attention(Attention):
         super().__init__(args)
         self.rope = rope
         self.chunk = args.attn_chunk if rope else 0
+        self.qk_norm_eps = args.norm_eps if rope and args.qk_norm else 0.0
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: object = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
@@ -85,6 +89,8 @@ class Llama4Attention(Attention):
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         if self.rope:
             q, k = apply_rope(q, rope), apply_rope(k, rope)
+        if self.qk_norm_eps:  # Scout's QK-norm: each head's query and key to unit RMS, in fp32
+            q, k = (F.rms_norm(t.float(), (t.shape[-1],), eps=self.qk_norm_eps).type_as(t) for t in (q, k))
         chunks = seq // self.chunk if self.chunk and seq > self.chunk else 1
         if chunks > 1:  # causal attention within each chunk = causal attention over a batch of chunks
             q, k, v = (t.reshape(bsz * chunks, self.chunk, *t.shape[2:]) for t in (q, k, v))
