@@ -311,6 +311,14 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims, args: Llama4Args) -> None:
             f"parallelism.tp > 1 is not supported with mixture-of-experts layers yet ({m.flavor}); shard "
             "the model with dp_shard and parallelism.ep instead"
         )
+    ac = cfg.activation_checkpoint
+    if dims.ep > 1 and ac.mode == "selective" and ac.selective == "op":
+        # The experts' FSDP unit runs its hooks inside the checkpointed block, and their recomputation
+        # does not replay the forward's ops one for one, which per-op checkpointing requires.
+        raise ConfigError(
+            "activation_checkpoint.selective = 'op' does not compose with parallelism.ep > 1 yet; use "
+            "activation_checkpoint.mode = 'full' (or selective = N, every N-th block in full) or 'none'"
+        )
     chunk = args.attn_chunk
     if chunk and seq > chunk:
         if seq % chunk:

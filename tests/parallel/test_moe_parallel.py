@@ -40,6 +40,9 @@ MESHES = {
     "ep2_pp2": (4, 2, [P + "ep", "2", P + "pp", "2", *FROZEN]),
     # compiled blocks, with graph breaks at the all-to-alls (and, in fp32, around the per-expert loop)
     "ep2_compile": (2, 2, [P + "ep", "2", "--compile.enable"]),
+    # full activation checkpointing recomputes the dispatch, all-to-alls included, in backward
+    "ep2_ac_full": (2, 2, [P + "ep", "2", "--activation_checkpoint.mode", "full"]),
+    "fsdp2_ac_op": (2, 2, ["--activation_checkpoint.mode", "selective"]),
 }
 
 

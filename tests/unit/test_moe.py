@@ -240,6 +240,7 @@ def test_plan_resolves_moe_decisions():
         ),
         (1, ["--moe.bias_update_rate", "-1"], "moe.bias_update_rate must be"),
         (1, ["--parallelism.ep", "0"], "parallelism.ep must be"),
+        (2, ["--parallelism.ep", "2", "--activation_checkpoint.mode", "selective"], "does not compose"),
     ],
 )
 def test_moe_config_rules(world, over, match):
@@ -304,3 +305,10 @@ def test_chunked_attention_is_causal_attention_within_each_chunk():
     torch.testing.assert_close(out, attn.wo(ref.transpose(1, 2).reshape(2, 24, -1)), rtol=1e-5, atol=1e-5)
     nope = Llama4Attention(args, rope=False)  # NoPE layers: the whole sequence, no rotation
     assert nope.chunk == 0 and not nope.rope
+
+
+def test_the_estimator_refuses_moe_flavors_instead_of_counting_them_dense():
+    from titanrush.tools.estimate import estimate
+
+    with pytest.raises(ConfigError, match="does not model mixture-of-experts"):
+        estimate(config.load(None, ["--model.flavor", "llama4_1Bx16E"]), 2, 80.0, trace=False)

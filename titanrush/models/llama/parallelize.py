@@ -87,9 +87,9 @@ def parallelize_llama(
         )
 
     # 2b. Expert parallel (Llama 4): each rank keeps E / ep of every MoE layer's routed experts.
-    experts = [b.moe.experts for b in model.layers.values() if getattr(b, "moe", None) is not None]
+    experts = {k: b.moe.experts for k, b in model.layers.items() if getattr(b, "moe", None) is not None}
     if mesh is not None and plan.ep > 1:
-        apply_ep(experts, mesh["ep"])
+        apply_ep(list(experts.values()), mesh["ep"])
 
     # 3. Context parallel: nothing changes in the modules (the plan built them with K/V heads repeated
     #    for ring attention). The trainer's context_parallel_step shards each batch over `cp` and swaps
@@ -123,7 +123,7 @@ def parallelize_llama(
         if plan.ep > 1:  # the experts first (inner units): sharded over the ranks that are not EP peers
             experts_mesh = mesh["dp_replicate", "efsdp_cp"] if plan.dp_replicate > 1 else mesh["efsdp_cp"]
             shard_experts(
-                experts,
+                list(experts.values()),
                 experts_mesh,
                 divide_factor=plan.dp * plan.cp,
                 param_dtype=torch.bfloat16 if plan.precision == "bf16" else torch.float32,
@@ -138,6 +138,7 @@ def parallelize_llama(
             reshard_after_forward=plan.reshard,
             keep_gathered_last=plan.keep_gathered_last,
             cpu_offload=plan.cpu_offload,
+            inner_units=experts if plan.ep > 1 else None,
         )
     elif mesh is not None and plan.ddp:
         apply_ddp(model, mesh["dp_replicate"])

@@ -91,7 +91,9 @@ class MoE(nn.Module):
         routed_out = self.experts(routed_in, r.counts)
         # 4. Unpermute: row i of the sorted output belongs to choice order[i].
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        out = routed_out[inverse].reshape(-1, self.top_k, dim).sum(dim=1)
+        out = routed_out[inverse]
+        if self.top_k > 1:
+            out = out.reshape(-1, self.top_k, dim).sum(dim=1)
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
         out = self._add_router_losses(out, r, bsz)
