@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from titanrush.models.llama.model import FeedForward
 from titanrush.models.llama4.grouped_gemm import grouped_mm
-from titanrush.models.llama4.router import Router, add_loss_grad, balance_loss, z_loss
+from titanrush.models.llama4.router import Router, Routing, add_loss_grad, balance_loss, z_loss
 
 
 class GroupedExperts(nn.Module):
@@ -80,6 +80,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bsz, seq, dim = x.shape
         tokens = x.reshape(-1, dim)  # (N, dim)
+        # 1. Route: each token's k experts and their scores.
         r = self.router(tokens, self.expert_bias)
         if torch.is_grad_enabled() and not x.is_meta:  # training passes only; see balance.py for AC
             self.tokens_per_expert.add_(r.counts)
@@ -99,7 +100,7 @@ class MoE(nn.Module):
         out = self._add_router_losses(out, r, bsz)
         return out.reshape(bsz, seq, dim)
 
-    def _add_router_losses(self, out: torch.Tensor, r: object, n_seqs: int) -> torch.Tensor:
+    def _add_router_losses(self, out: torch.Tensor, r: Routing, n_seqs: int) -> torch.Tensor:
         if not torch.is_grad_enabled() or (self.aux_loss_weight == 0 and self.z_loss_weight == 0):
             return out
         loss = out.new_zeros((), dtype=torch.float32)
