@@ -49,8 +49,10 @@ class Job:
 @dataclass
 class Model:
     flavor: str = "debug"
-    """Model size: debug, 1B, 3B, 8B, 70B, 405B (Llama 3.x shapes), or custom: the shape from
-    model.from_checkpoint and/or the dimension keys below (dim, n_layers, n_heads, ...)."""
+    """Model size: debug, 1B, 3B, 8B, 70B, 405B (Llama 3.x shapes); llama4_debug, llama4_1Bx8E,
+    llama4_1Bx16E, llama4_17Bx16E, llama4_17Bx128E (Llama 4 mixture of experts: see [moe]); or custom
+    (a Llama 3 shape): the shape from model.from_checkpoint and/or the dimension keys below (dim,
+    n_layers, n_heads, ...)."""
     from_checkpoint: str = ""
     """custom: take every shape field from a titanrush checkpoint (a step folder, its checkpoint folder,
     or a `titanrush convert --from-hf` output: titanrush.json's model_args) or a Hugging Face Llama folder
@@ -236,6 +238,27 @@ class Parallelism:
     """Explicit split: layers in each stage (empty = automatic balancing)."""
     cp_rotate_method: Literal["allgather", "alltoall"] = "allgather"
     """How context parallel exchanges K/V shards."""
+    ep: int = 1
+    """Expert-parallel degree (Llama 4 flavors): the routed experts split over this many ranks, which
+    exchange tokens by all-to-all. Borrowed from dp_shard (it must divide it): each group of ep
+    data-parallel ranks holds one copy of the experts, and FSDP shards the experts over the dp_shard / ep
+    groups (x cp)."""
+
+
+@dataclass
+class MoE:
+    bias_update_rate: float = 1e-3
+    """Auxiliary-loss-free load balancing (DeepSeek-V3): after each step every expert's routing bias
+    moves by this much, down for experts that got more than the mean of the step's tokens, up for the
+    others (the bias steers the choice of experts, never the weights); 0 turns it off."""
+    aux_loss_coeff: float = 0.0
+    """Weight of the sequence-wise load-balance loss (per sequence: experts x sum of token fraction x
+    mean normalized score; 1 when balanced) in the training loss; 0 turns it off."""
+    z_loss_coeff: float = 0.0
+    """Weight of the router z-loss (mean squared log-sum-exp of the router logits); 0 turns it off."""
+    grouped_mm: bool = True
+    """The experts' matmuls as one grouped GEMM (torch.nn.functional.grouped_mm, or torch._grouped_mm on
+    torch 2.9) where torch has it and the inputs fit it (CUDA: bf16); false runs one matmul per expert."""
 
 
 @dataclass
@@ -374,6 +397,7 @@ class JobConfig:
     lr_scheduler: LRScheduler = field(default_factory=LRScheduler)
     metrics: Metrics = field(default_factory=Metrics)
     parallelism: Parallelism = field(default_factory=Parallelism)
+    moe: MoE = field(default_factory=MoE)
     compile: Compile = field(default_factory=Compile)
     activation_checkpoint: ActivationCheckpoint = field(default_factory=ActivationCheckpoint)
     float8: Float8 = field(default_factory=Float8)

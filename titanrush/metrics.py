@@ -92,26 +92,37 @@ def log_header(
     )
 
 
-def flops_per_token(model_args: Any, n_matmul_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6 x matmul parameters + 12 x layers x heads x head_dim x seq_len.
+def flops_per_token(model_args: Any, n_matmul_params: float, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x matmul parameters + 12 x heads x head_dim x (keys each query sees,
+    summed over layers).
 
-    The first term is the forward (2) plus backward (4) FLOPs of every weight matrix (the embedding
-    lookup is no matmul and is excluded; the output projection is included, tied or not). The second
+    The first term is the forward (2) plus backward (4) FLOPs of every weight matrix a token goes
+    through (the embedding lookup is no matmul and is excluded; the output projection is included, tied
+    or not; of a mixture of experts, only the experts a token is routed to: `matmul_params`). The second
     is the attention scores and their weighted sum (PaLM appendix B), counted for the full square
-    (T x T), as is customary, not halved for the causal mask.
+    (T x T), as is customary, not halved for the causal mask; a layer with chunked attention (Llama 4)
+    sees its chunk, not the whole sequence.
     """
     a = model_args
-    return 6 * n_matmul_params + 12 * a.n_layers * a.n_heads * a.head_dim * seq_len
+    chunk = getattr(a, "attn_chunk", 0)
+    if chunk:
+        spans = sum(min(seq_len, chunk) if a.uses_rope(i) else seq_len for i in range(a.n_layers))
+    else:
+        spans = a.n_layers * seq_len
+    return 6 * n_matmul_params + 12 * a.n_heads * a.head_dim * spans
 
 
-def matmul_params(model: nn.Module) -> int:
-    """Parameters that take part in a matmul: all but the embedding table and the norms' weights;
-    the output projection counts even when it shares the embedding's weight."""
-    total = 0
+def matmul_params(model: nn.Module) -> float:
+    """Parameters a token's matmuls use: all but the embedding table and the norms' weights (the output
+    projection counts even when it shares the embedding's weight); routed experts count top_k of
+    n_experts (each token goes through top_k of them: the active parameters)."""
+    args = getattr(model, "args", None)
+    active = getattr(args, "top_k", 1) / getattr(args, "n_experts", 1)
+    total = 0.0
     for name, p in model.named_parameters(remove_duplicate=False):
         if "tok_embeddings" in name or p.dim() < 2:
             continue
-        total += p.numel()
+        total += p.numel() * (active if ".moe.experts." in name else 1)
     return total
 
 
@@ -211,6 +222,9 @@ class MetricsLogger:
             for k, v in clean.items():
                 if k not in ("step", "attempt") and isinstance(v, (int, float)) and not isinstance(v, bool):
                     self.tb.add_scalar(k.replace("val_", "validation/"), v, step)
+                elif isinstance(v, list):  # one scalar per entry (e.g. the tokens of each expert)
+                    for i, x in enumerate(v):
+                        self.tb.add_scalar(f"{k}/{i}", x, step)
         logger.info(format_line(record))
 
     def flush(self) -> None:
@@ -256,6 +270,7 @@ _FORMATS = [
     ("mem_active_pct", "({:.0f}%)"),
     ("mem_reserved_gib", "reserved {:.2f}GiB"),
     ("offload_gib", "offload {:.1f}GiB"),
+    ("moe_imbalance", "experts max/mean {:.2f}"),
     ("data_wait_pct", "data {:.1f}%"),
     ("step_time", "step {:.3f}s"),
     ("stop", "stopped ({})"),

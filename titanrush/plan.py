@@ -20,6 +20,10 @@ from titanrush.hf import model_args_at
 from titanrush.models.llama import ModelArgs, model_args
 from titanrush.models.llama.flavors import CUSTOM, ffn_sizing, shape_of
 from titanrush.models.llama.pipeline import stage_costs
+from titanrush.models.llama4 import FLAVORS as LLAMA4_FLAVORS
+from titanrush.models.llama4 import Llama4Args
+from titanrush.models.llama4 import model_args as llama4_args
+from titanrush.models.llama4.grouped_gemm import KERNEL as GROUPED_KERNEL
 from titanrush.parallel.parallel_dims import ParallelDims
 from titanrush.parallel.pipeline import balanced_split, stage_ids, stages_per_rank
 
@@ -40,6 +44,8 @@ class RunPlan:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallel (Llama 4): borrowed from dp_shard
+    moe_bias_rate: float = 0.0  # the routing bias's step per optimizer step (0: measure the load only)
     cp_rotate: str = "allgather"  # how ring attention exchanges K/V: allgather or alltoall
     sequence_parallel: bool = True  # with tp > 1
     loss_parallel: bool = True  # with tp > 1: the loss on vocabulary-sharded logits
@@ -78,7 +84,9 @@ class RunPlan:
     # -- degrees ----------------------------------------------------------------------------------
     @functools.cached_property
     def dims(self) -> ParallelDims:
-        return ParallelDims(self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.world_size)
+        return ParallelDims(
+            self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.world_size, self.ep
+        )
 
     @property
     def dp(self) -> int:
@@ -93,6 +101,10 @@ class RunPlan:
     def fsdp_shard(self) -> int:
         """FSDP's shard degree (dp_shard x cp: the cp ranks hold the same weights), 1 without FSDP."""
         return self.dp_shard * self.cp if self.fsdp else 1
+
+    @property
+    def moe(self) -> bool:
+        return isinstance(self.args, Llama4Args)
 
     @property
     def ddp(self) -> bool:
@@ -190,6 +202,8 @@ def resolve_model_args(cfg: JobConfig) -> ModelArgs:
         over["compile_loss"] = cfg.compile.enable
     if cfg.parallelism.cp > 1:  # ring attention wants one K/V head per query head
         over["expand_kv"] = True
+    if m.flavor in LLAMA4_FLAVORS:
+        return llama4_args(m.flavor, **over, grouped_mm=cfg.moe.grouped_mm)
     if m.flavor != CUSTOM:
         return model_args(m.flavor, **over)
     if m.from_checkpoint:
@@ -210,6 +224,27 @@ def resolve_model_args(cfg: JobConfig) -> ModelArgs:
     return args
 
 
+def _moe_decisions(cfg: JobConfig, args: ModelArgs, accum: int, microbatches: int) -> ModelArgs:
+    """Llama 4: the router losses' weights per micro-batch (the coefficients are per optimizer step, whose
+    loss is the mean over accum x pipeline micro-batches)."""
+    if not isinstance(args, Llama4Args):
+        return args
+    per = accum * microbatches
+    return dataclasses.replace(
+        args, aux_loss_weight=cfg.moe.aux_loss_coeff / per, z_loss_weight=cfg.moe.z_loss_coeff / per
+    )
+
+
+def _moe_compiles_whole(args: ModelArgs, ep: int, precision: str) -> bool:
+    """Whether a MoE block compiles as one graph: not across expert parallel's all-to-alls (their splits
+    are host values), nor around the per-expert loop (the grouped kernel's fallback reads the counts on
+    the host), which runs wherever the kernel is missing or the experts compute in fp32 (compiled, the
+    kernel takes bf16 only)."""
+    if not isinstance(args, Llama4Args):
+        return True
+    return ep == 1 and args.grouped_mm and GROUPED_KERNEL is not None and precision == "bf16"
+
+
 def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunPlan:
     """Validate `cfg` for `world_size` processes and resolve every decision of the run.
 
@@ -225,7 +260,7 @@ def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunP
     validate.check_values(cfg)
     p, t, ac, f8 = cfg.parallelism, cfg.training, cfg.activation_checkpoint, cfg.float8
     validate.check_degrees(p, world_size)
-    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, world_size)
+    dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, world_size, p.ep)
     args = resolve_model_args(cfg)
     validate.check_run(cfg, dims, args)
     if machine:
@@ -238,8 +273,17 @@ def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunP
         # saves, so pipelined stages keep them gathered until backward (ZeRO-2).
         reshard = "never"
     fullgraph = cfg.compile.fullgraph and not (cfg.compile.enable and _graph_break(args.attn_backend))
+    fullgraph = fullgraph and _moe_compiles_whole(args, dims.ep, t.precision)
+    pp_micro = (
+        (p.pp_microbatches or dims.pp * stages_per_rank(p.pp_schedule, p.pp_stages_per_rank))
+        if dims.pp > 1
+        else 1
+    )
+    float8_filter = (
+        (*f8.filter_fqns, "router.gate") if isinstance(args, Llama4Args) else tuple(f8.filter_fqns)
+    )
     return RunPlan(
-        args=args,
+        args=_moe_decisions(cfg, args, accum, pp_micro),
         local_batch=t.local_batch_size,
         seq_len=t.seq_len,
         precision=t.precision,
@@ -250,6 +294,8 @@ def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunP
         cp=dims.cp,
         tp=dims.tp,
         pp=dims.pp,
+        ep=dims.ep,
+        moe_bias_rate=cfg.moe.bias_update_rate if isinstance(args, Llama4Args) else 0.0,
         cp_rotate=p.cp_rotate_method,
         sequence_parallel=p.sequence_parallel,
         loss_parallel=p.loss_parallel,
@@ -275,7 +321,7 @@ def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunP
         and f8.recipe == "tensorwise"
         and f8.fsdp_float8_all_gather
         and dims.fsdp_enabled,
-        float8_filter=tuple(f8.filter_fqns),
+        float8_filter=float8_filter,  # (a MoE's router stays in bf16: it ranks near-equal scores)
         float8_min_size=f8.min_size,
         loss=t.loss,
         loss_chunk=t.loss_chunk_size,
@@ -297,5 +343,5 @@ def _graph_break(backend: str) -> bool:
 
 def describe_mesh(plan: RunPlan) -> str:
     """`dp_shard=4 tp=2`-style description of the degrees above 1, or `single device`."""
-    degrees = [(n, getattr(plan, n)) for n in ("dp_replicate", "dp_shard", "cp", "tp", "pp")]
+    degrees = [(n, getattr(plan, n)) for n in ("dp_replicate", "dp_shard", "ep", "cp", "tp", "pp")]
     return " ".join(f"{n}={d}" for n, d in degrees if d > 1) or "single device"

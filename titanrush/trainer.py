@@ -51,6 +51,8 @@ from titanrush.models.llama import Llama
 from titanrush.models.llama.loss import cross_entropy_sum, loss_divisor, valid_tokens
 from titanrush.models.llama.parallelize import parallelize_llama
 from titanrush.models.llama.pipeline import PipelinedLlama, pipeline_llama
+from titanrush.models.llama4 import Llama4, Llama4Args
+from titanrush.models.llama4.balance import ExpertBalance
 from titanrush.nonfinite import NonFiniteError, NonFiniteGuard, poison
 from titanrush.optim import build_lr_scheduler, build_optimizer
 from titanrush.parallel.activation_offload import ActivationOffloader, bind_near_gpu
@@ -101,7 +103,7 @@ class Trainer:
         # 2. Model: meta -> parallelize -> materialize -> init.
         self.tokenizer = build_tokenizer(cfg.data.tokenizer)
         with torch.device("meta"):
-            model = Llama(plan.args)
+            model = (Llama4 if isinstance(plan.args, Llama4Args) else Llama)(plan.args)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.flops_per_token = flops_per_token(plan.args, matmul_params(model), plan.seq_len)
         marks.append(("tokenizer and model on meta", time.perf_counter()))
@@ -142,6 +144,11 @@ class Trainer:
             part.train()
         marks.append(("weights materialized and initialized", time.perf_counter()))
         self.model = model
+        # Llama 4: the experts' load, and the routing bias moved by it, once per step (summed over dp x cp).
+        group = self.mesh["dp_cp"].get_group() if self.mesh is not None and plan.dp * plan.cp > 1 else None
+        tokens = plan.local_batch * plan.seq_len * plan.accum * plan.dp
+        self.balance = ExpertBalance(self.model_parts, rate=plan.moe_bias_rate, group=group, tokens=tokens)
+        self.moe_stats: dict[str, Any] = {}
         # The loss (log-softmax over the vocabulary in fp32) fuses well; under loss parallel it works on
         # DTensors, which stay eager. It is a sum: the step divides it by its global count of valid tokens.
         self.loss_fn = torch.compile(cross_entropy_sum) if plan.compiled_loss else cross_entropy_sum
@@ -154,22 +161,13 @@ class Trainer:
         # 3. Optimizer, schedule, data, checkpoints.
         o, s = cfg.optimizer, cfg.lr_scheduler
         self.optimizer = build_optimizer(
-            model.parameters(),
-            name=o.name,
-            lr=o.lr,
-            betas=(o.beta1, o.beta2),
-            eps=o.eps,
-            weight_decay=o.weight_decay,
-            implementation=o.implementation,
-        )
+            model.parameters(), name=o.name, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+            weight_decay=o.weight_decay, implementation=o.implementation,
+        )  # fmt: skip
         self.scheduler = build_lr_scheduler(
-            self.optimizer,
-            warmup_steps=s.warmup_steps,
-            total_steps=cfg.training.steps,
-            decay=s.decay,
-            decay_ratio=s.decay_ratio,
-            min_lr_factor=s.min_lr_factor,
-        )
+            self.optimizer, warmup_steps=s.warmup_steps, total_steps=cfg.training.steps, decay=s.decay,
+            decay_ratio=s.decay_ratio, min_lr_factor=s.min_lr_factor,
+        )  # fmt: skip
         marks.append(("optimizer", time.perf_counter()))
         self.loader_args = dict(
             tokenizer=self.tokenizer,
@@ -226,15 +224,9 @@ class Trainer:
         self.memory = MemoryMonitor(self.device)
         pr = cfg.profiling
         self.profiler = Profiler(
-            self.run_dir,
-            enable=pr.enable,
-            freq=pr.freq,
-            active=pr.active_steps,
-            memory_snapshot=pr.memory_snapshot,
-            rank=self.rank,
-            all_ranks=pr.all_ranks,
-            start_step=self.step,
-        )
+            self.run_dir, enable=pr.enable, freq=pr.freq, active=pr.active_steps, rank=self.rank,
+            memory_snapshot=pr.memory_snapshot, all_ranks=pr.all_ranks, start_step=self.step,
+        )  # fmt: skip
         self._log_checkpoint_records()  # the load time of a resume
         self.peak = resolve_peak(self.device, configured=cfg.metrics.peak_tflops, precision=plan.precision,
                                  float8=plan.float8)  # fmt: skip
@@ -346,6 +338,7 @@ class Trainer:
         self.lr = float(self.optimizer.param_groups[0]["lr"])
         stepped = self.guard.should_step(self.step, total, grad_norm)
         self.checkpointer.wait_for_staging()  # an async_pinned save may still be copying the weights
+        self.moe_stats = self.balance.step()  # (the experts' load of this step, its update applied or not)
         if stepped:
             self.optimizer.step()
             if self.plan.float8_all_gather:  # FSDP's float8 all-gather: every weight's scale, once per step
@@ -418,7 +411,7 @@ class Trainer:
         record |= dataclasses.asdict(self.memory.read_and_reset())
         if self.offloaders:  # activation offload: GiB this rank moved to the host (and back)
             record["offload_gib"] = sum(o.bytes_offloaded for o in self.offloaders) / 2**30
-        self.metrics.log(self.step, record)
+        self.metrics.log(self.step, record | self.moe_stats)
         self.throughput.reset()
         return mean
 

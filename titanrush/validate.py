@@ -24,6 +24,8 @@ import torch
 from titanrush.config import ConfigError, JobConfig, Model, Parallelism
 from titanrush.models.llama import FLAVORS, ModelArgs
 from titanrush.models.llama.flavors import CUSTOM
+from titanrush.models.llama4 import FLAVORS as LLAMA4_FLAVORS
+from titanrush.models.llama4 import Llama4Args
 from titanrush.parallel.parallel_dims import ParallelDims
 
 # Tokens in one micro-batch of one rank: far above any GPU's memory for a Llama (the 405B at 128k
@@ -77,6 +79,10 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "parallelism.nccl_max_ctas": (0, 64, True, True),
     "parallelism.pp_microbatches": (0, None, True, True),
     "parallelism.pp_stages_per_rank": (0, None, True, True),
+    "parallelism.ep": (1, None, True, True),
+    "moe.bias_update_rate": (0.0, None, True, True),
+    "moe.aux_loss_coeff": (0.0, None, True, True),
+    "moe.z_loss_coeff": (0.0, None, True, True),
     "activation_checkpoint.op_all_last": (0, None, True, True),
     "activation_checkpoint.offload_first": (0, None, True, True),
     "activation_checkpoint.offload_every": (1, None, True, True),
@@ -125,6 +131,14 @@ def check_values(cfg: JobConfig) -> None:
             "local_batch_size and reach a large batch with training.global_batch_size (gradient accumulation)"
         )
     _check_model_keys(cfg.model)
+    moe_set = {"parallelism.ep": p.ep > 1, "moe.aux_loss_coeff": cfg.moe.aux_loss_coeff > 0,
+               "moe.z_loss_coeff": cfg.moe.z_loss_coeff > 0}  # fmt: skip
+    key = next((k for k, on in moe_set.items() if on), None)
+    if key and cfg.model.flavor not in LLAMA4_FLAVORS:
+        raise ConfigError(
+            f"{key} applies to mixture-of-experts models: the {cfg.model.flavor} flavor has no experts; "
+            f"choose a Llama 4 flavor ({', '.join(LLAMA4_FLAVORS)}) or leave {key} at its default"
+        )
     if cfg.profiling.freq < cfg.profiling.active_steps + 2:
         raise ConfigError(
             f"profiling.freq ({cfg.profiling.freq}) must be >= profiling.active_steps + 2 (a wait step and a "
@@ -174,8 +188,8 @@ _LLAMA3_ROPE_KEYS = ARCHITECTURE_KEYS[-4:]
 
 def _check_model_keys(m: Model) -> None:
     """The flavor's name, and which shape keys it takes (see ARCHITECTURE_KEYS)."""
-    if m.flavor not in FLAVORS and m.flavor != CUSTOM:
-        names = [*FLAVORS, CUSTOM]
+    if m.flavor not in FLAVORS and m.flavor not in LLAMA4_FLAVORS and m.flavor != CUSTOM:
+        names = [*FLAVORS, *LLAMA4_FLAVORS, CUSTOM]
         lower = {f.lower(): f for f in names}
         near = [lower[m.flavor.lower()]] if m.flavor.lower() in lower else []
         near = near or difflib.get_close_matches(m.flavor, names, n=1)
@@ -301,6 +315,8 @@ def check_run(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         )
     if dims.pp > 1:
         _check_pipeline(cfg, dims, args)
+    if isinstance(args, Llama4Args):
+        _check_moe(cfg, dims, args)
     if dims.tp > 1 and args.loss_chunk_size > 0:
         raise ConfigError(
             "training.loss = chunked does not compose with parallelism.tp > 1; use training.loss = plain "
@@ -382,6 +398,49 @@ def _found(module: str) -> bool:
         return importlib.util.find_spec(module) is not None
     except ValueError:  # imported already, without an import spec (a module made in-process)
         return module in sys.modules
+
+
+def _check_moe(cfg: JobConfig, dims: ParallelDims, args: Llama4Args) -> None:
+    """Expert parallel against the mesh and the experts; Llama 4's attention options against the run."""
+    m, seq = cfg.model, cfg.training.seq_len
+    if dims.ep > 1 and dims.dp_shard % dims.ep:
+        raise ConfigError(
+            f"parallelism.ep = {dims.ep} must divide dp_shard = {dims.dp_shard} (expert parallel borrows its "
+            "ranks from dp_shard); choose ep among the divisors of dp_shard"
+        )
+    if args.n_experts % dims.ep:
+        raise ConfigError(
+            f"parallelism.ep = {dims.ep} must divide the {m.flavor} model's {args.n_experts} experts"
+        )
+    if dims.tp > 1:
+        raise ConfigError(
+            f"parallelism.tp > 1 is not supported with mixture-of-experts layers yet ({m.flavor}); shard "
+            "the model with dp_shard and parallelism.ep instead"
+        )
+    ac = cfg.activation_checkpoint
+    if dims.ep > 1 and ac.mode == "selective" and ac.selective == "op":
+        # The experts' FSDP unit runs its hooks inside the checkpointed block, and their recomputation
+        # does not replay the forward's ops one for one, which per-op checkpointing requires.
+        raise ConfigError(
+            "activation_checkpoint.selective = 'op' does not compose with parallelism.ep > 1 yet; use "
+            "activation_checkpoint.mode = 'full' (or selective = N, every N-th block in full) or 'none'"
+        )
+    chunk = args.attn_chunk
+    if chunk and seq > chunk:
+        if seq % chunk:
+            raise ConfigError(
+                f"training.seq_len = {seq} must be a multiple of the {m.flavor} model's attention chunk "
+                f"({chunk} tokens), or at most one chunk"
+            )
+        if m.attn_backend == "flex":
+            raise ConfigError(
+                "model.attn_backend = 'flex' does not take Llama 4's chunked attention; use 'sdpa'"
+            )
+        if dims.cp > 1:
+            raise ConfigError(
+                f"parallelism.cp > 1 does not compose with chunked attention: training.seq_len = {seq} "
+                f"must be at most the attention chunk ({chunk})"
+            )
 
 
 def check_machine(cfg: JobConfig) -> None:

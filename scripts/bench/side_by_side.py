@@ -64,6 +64,7 @@ class Row:
     tp: int = 1
     cp: int = 1
     pp: int = 1
+    ep: int = 1  # expert parallel (Llama 4 rows)
     best: tuple[str, ...] = ()  # empty: the row's defaults
 
 
@@ -79,6 +80,10 @@ ROWS = {
         Row("8b_tp2_fsdp2", "8B", 4, 8192, 2, tp=2, best=(*_NO_AC, *_ZERO2)),
         Row("8b_cp2_fsdp2", "8B", 4, 8192, 2, cp=2, best=_8B_BEST),
         Row("8b_pp2_fsdp2", "8B", 4, 8192, 4, pp=2, best=_NO_AC),  # PP keeps the weights gathered anyway
+        # Llama 4 (MoE, 1.0B active): FSDP, EP2 on the same 2 GPUs, EP2 x FSDP2 on 4 (tt_flavors.py).
+        Row("moe_fsdp2", "llama4_1Bx16E", 2, 4096, 2, ac=False),
+        Row("moe_ep2", "llama4_1Bx16E", 2, 4096, 2, ac=False, ep=2),
+        Row("moe_ep2_fsdp4", "llama4_1Bx16E", 4, 4096, 2, ac=False, ep=2),
     )
 }
 SETTINGS = ("same", "defaults", "best")
@@ -93,7 +98,7 @@ def row_flags(row: Row) -> list[str]:
              "--data.dataset", "embedded"]  # fmt: skip
     if row.flavor != "8B":  # Llama 3.2 ties its embeddings; torchtitan's llama3 never does
         flags += ["--model.tie_embeddings", "untied"]
-    for key, degree in (("tp", row.tp), ("cp", row.cp), ("pp", row.pp)):
+    for key, degree in (("tp", row.tp), ("cp", row.cp), ("pp", row.pp), ("ep", row.ep)):
         flags += [f"--parallelism.{key}", str(degree)] if degree > 1 else []
     if row.pp > 1:  # torchtitan's default: 1F1B, micro-batches of one sequence
         flags += ["--parallelism.pp_schedule", "1F1B", "--parallelism.pp_microbatches", str(row.batch)]
@@ -113,7 +118,8 @@ def torchtitan_toml(row: Row, steps: int, assets: Path, corpus: Path, dump: Path
     cfg = {
         "job": {"dump_folder": str(dump)},
         "metrics": {"log_freq": 1, "disable_color_printing": True},
-        "model": {"name": "llama3", "flavor": row.flavor, "hf_assets_path": str(assets),
+        "model": {"name": "llama4" if row.flavor.startswith("llama4") else "llama3", "flavor": row.flavor,
+                  "hf_assets_path": str(assets),
                   "converters": ["quantize.linear.float8"] if row.float8 else []},
         "optimizer": {"name": "AdamW", "lr": 3e-4, "eps": 1e-8, "implementation": "fused"},
         "lr_scheduler": {"warmup_steps": 10},
@@ -122,6 +128,7 @@ def torchtitan_toml(row: Row, steps: int, assets: Path, corpus: Path, dump: Path
                      "mixed_precision_reduce": "float32"},
         "parallelism": {"data_parallel_shard_degree": -1, "tensor_parallel_degree": row.tp,
                         "context_parallel_degree": row.cp, "pipeline_parallel_degree": row.pp,
+                        "expert_parallel_degree": row.ep,
                         "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 1},
         "checkpoint": {"enable": False},
         "activation_checkpoint": ac,

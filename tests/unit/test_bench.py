@@ -28,10 +28,11 @@ def test_every_setting_of_every_row_is_a_valid_config(row, setting, tmp_path):
     assert (cfg.model.flavor, cfg.training.seq_len) == (tt["model"]["flavor"], tt["training"]["seq_len"])
     assert cfg.training.local_batch_size == tt["training"]["local_batch_size"]
     p, tp = cfg.parallelism, tt["parallelism"]
-    assert (p.tp, p.cp, p.pp) == (
+    assert (p.tp, p.cp, p.pp, p.ep) == (
         tp["tensor_parallel_degree"],
         tp["context_parallel_degree"],
         tp["pipeline_parallel_degree"],
+        tp["expert_parallel_degree"],
     )
     assert cfg.float8.enable == (tt["model"]["converters"] == ["quantize.linear.float8"])
     assert cfg.compile.enable and cfg.training.precision == "bf16" and cfg.optimizer.implementation == "fused"

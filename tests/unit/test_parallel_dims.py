@@ -142,3 +142,18 @@ def test_mesh_views_are_kept_not_sliced_from_the_root(fake_world):
     assert hsdp.get_group(0) is mesh["dp_replicate"].get_group()
     assert hsdp.get_group(1) is views["dp_shard_cp"].get_group()
     assert mesh.root.mesh_dim_names == mesh.mesh_dim_names  # the rest is the root DeviceMesh's
+
+
+def test_expert_parallel_splits_dp_shard_into_efsdp_and_ep(fake_world):
+    """ep borrows from dp_shard: inner `ep` (neighbouring ranks for the all-to-all), outer `efsdp`, and
+    `dp_shard` their flattened view, so the rest of the mesh reads as without EP."""
+    fake_world(16)
+    d = ParallelDims(dp_replicate=1, dp_shard=-1, cp=2, tp=1, pp=2, world_size=16, ep=2)
+    mesh = d.build_mesh("cpu")
+    assert mesh.mesh_dim_names == ("pp", "dp_replicate", "efsdp", "ep", "cp", "tp")
+    assert tuple(mesh.shape) == (2, 1, 2, 2, 2, 1)
+    assert mesh["ep"].mesh.tolist() == [0, 2]  # cp is inner still: EP peers are 2 ranks apart
+    assert mesh["dp_shard"].mesh.tolist() == [0, 2, 4, 6]
+    assert mesh["dp_shard_cp"].size() == 8  # the dense weights' FSDP
+    assert mesh["efsdp_cp"].mesh.tolist() == [0, 1, 4, 5]  # the experts' FSDP: not EP peers
+    assert mesh["dp"].size() == 4 and mesh["dp_cp"].size() == 8

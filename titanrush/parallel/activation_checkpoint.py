@@ -43,6 +43,9 @@ def _ops_to_save() -> set[Any]:
     flex = getattr(torch._higher_order_ops, "flex_attention", None)
     if flex is not None:
         ops.add(flex)
+    grouped = getattr(aten, "_grouped_mm", None)  # a mixture of experts' matmuls (torch >= 2.9)
+    if grouped is not None:
+        ops.add(grouped.default)
     return ops
 
 

@@ -31,6 +31,7 @@ def apply_fsdp(
     reshard_after_forward: ReshardPolicy = "default",
     keep_gathered_last: int = 0,
     cpu_offload: bool = False,
+    inner_units: dict[str, nn.Module] | None = None,
 ) -> None:
     """Shard `model` with FSDP2 over `mesh`, in place.
 
@@ -54,6 +55,9 @@ def apply_fsdp(
         cpu_offload: Keep the sharded parameters, gradients and optimizer states in host memory; each
             unit is copied to the device for its all-gather (and its gradients back after the
             reduce-scatter). The optimizer step then runs on the CPU.
+        inner_units: Block key -> a module inside that block already sharded as a unit of its own (expert
+            parallel's experts), which runs after the block's own unit starts: it joins the prefetch
+            chain there.
     """
     assert reshard_after_forward in ("default", "always", "never"), reshard_after_forward
     common: dict = {
@@ -80,9 +84,9 @@ def apply_fsdp(
     if emb is not None and not tied:
         fully_shard(emb, reshard_after_forward=not never, **common)
         units.append(emb)
-    blocks = list(model.layers.values())
+    blocks = list(model.layers.items())
     keep_from = len(blocks) - max(1, keep_gathered_last)
-    for i, block in enumerate(blocks):
+    for i, (key, block) in enumerate(blocks):
         kept = i >= keep_from  # backward needs it early (the last block), or asked for (ZeRO-2 blocks)
         fully_shard(
             block,
@@ -90,6 +94,8 @@ def apply_fsdp(
             **{**common, "mp_policy": block_policy},
         )
         units.append(block)
+        if inner_units and key in inner_units:
+            units.append(inner_units[key])
     if out is not None and not tied:
         head = [m for m in (norm, out) if m is not None]
         fully_shard(head, reshard_after_forward=always, **common)

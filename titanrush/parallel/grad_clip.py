@@ -51,7 +51,13 @@ def clip_grad_norm_(
         dist.all_reduce(total_sq, op=dist.ReduceOp.SUM, group=pp_mesh.get_group())
     total = total_sq.sqrt()
     if max_norm > 0 and params:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        # One call per mesh: the multi-tensor kernels take DTensors of one mesh at a time (expert
+        # parallel's experts live on their own mesh).
+        by_mesh: dict[object, list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_mesh.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+        for same_mesh in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(same_mesh, max_norm, total)
     return total
 
 

@@ -3,6 +3,11 @@
 Mesh dimension order, outermost first: pp, dp_replicate, dp_shard, cp, tp. TP is innermost so that its
 frequent collectives stay on the fastest links (within a node); PP is outermost since it only sends
 activations between neighbours.
+
+Expert parallel borrows its ranks from dp_shard: with ep > 1, dp_shard is built as two dimensions,
+`efsdp` (dp_shard / ep, outer) and `ep` (inner, so that the all-to-all stays on the nearest ranks), and
+`dp_shard` is their flattened view, so every other part sees the same mesh as without EP. The experts,
+split over `ep`, are sharded by FSDP over `efsdp` (x cp: the flattened `efsdp_cp`).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ class ParallelDims:
     tp: int
     pp: int
     world_size: int
+    ep: int = 1
 
     def __post_init__(self) -> None:
         # `titanrush.validate.check_degrees` has checked the degrees against the world size.
@@ -88,14 +94,28 @@ class ParallelDims:
 
         The views are made here and kept (`JobMesh`). `DeviceMesh._flatten` and `_concatenate` are the
         only ways torch 2.11 and 2.13 offer to make them (FSDP2 itself joins its meshes with
-        `_concatenate`); the HSDP view joins the two existing dimensions, so it adds no process group.
+        `_concatenate`); the HSDP views join two existing dimensions, so they add no process group.
+        With ep > 1 the root holds `efsdp` and `ep` where `dp_shard` was; `dp_shard` (efsdp x ep) and
+        `efsdp_cp` (the experts' FSDP) are views too.
         """
-        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard),
-                ("cp", self.cp), ("tp", self.tp)]  # fmt: skip
+        shard = [("dp_shard", self.dp_shard)]
+        if self.ep > 1:  # (check_run has checked that ep divides dp_shard)
+            shard = [("efsdp", self.dp_shard // self.ep), ("ep", self.ep)]
+        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), *shard, ("cp", self.cp),
+                ("tp", self.tp)]  # fmt: skip
         names = tuple(n for n, _ in dims)
         root = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
+        spans = dict(FLATTENED)
+        if self.ep > 1:  # dp_shard is efsdp x ep: every span over it spans both
+            spans = {n: tuple(x for d in dims_ for x in (("efsdp", "ep") if d == "dp_shard" else (d,)))
+                     for n, dims_ in spans.items()}  # fmt: skip
+            spans = {"dp_shard": ("efsdp", "ep"), "efsdp_cp": ("efsdp", "cp"), **spans}
         views: dict[str | tuple[str, ...], DeviceMesh] = {
-            name: root[spans]._flatten(name) for name, spans in FLATTENED.items()
+            name: root[span]._flatten(name) for name, span in spans.items()
         }
         views[HSDP] = DeviceMesh._concatenate([root["dp_replicate"], views["dp_shard_cp"]])
+        if self.ep > 1:
+            views[("dp_replicate", "efsdp_cp")] = DeviceMesh._concatenate(
+                [root["dp_replicate"], views["efsdp_cp"]]
+            )
         return JobMesh(root, views)

@@ -105,6 +105,11 @@ def plan_for(cfg: JobConfig, ngpu: int) -> tuple[RunPlan, int, str]:
     parallel, flash-attn, float8 tensor cores) becomes a note instead of an error.
     """
     plan = build_plan(cfg, ngpu, machine=False)
+    if plan.moe:  # (its layers would be counted as dense ones: a wrong answer is worse than none)
+        raise ConfigError(
+            f"titanrush estimate does not model mixture-of-experts layers yet (model.flavor = "
+            f"{cfg.model.flavor!r}); estimate a dense flavor, or measure (docs/moe.md)"
+        )
     refused = ""
     try:
         validate.check_machine(cfg)

@@ -1,8 +1,11 @@
 """The ONE place that fixes the order of parallelisms for the Llama, and its tensor-parallel plan.
 
-Order: float8 -> TP -> CP -> AC -> compile -> FSDP/HSDP or DDP -> activation offload, because
+Order: float8 -> TP -> EP -> CP -> AC -> compile -> FSDP/HSDP or DDP -> activation offload, because
 - float8 swaps `nn.Linear` for float8 linears, which the TP styles and FSDP then shard as they are;
 - TP rewrites parameters into DTensors on the `tp` mesh, which FSDP then shards again over `dp` (2-D);
+- EP (Llama 4) does the same for the routed experts on the `ep` mesh, and wraps their forward in the
+  all-to-all dispatch and combine, before AC and compile so that both see the exchange as part of the
+  block; FSDP then shards the experts in their own units over the data-parallel ranks outside EP;
 - CP is applied per step by the trainer (sequence-sharded batch, ring attention in SDPA), so here it
   only has its place in the order: any module change it needed would go before the blocks are wrapped;
 - AC wraps each block, and compile then traces the checkpointed block (so the recomputation is
@@ -33,6 +36,7 @@ from titanrush.parallel.activation_checkpoint import apply_ac
 from titanrush.parallel.activation_offload import ActivationOffloader, apply_offload
 from titanrush.parallel.compile import apply_compile
 from titanrush.parallel.ddp import apply_ddp
+from titanrush.parallel.expert_parallel import apply_ep, shard_experts
 from titanrush.parallel.float8 import apply_float8
 from titanrush.parallel.fsdp import apply_fsdp
 from titanrush.parallel.parallel_dims import JobMesh
@@ -49,7 +53,7 @@ logger = logging.getLogger("titanrush")
 def parallelize_llama(
     model: nn.Module, plan: RunPlan, mesh: JobMesh | None, *, device: torch.device | None = None
 ) -> ActivationOffloader | None:
-    """Apply float8, TP, CP, AC, compile and FSDP/HSDP or DDP to a Llama, in that order, in place.
+    """Apply float8, TP, EP, CP, AC, compile and FSDP/HSDP or DDP to a Llama, in that order, in place.
 
     Runs on the meta-device model, before `to_empty` and `init_weights`.
 
@@ -83,6 +87,11 @@ def parallelize_llama(
             float8=plan.float8_tp,
         )
 
+    # 2b. Expert parallel (Llama 4): each rank keeps E / ep of every MoE layer's routed experts.
+    experts = {k: b.moe.experts for k, b in model.layers.items() if getattr(b, "moe", None) is not None}
+    if mesh is not None and plan.ep > 1:
+        apply_ep(list(experts.values()), mesh["ep"])
+
     # 3. Context parallel: nothing changes in the modules (the plan built them with K/V heads repeated
     #    for ring attention). The trainer's context_parallel_step shards each batch over `cp` and swaps
     #    SDPA for ring attention during the step; FSDP below shards the weights over dp_shard x cp, since
@@ -100,13 +109,28 @@ def parallelize_llama(
         compiled=plan.compile,
     )
     if plan.compile:
-        if not plan.fullgraph and model.args.attn_backend == "flash":
-            logger.info("compile: the flash-attn package (FA3/FA2) runs between the block's compiled graphs")
+        if not plan.fullgraph:
+            what = (
+                "the MoE layers' exchange or per-expert loop"
+                if plan.moe
+                else f"attn_backend={model.args.attn_backend}"
+            )
+            logger.info(f"compile: {what} runs between compiled graphs")
         apply_compile(model, fullgraph=plan.fullgraph)
 
     # 6. Data parallel: FSDP (or HSDP on a 2-D mesh), else plain DDP.
     if mesh is not None and plan.fsdp:
         dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if plan.dp_replicate > 1 else mesh["dp_shard_cp"]
+        if plan.ep > 1:  # the experts first (inner units): sharded over the ranks that are not EP peers
+            experts_mesh = mesh["dp_replicate", "efsdp_cp"] if plan.dp_replicate > 1 else mesh["efsdp_cp"]
+            shard_experts(
+                list(experts.values()),
+                experts_mesh,
+                divide_factor=plan.dp * plan.cp,
+                param_dtype=torch.bfloat16 if plan.precision == "bf16" else torch.float32,
+                reshard_after_forward=plan.reshard != "never",
+                cpu_offload=plan.cpu_offload,
+            )
         apply_fsdp(
             model,
             dp_mesh,
@@ -115,6 +139,7 @@ def parallelize_llama(
             reshard_after_forward=plan.reshard,
             keep_gathered_last=plan.keep_gathered_last,
             cpu_offload=plan.cpu_offload,
+            inner_units=experts if plan.ep > 1 else None,
         )
     elif mesh is not None and plan.ddp:
         apply_ddp(model, mesh["dp_replicate"])

@@ -1,0 +1,105 @@
+"""Llama 4's mixture of experts on CUDA: the grouped GEMM against the per-expert loop, and expert parallel
+over NCCL against one GPU.
+
+Run on the GPU machine: `pytest tests/gpu/test_moe_gpu.py` (the EP tests need 2 GPUs, EP2 x FSDP and
+EP2 x CP2 need 4). The trainer runs llama4_debug (every layer MoE, 8 experts, top-1) on synthetic data.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gpu_launch import launch
+from gpu_launch import max_dev as dev
+
+from titanrush.models.llama4.grouped_gemm import KERNEL, grouped_mm, grouped_mm_supported, loop_mm
+
+STEPS = 8
+# fp32 on CUDA (the per-expert loop: the grouped kernel takes bf16): only the order of sums differs, but
+# cuBLAS's reassociation (~1e-6) can flip a near-tied top-1 choice (the CPU suite, at ~1e-7, sees none),
+# and a flip can move an expert's count across the mean and so its bias: 10x the dense suite's 1e-4.
+FP32_RTOL = 1e-3
+# bf16: one GPU autocasts, FSDP casts the gathered parameters; a bf16 rounding can flip a near-tied
+# top-1 choice now and then, which moves the loss by about its own rounding.
+BF16_RTOL = 2e-2
+
+
+@pytest.mark.parametrize("counts", [[37, 0, 101, 6, 256, 1, 0, 111], [64] * 8])
+def test_grouped_gemm_matches_the_loop_in_bf16(counts):
+    """bf16 on CUDA: both against an fp32 reference; the grouped kernel within the loop's own error."""
+    assert KERNEL is not None, f"torch {torch.__version__} has no grouped GEMM"
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    c = torch.tensor(counts, device="cuda")
+    x = torch.randn(int(c.sum()), 512, device="cuda", generator=gen)
+    w = torch.randn(8, 512, 768, device="cuda", generator=gen) / 512**0.5
+    g = torch.randn(int(c.sum()), 768, device="cuda", generator=gen)
+    assert grouped_mm_supported(x.bfloat16(), w.bfloat16())
+    results = {}
+    for name, grouped, dtype in (("grouped", True, torch.bfloat16), ("loop", False, torch.bfloat16),
+                                 ("fp32", False, torch.float32)):  # fmt: skip
+        xi = x.to(dtype).requires_grad_()
+        wi = w.to(dtype).requires_grad_()
+        out = grouped_mm(xi, wi, c, grouped=grouped) if grouped else loop_mm(xi, wi, c)
+        out.backward(g.to(dtype))
+        results[name] = [t.float() for t in (out, xi.grad, wi.grad)]
+    for i, what in enumerate(("out", "x.grad", "w.grad")):
+        ref = results["fp32"][i]
+        err = {k: ((results[k][i] - ref).abs().max() / ref.abs().max()).item() for k in ("grouped", "loop")}
+        assert err["grouped"] <= max(2 * err["loop"], 1e-2), (what, err)
+
+
+def train(tmp: Path, name: str, ngpu: int, dp: int, *overrides: str) -> list[dict]:
+    args = [
+        "--model.flavor", "llama4_debug", "--training.steps", str(STEPS), "--training.seq_len", "256",
+        "--training.local_batch_size", str(8 // dp), "--training.global_batch_size", "8",
+        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--no-metrics.tensorboard",
+        "--data.dataset", "synthetic", *overrides,
+    ]  # fmt: skip
+    rows, _ = launch(tmp, name, ngpu, args, timeout=900)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    return rows
+
+
+@pytest.fixture(scope="module")
+def refs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("moe_ref")
+    return {
+        "fp32": train(tmp, "fp32", 1, 1, "--training.deterministic"),
+        "bf16": train(tmp, "bf16", 1, 1, "--training.precision", "bf16"),
+    }
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("name", ["ep2", "fsdp2"])
+def test_fp32_ep2_matches_one_gpu(name, tmp_path, refs):
+    over = ["--parallelism.ep", "2"] if name == "ep2" else []
+    rows = train(tmp_path, name, 2, 2, "--training.deterministic", *over)
+    for key in ("loss", "grad_norm"):
+        assert dev(rows, refs["fp32"], key) <= FP32_RTOL, (key, [r[key] for r in rows])
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_bf16_ep2_trains_like_one_gpu(compiled, tmp_path, refs):
+    """bf16 (the grouped kernel), eager and compiled (graph breaks at the all-to-alls)."""
+    extra = ["--compile.enable"] if compiled else []
+    rows = train(tmp_path, "ep2_bf16", 2, 2, "--training.precision", "bf16", "--parallelism.ep", "2", *extra)
+    assert dev(rows, refs["bf16"], "loss") <= BF16_RTOL, [r["loss"] for r in rows]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+@pytest.mark.multigpu(4)
+@pytest.mark.parametrize("name", ["ep2_fsdp2", "ep2_cp2"])
+def test_four_gpu_meshes_match_one_gpu(name, tmp_path, refs):
+    """EP2 x FSDP2: experts sharded by FSDP over the pairs that are not EP peers. EP2 x CP2: each rank
+    routes its share of the sequence; the experts are FSDP-sharded over cp."""
+    cp = name == "ep2_cp2"
+    over = ["--parallelism.ep", "2"] + (["--parallelism.cp", "2"] if cp else [])
+    rows = train(tmp_path, name, 4, 2 if cp else 4, "--training.deterministic", *over)
+    # Under CP the ring's online softmax reassociates attention's sums too: the CP suite's tolerances.
+    tolerance = {"loss": 2e-3, "grad_norm": 2e-2} if cp else {"loss": FP32_RTOL, "grad_norm": FP32_RTOL}
+    for key, rtol in tolerance.items():
+        assert dev(rows, refs["fp32"], key) <= rtol, (key, [r[key] for r in rows])

@@ -1,0 +1,101 @@
+"""Load balance between steps: the routing bias update (DeepSeek-V3) and the experts' load metrics.
+
+Every MoE layer counts the tokens each of its experts received during the step's forward passes
+(`MoE.tokens_per_expert`, summed over micro-batches). Once per optimizer step, `balance_experts` sums the
+counts over the data-parallel (and context-parallel) ranks, so that every rank sees the same global load
+and moves the same bias, then for each layer:
+
+    bias_e += rate x sign(mean load - load_e), re-centred to mean zero,
+
+so overloaded experts become less attractive and idle ones more (the scores that weight the experts'
+outputs never see the bias). The counts are then reset.
+
+Activation checkpointing runs a block's forward again in backward, which counts its tokens twice; the
+sign of a difference and the shares of the load do not change with a common factor, so the update and
+the metrics use only those: each expert's share of the layer's routed tokens, and the imbalance, the
+largest load over the mean (1.0 is perfect balance; E when one expert gets every token).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from titanrush.models.llama4.moe import MoE
+
+
+def moe_modules(parts: list[nn.Module]) -> dict[str, MoE]:
+    """The MoE modules of the model parts, keyed by layer (`"3"`), in layer order."""
+    found: dict[str, MoE] = {}
+    for part in parts:
+        for key, block in getattr(part, "layers", {}).items():
+            moe = getattr(block, "moe", None)
+            if isinstance(moe, MoE):
+                found[key] = moe
+    return dict(sorted(found.items(), key=lambda kv: int(kv[0])))
+
+
+@torch.no_grad()
+def balance_experts(
+    moes: dict[str, MoE], *, rate: float, group: Any = None, routed_tokens: int = 0
+) -> dict[str, Any]:
+    """Update every layer's routing bias from the step's load; return the load metrics and reset counts.
+
+    Args:
+        moes: This rank's MoE modules by layer (`moe_modules`).
+        rate: The bias step (moe.bias_update_rate); 0 only measures.
+        group: The process group over which the loads are summed (the data- and context-parallel ranks),
+            or None for one process.
+        routed_tokens: The step's routed choices over all ranks (tokens x top_k), which turns each
+            expert's share into its token count; 0 reports shares only.
+
+    Returns:
+        `moe_imbalance` (the largest layer's max / mean load), `moe_imbalance_mean` (over layers), and per
+        layer `moe_imbalance_l<i>` and `moe_tokens_l<i>` (tokens per expert: a list).
+    """
+    if not moes:
+        return {}
+    counts = torch.stack([m.tokens_per_expert for m in moes.values()]).float()  # (layers, E)
+    if group is not None:
+        dist.all_reduce(counts, group=group)
+    total = counts.sum(-1, keepdim=True).clamp(min=1.0)
+    share = counts / total
+    mean = counts.mean(-1, keepdim=True)
+    if rate > 0:
+        delta = rate * torch.sign(mean - counts)
+        delta = delta - delta.mean(-1, keepdim=True)
+        for moe, d in zip(moes.values(), delta):
+            moe.expert_bias.add_(d)
+    for moe in moes.values():
+        moe.tokens_per_expert.zero_()
+    imbalance = (counts.max(-1).values / mean.squeeze(-1).clamp(min=1e-9)).tolist()
+    stats: dict[str, Any] = {
+        "moe_imbalance": max(imbalance),
+        "moe_imbalance_mean": sum(imbalance) / len(imbalance),
+    }
+    for (layer, _), imb, sh in zip(moes.items(), imbalance, share.tolist()):
+        stats[f"moe_imbalance_l{layer}"] = imb
+        if routed_tokens:
+            stats[f"moe_tokens_l{layer}"] = [round(s * routed_tokens) for s in sh]
+        else:
+            stats[f"moe_share_l{layer}"] = sh
+    return stats
+
+
+class ExpertBalance:
+    """`balance_experts` over the MoE layers of the model parts, once per optimizer step (nothing for a
+    dense model)."""
+
+    def __init__(self, parts: list[nn.Module], *, rate: float, group: Any = None, tokens: int = 0) -> None:
+        """`tokens`: the tokens of one optimizer step over all data-parallel ranks."""
+        self.moes = moe_modules(parts)
+        self.rate, self.group = rate, group
+        top_k = next(iter(self.moes.values())).top_k if self.moes else 0
+        self.routed = tokens * top_k
+
+    def step(self) -> dict[str, Any]:
+        """Move the routing biases by this step's load; the load metrics (empty for a dense model)."""
+        return balance_experts(self.moes, rate=self.rate, group=self.group, routed_tokens=self.routed)
