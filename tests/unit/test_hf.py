@@ -446,13 +446,9 @@ def test_trainer_starts_from_an_imported_checkpoint(tmp_path):
     start_from_import(tmp_path, hf.import_command)
 
 
-# Integrator: remove this mark once checkpoint.py compares model arguments instead of flavor names. It
-# fails today ("saved by model.flavor = 'custom', this run uses 'debug'"), strictly, so that the change
-# that makes it pass cannot go unnoticed.
-@pytest.mark.xfail(
-    strict=True, raises=ConfigError, reason="checkpoint loading still compares flavor names (model args soon)"
-)
 def test_trainer_starts_from_an_import_under_the_flavor_it_matches(tmp_path):
+    """Checkpoints are compared by their model arguments, not their flavor's name: an import whose shape
+    is a built-in flavor's starts a run under that flavor."""
     def named(imported: Path) -> list[str]:
         return [
             "--model.flavor",
