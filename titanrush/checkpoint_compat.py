@@ -27,13 +27,16 @@ from titanrush.checkpoint_folder import one_line, summarize
 from titanrush.config import ConfigError
 from titanrush.distributed import all_ranks
 from titanrush.models.llama import ModelArgs
+from titanrush.models.llama4 import Llama4Args
 
 # Model arguments that are run-time choices: the kernel, how K/V heads are laid out for context
 # parallel, the loss's chunking, the RoPE table's length and the longest sequence (the table is computed,
 # never saved). Every other field changes the weights or the function and is compared.
 RUNTIME_ARGS = frozenset(
-    {"attn_backend", "expand_kv", "loss_chunk_size", "compile_loss", "rope_positions", "max_seq_len"}
-)
+    {"attn_backend", "expand_kv", "loss_chunk_size", "compile_loss", "rope_positions", "max_seq_len",
+     # Llama 4: the experts' kernel, and the balance losses' weights (scaled by the run's batch layout)
+     "grouped_mm", "aux_loss_weight", "z_loss_weight"}
+)  # fmt: skip
 # Fields compared through what they determine (n_kv_heads None means n_heads; multiple_of and
 # ffn_dim_multiplier only through the hidden size they give).
 _DERIVED: dict[str, tuple[str, Callable[[ModelArgs], Any]]] = {
@@ -60,9 +63,14 @@ def model_arg_differences(saved: dict[str, Any], here: dict[str, Any]) -> list[s
     code does not know (one since removed, or added by a newer titanrush) is not compared: whether it
     mattered cannot be known here, and the entries and shapes are compared next anyway.
     """
-    known = {f.name: f for f in dataclasses.fields(ModelArgs)}
-    there = ModelArgs(**{k: v for k, v in saved.items() if k in known})
-    mine = ModelArgs(**{k: v for k, v in here.items() if k in known})
+    moe = "n_experts" in saved, "n_experts" in here  # (Llama 4's arguments extend the dense Llama's)
+    if moe[0] != moe[1]:
+        kinds = ["a Llama 4 mixture-of-experts model" if m else "a dense Llama" for m in moe]
+        return [f"the model is {kinds[0]} there, {kinds[1]} here"]
+    cls = Llama4Args if moe[0] else ModelArgs
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    there = cls(**{k: v for k, v in saved.items() if k in known})
+    mine = cls(**{k: v for k, v in here.items() if k in known})
     out: list[str] = []
     for name in known:
         if name in RUNTIME_ARGS or (name in _ROPE_SCALING and not (there.rope_scaling or mine.rope_scaling)):

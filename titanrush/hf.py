@@ -82,6 +82,12 @@ def _step_folder(checkpoint_dir: str | Path) -> Path:
 def _info_args(info_file: Path) -> tuple[ModelArgs, dict[str, Any]]:
     """(the shape in titanrush.json's model_args, with the runtime fields at their defaults; the info)."""
     info = _read_json(info_file)
+    if isinstance(info.get("model_args"), dict) and "n_experts" in info["model_args"]:
+        raise ConfigError(
+            f"{info_file.parent} holds a Llama 4 (mixture-of-experts) checkpoint: train from it with "
+            f"model.flavor = {info.get('flavor', 'its Llama 4 flavor')!r} and checkpoint.load_path (without "
+            "model.from_checkpoint); convert and generate take dense Llama checkpoints only"
+        )
     try:
         saved = info["model_args"]
         return ModelArgs(**{k: saved[k] for k in SHAPE_FIELDS if k in saved}), info

@@ -148,7 +148,6 @@ class Trainer:
         group = self.mesh["dp_cp"].get_group() if self.mesh is not None and plan.dp * plan.cp > 1 else None
         tokens = plan.local_batch * plan.seq_len * plan.accum * plan.dp
         self.balance = ExpertBalance(self.model_parts, rate=plan.moe_bias_rate, group=group, tokens=tokens)
-        self.moe_stats: dict[str, Any] = {}
         # The loss (log-softmax over the vocabulary in fp32) fuses well; under loss parallel it works on
         # DTensors, which stay eager. It is a sum: the step divides it by its global count of valid tokens.
         self.loss_fn = torch.compile(cross_entropy_sum) if plan.compiled_loss else cross_entropy_sum
@@ -338,7 +337,7 @@ class Trainer:
         self.lr = float(self.optimizer.param_groups[0]["lr"])
         stepped = self.guard.should_step(self.step, total, grad_norm)
         self.checkpointer.wait_for_staging()  # an async_pinned save may still be copying the weights
-        self.moe_stats = self.balance.step()  # (the experts' load of this step, its update applied or not)
+        self.balance.step(update=stepped)  # (the experts' load; a skipped step moves no routing bias)
         if stepped:
             self.optimizer.step()
             if self.plan.float8_all_gather:  # FSDP's float8 all-gather: every weight's scale, once per step
@@ -411,7 +410,7 @@ class Trainer:
         record |= dataclasses.asdict(self.memory.read_and_reset())
         if self.offloaders:  # activation offload: GiB this rank moved to the host (and back)
             record["offload_gib"] = sum(o.bytes_offloaded for o in self.offloaders) / 2**30
-        self.metrics.log(self.step, record | self.moe_stats)
+        self.metrics.log(self.step, record | self.balance.stats())
         self.throughput.reset()
         return mean
 

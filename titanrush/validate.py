@@ -168,6 +168,11 @@ def check_values(cfg: JobConfig) -> None:
         )
     if p.pp > 1 and p.pp_schedule == "ZBVZeroBubble" and p.pp_stages_per_rank not in (0, 2):
         raise ConfigError("parallelism.pp_schedule = ZBVZeroBubble places exactly 2 stages per rank (a V)")
+    if p.pp > 1 and p.pp_schedule == "ZBVZeroBubble" and cfg.validation.freq:
+        raise ConfigError(
+            "validation.freq > 0 with parallelism.pp_schedule = ZBVZeroBubble: torch's forward-only pass of "
+            "that schedule fails (Schedule.eval); set validation.freq = 0 or choose another schedule"
+        )
     if cfg.float8.enable and t.precision != "bf16":
         raise ConfigError("float8.enable needs training.precision = 'bf16'")
     if cfg.checkpoint.load_model_only and not cfg.checkpoint.load_path:
@@ -246,12 +251,12 @@ def check_model_args(args: ModelArgs) -> None:
         )
     if args.rope_scaling and not (
         args.rope_scale_factor > 0
-        and 0 < args.rope_low_freq_factor < args.rope_high_freq_factor
+        and 0 < args.rope_low_freq_factor <= args.rope_high_freq_factor
         and args.rope_original_max_len > 0
     ):
         raise ConfigError(
             f"llama3 RoPE scaling needs model.rope_scale_factor > 0 ({args.rope_scale_factor}), 0 < "
-            f"rope_low_freq_factor ({args.rope_low_freq_factor}) < rope_high_freq_factor "
+            f"rope_low_freq_factor ({args.rope_low_freq_factor}) <= rope_high_freq_factor "
             f"({args.rope_high_freq_factor}) and rope_original_max_len > 0 ({args.rope_original_max_len})"
         )
 

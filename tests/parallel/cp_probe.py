@@ -6,7 +6,7 @@ Ring attention needs CUDA (SDPA's GPU kernels), so here the model attends with t
 does not go through SDPA: each rank attends within its shard of the sequence, and the loss is not one
 process's (the GPU tests compare that). What is checked is what the trainer does around attention under
 context parallel, for two steps of the trainer's own forward/backward (`_forward_backward`, or
-`_pipeline_forward_backward` through the schedule, then a validation pass `_pipeline_eval`): the probe's
+`_pipeline_run` through the schedule, then its forward-only validation pass): the probe's
 tokens are their own positions, and
 every attention call of every stage on every rank (each micro-batch, and the stages' shape inference)
 must rotate with the rows of the whole RoPE table at its tokens' positions; the batch is sharded once

@@ -166,6 +166,40 @@ def test_balance_reports_counts_and_resets():
     assert moe.tokens_per_expert.sum() == 0 and moe.expert_bias.abs().sum() == 0  # rate 0: measured only
 
 
+def test_a_skipped_step_moves_no_routing_bias_and_stats_wait_for_the_log():
+    from titanrush.models.llama4.balance import ExpertBalance
+
+    moe = _layer()
+    balance = ExpertBalance([], rate=0.1)
+    balance.moes = {"0": moe}  # (one layer, without a model around it)
+    moe(torch.randn(2, 5, 32))
+    balance.step(update=False)  # a step skipped as non-finite: counted and reset, no bias moved
+    assert moe.expert_bias.abs().sum() == 0 and moe.tokens_per_expert.sum() == 0
+    assert sum(balance.stats()["moe_share_l0"]) == pytest.approx(1.0)
+    moe(torch.randn(2, 5, 32))
+    balance.step()
+    assert moe.expert_bias.abs().sum() > 0
+
+
+def test_dense_and_moe_checkpoints_are_named_incompatible_and_not_taken_as_a_shape(tmp_path):
+    import dataclasses
+    import json
+
+    from titanrush import hf
+    from titanrush.checkpoint_compat import model_arg_differences
+    from titanrush.models.llama import model_args as dense_args
+
+    dense, moe = dataclasses.asdict(dense_args("debug")), dataclasses.asdict(model_args("llama4_debug"))
+    assert model_arg_differences(moe, dense) == [
+        "the model is a Llama 4 mixture-of-experts model there, a dense Llama here"
+    ]
+    other = {**moe, "top_k": moe["top_k"] + 1, "grouped_mm": not moe["grouped_mm"]}
+    assert model_arg_differences(other, moe) == [f"top_k is {moe['top_k'] + 1} there, {moe['top_k']} here"]
+    (tmp_path / "titanrush.json").write_text(json.dumps({"flavor": "llama4_debug", "model_args": moe}))
+    with pytest.raises(ConfigError, match="Llama 4 .*model.flavor = 'llama4_debug'"):
+        hf.model_args_at(tmp_path)
+
+
 def test_flops_per_token_counts_active_parameters_as_torchs_flop_counter():
     """Against torch's FlopCounterMode over forward and backward, with the per-expert loop (whose matmuls
     it counts: tokens_e x expert parameters, summed = tokens x top_k x one expert), chunked attention on

@@ -72,6 +72,10 @@ def test_every_range_is_enforced_with_the_key_in_the_message(key):
         (["--float8.enable"], "float8.enable needs training.precision = 'bf16'"),
         (["--checkpoint.load_model_only"], "load_model_only applies to checkpoint.load_path"),
         (["--profiling.freq", "3"], r"profiling\.freq \(3\) must be >= profiling.active_steps \+ 2"),
+        (
+            ["--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble", "--validation.freq", "5"],
+            "Schedule.eval",
+        ),
     ],
 )
 def test_value_rules(args, pattern):
@@ -110,3 +114,18 @@ def test_machine_rules_on_cpu():
             plan(*args, world=world)
         # ... and the estimator, which plans for another machine, skips them
         build_plan(config.load(None, args), world, machine=False)
+
+
+@pytest.mark.parametrize("flavor", sorted(__import__("titanrush.models.llama", fromlist=["FLAVORS"]).FLAVORS))
+def test_every_dense_flavor_plans(flavor):
+    """Each built-in flavor's own arguments pass the model checks (on as many ranks as its size needs)."""
+    build_plan(config.load(None, ["--model.flavor", flavor, "--training.seq_len", "64"]), 1, machine=False)
+
+
+def test_every_llama4_flavor_plans():
+    from titanrush.models.llama4 import FLAVORS as LLAMA4
+
+    for flavor in LLAMA4:
+        build_plan(
+            config.load(None, ["--model.flavor", flavor, "--training.seq_len", "64"]), 1, machine=False
+        )

@@ -85,8 +85,8 @@ def build_schedule(
 ) -> tuple[object, list[PipelineStage]]:
     """PipelineStages for this rank's modules and the schedule that drives them.
 
-    Gradients are not rescaled by the schedule (`scale_grads=False`): the loss function divides by the
-    number of micro-batches itself, so gradient accumulation across steps stays exact.
+    Gradients are not rescaled by the schedule (`scale_grads=False`): the loss function divides each
+    micro-batch's sum by the step's count of valid tokens itself, so gradient accumulation stays exact.
     """
     group = pp_mesh.get_group()
     stages = [PipelineStage(m, i, n_stages, device, group=group) for m, i in zip(modules, ids)]

@@ -39,55 +39,70 @@ def moe_modules(parts: list[nn.Module]) -> dict[str, MoE]:
 
 
 @torch.no_grad()
-def balance_experts(
-    moes: dict[str, MoE], *, rate: float, group: Any = None, routed_tokens: int = 0
-) -> dict[str, Any]:
-    """Update every layer's routing bias from the step's load; return the load metrics and reset counts.
+def update_bias(moes: dict[str, MoE], *, rate: float, group: Any = None, update: bool = True) -> torch.Tensor:
+    """The step's load of every layer (summed over `group`), the routing biases moved by it (`update`),
+    the layers' counts reset; all on the device, no host sync.
 
     Args:
         moes: This rank's MoE modules by layer (`moe_modules`).
         rate: The bias step (moe.bias_update_rate); 0 only measures.
         group: The process group over which the loads are summed (the data- and context-parallel ranks),
             or None for one process.
-        routed_tokens: The step's routed choices over all ranks (tokens x top_k), which turns each
-            expert's share into its token count; 0 reports shares only.
+        update: False leaves the biases as they are (a step skipped as non-finite changes no state).
 
     Returns:
-        `moe_imbalance` (the largest layer's max / mean load), `moe_imbalance_mean` (over layers), and per
-        layer `moe_imbalance_l<i>` and `moe_tokens_l<i>` (tokens per expert: a list).
+        The summed counts, (layers, experts).
     """
-    if not moes:
-        return {}
     counts = torch.stack([m.tokens_per_expert for m in moes.values()]).float()  # (layers, E)
     if group is not None:
         dist.all_reduce(counts, group=group)
-    total = counts.sum(-1, keepdim=True).clamp(min=1.0)
-    share = counts / total
-    mean = counts.mean(-1, keepdim=True)
-    if rate > 0:
+    if rate > 0 and update:
+        mean = counts.mean(-1, keepdim=True)
         delta = rate * torch.sign(mean - counts)
         delta = delta - delta.mean(-1, keepdim=True)
         for moe, d in zip(moes.values(), delta):
             moe.expert_bias.add_(d)
     for moe in moes.values():
         moe.tokens_per_expert.zero_()
-    imbalance = (counts.max(-1).values / mean.squeeze(-1).clamp(min=1e-9)).tolist()
+    return counts
+
+
+def load_stats(layers: list[str], counts: torch.Tensor, routed_tokens: int = 0) -> dict[str, Any]:
+    """The load metrics of one step's counts (layers, experts), read to the host.
+
+    Returns:
+        `moe_imbalance` (the largest layer's max / mean load), `moe_imbalance_mean` (over layers), and per
+        layer `moe_imbalance_l<i>` and `moe_tokens_l<i>` (tokens per expert: a list; `moe_share_l<i>`, the
+        shares, where `routed_tokens`, the step's routed choices over all ranks, is 0).
+    """
+    share = counts / counts.sum(-1, keepdim=True).clamp(min=1.0)
+    mean = counts.mean(-1)
+    imbalance = (counts.max(-1).values / mean.clamp(min=1e-9)).tolist()
     stats: dict[str, Any] = {
         "moe_imbalance": max(imbalance),
         "moe_imbalance_mean": sum(imbalance) / len(imbalance),
     }
-    for (layer, _), imb, sh in zip(moes.items(), imbalance, share.tolist()):
+    for layer, imb, sh in zip(layers, imbalance, share.tolist()):
         stats[f"moe_imbalance_l{layer}"] = imb
         if routed_tokens:
-            stats[f"moe_tokens_l{layer}"] = [round(s * routed_tokens) for s in sh]
+            stats[f"moe_tokens_l{layer}"] = [round(x * routed_tokens) for x in sh]
         else:
             stats[f"moe_share_l{layer}"] = sh
     return stats
 
 
+def balance_experts(
+    moes: dict[str, MoE], *, rate: float, group: Any = None, routed_tokens: int = 0
+) -> dict[str, Any]:
+    """`update_bias` then `load_stats`: one step's balance and its metrics (empty for no MoE layer)."""
+    if not moes:
+        return {}
+    return load_stats(list(moes), update_bias(moes, rate=rate, group=group), routed_tokens)
+
+
 class ExpertBalance:
-    """`balance_experts` over the MoE layers of the model parts, once per optimizer step (nothing for a
-    dense model)."""
+    """The MoE layers' balance over the model parts, once per optimizer step (nothing for a dense model):
+    `step` moves the routing biases on the device; `stats` reads the last step's load when it is logged."""
 
     def __init__(self, parts: list[nn.Module], *, rate: float, group: Any = None, tokens: int = 0) -> None:
         """`tokens`: the tokens of one optimizer step over all data-parallel ranks."""
@@ -95,7 +110,15 @@ class ExpertBalance:
         self.rate, self.group = rate, group
         top_k = next(iter(self.moes.values())).top_k if self.moes else 0
         self.routed = tokens * top_k
+        self.counts: torch.Tensor | None = None
 
-    def step(self) -> dict[str, Any]:
-        """Move the routing biases by this step's load; the load metrics (empty for a dense model)."""
-        return balance_experts(self.moes, rate=self.rate, group=self.group, routed_tokens=self.routed)
+    def step(self, *, update: bool = True) -> None:
+        """This step's load; the routing biases moved by it unless `update` is False (a skipped step)."""
+        if self.moes:
+            self.counts = update_bias(self.moes, rate=self.rate, group=self.group, update=update)
+
+    def stats(self) -> dict[str, Any]:
+        """The last step's load metrics (a host sync: for logged steps); empty for a dense model."""
+        if self.counts is None:
+            return {}
+        return load_stats(list(self.moes), self.counts, self.routed)

@@ -82,7 +82,7 @@ class Llama4Attention(Attention):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: object = None) -> torch.Tensor:
         bsz, seq, _ = x.shape
-        if rope.dim() == 2:
+        if rope.dim() == 3:  # the model's whole table (positions, D/2, 2): this sequence's positions
             rope = rope[:seq]
         q = self.wq(x).view(bsz, seq, -1, self.head_dim)  # (B, T, H, D)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)  # (B, T, Hkv, D)
