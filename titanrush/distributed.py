@@ -115,8 +115,9 @@ def set_allocator_env(environ: dict[str, str] | os._Environ, *, expandable: bool
     allocator reads when CUDA starts in this process (`titanrush.train` sets it before anything does); a
     setting already in the environment wins. Returns False where CUDA has started already (too late: the
     allocator runs with what it read)."""
-    if not any(environ.get(k) for k in ALLOC_VARS):
-        environ["PYTORCH_ALLOC_CONF"] = f"expandable_segments:{expandable}"
+    if any(environ.get(k) for k in ALLOC_VARS):  # (set before CUDA started: by titanrush.train or the user)
+        return True
+    environ["PYTORCH_ALLOC_CONF"] = f"expandable_segments:{expandable}"
     return not torch.cuda.is_initialized()
 
 
