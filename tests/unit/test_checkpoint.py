@@ -252,27 +252,32 @@ def test_barrier_names_this_ranks_device_to_nccl(monkeypatch, backend):
 
 
 def test_every_model_argument_but_the_run_time_choices_is_compared():
-    """A field added to ModelArgs is compared unless it is listed as a run-time choice
+    """A field added to ModelArgs or Llama4Args is compared unless it is listed as a run-time choice
     (checkpoint_compat.RUNTIME_ARGS): a checkpoint of another model must never load silently."""
     import dataclasses
 
     from titanrush.checkpoint_compat import RUNTIME_ARGS, model_arg_differences
-    from titanrush.models.llama import FLAVORS, ModelArgs
+    from titanrush.models.llama import FLAVORS
+    from titanrush.models.llama4.flavors import FLAVORS as LLAMA4_FLAVORS
 
+    every = set()
+    for args in (FLAVORS["debug"], LLAMA4_FLAVORS["llama4_debug"]):
+        base = dataclasses.asdict(dataclasses.replace(args, rope_scaling=True))
+        fields = {f.name for f in dataclasses.fields(args)}
+        every |= fields
+        for name in sorted(fields):
+            value = base[name]
+            other = {
+                bool: lambda v: not v,
+                int: lambda v: v + 1,
+                float: lambda v: v * 2,
+                str: lambda v: v + "x",
+            }.get(type(value), lambda v: 1.5)(value)  # None (ffn_dim_multiplier): a multiplier
+            diffs = model_arg_differences(base, {**base, name: other})
+            if name in RUNTIME_ARGS:
+                assert diffs == [], (name, diffs)
+            else:
+                assert len(diffs) == 1 and "there" in diffs[0], (name, diffs)
+    assert every >= RUNTIME_ARGS, RUNTIME_ARGS - every
     base = dataclasses.asdict(dataclasses.replace(FLAVORS["debug"], rope_scaling=True))
-    fields = {f.name for f in dataclasses.fields(ModelArgs)}
-    assert fields >= RUNTIME_ARGS, RUNTIME_ARGS - fields
-    for name in sorted(fields):
-        value = base[name]
-        other = {
-            bool: lambda v: not v,
-            int: lambda v: v + 1,
-            float: lambda v: v * 2,
-            str: lambda v: v + "x",
-        }.get(type(value), lambda v: 1.5)(value)  # None (ffn_dim_multiplier): a multiplier
-        diffs = model_arg_differences(base, {**base, name: other})
-        if name in RUNTIME_ARGS:
-            assert diffs == [], (name, diffs)
-        else:
-            assert len(diffs) == 1 and "there" in diffs[0], (name, diffs)
     assert model_arg_differences({**base, "n_kv_heads": None}, {**base, "n_kv_heads": base["n_heads"]}) == []

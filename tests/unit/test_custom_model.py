@@ -136,7 +136,7 @@ CUSTOM = ["--model.flavor", "custom", "--model.n_layers", "2", "--model.vocab_si
          r"model\.rope_scale_factor applies to model\.rope_scaling = 'llama3'"),
         (["--model.dim", "64", "--model.n_heads", "2", "--model.rope_scaling", "llama3",
           "--model.rope_low_freq_factor", "4", "--model.rope_high_freq_factor", "2"],
-         r"0 < rope_low_freq_factor \(4.0\) < rope_high_freq_factor \(2.0\)"),
+         r"0 < rope_low_freq_factor \(4.0\) <= rope_high_freq_factor \(2.0\)"),
         (["--model.dim", "64", "--model.n_heads", "2", "--model.vocab_size", "100"],
          r"model vocabulary \(100\) does not cover the tokenizer's 8192"),
     ],
