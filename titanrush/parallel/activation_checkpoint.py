@@ -2,8 +2,9 @@
 
 Each block of `model.layers` (a ModuleDict) is replaced by a `CheckpointedBlock` around it, which runs the
 block under `torch.utils.checkpoint.checkpoint` (non-reentrant). Parameter names gain
-`_checkpoint_wrapped_module.` (the name PyTorch's own wrapper uses), which checkpoint loading and weight
-init strip.
+`_checkpoint_wrapped_module.` (the name PyTorch's own wrapper uses, which distributed checkpointing and
+weight init strip); the wrapper's state dict keys are the block's own, in both directions, so a
+checkpoint does not depend on whether the run that wrote or reads it recomputes activations.
 """
 
 from __future__ import annotations
@@ -97,12 +98,33 @@ def _selective_op_context(op_matmuls: str = "all") -> Any:
 _SAVE = _ops_to_save()
 
 
+_WRAPPED = "_checkpoint_wrapped_module."
+
+
+def _state_dict_without_wrapper(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
+    """State dict post-hook: `<prefix>_checkpoint_wrapped_module.<key>` is saved as `<prefix><key>`."""
+    inner = prefix + _WRAPPED
+    for key in [k for k in state_dict if k.startswith(inner)]:
+        state_dict[prefix + key[len(inner) :]] = state_dict.pop(key)
+
+
+def _load_state_dict_into_wrapper(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, *_rest: Any
+) -> None:
+    """Load pre-hook: the block's own keys (`<prefix><key>`) reach the wrapped block."""
+    inner = prefix + _WRAPPED
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(inner)]:
+        state_dict[inner + key[len(prefix) :]] = state_dict.pop(key)
+
+
 class CheckpointedBlock(nn.Module):
     """A block recomputed in backward: its forward runs under non-reentrant `checkpoint`, nothing saved."""
 
     def __init__(self, block: nn.Module) -> None:
         super().__init__()
         self._checkpoint_wrapped_module = block
+        self.register_state_dict_post_hook(_state_dict_without_wrapper)
+        self.register_load_state_dict_pre_hook(_load_state_dict_into_wrapper)
 
     def __getattr__(self, name: str) -> Any:
         """The block's own attributes (e.g. its init scale) read through the wrapper."""
