@@ -64,7 +64,8 @@ def test_resumed_run_repeats_the_uninterrupted_losses_bitwise(tmp_path, mode):
     "save_with",
     [
         ("--activation_checkpoint.mode", "full"),
-        ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "op", "--compile.enable"),
+        ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "op",
+         "--compile.enable"),
     ],
     ids=["full_ac", "op_ac_compiled"],
 )  # fmt: skip
@@ -76,7 +77,8 @@ def test_a_checkpoint_written_under_activation_checkpointing_loads_into_a_plain_
     ckpt = ("--checkpoint.enable", "--checkpoint.interval", "2")
     train(args(tmp_path, "full", 4))
     train(args(tmp_path, "split", 4, *ckpt, *save_with), stop_at=2)
-    names = FileSystemReader(str(tmp_path / "split" / "checkpoint" / "step-2")).read_metadata().state_dict_metadata
+    reader = FileSystemReader(str(tmp_path / "split" / "checkpoint" / "step-2"))
+    names = reader.read_metadata().state_dict_metadata
     assert "model.layers.0.attention.wq.weight" in names
     assert not [n for n in names if "_checkpoint_wrapped_module" in n or "_orig_mod" in n]
     train(args(tmp_path, "split", 4, *ckpt))  # resumes at step 2: no recomputation, no compile

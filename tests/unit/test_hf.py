@@ -449,6 +449,7 @@ def test_trainer_starts_from_an_imported_checkpoint(tmp_path):
 def test_trainer_starts_from_an_import_under_the_flavor_it_matches(tmp_path):
     """Checkpoints are compared by their model arguments, not their flavor's name: an import whose shape
     is a built-in flavor's starts a run under that flavor."""
+
     def named(imported: Path) -> list[str]:
         return [
             "--model.flavor",

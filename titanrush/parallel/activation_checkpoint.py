@@ -101,7 +101,9 @@ _SAVE = _ops_to_save()
 _WRAPPED = "_checkpoint_wrapped_module."
 
 
-def _state_dict_without_wrapper(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
+def _state_dict_without_wrapper(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any
+) -> None:
     """State dict post-hook: `<prefix>_checkpoint_wrapped_module.<key>` is saved as `<prefix><key>`."""
     inner = prefix + _WRAPPED
     for key in [k for k in state_dict if k.startswith(inner)]:
