@@ -308,3 +308,19 @@ def test_every_model_argument_but_the_run_time_choices_is_compared():
     assert every >= RUNTIME_ARGS, RUNTIME_ARGS - every
     base = dataclasses.asdict(dataclasses.replace(FLAVORS["debug"], rope_scaling=True))
     assert model_arg_differences({**base, "n_kv_heads": None}, {**base, "n_kv_heads": base["n_heads"]}) == []
+
+
+def test_block_checksums_match_zlib_over_any_range_and_stop_at_the_end_of_a_short_file(tmp_path):
+    """The integrity record's per-block CRC (read through a memory map): any offset, page-aligned or not;
+    a range past the end of the file stops at the end (a shorter file is reported by the size check)."""
+    import zlib
+
+    from titanrush.checkpoint_integrity import _crc_range
+
+    data = os.urandom(3 * 4096 + 123)
+    path = tmp_path / "shard"
+    path.write_bytes(data)
+    for offset, length in [(0, len(data)), (4096, 5000), (100, 7000), (len(data) - 5, 100), (len(data), 10)]:
+        assert _crc_range(path, offset, length) == f"{zlib.crc32(data[offset : offset + length]):08x}"
+    (tmp_path / "empty").write_bytes(b"")
+    assert _crc_range(tmp_path / "empty", 0, 64) == f"{zlib.crc32(b''):08x}"
