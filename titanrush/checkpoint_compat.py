@@ -43,6 +43,8 @@ _DERIVED: dict[str, tuple[str, Callable[[ModelArgs], Any]]] = {
     "n_kv_heads": ("n_kv_heads", lambda a: a.kv_heads),
     "multiple_of": ("the feed-forward size (multiple_of, ffn_dim_multiplier)", lambda a: a.ffn_hidden),
     "ffn_dim_multiplier": ("the feed-forward size (multiple_of, ffn_dim_multiplier)", lambda a: a.ffn_hidden),
+    # Llama 4: moe_hidden 0 means a size derived from the dense one (and multiple_of)
+    "moe_hidden": ("the experts' hidden size (moe_hidden)", lambda a: a.expert_hidden),
 }
 _ROPE_SCALING = (
     "rope_scale_factor",

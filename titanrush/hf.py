@@ -1,9 +1,10 @@
 """Checkpoint interchange: titanrush DCP checkpoints <-> Hugging Face Llama folders and single `.pt` files.
 
-The mapping itself (names, the RoPE permutation, config.json) is `titanrush.hf_mapping`, re-exported
-here; this module reads and writes the folders. An export carries the training tokenizer and its BOS/EOS
-ids, so `transformers` loads it and generates from it as it is; an import writes a model-only checkpoint
-whose `model_args` a run takes with `model.from_checkpoint`.
+The mapping itself (names, the RoPE permutation, config.json) is `titanrush.hf_mapping` for the dense
+Llama and `titanrush.models.llama4.hf` for Llama 4 (Hugging Face's `Llama4ForCausalLM`); this module
+reads and writes the folders and picks the mapping by the model's arguments. An export carries the
+training tokenizer and its BOS/EOS ids, so `transformers` loads it and generates from it as it is; an
+import writes a model-only checkpoint whose `model_args` a run takes with `model.from_checkpoint`.
 """
 
 from __future__ import annotations
@@ -22,18 +23,14 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from titanrush import hf_mapping
 from titanrush.config import ConfigError
-from titanrush.hf_mapping import (
-    args_from_hf_config,
-    expected_shapes,
-    first_few,
-    flavor_of,
-    from_hf_state_dict,
-    hf_config,
-    to_hf_state_dict,
-)
+from titanrush.hf_mapping import expected_shapes, first_few
 from titanrush.models.llama import ModelArgs
 from titanrush.models.llama.flavors import CUSTOM, SHAPE_FIELDS
+from titanrush.models.llama4 import FLAVORS as LLAMA4_FLAVORS
+from titanrush.models.llama4 import Llama4, Llama4Args
+from titanrush.models.llama4 import hf as llama4_hf
 from titanrush.safetensors_io import load_hf_weights, load_safetensors, save_safetensors
 
 if sys.version_info >= (3, 11):
@@ -79,20 +76,81 @@ def _step_folder(checkpoint_dir: str | Path) -> Path:
     return max(steps, key=lambda p: int(p.name[5:]))
 
 
+# Llama 4 arguments that say how a run computes, not what: left at their defaults when read back.
+_LLAMA4_RUNTIME = {"attn_backend", "expand_kv", "loss_chunk_size", "compile_loss", "rope_positions",
+                   "grouped_mm", "aux_loss_weight", "z_loss_weight"}  # fmt: skip
+
+
 def _info_args(info_file: Path) -> tuple[ModelArgs, dict[str, Any]]:
-    """(the shape in titanrush.json's model_args, with the runtime fields at their defaults; the info)."""
+    """(the shape in titanrush.json's model_args, with the runtime fields at their defaults; the info).
+
+    A Llama 4 checkpoint (its arguments name `n_experts`) gives Llama4Args.
+    """
     info = _read_json(info_file)
-    if isinstance(info.get("model_args"), dict) and "n_experts" in info["model_args"]:
-        raise ConfigError(
-            f"{info_file.parent} holds a Llama 4 (mixture-of-experts) checkpoint: train from it with "
-            f"model.flavor = {info.get('flavor', 'its Llama 4 flavor')!r} and checkpoint.load_path (without "
-            "model.from_checkpoint); convert and generate take dense Llama checkpoints only"
-        )
     try:
         saved = info["model_args"]
+        if "n_experts" in saved:
+            known = {f.name for f in dataclasses.fields(Llama4Args)} - _LLAMA4_RUNTIME
+            return Llama4Args(**{k: v for k, v in saved.items() if k in known}), info
         return ModelArgs(**{k: saved[k] for k in SHAPE_FIELDS if k in saved}), info
     except (KeyError, TypeError) as e:
         raise ConfigError(f"{info_file} lacks model_args or holds unknown ones ({e})") from e
+
+
+def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
+    """ModelArgs of a Hugging Face `config.json`: a Llama (`LlamaForCausalLM`), or Llama4Args of a Llama 4
+    (`Llama4ForCausalLM`, or the text model of `Llama4ForConditionalGeneration`); ConfigError otherwise."""
+    kinds = {cfg.get("model_type"), *cfg.get("architectures", [])}
+    if kinds & {"llama4", "llama4_text", "Llama4ForCausalLM", "Llama4ForConditionalGeneration"}:
+        try:
+            return llama4_hf.args_from_hf_config(cfg)
+        except (KeyError, TypeError) as e:
+            raise ConfigError(f"config.json of a Llama 4 lacks or mistypes {e}") from None
+    return hf_mapping.args_from_hf_config(cfg)
+
+
+def flavor_of(args: ModelArgs) -> str:
+    """The flavor whose model args computes (vocabulary, tying and lengths aside), else 'custom'."""
+    if not isinstance(args, Llama4Args):
+        return hf_mapping.flavor_of(args)
+    from titanrush.checkpoint_compat import model_arg_differences  # (the checkpoint layer: only here)
+
+    mine = dataclasses.asdict(args)
+    for name, flavor in LLAMA4_FLAVORS.items():
+        same = dataclasses.replace(flavor, vocab_size=args.vocab_size, tie_embeddings=args.tie_embeddings)
+        if not model_arg_differences(dataclasses.asdict(same), mine):
+            return name
+    return CUSTOM
+
+
+def to_hf_state_dict(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """titanrush model state dict -> Hugging Face state dict (Llama or Llama 4, by `args`)."""
+    if isinstance(args, Llama4Args):
+        return llama4_hf.to_hf_state_dict(sd, args)
+    return hf_mapping.to_hf_state_dict(sd, args)
+
+
+def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    """Hugging Face state dict -> titanrush model state dict (Llama or Llama 4, by `args`)."""
+    if isinstance(args, Llama4Args):
+        return llama4_hf.from_hf_state_dict(hf_sd, args)
+    return hf_mapping.from_hf_state_dict(hf_sd, args)
+
+
+def hf_config(
+    args: ModelArgs, dtype: torch.dtype = torch.bfloat16, bos_id: int | None = None, eos_id: int | None = None
+) -> dict[str, Any]:
+    """The Hugging Face `config.json` of a model with these arguments (BOS/EOS ids where known)."""
+    if isinstance(args, Llama4Args):
+        return llama4_hf.hf_config(args, dtype, bos_id, eos_id)
+    return hf_mapping.hf_config(args, dtype, bos_id, eos_id)
+
+
+def _shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    if not isinstance(args, Llama4Args):
+        return expected_shapes(args)
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in Llama4(args).state_dict().items()}
 
 
 def model_args_at(path: str | Path) -> ModelArgs:
@@ -152,7 +210,7 @@ def read_checkpoint(checkpoint_dir: str | Path) -> tuple[dict[str, torch.Tensor]
         stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     except Exception as e:
         raise ConfigError(f"{path / '.metadata'} is unreadable ({type(e).__name__}); use another step") from e
-    shapes = expected_shapes(args)
+    shapes = _shapes(args)
     if args.tie_embeddings:
         shapes.pop("output.weight")  # the embedding itself, whether stored or not
     missing = [k for k in shapes if f"model.{k}" not in stored]
@@ -275,8 +333,10 @@ def import_hf(hf_dir: str | Path, out_checkpoint_dir: str | Path) -> Path:
 
     titanrush.json records `flavor = "custom"` and the model's arguments; train from it in one command
     with `model.flavor = "custom"`, `model.from_checkpoint = <out>`, `checkpoint.load_path = <out>` and
-    `checkpoint.load_model_only` (`import_command`). The HF folder's tokenizer files, where it has them,
-    are copied beside the weights (`data.tokenizer = <out>/tokenizer.json`).
+    `checkpoint.load_model_only` (`import_command`). A Llama 4 is recorded under the titanrush flavor of its
+    shape (another shape is refused), and a run names that flavor; its routing biases start at zero.
+    The HF folder's tokenizer files, where it has them, are copied beside the weights
+    (`data.tokenizer = <out>/tokenizer.json`).
     """
     src, out = Path(hf_dir), Path(out_checkpoint_dir)
     if not (src / "config.json").exists():
@@ -284,10 +344,17 @@ def import_hf(hf_dir: str | Path, out_checkpoint_dir: str | Path) -> Path:
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"{out} exists and is not empty; remove it or choose another output folder")
     args = args_from_hf_config(_read_json(src / "config.json"))
+    moe_flavor = flavor_of(args) if isinstance(args, Llama4Args) else None
+    if moe_flavor == CUSTOM:
+        raise ConfigError(
+            f"{src / 'config.json'} describes a Llama 4 whose shape is none of titanrush's Llama 4 flavors "
+            f"({', '.join(LLAMA4_FLAVORS)}; vocabulary and tied embeddings may differ): titanrush trains "
+            "Llama 4 at those shapes only"
+        )
     sd = _cast(from_hf_state_dict(load_hf_weights(src), args), torch.float32, args.tie_embeddings)
-    # "custom": the run takes this shape from model_args (model.from_checkpoint), whatever flavor it
-    # resembles; `architecture` names that flavor for the reader.
-    info = {"step": 0, "flavor": CUSTOM, "architecture": flavor_of(args),
+    # Dense: "custom", the run takes this shape from model_args (model.from_checkpoint), whatever flavor it
+    # resembles; `architecture` names that flavor for the reader. Llama 4: the flavor it is.
+    info = {"step": 0, "flavor": moe_flavor or CUSTOM, "architecture": moe_flavor or flavor_of(args),
             "model_args": dataclasses.asdict(args), "model_only": True, "dtype": "float32",
             "source": str(src.resolve())}  # fmt: skip
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -309,8 +376,23 @@ def import_hf(hf_dir: str | Path, out_checkpoint_dir: str | Path) -> Path:
 def import_command(checkpoint_dir: str | Path) -> list[str]:
     """The command-line overrides that start a run from an imported checkpoint, its shape and tokenizer."""
     out = str(checkpoint_dir)
-    flags = ["--model.flavor", CUSTOM, "--model.from_checkpoint", out, "--checkpoint.load_path", out,
-             "--checkpoint.load_model_only"]  # fmt: skip
+    args, info = _info_args(Path(out) / INFO_FILE)
+    if isinstance(args, Llama4Args):  # a Llama 4 flavor, with the vocabulary and tying of the weights
+        flavor = LLAMA4_FLAVORS[info["flavor"]]
+        flags = [
+            "--model.flavor",
+            info["flavor"],
+            "--checkpoint.load_path",
+            out,
+            "--checkpoint.load_model_only",
+        ]
+        if args.vocab_size != flavor.vocab_size:
+            flags += ["--model.vocab_size", str(args.vocab_size)]
+        if args.tie_embeddings != flavor.tie_embeddings:
+            flags += ["--model.tie_embeddings", "tied" if args.tie_embeddings else "untied"]
+    else:
+        flags = ["--model.flavor", CUSTOM, "--model.from_checkpoint", out, "--checkpoint.load_path", out,
+                 "--checkpoint.load_model_only"]  # fmt: skip
     if (Path(out) / "tokenizer.json").exists():
         flags += ["--data.tokenizer", str(Path(out) / "tokenizer.json")]
     return flags

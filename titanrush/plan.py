@@ -211,6 +211,12 @@ def resolve_model_args(cfg: JobConfig) -> ModelArgs:
             base = model_args_at(m.from_checkpoint)
         except ConfigError as e:
             raise ConfigError(f"model.from_checkpoint = {m.from_checkpoint!r}: {e}") from None
+        if isinstance(base, Llama4Args):
+            raise ConfigError(
+                f"model.from_checkpoint = {m.from_checkpoint!r} holds a Llama 4 (mixture-of-experts) model, "
+                "and model.flavor = 'custom' shapes dense Llamas only: train from it with its Llama 4 flavor "
+                "(model.flavor, as `titanrush convert --from-hf` printed) and checkpoint.load_path"
+            )
         over = {**shape_of(base), **over}
     for key in validate.ARCHITECTURE_KEYS:
         if key != "ffn_hidden" and getattr(m, key):  # 0: keep the checkpoint's (or CUSTOM_BASE's)

@@ -304,7 +304,8 @@ def test_every_model_argument_but_the_run_time_choices_is_compared():
             if name in RUNTIME_ARGS:
                 assert diffs == [], (name, diffs)
             else:
-                assert len(diffs) == 1 and "there" in diffs[0], (name, diffs)
+                # one line; two where a field also sets a derived width (Llama 4's experts')
+                assert 1 <= len(diffs) <= 2 and all("there" in d for d in diffs), (name, diffs)
     assert every >= RUNTIME_ARGS, RUNTIME_ARGS - every
     base = dataclasses.asdict(dataclasses.replace(FLAVORS["debug"], rope_scaling=True))
     assert model_arg_differences({**base, "n_kv_heads": None}, {**base, "n_kv_heads": base["n_heads"]}) == []

@@ -194,10 +194,20 @@ def test_dense_and_moe_checkpoints_are_named_incompatible_and_not_taken_as_a_sha
         "the model is a Llama 4 mixture-of-experts model there, a dense Llama here"
     ]
     other = {**moe, "top_k": moe["top_k"] + 1, "grouped_mm": not moe["grouped_mm"]}
-    assert model_arg_differences(other, moe) == [f"top_k is {moe['top_k'] + 1} there, {moe['top_k']} here"]
+    hidden = model_args("llama4_debug", top_k=2).expert_hidden, model_args("llama4_debug").expert_hidden
+    assert hidden[0] != hidden[1]  # (the experts' width follows top_k where moe_hidden is 0)
+    assert model_arg_differences(other, moe) == [
+        f"top_k is {moe['top_k'] + 1} there, {moe['top_k']} here",
+        f"the experts' hidden size (moe_hidden) is {hidden[0]} there, {hidden[1]} here",
+    ]
+    fixed = {**moe, "moe_hidden": 128}
+    assert model_arg_differences({**fixed, "multiple_of": 32}, fixed) == []  # (only through the widths)
+    assert model_arg_differences({**moe, "multiple_of": 96}, moe)  # the derived expert width changes
     (tmp_path / "titanrush.json").write_text(json.dumps({"flavor": "llama4_debug", "model_args": moe}))
-    with pytest.raises(ConfigError, match="Llama 4 .*model.flavor = 'llama4_debug'"):
-        hf.model_args_at(tmp_path)
+    assert hf.model_args_at(tmp_path) == dataclasses.replace(model_args("llama4_debug"), grouped_mm=True)
+    cfg = config.load(None, ["--model.flavor", "custom", "--model.from_checkpoint", str(tmp_path)])
+    with pytest.raises(ConfigError, match="holds a Llama 4 .*dense Llamas only"):
+        build_plan(cfg, 1, machine=False)
 
 
 def test_flops_per_token_counts_active_parameters_as_torchs_flop_counter():

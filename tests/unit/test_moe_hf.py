@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+import math
+from pathlib import Path
+
 import pytest
 import torch
 
 from titanrush.config import ConfigError
-from titanrush.models.llama4 import Llama4, model_args
+from titanrush.models.llama4 import Llama4, Llama4Args, model_args
 from titanrush.models.llama4.hf import args_from_hf_config, from_hf_state_dict, hf_config, to_hf_state_dict
 
 
@@ -73,3 +77,84 @@ def test_incomplete_or_mismatched_weights_are_named():
         from_hf_state_dict(hf, model_args("llama4_debug", moe_every=2, nope_every=2, n_experts=4))
     with pytest.raises(ConfigError, match="not every 2-th layer"):
         args_from_hf_config({**hf_config(model.args), "moe_layers": [1, 2]})
+
+
+@pytest.mark.parametrize("top_k, tied", [(1, False), (2, True)], ids=["top1_untied", "top2_tied"])
+def test_transformers_llama4_gives_titanrush_logits(tmp_path, top_k, tied):
+    """transformers' own Llama4ForCausalLM, loaded from titanrush's export, computes titanrush's logits:
+    dense and MoE layers, NoPE layers, chunked attention, QK-norm, top-k sigmoid routing (fp32)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed: it is in [dev]")
+    from titanrush import hf as interchange
+    from titanrush.safetensors_io import save_safetensors
+
+    model = _model(top_k=top_k, tie_embeddings=tied, attn_backend="math")
+    save_safetensors(
+        interchange.to_hf_state_dict(model.state_dict(), model.args), tmp_path / "model.safetensors"
+    )
+    cfg = interchange.hf_config(model.args, torch.float32)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    theirs = transformers.Llama4ForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager").eval()
+    tokens = torch.randint(0, model.args.vocab_size, (2, 48))  # three attention chunks of 16
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, model(tokens), rtol=0, atol=2e-5)
+
+
+def test_a_trained_llama4_checkpoint_goes_to_hugging_face_and_back_into_a_run(tmp_path):
+    """`convert --to-hf` of a Llama 4 run's checkpoint, `--from-hf` of that folder, and the command the
+    import prints trains on from the same weights (its flavor found from the shape)."""
+    from titanrush import config
+    from titanrush import hf as interchange
+    from titanrush.tools import convert
+    from titanrush.trainer import Trainer
+
+    def train(name: str, steps: int, *extra: str) -> Path:
+        argv = ["--model.flavor", "llama4_debug", "--job.dump_folder", str(tmp_path), "--job.name", name,
+                "--training.steps", str(steps), "--training.seq_len", "64",
+                "--training.local_batch_size", "2", "--metrics.log_freq", "1", *extra]  # fmt: skip
+        trainer = Trainer(config.load(None, argv))
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+        return tmp_path / name
+
+    run = train(
+        "run", 2, "--checkpoint.enable", "--checkpoint.interval", "2", "--moe.bias_update_rate", "0.01"
+    )
+    assert convert.main(["--to-hf", str(run / "checkpoint"), str(tmp_path / "hf"), "--dtype", "fp32"]) == 0
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert cfg["architectures"] == ["Llama4ForCausalLM"] and "bos_token_id" in cfg
+    assert (tmp_path / "hf" / "tokenizer.json").exists()
+    assert convert.main(["--from-hf", str(tmp_path / "hf"), str(tmp_path / "imported")]) == 0
+    saved, _, _ = interchange.read_checkpoint(run / "checkpoint")
+    back, args, info = interchange.read_checkpoint(tmp_path / "imported")
+    assert info["flavor"] == "llama4_debug" and isinstance(args, Llama4Args)
+    biases = [k for k in saved if k.endswith("expert_bias")]
+    assert biases and any(saved[k].abs().sum() > 0 for k in biases)  # moved in training, not exported:
+    assert all(torch.equal(back[k], torch.zeros_like(saved[k])) for k in biases)  # the import starts at 0
+    for k in saved:
+        if k not in biases:
+            assert torch.equal(back[k], saved[k]), k
+    flags = interchange.import_command(tmp_path / "imported")
+    assert flags[:2] == ["--model.flavor", "llama4_debug"] and "--model.from_checkpoint" not in flags
+    rows = [
+        json.loads(x) for x in (train("resumed", 1, *flags[2:]) / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows if "loss" in r] == [1] and math.isfinite(rows[-1]["loss"])
+
+
+def test_a_llama4_shape_that_is_no_flavor_is_refused_on_import_and_generate_refuses_llama4(tmp_path):
+    from titanrush import hf as interchange
+    from titanrush.safetensors_io import save_safetensors
+    from titanrush.tools import generate
+
+    model = _model(n_experts=4)  # llama4_debug has 8
+    save_safetensors(
+        interchange.to_hf_state_dict(model.state_dict(), model.args), tmp_path / "model.safetensors"
+    )
+    (tmp_path / "config.json").write_text(json.dumps(interchange.hf_config(model.args)))
+    with pytest.raises(ConfigError, match="none of titanrush's Llama 4 flavors"):
+        interchange.import_hf(tmp_path, tmp_path / "imported")
+    assert not (tmp_path / "imported").exists()
+    with pytest.raises(ConfigError, match="generate takes dense Llamas only"):
+        generate.load_model(tmp_path, torch.device("cpu"), torch.float32, 64)

@@ -24,9 +24,10 @@ import torch
 from titanrush import hf
 from titanrush.config import ConfigError
 from titanrush.data.tokenizer import build_tokenizer
-from titanrush.models.llama import Llama
+from titanrush.models.llama import Llama, ModelArgs
 from titanrush.models.llama.generate import generate
 from titanrush.models.llama.model import rope_cache
+from titanrush.models.llama4 import Llama4Args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,6 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _dense(args: ModelArgs, path: str | Path) -> ModelArgs:
+    if isinstance(args, Llama4Args):
+        raise ConfigError(
+            f"{path} holds a Llama 4 (mixture-of-experts) model; generate takes dense Llamas only: export it "
+            "(`titanrush convert --to-hf`) and generate with transformers' Llama4ForCausalLM"
+        )
+    return args
+
+
 def load_model(path: str | Path, device: torch.device, dtype: torch.dtype, max_len: int) -> Llama:
     """The whole model of a titanrush checkpoint or an HF Llama folder, on device, in dtype, in eval mode.
 
@@ -60,7 +70,7 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype, max_l
         sd = hf.from_hf_state_dict(hf.load_hf_weights(folder), args)
     else:
         sd, args, _ = hf.read_checkpoint(folder)
-    args = dataclasses.replace(args, rope_positions=max_len)
+    args = dataclasses.replace(_dense(args, folder), rope_positions=max_len)
     moved: dict[int, torch.Tensor] = {}  # by tensor: a tied embedding is moved once
     for v in sd.values():
         if id(v) not in moved:
@@ -100,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = ns.tokenizer or hf.training_tokenizer(ns.checkpoint)
         tok = build_tokenizer(spec)
         prompts = [tok.encode(p, bos=not ns.no_bos, eos=False) for p in ns.prompt]
-        args = hf.model_args_at(ns.checkpoint)
+        args = _dense(hf.model_args_at(ns.checkpoint), ns.checkpoint)
         if tok.n_words > args.vocab_size:
             raise ConfigError(
                 f"tokenizer {spec!r} has {tok.n_words} ids, the model only {args.vocab_size}: pass the one "
