@@ -231,3 +231,24 @@ def test_checkpoints_record_no_rope_table_length_and_a_longer_sequence_is_a_clea
         short = Llama(dataclasses.replace(args, rope_positions=64))
     with pytest.raises(ValueError, match="RoPE table covers 64 positions"):
         short(torch.zeros(1, 65, dtype=torch.long, device="meta"))
+
+
+@pytest.mark.parametrize("name", ["llama8b_fsdp", "llama1b_single"])
+def test_a_shipped_config_saves_and_resumes_at_the_debug_size(tmp_path, name):
+    """The shipped configs' settings (compile, selective op AC, bf16, checkpointing), the model shrunk to
+    the debug flavor: a run saves a full checkpoint, and a second launch resumes from it and trains on."""
+    path = str(ROOT / "train_configs" / f"{name}.toml")
+    small = ["--model.flavor", "debug", "--training.seq_len", "64", "--training.local_batch_size", "2",
+             "--job.dump_folder", str(tmp_path), "--job.name", "run", "--metrics.log_freq", "1",
+             "--checkpoint.enable", "--checkpoint.interval", "2",
+             "--lr_scheduler.warmup_steps", "1"]  # fmt: skip
+    for steps in (2, 3):
+        trainer = Trainer(config.load(path, [*small, "--training.steps", str(steps)]))
+        try:
+            trainer.train()
+        finally:
+            trainer.close()
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "loss" in r] == [1, 2, 3]
+    assert any(r.get("ckpt_load_s") is not None and r["step"] == 2 for r in rows)  # resumed from step 2
+    assert all(math.isfinite(r["loss"]) for r in rows if "loss" in r)
