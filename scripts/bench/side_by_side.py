@@ -289,12 +289,18 @@ def environment(base: Path | None) -> dict[str, str]:
     import torch
 
     def commit(path: Path, var: str) -> str:
+        """HEAD, marked "+changes" where tracked files differ from it (e.g. a copied checkout whose .git
+        is older than its files): a result never names a commit it was not measured at."""
         if os.environ.get(var):
             return os.environ[var]
-        res = subprocess.run(
-            ["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        git = ["git", "-C", str(path)]
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        if not head.stdout.strip():
+            return "unknown"
+        changed = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
         )
-        return res.stdout.strip() or "unknown"
+        return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
 
     count = torch.cuda.device_count()
     env = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "gpus": str(count),
