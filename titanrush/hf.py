@@ -24,9 +24,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from titanrush import hf_mapping
+from titanrush.checkpoint_compat import RUNTIME_ARGS, model_arg_differences
 from titanrush.config import ConfigError
-from titanrush.hf_mapping import expected_shapes, first_few
-from titanrush.models.llama import ModelArgs
+from titanrush.hf_mapping import first_few
+from titanrush.models.llama import Llama, ModelArgs
 from titanrush.models.llama.flavors import CUSTOM, SHAPE_FIELDS
 from titanrush.models.llama4 import FLAVORS as LLAMA4_FLAVORS
 from titanrush.models.llama4 import Llama4, Llama4Args
@@ -76,11 +77,6 @@ def _step_folder(checkpoint_dir: str | Path) -> Path:
     return max(steps, key=lambda p: int(p.name[5:]))
 
 
-# Llama 4 arguments that say how a run computes, not what: left at their defaults when read back.
-_LLAMA4_RUNTIME = {"attn_backend", "expand_kv", "loss_chunk_size", "compile_loss", "rope_positions",
-                   "grouped_mm", "aux_loss_weight", "z_loss_weight"}  # fmt: skip
-
-
 def _info_args(info_file: Path) -> tuple[ModelArgs, dict[str, Any]]:
     """(the shape in titanrush.json's model_args, with the runtime fields at their defaults; the info).
 
@@ -90,7 +86,7 @@ def _info_args(info_file: Path) -> tuple[ModelArgs, dict[str, Any]]:
     try:
         saved = info["model_args"]
         if "n_experts" in saved:
-            known = {f.name for f in dataclasses.fields(Llama4Args)} - _LLAMA4_RUNTIME
+            known = {f.name for f in dataclasses.fields(Llama4Args)} - (RUNTIME_ARGS - {"max_seq_len"})
             return Llama4Args(**{k: v for k, v in saved.items() if k in known}), info
         return ModelArgs(**{k: saved[k] for k in SHAPE_FIELDS if k in saved}), info
     except (KeyError, TypeError) as e:
@@ -113,8 +109,6 @@ def flavor_of(args: ModelArgs) -> str:
     """The flavor whose model args computes (vocabulary, tying and lengths aside), else 'custom'."""
     if not isinstance(args, Llama4Args):
         return hf_mapping.flavor_of(args)
-    from titanrush.checkpoint_compat import model_arg_differences  # (the checkpoint layer: only here)
-
     mine = dataclasses.asdict(args)
     for name, flavor in LLAMA4_FLAVORS.items():
         same = dataclasses.replace(flavor, vocab_size=args.vocab_size, tie_embeddings=args.tie_embeddings)
@@ -147,10 +141,10 @@ def hf_config(
 
 
 def _shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    if not isinstance(args, Llama4Args):
-        return expected_shapes(args)
+    """Every entry of the model's state dict and its shape."""
     with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in Llama4(args).state_dict().items()}
+        model = Llama4(args) if isinstance(args, Llama4Args) else Llama(args)
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
 
 
 def model_args_at(path: str | Path) -> ModelArgs:
@@ -379,20 +373,14 @@ def import_command(checkpoint_dir: str | Path) -> list[str]:
     args, info = _info_args(Path(out) / INFO_FILE)
     if isinstance(args, Llama4Args):  # a Llama 4 flavor, with the vocabulary and tying of the weights
         flavor = LLAMA4_FLAVORS[info["flavor"]]
-        flags = [
-            "--model.flavor",
-            info["flavor"],
-            "--checkpoint.load_path",
-            out,
-            "--checkpoint.load_model_only",
-        ]
+        flags = ["--model.flavor", info["flavor"]]
         if args.vocab_size != flavor.vocab_size:
             flags += ["--model.vocab_size", str(args.vocab_size)]
         if args.tie_embeddings != flavor.tie_embeddings:
             flags += ["--model.tie_embeddings", "tied" if args.tie_embeddings else "untied"]
     else:
-        flags = ["--model.flavor", CUSTOM, "--model.from_checkpoint", out, "--checkpoint.load_path", out,
-                 "--checkpoint.load_model_only"]  # fmt: skip
+        flags = ["--model.flavor", CUSTOM, "--model.from_checkpoint", out]
+    flags += ["--checkpoint.load_path", out, "--checkpoint.load_model_only"]
     if (Path(out) / "tokenizer.json").exists():
         flags += ["--data.tokenizer", str(Path(out) / "tokenizer.json")]
     return flags

@@ -158,3 +158,25 @@ def test_a_llama4_shape_that_is_no_flavor_is_refused_on_import_and_generate_refu
     assert not (tmp_path / "imported").exists()
     with pytest.raises(ConfigError, match="generate takes dense Llamas only"):
         generate.load_model(tmp_path, torch.device("cpu"), torch.float32, 64)
+
+
+def test_an_import_of_another_vocabulary_and_tying_names_them_and_the_run_takes_them(tmp_path):
+    import dataclasses
+
+    from titanrush import config
+    from titanrush import hf as interchange
+    from titanrush.checkpoint_compat import model_arg_differences
+    from titanrush.plan import build_plan
+    from titanrush.safetensors_io import save_safetensors
+
+    model = Llama4(model_args("llama4_debug", vocab_size=9000, tie_embeddings=True))
+    model.init_weights(seed=1)
+    hf_sd = interchange.to_hf_state_dict(model.state_dict(), model.args)
+    save_safetensors(hf_sd, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(interchange.hf_config(model.args)))
+    flags = interchange.import_command(interchange.import_hf(tmp_path, tmp_path / "imported"))
+    want = ["--model.flavor", "llama4_debug", "--model.vocab_size", "9000", "--model.tie_embeddings", "tied"]
+    assert flags[:6] == want
+    _, saved, _ = interchange.read_checkpoint(tmp_path / "imported")
+    plan = build_plan(config.load(None, flags), 1, machine=False)
+    assert model_arg_differences(dataclasses.asdict(saved), dataclasses.asdict(plan.args)) == []

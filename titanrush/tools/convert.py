@@ -21,7 +21,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The argument parser (one of --to-hf, --to-pt, --from-hf)."""
     p = argparse.ArgumentParser(
         prog="titanrush convert",
-        description="Convert checkpoints: titanrush DCP <-> Hugging Face Llama and Llama 4 (safetensors), DCP -> .pt.",
+        description="Convert checkpoints: titanrush DCP <-> Hugging Face Llama and Llama 4 (safetensors), "
+        "DCP -> .pt.",
     )
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--to-hf", nargs=2, metavar=("CKPT_DIR", "OUT_DIR"), help="export an HF Llama folder")
