@@ -107,6 +107,11 @@ class RunPlan:
         return isinstance(self.args, Llama4Args)
 
     @property
+    def moe_tp(self) -> bool:
+        """MoE layers under tensor parallel: the tp ranks are data-parallel ranks for them."""
+        return self.moe and self.tp > 1
+
+    @property
     def ddp(self) -> bool:
         return self.dp_replicate > 1 and not self.fsdp
 
@@ -230,25 +235,29 @@ def resolve_model_args(cfg: JobConfig) -> ModelArgs:
     return args
 
 
-def _moe_decisions(cfg: JobConfig, args: ModelArgs, accum: int, microbatches: int) -> ModelArgs:
+def _moe_decisions(cfg: JobConfig, args: ModelArgs, accum: int, microbatches: int, tp: int) -> ModelArgs:
     """Llama 4: the router losses' weights per micro-batch (the coefficients are per optimizer step, whose
-    loss is the mean over accum x pipeline micro-batches)."""
+    loss is the mean over accum x pipeline micro-batches). Under tensor and sequence parallel each tp rank
+    routes 1/tp of the tokens and the router's gradients are summed over the tp ranks: the z-loss (a mean
+    over tokens) weighs 1/tp on each (validation refuses the balance loss there)."""
     if not isinstance(args, Llama4Args):
         return args
     per = accum * microbatches
+    split = tp if cfg.parallelism.sequence_parallel else 1
     return dataclasses.replace(
-        args, aux_loss_weight=cfg.moe.aux_loss_coeff / per, z_loss_weight=cfg.moe.z_loss_coeff / per
+        args, aux_loss_weight=cfg.moe.aux_loss_coeff / per, z_loss_weight=cfg.moe.z_loss_coeff / (per * split)
     )
 
 
-def _moe_compiles_whole(args: ModelArgs, ep: int, precision: str) -> bool:
+def _moe_compiles_whole(args: ModelArgs, ep: int, tp: int, precision: str) -> bool:
     """Whether a MoE block compiles as one graph: not across expert parallel's all-to-alls (their splits
-    are host values), nor around the per-expert loop (the grouped kernel's fallback reads the counts on
+    are host values), nor around the MoE layer's own FSDP unit under tensor parallel, nor around the
+    per-expert loop (the grouped kernel's fallback reads the counts on
     the host), which runs wherever the kernel is missing or the experts compute in fp32 (compiled, the
     kernel takes bf16 only)."""
     if not isinstance(args, Llama4Args):
         return True
-    return ep == 1 and args.grouped_mm and GROUPED_KERNEL is not None and precision == "bf16"
+    return ep == 1 and tp == 1 and args.grouped_mm and GROUPED_KERNEL is not None and precision == "bf16"
 
 
 def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunPlan:
@@ -279,7 +288,7 @@ def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunP
         # saves, so pipelined stages keep them gathered until backward (ZeRO-2).
         reshard = "never"
     fullgraph = cfg.compile.fullgraph and not (cfg.compile.enable and _graph_break(args.attn_backend))
-    fullgraph = fullgraph and _moe_compiles_whole(args, dims.ep, t.precision)
+    fullgraph = fullgraph and _moe_compiles_whole(args, dims.ep, dims.tp, t.precision)
     pp_micro = (
         (p.pp_microbatches or dims.pp * stages_per_rank(p.pp_schedule, p.pp_stages_per_rank))
         if dims.pp > 1
@@ -289,7 +298,7 @@ def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunP
         (*f8.filter_fqns, "router.gate") if isinstance(args, Llama4Args) else tuple(f8.filter_fqns)
     )
     return RunPlan(
-        args=_moe_decisions(cfg, args, accum, pp_micro),
+        args=_moe_decisions(cfg, args, accum, pp_micro, dims.tp),
         local_batch=t.local_batch_size,
         seq_len=t.seq_len,
         precision=t.precision,

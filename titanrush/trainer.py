@@ -83,7 +83,9 @@ class Trainer:
             bind_near_gpu(self.device)
         distributed.init(self.device, nccl_max_ctas=cfg.parallelism.nccl_max_ctas)
         marks.append(("config and process group", time.perf_counter()))
-        self.mesh = plan.dims.build_mesh(self.device.type) if self.world_size > 1 else None
+        self.mesh = (
+            plan.dims.build_mesh(self.device.type, moe_tp=plan.moe_tp) if self.world_size > 1 else None
+        )
         marks.append(("mesh", time.perf_counter()))
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
         self.lock = run_dir.check(self.run_dir, overwrite=cfg.job.overwrite, rank=self.rank)
@@ -144,8 +146,10 @@ class Trainer:
             part.train()
         marks.append(("weights materialized and initialized", time.perf_counter()))
         self.model = model
-        # Llama 4: the experts' load, and the routing bias moved by it, once per step (summed over dp x cp).
-        group = self.mesh["dp_cp"].get_group() if self.mesh is not None and plan.dp * plan.cp > 1 else None
+        # Llama 4: the experts' load, and the routing bias moved by it, once per step (summed over dp x cp,
+        # and x tp where each tp rank routes its own sequence shard).
+        view = "dp_cp_tp" if plan.moe_tp and plan.sequence_parallel else "dp_cp"
+        group = self.mesh[view].get_group() if self.mesh is not None and self.mesh[view].size() > 1 else None
         tokens = plan.local_batch * plan.seq_len * plan.accum * plan.dp
         self.balance = ExpertBalance(self.model_parts, rate=plan.moe_bias_rate, group=group, tokens=tokens)
         # The loss (log-softmax over the vocabulary in fp32) fuses well; under loss parallel it works on

@@ -417,18 +417,30 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims, args: Llama4Args) -> None:
         raise ConfigError(
             f"parallelism.ep = {dims.ep} must divide the {m.flavor} model's {args.n_experts} experts"
         )
-    if dims.tp > 1:
-        raise ConfigError(
-            f"parallelism.tp > 1 is not supported with mixture-of-experts layers yet ({m.flavor}); shard "
-            "the model with dp_shard and parallelism.ep instead"
-        )
+    if dims.tp > 1:  # TP shards the attention and the dense FFNs; the MoE layers take the tp ranks as
+        # data-parallel ranks (each routes its own sequence shard under sequence parallel)
+        refused = [  # (what, why) where the config asks for it
+            ("parallelism.cp > 1", "", dims.cp > 1),
+            ("float8.enable", "", cfg.float8.enable),
+            ("moe.aux_loss_coeff > 0 with sequence parallel", ": the balance loss counts whole sequences, "
+             "which sequence parallel splits over the tp ranks",
+             cfg.moe.aux_loss_coeff > 0 and cfg.parallelism.sequence_parallel),
+        ]  # fmt: skip
+        for what, why, on in refused:
+            if on:
+                raise ConfigError(
+                    f"{what} does not compose with parallelism.tp > 1 on mixture-of-experts layers yet "
+                    f"({m.flavor}{why}); drop it, or shard with dp_shard and parallelism.ep instead of tp"
+                )
     ac = cfg.activation_checkpoint
-    if dims.ep > 1 and ac.mode == "selective" and ac.selective == "op":
-        # The experts' FSDP unit runs its hooks inside the checkpointed block, and their recomputation
-        # does not replay the forward's ops one for one, which per-op checkpointing requires.
+    if (dims.ep > 1 or dims.tp > 1) and ac.mode == "selective" and ac.selective == "op":
+        # The MoE layer's FSDP units (the experts' with EP, the whole layer's with TP) run their hooks
+        # inside the checkpointed block, and their recomputation does not replay the forward's ops one
+        # for one, which per-op checkpointing requires.
         raise ConfigError(
-            "activation_checkpoint.selective = 'op' does not compose with parallelism.ep > 1 yet; use "
-            "activation_checkpoint.mode = 'full' (or selective = N, every N-th block in full) or 'none'"
+            "activation_checkpoint.selective = 'op' does not compose with parallelism.ep > 1 or tp > 1 on "
+            "mixture-of-experts layers yet; use activation_checkpoint.mode = 'full' (or selective = N, "
+            "every N-th block in full) or 'none'"
         )
     chunk = args.attn_chunk
     if chunk and seq > chunk:

@@ -43,6 +43,16 @@ MESHES = {
     # full activation checkpointing recomputes the dispatch, all-to-alls included, in backward
     "ep2_ac_full": (2, 2, [P + "ep", "2", "--activation_checkpoint.mode", "full"]),
     "fsdp2_ac_op": (2, 2, ["--activation_checkpoint.mode", "selective"]),
+    # TP shards attention; each tp rank routes its sequence shard (sequence parallel) or all of it
+    "tp2": (2, 1, [P + "tp", "2"]),
+    "tp2_no_sp": (2, 1, [P + "tp", "2", "--no-parallelism.sequence_parallel"]),
+    "tp2_compiled_ac_full": (
+        2,
+        1,
+        [P + "tp", "2", "--compile.enable", "--activation_checkpoint.mode", "full"],
+    ),
+    "ep2_tp2": (4, 2, [P + "ep", "2", P + "tp", "2"]),
+    "tp2_pp2": (4, 1, [P + "tp", "2", P + "pp", "2", *FROZEN]),
 }
 
 
@@ -56,12 +66,19 @@ def test_moe_mesh_matches_single_process(name, tmp_path, reference):
         assert [r["moe_imbalance"] for r in rows] == [r["moe_imbalance"] for r in ref]
 
 
-def test_moe_aux_and_z_losses_match_single_process(tmp_path, reference):
+@pytest.mark.parametrize(
+    "name, mesh, dp, losses",
+    [
+        ("ep2_aux_z", [P + "ep", "2"], 2, ("--moe.aux_loss_coeff", "0.01", "--moe.z_loss_coeff", "0.001")),
+        # each tp rank's z-loss covers its sequence shard: weighed 1/tp, the sum over tp is the mean
+        ("tp2_z", [P + "tp", "2"], 1, ("--moe.z_loss_coeff", "0.001")),
+    ],
+)
+def test_moe_router_losses_match_single_process(tmp_path, reference, name, mesh, dp, losses):
     """The sequence-wise balance loss and the z-loss per rank average to the single process's."""
-    losses = ("--moe.aux_loss_coeff", "0.01", "--moe.z_loss_coeff", "0.001")
-    rows = run_train(tmp_path, "ep2_losses", 2, *MOE, *losses, P + "ep", "2", dp=2)
+    rows = run_train(tmp_path, name, 2, *MOE, *losses, *mesh, dp=dp)
     ref = reference(*MOE, *losses)
-    assert_parity(rows, ref, name="moe_ep2_aux_z")
+    assert_parity(rows, ref, name=f"moe_{name}")
     plain = reference(*MOE)
     assert any(abs(r["grad_norm"] - q["grad_norm"]) > 1e-4 * q["grad_norm"] for r, q in zip(ref, plain))
 
@@ -77,12 +94,13 @@ def saved_ep2(tmp_path_factory):
     return dump, train
 
 
-@pytest.mark.parametrize("target", ["ep1_one_process", "ep4"])
+@pytest.mark.parametrize("target", ["ep1_one_process", "ep4", "tp2"])
 def test_ep2_checkpoint_resumes_at_another_ep_degree(saved_ep2, target):
     dump, ref = saved_ep2
-    nproc, over = (1, []) if target == "ep1_one_process" else (4, [P + "ep", "4"])
+    nproc, dp, over = {"ep1_one_process": (1, 1, []), "ep4": (4, 4, [P + "ep", "4"]),
+                       "tp2": (2, 1, [P + "tp", "2"])}[target]  # fmt: skip
     ckpt = dump / "ep2" / "checkpoint" / "step-3"
-    rows = launch(dump, f"resume_{target}", nproc, *MOE, "--checkpoint.load_path", str(ckpt), *over, dp=nproc)
+    rows = launch(dump, f"resume_{target}", nproc, *MOE, "--checkpoint.load_path", str(ckpt), *over, dp=dp)
     rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in rows] == list(range(4, STEPS + 1))
     for r in rows:

@@ -261,6 +261,16 @@ def test_plan_resolves_moe_decisions():
     assert not compiled.fullgraph  # the all-to-all's splits are host values: graph breaks there
     assert plan_of(1, "--compile.enable", "--training.precision", "bf16").fullgraph
     assert not plan_of(1, "--compile.enable").fullgraph  # fp32: the per-expert loop
+    # TP with sequence parallel: each tp rank routes 1/tp of the tokens, and the router's gradients are
+    # summed over them: the z-loss weighs 1/tp on each; without sequence parallel every rank routes all
+    z = ("--moe.z_loss_coeff", "0.004")
+    assert plan_of(2, "--parallelism.tp", "2", *z).args.z_loss_weight == pytest.approx(0.002)
+    no_sp = plan_of(2, "--parallelism.tp", "2", "--no-parallelism.sequence_parallel", *z)
+    assert no_sp.moe_tp and no_sp.args.z_loss_weight == pytest.approx(0.004)
+    aux = plan_of(
+        2, "--parallelism.tp", "2", "--no-parallelism.sequence_parallel", "--moe.aux_loss_coeff", "0.01"
+    )
+    assert aux.args.aux_loss_weight == pytest.approx(0.01)
 
 
 @pytest.mark.parametrize(
@@ -269,7 +279,14 @@ def test_plan_resolves_moe_decisions():
         (2, ["--model.flavor", "debug", "--parallelism.ep", "2"], "has no experts"),
         (1, ["--model.flavor", "8B", "--moe.aux_loss_coeff", "0.1"], "has no experts"),
         (4, ["--parallelism.ep", "3"], "must divide dp_shard"),
-        (4, ["--parallelism.dp_shard", "2", "--parallelism.tp", "2"], "tp > 1 is not supported"),
+        (4, ["--parallelism.cp", "2", "--parallelism.tp", "2"], r"parallelism.cp > 1 does not compose .*tp"),
+        (
+            2,
+            ["--parallelism.tp", "2", "--float8.enable", "--training.precision", "bf16"],
+            r"float8.enable does not compose .*tp",
+        ),
+        (2, ["--parallelism.tp", "2", "--moe.aux_loss_coeff", "0.01"], "splits over the tp ranks"),
+        (2, ["--parallelism.tp", "2", "--activation_checkpoint.mode", "selective"], "ep > 1 or tp > 1"),
         (
             1,
             [

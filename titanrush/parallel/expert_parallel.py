@@ -131,16 +131,18 @@ def shard_experts(
     mesh: DeviceMesh,
     *,
     divide_factor: float,
-    param_dtype: torch.dtype,
+    param_dtype: torch.dtype | None,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
 ) -> None:
-    """FSDP units of their own for the experts modules, over `mesh` (the data-parallel ranks outside EP).
+    """FSDP units of their own for the experts modules, over `mesh` (the data-parallel ranks outside EP),
+    or for whole MoE layers under tensor parallel (over the data-parallel and the tp ranks).
 
     Sharded on the experts dimension where each rank can hold whole experts, else on the next one.
     `divide_factor`: the data-parallel degree the gradient sum is divided by (FSDP's default, the size of
-    `mesh`, would leave expert gradients ep times larger than the others'). The other arguments are
-    `titanrush.parallel.fsdp.apply_fsdp`'s: gathered in `param_dtype`, reduced in fp32.
+    `mesh`, would leave expert gradients ep times larger than the others', and sum over tp ranks that
+    computed the same tokens). The other arguments are `titanrush.parallel.fsdp.apply_fsdp`'s: gathered
+    in `param_dtype` (None: as stored, where autocast casts), reduced in fp32.
     """
     size = mesh.size()
 

@@ -31,7 +31,7 @@ def apply_fsdp(
     reshard_after_forward: ReshardPolicy = "default",
     keep_gathered_last: int = 0,
     cpu_offload: bool = False,
-    inner_units: dict[str, nn.Module] | None = None,
+    inner_units: dict[str, list[nn.Module]] | None = None,
 ) -> None:
     """Shard `model` with FSDP2 over `mesh`, in place.
 
@@ -55,9 +55,9 @@ def apply_fsdp(
         cpu_offload: Keep the sharded parameters, gradients and optimizer states in host memory; each
             unit is copied to the device for its all-gather (and its gradients back after the
             reduce-scatter). The optimizer step then runs on the CPU.
-        inner_units: Block key -> a module inside that block already sharded as a unit of its own (expert
-            parallel's experts), which runs after the block's own unit starts: it joins the prefetch
-            chain there.
+        inner_units: Block key -> the modules inside that block already sharded as units of their own
+            (expert parallel's experts; MoE layers under TP), in the order they run after the block's
+            own unit starts: they join the prefetch chain there.
     """
     assert reshard_after_forward in ("default", "always", "never"), reshard_after_forward
     common: dict = {
@@ -95,7 +95,7 @@ def apply_fsdp(
         )
         units.append(block)
         if inner_units and key in inner_units:
-            units.append(inner_units[key])
+            units.extend(inner_units[key])
     if out is not None and not tied:
         head = [m for m in (norm, out) if m is not None]
         fully_shard(head, reshard_after_forward=always, **common)

@@ -23,7 +23,6 @@ FLATTENED = {
     "dp_shard_cp": ("dp_shard", "cp"),  # FSDP's shard dimension
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),  # loss and gradient-norm reduction
 }
-HSDP = ("dp_replicate", "dp_shard_cp")  # FSDP's 2-D mesh with replicas: (replicate, shard)
 
 
 class JobMesh:
@@ -87,10 +86,14 @@ class ParallelDims:
     def ddp_enabled(self) -> bool:
         return self.dp_replicate > 1 and not self.fsdp_enabled
 
-    def build_mesh(self, device_type: str) -> JobMesh:
+    def build_mesh(self, device_type: str, *, moe_tp: bool = False) -> JobMesh:
         """One mesh over all ranks, with the flattened views that the parts need: `dp` (data loading),
         `dp_shard_cp` (FSDP), `dp_cp` (loss and grad-norm reduction), and HSDP's (`dp_replicate`,
         `dp_shard_cp`).
+
+        `moe_tp` (mixture-of-experts layers under tensor parallel): the tp ranks are data-parallel ranks
+        for the MoE layers, so their FSDP views span tp too: `dp_shard_cp_tp` (`efsdp_cp_tp` for the
+        experts with ep > 1; with HSDP each joined to `dp_replicate`) and `dp_cp_tp` (the experts' load).
 
         The views are made here and kept (`JobMesh`). `DeviceMesh._flatten` and `_concatenate` are the
         only ways torch 2.11 and 2.13 offer to make them (FSDP2 itself joins its meshes with
@@ -106,6 +109,13 @@ class ParallelDims:
         names = tuple(n for n, _ in dims)
         root = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
         spans = dict(FLATTENED)
+        if moe_tp and self.tp > 1:
+            spans |= {
+                "dp_shard_cp_tp": ("dp_shard", "cp", "tp"),
+                "dp_cp_tp": ("dp_replicate", "dp_shard", "cp", "tp"),
+            }
+            if self.ep > 1:
+                spans["efsdp_cp_tp"] = ("efsdp", "cp", "tp")
         if self.ep > 1:  # dp_shard is efsdp x ep: every span over it spans both
             spans = {n: tuple(x for d in dims_ for x in (("efsdp", "ep") if d == "dp_shard" else (d,)))
                      for n, dims_ in spans.items()}  # fmt: skip
@@ -113,9 +123,7 @@ class ParallelDims:
         views: dict[str | tuple[str, ...], DeviceMesh] = {
             name: root[span]._flatten(name) for name, span in spans.items()
         }
-        views[HSDP] = DeviceMesh._concatenate([root["dp_replicate"], views["dp_shard_cp"]])
-        if self.ep > 1:
-            views[("dp_replicate", "efsdp_cp")] = DeviceMesh._concatenate(
-                [root["dp_replicate"], views["efsdp_cp"]]
-            )
+        for shard in ("dp_shard_cp", "efsdp_cp", "dp_shard_cp_tp", "efsdp_cp_tp"):  # HSDP's 2-D meshes
+            if shard in views:
+                views[("dp_replicate", shard)] = DeviceMesh._concatenate([root["dp_replicate"], views[shard]])
         return JobMesh(root, views)

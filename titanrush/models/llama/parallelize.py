@@ -118,19 +118,14 @@ def parallelize_llama(
             logger.info(f"compile: {what} runs between compiled graphs")
         apply_compile(model, fullgraph=plan.fullgraph)
 
-    # 6. Data parallel: FSDP (or HSDP on a 2-D mesh), else plain DDP.
+    # 6. Data parallel: FSDP (or HSDP on a 2-D mesh), else plain DDP. Mixture-of-experts layers first
+    #    (inner units): the experts under EP over the ranks that are not EP peers; under TP the whole
+    #    MoE layer over the tp ranks too (each routes its own tokens), even where nothing else is FSDP.
+    inner: dict[str, list[nn.Module]] = {}
+    if mesh is not None and (plan.fsdp or plan.moe_tp) and experts:
+        inner = _shard_moe_layers(model, plan, mesh, experts)
     if mesh is not None and plan.fsdp:
         dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if plan.dp_replicate > 1 else mesh["dp_shard_cp"]
-        if plan.ep > 1:  # the experts first (inner units): sharded over the ranks that are not EP peers
-            experts_mesh = mesh["dp_replicate", "efsdp_cp"] if plan.dp_replicate > 1 else mesh["efsdp_cp"]
-            shard_experts(
-                list(experts.values()),
-                experts_mesh,
-                divide_factor=plan.dp * plan.cp,
-                param_dtype=torch.bfloat16 if plan.precision == "bf16" else torch.float32,
-                reshard_after_forward=plan.reshard != "never",
-                cpu_offload=plan.cpu_offload,
-            )
         apply_fsdp(
             model,
             dp_mesh,
@@ -139,7 +134,7 @@ def parallelize_llama(
             reshard_after_forward=plan.reshard,
             keep_gathered_last=plan.keep_gathered_last,
             cpu_offload=plan.cpu_offload,
-            inner_units=experts if plan.ep > 1 else None,
+            inner_units=inner or None,
         )
     elif mesh is not None and plan.ddp:
         apply_ddp(model, mesh["dp_replicate"])
@@ -151,6 +146,40 @@ def parallelize_llama(
             model, plan.ac_offload_first, device or torch.device("cuda"), every=plan.ac_offload_every
         )
     return None
+
+
+def _shard_moe_layers(
+    model: nn.Module, plan: RunPlan, mesh: JobMesh, experts: dict[str, nn.Module]
+) -> dict[str, list[nn.Module]]:
+    """FSDP units of their own inside the MoE blocks; block key -> those units in the order they run.
+
+    With EP the experts' units span the data-parallel ranks that are not EP peers (`efsdp_cp`). Under TP
+    (`plan.moe_tp`) the tp ranks are data-parallel ranks for the MoE layer: its router and shared expert
+    (and the experts without EP) take a unit over `dp_shard_cp_tp`, the experts with EP one over
+    `efsdp_cp_tp`. Gradients are summed over the tp ranks where each routed its own sequence shard
+    (sequence parallel), averaged where all routed the same tokens, and averaged over data parallel.
+    """
+    hsdp = plan.dp_replicate > 1 and plan.fsdp
+    over_tp = plan.tp if plan.moe_tp and not plan.sequence_parallel else 1
+    common = dict(
+        divide_factor=plan.dp * plan.cp * over_tp,
+        param_dtype=(torch.bfloat16 if plan.precision == "bf16" else torch.float32) if plan.fsdp else None,
+        reshard_after_forward=plan.reshard != "never",
+        cpu_offload=plan.cpu_offload,
+    )
+
+    def over(name: str) -> DeviceMesh:
+        return mesh["dp_replicate", name] if hsdp else mesh[name]
+
+    inner: dict[str, list[nn.Module]] = {key: [] for key in experts}
+    if plan.ep > 1:  # (inner modules are sharded before the modules around them)
+        shard_experts(list(experts.values()), over("efsdp_cp_tp" if plan.moe_tp else "efsdp_cp"), **common)
+        inner = {key: [module] for key, module in experts.items()}
+    if plan.moe_tp:  # the layer's unit runs first (its router, before the experts)
+        layers = {key: model.layers[key].moe for key in experts}
+        shard_experts(list(layers.values()), over("dp_shard_cp_tp"), **common)
+        inner = {key: [layers[key], *inner[key]] for key in experts}
+    return {key: units for key, units in inner.items() if units}
 
 
 def llama_tp_plan(
@@ -205,6 +234,11 @@ def llama_tp_plan(
         top["norm"] = SequenceParallel()
         block.update(
             {
+                # Llama 4's MoE layer routes this rank's sequence shard: it takes it as a local tensor
+                # (the tp ranks are data-parallel ranks for it: `_shard_moe_layers`).
+                "moe": PrepareModuleInput(
+                    input_layouts=(seq,), desired_input_layouts=(seq,), use_local_output=True
+                ),
                 "attention_norm": SequenceParallel(),
                 # forward(x, rope, mask): gather x over the sequence, pass rope and mask through.
                 "attention": a_prep(
