@@ -1,8 +1,8 @@
 """Llama 4's mixture of experts on CUDA: the grouped GEMM against the per-expert loop, and expert parallel
 over NCCL against one GPU.
 
-Run on the GPU machine: `pytest tests/gpu/test_moe_gpu.py` (the EP tests need 2 GPUs, EP2 x FSDP and
-EP2 x CP2 need 4). The trainer runs llama4_debug (every layer MoE, 8 experts, top-1) on synthetic data.
+Run on the GPU machine: `pytest tests/gpu/test_moe_gpu.py` (EP2, FSDP2 and TP2 need 2 GPUs; EP2 x FSDP2,
+EP2 x CP2 and EP2 x TP2 need 4). The trainer runs llama4_debug (every layer MoE, 8 experts, top-1) on synthetic data.
 """
 
 from __future__ import annotations
@@ -72,10 +72,12 @@ def refs(tmp_path_factory):
 
 
 @pytest.mark.multigpu
-@pytest.mark.parametrize("name", ["ep2", "fsdp2"])
+@pytest.mark.parametrize("name", ["ep2", "fsdp2", "tp2"])
 def test_fp32_ep2_matches_one_gpu(name, tmp_path, refs):
-    over = ["--parallelism.ep", "2"] if name == "ep2" else []
-    rows = train(tmp_path, name, 2, 2, "--training.deterministic", *over)
+    """EP2; FSDP2; TP2 (the MoE layers' own FSDP units over the tp ranks, each routing its sequence
+    shard)."""
+    over = {"ep2": ["--parallelism.ep", "2"], "fsdp2": [], "tp2": ["--parallelism.tp", "2"]}[name]
+    rows = train(tmp_path, name, 2, 1 if name == "tp2" else 2, "--training.deterministic", *over)
     for key in ("loss", "grad_norm"):
         assert dev(rows, refs["fp32"], key) <= FP32_RTOL, (key, [r[key] for r in rows])
     assert rows[-1]["loss"] < rows[0]["loss"]
@@ -92,13 +94,15 @@ def test_bf16_ep2_trains_like_one_gpu(compiled, tmp_path, refs):
 
 
 @pytest.mark.multigpu(4)
-@pytest.mark.parametrize("name", ["ep2_fsdp2", "ep2_cp2"])
+@pytest.mark.parametrize("name", ["ep2_fsdp2", "ep2_cp2", "ep2_tp2"])
 def test_four_gpu_meshes_match_one_gpu(name, tmp_path, refs):
     """EP2 x FSDP2: experts sharded by FSDP over the pairs that are not EP peers. EP2 x CP2: each rank
-    routes its share of the sequence; the experts are FSDP-sharded over cp."""
+    routes its share of the sequence; the experts are FSDP-sharded over cp. EP2 x TP2: each tp rank
+    routes its sequence shard through its EP group."""
     cp = name == "ep2_cp2"
     over = ["--parallelism.ep", "2"] + (["--parallelism.cp", "2"] if cp else [])
-    rows = train(tmp_path, name, 4, 2 if cp else 4, "--training.deterministic", *over)
+    over += ["--parallelism.tp", "2"] if name == "ep2_tp2" else []
+    rows = train(tmp_path, name, 4, 4 if name == "ep2_fsdp2" else 2, "--training.deterministic", *over)
     # Under CP the ring's online softmax reassociates attention's sums too: the CP suite's tolerances.
     tolerance = {"loss": 2e-3, "grad_norm": 2e-2} if cp else {"loss": FP32_RTOL, "grad_norm": FP32_RTOL}
     for key, rtol in tolerance.items():
