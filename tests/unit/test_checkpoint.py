@@ -312,7 +312,7 @@ def test_every_model_argument_but_the_run_time_choices_is_compared():
 
 
 def test_block_checksums_match_zlib_over_any_range_and_stop_at_the_end_of_a_short_file(tmp_path):
-    """The integrity record's per-block CRC (read through a memory map): any offset, page-aligned or not;
+    """The integrity record's per-block CRC (read with pread): any offset, page-aligned or not;
     a range past the end of the file stops at the end (a shorter file is reported by the size check)."""
     import zlib
 
