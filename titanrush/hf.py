@@ -40,14 +40,15 @@ else:  # pragma: no cover - only where tomllib is missing
     import tomli as tomllib
 
 __all__ = [
-    "DTYPES", "INFO_FILE", "args_from_hf_config", "export_hf", "export_pt", "flavor_of", "from_hf_state_dict",
-    "hf_config", "import_command", "import_hf", "load_hf_weights", "load_safetensors", "model_args_at",
-    "read_checkpoint", "save_safetensors", "to_hf_state_dict", "training_tokenizer",
+    "BIAS_FILE", "DTYPES", "INFO_FILE", "args_from_hf_config", "export_hf", "export_pt", "flavor_of",
+    "from_hf_state_dict", "hf_config", "import_command", "import_hf", "load_hf_weights", "load_safetensors",
+    "model_args_at", "read_checkpoint", "save_safetensors", "to_hf_state_dict", "training_tokenizer",
 ]  # fmt: skip
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
 INFO_FILE = "titanrush.json"
+BIAS_FILE = "titanrush_expert_bias.safetensors"  # Llama 4's routing biases, beside an export's weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # Conversion runs in one process without a process group on purpose; DCP warns about exactly that.
 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -261,7 +262,12 @@ def export_hf(
     dtype: torch.dtype = torch.bfloat16,
     tokenizer: str | None = "auto",
 ) -> Path:
-    """Write an HF LlamaForCausalLM folder into out_dir; files of other names there are kept.
+    """Write an HF LlamaForCausalLM (or Llama4ForCausalLM) folder into out_dir; files of other names there
+    are kept.
+
+    A Llama 4 whose routing biases moved in training (titanrush's load balance) routes by them, and
+    Hugging Face's Llama 4 has no place for them: they go to `BIAS_FILE` beside the weights, where
+    `import_hf` takes them back (transformers ignores the file and routes without them).
 
     Args:
         checkpoint_dir: a `step-<N>` folder or a checkpoint folder (its newest step).
@@ -290,6 +296,9 @@ def export_hf(
         bos, eos = tok.bos_id, tok.eos_id
         files.update({name: _text(content) for name, content in tok_files.items()})
     hf_sd = {k: v.to(dtype) for k, v in to_hf_state_dict(sd, args).items()}
+    biases = {k: v.float() for k, v in sd.items() if k.endswith(".moe.expert_bias")}
+    if any(bool(v.any()) for v in biases.values()):  # Llama 4's routing biases, which HF has no place for
+        files[BIAS_FILE] = lambda p: save_safetensors(biases, p, {"format": "pt"})
     del sd
     meta = {"format": "pt", "titanrush_step": str(info.get("step"))}
     generation: dict[str, Any] = {"_from_model_config": True}
@@ -328,7 +337,8 @@ def import_hf(hf_dir: str | Path, out_checkpoint_dir: str | Path) -> Path:
     titanrush.json records `flavor = "custom"` and the model's arguments; train from it in one command
     with `model.flavor = "custom"`, `model.from_checkpoint = <out>`, `checkpoint.load_path = <out>` and
     `checkpoint.load_model_only` (`import_command`). A Llama 4 is recorded under the titanrush flavor of its
-    shape (another shape is refused), and a run names that flavor; its routing biases start at zero.
+    shape (another shape is refused), and a run names that flavor; its routing biases are those of the
+    export's `BIAS_FILE` where the folder has one, else zero.
     The HF folder's tokenizer files, where it has them, are copied beside the weights
     (`data.tokenizer = <out>/tokenizer.json`).
     """
@@ -346,6 +356,14 @@ def import_hf(hf_dir: str | Path, out_checkpoint_dir: str | Path) -> Path:
             "Llama 4 at those shapes only"
         )
     sd = _cast(from_hf_state_dict(load_hf_weights(src), args), torch.float32, args.tie_embeddings)
+    if moe_flavor and (src / BIAS_FILE).exists():  # the routing biases of a titanrush export
+        biases = load_safetensors(src / BIAS_FILE)
+        wrong = [k for k, v in biases.items() if k not in sd or sd[k].shape != v.shape]
+        if wrong:
+            raise ConfigError(
+                f"{src / BIAS_FILE} holds {first_few(wrong)}, which this model has not (so shaped)"
+            )
+        sd.update(biases)
     # Dense: "custom", the run takes this shape from model_args (model.from_checkpoint), whatever flavor it
     # resembles; `architecture` names that flavor for the reader. Llama 4: the flavor it is.
     info = {"step": 0, "flavor": moe_flavor or CUSTOM, "architecture": moe_flavor or flavor_of(args),

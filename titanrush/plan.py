@@ -85,7 +85,7 @@ class RunPlan:
     @functools.cached_property
     def dims(self) -> ParallelDims:
         return ParallelDims(
-            self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.world_size, self.ep
+            self.dp_replicate, self.dp_shard, self.cp, self.tp, self.pp, self.world_size, self.ep, self.moe_tp
         )
 
     @property

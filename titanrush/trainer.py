@@ -83,9 +83,7 @@ class Trainer:
             bind_near_gpu(self.device)
         distributed.init(self.device, nccl_max_ctas=cfg.parallelism.nccl_max_ctas)
         marks.append(("config and process group", time.perf_counter()))
-        self.mesh = (
-            plan.dims.build_mesh(self.device.type, moe_tp=plan.moe_tp) if self.world_size > 1 else None
-        )
+        self.mesh = plan.dims.build_mesh(self.device.type) if self.world_size > 1 else None
         marks.append(("mesh", time.perf_counter()))
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
         self.lock = run_dir.check(self.run_dir, overwrite=cfg.job.overwrite, rank=self.rank)

@@ -423,7 +423,8 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims, args: Llama4Args) -> None:
             ("parallelism.cp > 1", "", dims.cp > 1),
             ("float8.enable", "", cfg.float8.enable),
             ("moe.aux_loss_coeff > 0 with sequence parallel", ": the balance loss counts whole sequences, "
-             "which sequence parallel splits over the tp ranks",
+             "which sequence parallel splits over the tp ranks; parallelism.sequence_parallel = false "
+             "keeps them whole",
              cfg.moe.aux_loss_coeff > 0 and cfg.parallelism.sequence_parallel),
         ]  # fmt: skip
         for what, why, on in refused:

@@ -2,7 +2,8 @@
 over NCCL against one GPU.
 
 Run on the GPU machine: `pytest tests/gpu/test_moe_gpu.py` (EP2, FSDP2 and TP2 need 2 GPUs; EP2 x FSDP2,
-EP2 x CP2 and EP2 x TP2 need 4). The trainer runs llama4_debug (every layer MoE, 8 experts, top-1) on synthetic data.
+EP2 x CP2 and EP2 x TP2 need 4). The trainer runs llama4_debug (every layer MoE, 8 experts, top-1) on
+synthetic data.
 """
 
 from __future__ import annotations

@@ -370,3 +370,40 @@ def test_ac_op_all_but_w3_recomputes_one_matmul_per_block():
     assert n - base == 4  # the 6th matmul (w3) of each of the 4 blocks runs again in backward
     assert loss_n == loss
     torch.testing.assert_close(grad_n, grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "world, par, router_mesh, experts_mesh, divide",
+    [
+        # TP alone: the MoE layer is a unit of its own over the tp ranks; each routes its sequence
+        # shard, so its gradients are summed over them (divided by the data-parallel degree, 1)
+        (2, {"tp": 2}, ("dp_shard_cp_tp",), ("dp_shard_cp_tp",), 1),
+        # without sequence parallel both tp ranks route the same tokens: averaged over them
+        (2, {"tp": 2, "sequence_parallel": False}, ("dp_shard_cp_tp",), ("dp_shard_cp_tp",), 2),
+        (4, {"tp": 2, "dp_shard": 2}, ("dp_shard_cp_tp",), ("dp_shard_cp_tp",), 2),
+        # HSDP x EP x TP: the experts over the replicas and the non-EP shard ranks x tp, split over ep
+        (16, {"tp": 2, "dp_replicate": 2, "dp_shard": 4, "ep": 2}, ("dp_replicate", "dp_shard_cp_tp"),
+         ("dp_replicate", "efsdp_cp_tp", "ep"), 8),
+    ],
+    ids=["tp2", "tp2_no_sp", "fsdp2_tp2", "hsdp2_ep2_tp2"],
+)  # fmt: skip
+def test_moe_layers_under_tp_are_fsdp_units_over_the_tp_ranks(
+    fake_world, world, par, router_mesh, experts_mesh, divide
+):
+    from titanrush.models.llama4 import Llama4
+
+    fake_world(world)
+    flags = ["--model.flavor", "llama4_debug", "--training.seq_len", "64"]
+    for key, value in par.items():
+        flags += [f"--parallelism.{key}", str(value).lower()]
+    plan = run_plan(world, *flags)
+    with torch.device("meta"):
+        model = Llama4(plan.args)
+    parallelize_llama(model, plan, plan.dims.build_mesh("cpu"))
+    moe = model.layers["0"].moe
+    assert isinstance(moe, FSDPModule)
+    assert moe.router.gate.weight.device_mesh.mesh_dim_names == router_mesh
+    assert moe.experts.w13.device_mesh.mesh_dim_names == experts_mesh
+    assert model.layers["0"].attention.wq.weight.device_mesh.mesh_dim_names[-1] == "tp"
+    for unit in (moe, moe.experts) if plan.ep > 1 else (moe,):
+        assert unit._get_fsdp_state()._fsdp_param_group.gradient_divide_factor == divide

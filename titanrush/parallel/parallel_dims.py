@@ -64,6 +64,9 @@ class ParallelDims:
     pp: int
     world_size: int
     ep: int = 1
+    # Mixture-of-experts layers under tensor parallel: the tp ranks are data-parallel ranks for them, and
+    # the mesh gets the views that span tp (`build_mesh`).
+    moe_tp: bool = False
 
     def __post_init__(self) -> None:
         # `titanrush.validate.check_degrees` has checked the degrees against the world size.
@@ -86,12 +89,12 @@ class ParallelDims:
     def ddp_enabled(self) -> bool:
         return self.dp_replicate > 1 and not self.fsdp_enabled
 
-    def build_mesh(self, device_type: str, *, moe_tp: bool = False) -> JobMesh:
+    def build_mesh(self, device_type: str) -> JobMesh:
         """One mesh over all ranks, with the flattened views that the parts need: `dp` (data loading),
         `dp_shard_cp` (FSDP), `dp_cp` (loss and grad-norm reduction), and HSDP's (`dp_replicate`,
         `dp_shard_cp`).
 
-        `moe_tp` (mixture-of-experts layers under tensor parallel): the tp ranks are data-parallel ranks
+        With `moe_tp` (mixture-of-experts layers under tensor parallel) the tp ranks are data-parallel ranks
         for the MoE layers, so their FSDP views span tp too: `dp_shard_cp_tp` (`efsdp_cp_tp` for the
         experts with ep > 1; with HSDP each joined to `dp_replicate`) and `dp_cp_tp` (the experts' load).
 
@@ -109,7 +112,7 @@ class ParallelDims:
         names = tuple(n for n, _ in dims)
         root = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
         spans = dict(FLATTENED)
-        if moe_tp and self.tp > 1:
+        if self.moe_tp and self.tp > 1:
             spans |= {
                 "dp_shard_cp_tp": ("dp_shard", "cp", "tp"),
                 "dp_cp_tp": ("dp_replicate", "dp_shard", "cp", "tp"),

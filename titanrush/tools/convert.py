@@ -57,6 +57,13 @@ def main(argv: list[str] | None = None) -> int:
             out = hf.export_hf(*ns.to_hf, dtype=hf.DTYPES[ns.dtype or "bf16"], tokenizer=tokenizer)
             names = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
             print(f"wrote {out}: {', '.join(names)}")
+            if hf.BIAS_FILE in names:
+                print(
+                    "note: the model routes by learned biases (load balance), which Hugging Face's Llama 4 "
+                    f"has no place for: they are in {hf.BIAS_FILE}, which `titanrush convert --from-hf` "
+                    "takes back; transformers routes without them, so its outputs differ where a bias "
+                    "changes a choice"
+                )
         elif ns.to_pt:
             out = hf.export_pt(*ns.to_pt, dtype=hf.DTYPES[ns.dtype or "fp32"])
             print(f"wrote {out}")

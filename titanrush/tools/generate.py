@@ -50,11 +50,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _dense(args: ModelArgs, path: str | Path) -> ModelArgs:
+def _dense(path: str | Path) -> ModelArgs:
+    """The model arguments at path (a titanrush checkpoint or a Hugging Face folder), refused for Llama 4."""
+    args = hf.model_args_at(path)
     if isinstance(args, Llama4Args):
+        folder = Path(path).expanduser()
+        is_hf = (folder / "config.json").exists() and not (folder / hf.INFO_FILE).exists()
+        how = "" if is_hf else "export it (`titanrush convert --to-hf`) and "
         raise ConfigError(
-            f"{path} holds a Llama 4 (mixture-of-experts) model; generate takes dense Llamas only: export it "
-            "(`titanrush convert --to-hf`) and generate with transformers' Llama4ForCausalLM"
+            f"{path} holds a Llama 4 (mixture-of-experts) model; generate takes dense Llamas only: {how}"
+            "generate with transformers' Llama4ForCausalLM"
         )
     return args
 
@@ -65,12 +70,12 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype, max_l
     max_len: the longest sequence it will see (the RoPE table's length).
     """
     folder = Path(path).expanduser()
+    args = _dense(folder)  # (before any weight is read)
     if (folder / "config.json").exists() and not (folder / hf.INFO_FILE).exists():  # a Hugging Face folder
-        args = hf.model_args_at(folder)
         sd = hf.from_hf_state_dict(hf.load_hf_weights(folder), args)
     else:
         sd, args, _ = hf.read_checkpoint(folder)
-    args = dataclasses.replace(_dense(args, folder), rope_positions=max_len)
+    args = dataclasses.replace(args, rope_positions=max_len)
     moved: dict[int, torch.Tensor] = {}  # by tensor: a tied embedding is moved once
     for v in sd.values():
         if id(v) not in moved:
@@ -110,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = ns.tokenizer or hf.training_tokenizer(ns.checkpoint)
         tok = build_tokenizer(spec)
         prompts = [tok.encode(p, bos=not ns.no_bos, eos=False) for p in ns.prompt]
-        args = _dense(hf.model_args_at(ns.checkpoint), ns.checkpoint)
+        args = _dense(ns.checkpoint)
         if tok.n_words > args.vocab_size:
             raise ConfigError(
                 f"tokenizer {spec!r} has {tok.n_words} ids, the model only {args.vocab_size}: pass the one "

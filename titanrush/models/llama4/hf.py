@@ -14,9 +14,10 @@ already use its stacked layout (`x @ W`):
 
 The multimodal checkpoints (`Llama4ForConditionalGeneration`) hold the same text weights under
 `language_model.`, which `from_hf_state_dict` strips. The routing bias (titanrush's load balance) has no
-Hugging Face counterpart: it is not exported, and an import starts it at zero. Not modelled by titanrush:
-the attention temperature tuning of the NoPE layers, which changes nothing below position `floor_scale`
-(8192), so an imported model computes Hugging Face's function on sequences up to that length.
+Hugging Face counterpart: `titanrush.hf` keeps it in a file of its own beside an export's weights. Not
+modelled by titanrush: the attention temperature tuning of the NoPE layers, which changes nothing below
+position `floor_scale` (8192), so an imported model computes Hugging Face's function on sequences up to
+that length.
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: Llama4Args) -> dict[str,
 
 def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: Llama4Args) -> dict[str, torch.Tensor]:
     """Hugging Face Llama 4 text weights -> titanrush model state dict (shapes checked against `args`);
-    the routing biases start at zero."""
+    the routing biases start at zero (`titanrush.hf.import_hf` restores an export's)."""
     hf_sd = {k.removeprefix("language_model."): v for k, v in hf_sd.items()}
     names = name_map(args)
     missing = [hf for _, hf in names if hf not in hf_sd]
