@@ -136,9 +136,10 @@ def hf_config(
     args: ModelArgs, dtype: torch.dtype = torch.bfloat16, bos_id: int | None = None, eos_id: int | None = None
 ) -> dict[str, Any]:
     """The Hugging Face `config.json` of a model with these arguments (BOS/EOS ids where known)."""
-    if isinstance(args, Llama4Args):
-        return llama4_hf.hf_config(args, dtype, bos_id, eos_id)
-    return hf_mapping.hf_config(args, dtype, bos_id, eos_id)
+    if not isinstance(args, Llama4Args):
+        return hf_mapping.hf_config(args, dtype, bos_id, eos_id)
+    ids = {"bos_token_id": bos_id, "eos_token_id": eos_id}
+    return llama4_hf.hf_config(args, dtype) | {k: v for k, v in ids.items() if v is not None}
 
 
 def _shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:

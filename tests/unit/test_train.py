@@ -233,11 +233,10 @@ def test_checkpoints_record_no_rope_table_length_and_a_longer_sequence_is_a_clea
         short(torch.zeros(1, 65, dtype=torch.long, device="meta"))
 
 
-@pytest.mark.parametrize("name", ["llama8b_fsdp", "llama1b_single"])
-def test_a_shipped_config_saves_and_resumes_at_the_debug_size(tmp_path, name):
-    """The shipped configs' settings (compile, selective op AC, bf16, checkpointing), the model shrunk to
-    the debug flavor: a run saves a full checkpoint, and a second launch resumes from it and trains on."""
-    path = str(ROOT / "train_configs" / f"{name}.toml")
+def test_the_8b_config_saves_and_resumes_at_the_debug_size(tmp_path):
+    """The main command's settings (compile, selective op AC, bf16, checkpointing), the model shrunk to the
+    debug flavor: a run saves a full checkpoint, and a second launch resumes from it and trains on."""
+    path = str(ROOT / "train_configs" / "llama8b_fsdp.toml")
     small = ["--model.flavor", "debug", "--training.seq_len", "64", "--training.local_batch_size", "2",
              "--job.dump_folder", str(tmp_path), "--job.name", "run", "--metrics.log_freq", "1",
              "--checkpoint.enable", "--checkpoint.interval", "2",

@@ -90,19 +90,15 @@ def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: Llama4Args) -> dict
     return sd
 
 
-def hf_config(
-    args: Llama4Args,
-    dtype: torch.dtype = torch.bfloat16,
-    bos_id: int | None = None,
-    eos_id: int | None = None,
-) -> dict[str, Any]:
-    """The `config.json` of a Hugging Face Llama4ForCausalLM with these weights (BOS/EOS ids where known)."""
+def hf_config(args: Llama4Args, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
+    """The `config.json` of a Hugging Face Llama4ForCausalLM with these weights (`titanrush.hf.hf_config`
+    adds the BOS/EOS ids)."""
     rope = None
     if args.rope_scaling:
         rope = {"rope_type": "llama3", "factor": args.rope_scale_factor,
                 "low_freq_factor": args.rope_low_freq_factor, "high_freq_factor": args.rope_high_freq_factor,
                 "original_max_position_embeddings": args.rope_original_max_len}  # fmt: skip
-    cfg = {
+    return {
         "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text", "vocab_size": args.vocab_size,
         "hidden_size": args.dim, "num_hidden_layers": args.n_layers, "num_attention_heads": args.n_heads,
         "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim, "hidden_act": "silu",
@@ -115,11 +111,6 @@ def hf_config(
         "rope_scaling": rope, "max_position_embeddings": args.max_seq_len,
         "tie_word_embeddings": args.tie_embeddings, "torch_dtype": str(dtype).removeprefix("torch."),
     }  # fmt: skip
-    if bos_id is not None:
-        cfg["bos_token_id"] = bos_id
-    if eos_id is not None:
-        cfg["eos_token_id"] = eos_id
-    return cfg
 
 
 def args_from_hf_config(cfg: dict[str, Any]) -> Llama4Args:
