@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -144,6 +145,31 @@ def test_extras_replicate_and_duplicate_runs():
         "parallelism.dp_replicate": "4", "parallelism.dp_shard": "1", "parallelism.tp": "1",
         "parallelism.pp": "1", "parallelism.cp": "1", "parallelism.fsdp_reshard_after_forward": "always",
     }  # fmt: skip
+
+
+def test_expert_parallel_is_a_dimension_for_llama4_and_refused_for_dense():
+    moe = {"model.flavor": "llama4_debug"}
+    valid, invalid = sweep.plan(DEBUG, moe, sweep.parse_grid("tp=1,2 ep=1,2,4"), 4)
+    assert labels(valid) == [
+        "dp_replicate=1 dp_shard=4 tp=1 pp=1 cp=1 ep=1",
+        "dp_replicate=1 dp_shard=4 tp=1 pp=1 cp=1 ep=2",
+        "dp_replicate=1 dp_shard=4 tp=1 pp=1 cp=1 ep=4",
+        "dp_replicate=1 dp_shard=2 tp=2 pp=1 cp=1 ep=1",
+        "dp_replicate=1 dp_shard=2 tp=2 pp=1 cp=1 ep=2",
+    ]
+    [(shape, reason)] = invalid
+    assert shape["ep"] == 4 and "must divide dp_shard = 2" in reason
+    assert sweep.settings_of(valid[1])["parallelism.ep"] == "2" and sweep.name(valid[1]).endswith("-ep2")
+    _, invalid = sweep.plan(DEBUG, {}, sweep.parse_grid("ep=2"), 2)
+    assert "has no experts" in invalid[0][1]
+    # the estimator does not model MoE layers: the verdict says so instead of guessing
+    ctx = SimpleNamespace(config=DEBUG, gpu_mem_gib=80.0)  # (what estimate_fit reads of a rush)
+    est = rush_runner.estimate_fit(ctx, {**moe, **sweep.settings_of(valid[1])}, 4)
+    assert (
+        "total_gib" not in est
+        and est["note"].startswith("no estimate: ")
+        and "mixture-of-experts" in est["note"]
+    )
 
 
 def test_ddp_with_tensor_parallel_is_reported_invalid():

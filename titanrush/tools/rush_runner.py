@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from titanrush import config as cfgmod
+from titanrush.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -387,6 +388,8 @@ def estimate_fit(ctx: Ctx, settings: dict[str, str], ngpu: int) -> dict[str, Any
         cfg = cfgmod.load(ctx.config, to_args(settings))
         est = quick_estimate(cfg, ngpu, ctx.gpu_mem_gib)
         return {"total_gib": float(est.total_gib), "gpu_mem_gib": ctx.gpu_mem_gib, "fits": bool(est.fits)}
+    except ConfigError as e:  # what the estimator does not model (e.g. mixture-of-experts layers)
+        return {"note": f"no estimate: {e}"[:200]}
     except Exception as e:  # an estimate must never stop the rush
         return {"note": f"estimator error: {type(e).__name__}: {e}"[:200]}
 

@@ -4,7 +4,8 @@
                   [--output DIR] [--dry-run] [--skip-unfit] [--assume-cuda] [--gpu-mem GiB] [overrides]
 
 The grid names the values of each dimension, `dim=v1,v2,...`, separated by spaces: the degrees
-dp_replicate, dp_shard, tp, pp, cp, and the extras reshard (always, never, default: FSDP's
+dp_replicate, dp_shard, tp, pp, cp, and the extras ep (expert parallel of the Llama 4 flavors, ranks
+borrowed from dp_shard), reshard (always, never, default: FSDP's
 reshard_after_forward), ac (none, selective, full: activation checkpointing) and batch (the local batch
 size). dp_shard takes what the other degrees leave of N unless the grid names it; a degree the grid
 does not name keeps the config's value. Every combination is checked by the trainer's own plan
@@ -45,6 +46,8 @@ DEGREES = ("dp_replicate", "dp_shard", "tp", "pp", "cp")
 # Each grid dimension: (config key, allowed values; None = positive integers).
 DIMS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     **{d: (f"parallelism.{d}", None) for d in DEGREES},
+    # expert parallel (Llama 4 flavors): borrowed from dp_shard, so not a factor of the world size
+    "ep": ("parallelism.ep", None),
     "reshard": ("parallelism.fsdp_reshard_after_forward", ("always", "never", "default")),
     "ac": ("activation_checkpoint.mode", ("none", "selective", "full")),
     "batch": ("training.local_batch_size", None),
