@@ -42,10 +42,10 @@ _MARK = "titanrush.integrity"  # the write result that carries a rank's checksum
 
 
 def hash_threads() -> int:
-    """Threads one rank uses to checksum: its share of this host's CPUs, at most 8."""
+    """Threads one rank uses to checksum: its share of this host's CPUs, at most 16."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
-    return max(1, min(8, cpus // local))
+    return max(1, min(16, cpus // local))
 
 
 _CHUNK = 16 * 2**20
