@@ -70,7 +70,7 @@ def main() -> int:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--modes", default="disabled,async_pinned", help="disabled, async, async_pinned")
     ap.add_argument("--resume-overrides", default="--parallelism.tp 2", help="the resume's mesh")
-    ap.add_argument("--resume-steps", type=int, default=2)
+    ap.add_argument("--resume-steps", type=int, default=2, help="steps after the load (0: no resume run)")
     ap.add_argument("--timeout-per-run", type=float, default=240)
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
     ap.add_argument("--dry-run", action="store_true", help="print the runs' arguments and stop")
@@ -97,7 +97,7 @@ def main() -> int:
         elif row["status"] == "ok":
             row["status"] = f"no checkpoint of step {SAVE_STEP} logged"
         rows.append({"mode": mode, **row})
-    if source is not None:
+    if source is not None and a.resume_steps > 0:
         row, metrics = launch("resume", resume_args(source, a), a)
         load = next((r for r in metrics if "ckpt_load_s" in r), {})
         steps = [r["step"] for r in metrics if "loss" in r]
