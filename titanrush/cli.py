@@ -15,7 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "continue a prompt with a checkpoint's model (greedy or top-p)",
     ),
     "estimate": ("titanrush.tools.estimate", "will this config fit, and what uses the memory"),
-    "rush": ("titanrush.tools.rush", "measure what each optimization buys (ladder, dist)"),
+    "rush": ("titanrush.tools.rush", "measure what each optimization buys (ladder, dist, moe)"),
     "sweep": ("titanrush.tools.sweep", "run mesh shapes (tp/pp/cp/...) and rank them"),
 }
 

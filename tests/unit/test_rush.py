@@ -1,5 +1,6 @@
 """`titanrush rush`: the pure parts (OOM detection, figures, speedups), the ladder's sequencing on a fake
-GPU, the plans of both ladders, and a real CPU ladder (and dist, marked parallel) on the debug model."""
+GPU, the plans of both ladders, a real CPU ladder (and dist, marked parallel) on the debug model, and the
+dense-vs-MoE group (its dense shape, its plan, a real CPU run)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-from titanrush.tools import rush, rush_runner
+from titanrush import config as cfgmod
+from titanrush.config import ConfigError
+from titanrush.models.llama import Llama, ModelArgs
+from titanrush.models.llama.model import FeedForward
+from titanrush.models.llama4 import Llama4
+from titanrush.models.llama4 import model_args as llama4_args
+from titanrush.models.llama4.moe import MoE
+from titanrush.plan import resolve_model_args
+from titanrush.tools import rush, rush_moe, rush_runner
 from titanrush.tools.rush_runner import FAILED, NEEDS_GPU, NOT_AVAILABLE, OK, OOM, SKIPPED, TIMEOUT, Rung
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -319,3 +329,114 @@ def test_dist_efficiency_only_for_the_1b_scaling_rungs(monkeypatch):
     monkeypatch.setattr(rush, "record", lambda ctx, row: rows.append(row))
     rush.run_dist(None, plan, {})
     assert [r["efficiency"] for r in rows] == [1.0, 0.9, None]
+
+
+# ----------------------------------------------------------------------------------------------
+# Dense vs MoE at equal active parameters
+
+
+def test_dense_twin_shapes_the_moe_flavors_active_ffn():
+    """The dense width is the shared expert's plus top_k routed experts', checked on built modules."""
+    assert rush_moe.moe_flavor("debug") == "llama4_debug" and rush_moe.moe_flavor("1B") == "llama4_1Bx8E"
+    assert rush_moe.moe_flavor("llama4_1Bx16E") == "llama4_1Bx16E"
+    with pytest.raises(ConfigError):
+        rush_moe.moe_flavor("8B")
+    big = llama4_args("llama4_1Bx8E")
+    twin = rush_moe.dense_twin(big)
+    assert twin["model.ffn_hidden"] == str(2 * 2816)  # 1 shared + top-1 routed, 2816 wide each
+    dense = resolve_model_args(cfgmod.load(None, rush_runner.to_args(twin)))
+    assert type(dense) is ModelArgs and dense.ffn_hidden == 5632
+    for key in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "tie_embeddings", "norm_eps",
+                "rope_theta", "rope_scaling", "max_seq_len"):  # fmt: skip
+        assert getattr(dense, key) == getattr(big, key), key
+    variants = [
+        llama4_args("llama4_debug"),
+        llama4_args("llama4_debug", top_k=2),
+        llama4_args("llama4_debug", top_k=2, shared_expert=False),
+        llama4_args("llama4_debug", moe_hidden=200),
+    ]
+    for a in variants:
+        hidden, exact = rush_moe.twin_hidden(a)
+        assert exact
+        with torch.device("meta"):
+            ffn = FeedForward(a.dim, hidden)
+            moe = MoE(a.dim, a.expert_hidden, a.n_experts, a.top_k, shared_expert=a.shared_expert)
+        shared = sum(p.numel() for p in moe.shared_expert.parameters()) if moe.shared_expert else 0
+        routed = a.top_k * (moe.experts.w13[0].numel() + moe.experts.w2[0].numel())
+        assert sum(p.numel() for p in ffn.parameters()) == shared + routed
+    # Dense and MoE layers of different widths: the mean, exact only when it is a whole number.
+    mixed = llama4_args("llama4_debug", moe_every=2)
+    assert mixed.ffn_hidden == 704 and rush_moe.twin_hidden(mixed) == ((704 + 768) // 2, True)
+    assert rush_moe.twin_hidden(llama4_args("llama4_debug", moe_every=2, n_layers=3))[1] is False
+    with pytest.raises(ConfigError, match="iRoPE"):
+        rush_moe.dense_twin(llama4_args("llama4_17Bx16E"))
+
+
+def test_moe_dry_run_plan_on_the_gpu_sizes(tmp_path, capsys):
+    out = tmp_path / "rush"
+    assert rush.main(["moe", "--dry-run", "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert not out.exists()
+    assert "dense Llama, FFN hidden 5632: 1.25B parameters, all active" in printed
+    assert "llama4_1Bx8E: 1 shared + top-1 of 8 experts x 2816: 3.18B total, 1.25B active" in printed
+    dense = next(line for line in printed.splitlines() if "--job.name dense" in line)
+    assert "python -m titanrush.train" in dense and "--model.flavor custom" in dense
+    assert "--model.ffn_hidden 5632" in dense and "--data.dataset embedded" in dense
+    assert any(
+        "--job.name moe" in line and "--model.flavor llama4_1Bx8E" in line for line in printed.splitlines()
+    )
+    assert rush.main(["moe", "--dry-run", "--model.flavor", "8B"]) == 2
+    assert "no mixture-of-experts counterpart" in capsys.readouterr().err
+
+
+def used_by_one_token(model: torch.nn.Module) -> int:
+    """Parameters one token's forward and backward touch: every tensor it reaches, and of the stacked
+    experts (E, ...) only the experts it was routed to."""
+    model.init_weights(seed=0)
+    model(torch.tensor([[17]])).float().pow(2).mean().backward()
+    used = 0
+    for p in model.parameters():
+        if p.grad is None or not p.grad.any():
+            continue
+        used += sum(p[e].numel() for e in range(len(p)) if p.grad[e].any()) if p.dim() == 3 else p.numel()
+    return used
+
+
+def test_cpu_moe_end_to_end(tmp_path, capsys):
+    """Both rungs train on the debug sizes; their active parameters agree with an independent count."""
+    out = tmp_path / "rush"
+    argv = ["moe", "--config", DEBUG, "--steps", "3", "--warmup", "1", "--output", str(out), *SMALL]
+    assert rush.main(argv) == 0
+    rows = {r["name"]: r for r in read_rows(out)}
+    assert list(rows) == ["dense", "moe"]
+    for r in rows.values():
+        assert r["status"] == OK, (r["name"], r.get("reason"), r.get("log"))
+        assert r["tps"] > 0 and r["tflops"] > 0 and r["mem_active_gib"] > 0
+        assert [s for s, _ in r["loss_curve"]] == [1, 2, 3] and r["final_loss"] == r["loss_curve"][-1][1]
+    dense, moe = rows["dense"], rows["moe"]
+    assert (
+        moe["overrides"]["model.flavor"] == "llama4_debug" and dense["overrides"]["model.flavor"] == "custom"
+    )
+    # The models the runs trained, built again here; what one token uses, counted on them.
+    models = {}
+    for name, r in rows.items():
+        args = resolve_model_args(cfgmod.load(DEBUG, rush_runner.to_args(r["overrides"])))
+        models[name] = (Llama4 if name == "moe" else Llama)(args)
+    used = {name: used_by_one_token(m) for name, m in models.items()}
+    routers = sum(m.router.gate.weight.numel() for m in models["moe"].moe_modules())
+    assert used["dense"] == dense["params_active"] == dense["params_total"]
+    assert used["moe"] == moe["params_active"] and used["moe"] - routers == used["dense"]
+    assert (
+        moe["params_total"] == sum(p.numel() for p in models["moe"].parameters()) > 2 * moe["params_active"]
+    )
+    # The comparison: tokens/s ratio, loss at equal steps (= equal tokens).
+    assert moe["vs_dense"] == pytest.approx(moe["tps"] / dense["tps"])
+    assert moe["loss_step"] == 3 and moe["loss_tokens"] == 3 * 64
+    assert moe["loss_diff"] == pytest.approx(moe["final_loss"] - dense["final_loss"])
+    report = (out / "report.md").read_text()
+    assert "| dense | dense Llama, FFN hidden 768" in report and "| moe | llama4_debug" in report
+    assert f"Tokens/s, MoE / dense: {moe['vs_dense']:.2f}x" in report
+    assert "at equal steps and equal tokens" in report and f"is the MoE's routers ({routers:,}" in report
+    assert (out / "moe.png").read_bytes()[:8] == PNG_MAGIC
+    assert list((out / "tb").glob("events.out.tfevents.*"))
+    assert "[ 2/2] moe" in capsys.readouterr().out

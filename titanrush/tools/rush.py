@@ -4,6 +4,7 @@
                         [--skip-unfit] [--gpu-mem GiB] [overrides]
   titanrush rush dist --ngpu N [--config FILE] [--steps S] [--output DIR] [--dry-run] [--skip-unfit]
                       [--gpu-mem GiB] [overrides]
+  titanrush rush moe [--config FILE] [--steps S] [--warmup W] [--output DIR] [--dry-run] [overrides]
 
 `ladder` climbs the single-GPU rungs, each adding to the last one that ran: fp32 with unfused attention
 and for-loop AdamW, bf16, fused AdamW, fused attention (SDPA; the flash-attn package as a side rung),
@@ -13,7 +14,8 @@ ZeRO-2/ZeRO-3 and HSDP at 1, 2, 4 ... N GPUs, then the 8B with the sweep's best 
 own child process; the output folder gets results.jsonl, report.md, PNG charts and TensorBoard events
 (tb/). Overrides (`--section.key value`) apply to every run; the rungs' own settings win over them.
 Base: the 1B flavor on synthetic data, seq 2048, batch 1 (dist: batch 4, bf16, fused AdamW, SDPA,
-compile on GPU); what a --config file sets wins over the base.
+compile on GPU; moe: the same on llama4_1Bx8E and the embedded corpus); what a --config file sets wins
+over the base.
 
 Every run gets the memory estimator's verdict against one GPU memory (`titanrush estimate`'s rule:
 --gpu-mem, else the GPU here, else 80 GiB, said so); --skip-unfit skips the runs it says will not fit. A
@@ -34,6 +36,7 @@ from typing import Any
 from titanrush import config as cfgmod
 from titanrush import validate
 from titanrush.config import ConfigError
+from titanrush.tools import rush_moe
 from titanrush.tools import rush_report as report
 from titanrush.tools import rush_runner as runner
 from titanrush.tools.estimate import gpu_memory
@@ -64,6 +67,7 @@ DIST_BASE = {
     "optimizer.implementation": "fused",
     "model.attn_backend": "sdpa",
 }
+MOE_BASE = {**DIST_BASE, "model.flavor": "llama4_1Bx8E", "data.dataset": "embedded"}
 # The single-GPU rungs: (name, what it adds, group, settings). The `batch` entry expands to batch-2,
 # batch-4 ...; the `ac` rungs get the batch (or sequence length) that did not fit.
 LADDER = [
@@ -302,6 +306,29 @@ def run_dist(ctx: Ctx, plan: list[Rung], base: dict[str, str]) -> list[str]:
 
 
 # ----------------------------------------------------------------------------------------------
+# Dense vs MoE
+
+
+def run_moe(ctx: Ctx, plan: list[Rung], base: dict[str, str]) -> list[str]:
+    """Run the dense twin, then the MoE from the same base; the MoE row gets its tokens/s ratio and loss
+    difference to the dense (`rush_moe.compare`) and its last routing imbalance, each row its loss curve."""
+    dense = None
+    for rung in plan:
+        row = runner.execute(ctx, rung, {**base, **rung.delta}, dense)
+        if row["status"] == OK:
+            metrics = runner.read_metrics(ctx.out / "runs" / rung.name / "metrics.jsonl")
+            steps = [r for r in metrics if "loss" in r]  # (validation rows carry val_loss)
+            row["loss_curve"] = [[r["step"], r["loss"]] for r in steps if r["loss"] is not None]
+            if steps and steps[-1].get("moe_imbalance") is not None:
+                row["moe_imbalance"] = steps[-1]["moe_imbalance"]
+        if rung.name == "moe" and dense is not None:
+            row.update(rush_moe.compare(dense, row))
+        dense = dense or row
+        record(ctx, row)
+    return []
+
+
+# ----------------------------------------------------------------------------------------------
 # CLI
 
 
@@ -338,7 +365,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
             help="AC rungs at the batch that did not fit, or at 2x seq_len with the kept batch",
         )
         ap.add_argument("--cpu-compile", action="store_true", help="run the compile rung on CPU too (slow)")
-    else:
+    elif sub == "dist":
         ap.add_argument(
             "--ngpu", type=int, required=True, help="the largest GPU count (powers of two up to it)"
         )
@@ -347,9 +374,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`titanrush rush ladder|dist ...`: 0 when the rush ran (whatever its rungs did), 2 on bad input."""
+    """`titanrush rush ladder|dist|moe ...`: 0 when the rush ran (whatever its rungs did), 2 on bad input."""
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] not in ("ladder", "dist"):
+    if not argv or argv[0] not in ("ladder", "dist", "moe"):
         print(__doc__)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     kind = argv[0]
@@ -359,14 +386,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = str(Path(args.config).resolve()) if args.config else None
     dev = runner.probe_device()
-    code_base = dict(LADDER_BASE if kind == "ladder" else DIST_BASE)
-    if kind == "dist" and dev.get("cuda"):
+    code_base = dict({"ladder": LADDER_BASE, "dist": DIST_BASE, "moe": MOE_BASE}[kind])
+    if kind != "ladder" and dev.get("cuda"):
         code_base["compile.enable"] = "true"
     try:
         base = base_settings(config, code_base, overrides)
         base_cfg = cfgmod.load(config, to_args(base))
         validate.check_values(base_cfg)  # (each rung's degrees and machine are checked per rung)
         gpu_mem_gib, gpu_mem_note = gpu_memory(args.gpu_mem, dev)
+        plan = rush_moe.moe_plan(config, base) if kind == "moe" else []
     except ConfigError as e:
         print(f"titanrush rush: config error: {e}", file=sys.stderr)
         return 2
@@ -388,8 +416,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"CPU: MFU is null (no peak to divide by), peak memory is the process's peak RSS, and the "
                 f"batch doubling stops after {doublings} doublings (--max-doublings)"
             )
-    else:
+    elif kind == "dist":
         plan = dist_plan(dev, args.ngpu, args.sweep_results)
+    elif not dev.get("cuda"):
+        notes.append("CPU: MFU is null (no peak to divide by), peak memory is the process's peak RSS")
     ctx = Ctx(
         config=config,
         out=args.output.resolve(),
@@ -399,7 +429,7 @@ def main(argv: list[str] | None = None) -> int:
         dry_run=args.dry_run,
         skip_unfit=args.skip_unfit,
         device=dev,
-        launcher="python" if kind == "ladder" else "torchrun",
+        launcher="torchrun" if kind == "dist" else "python",
         progress=report.Progress(len(plan)),
         gpu_mem_gib=gpu_mem_gib,
         gpu_mem_note=gpu_mem_note,
@@ -409,11 +439,17 @@ def main(argv: list[str] | None = None) -> int:
     what = "dry run: the plan, nothing runs" if args.dry_run else f"output {ctx.out}"
     print(f"titanrush rush {kind} on {dev.get('name')} (torch {dev.get('torch')}): {len(plan)} runs; {what}")
     print(f"GPU memory: {gpu_mem_note}")
-    notes += run_ladder(ctx, plan, base, args.ac_target) if kind == "ladder" else run_dist(ctx, plan, base)
+    if kind == "ladder":
+        notes += run_ladder(ctx, plan, base, args.ac_target)
+    else:
+        notes += run_dist(ctx, plan, base) if kind == "dist" else run_moe(ctx, plan, base)
     if args.dry_run:
         print("\n".join(f"note: {n}" for n in notes))
         return 0
-    report.write_all(ctx.out, kind, ctx.rows, ctx.env, steps=ctx.steps, warmup=ctx.warmup, notes=notes)
+    if kind == "moe":
+        rush_moe.write_all(ctx.out, ctx.rows, ctx.env, steps=ctx.steps, warmup=ctx.warmup, notes=notes)
+    else:
+        report.write_all(ctx.out, kind, ctx.rows, ctx.env, steps=ctx.steps, warmup=ctx.warmup, notes=notes)
     print(f"titanrush rush: wrote {ctx.out / 'report.md'}, results.jsonl, the charts and tb/")
     return 0
 

@@ -308,7 +308,8 @@ class Rung:
 
     group: `main` (the next rungs build on it), `side` (measured, not built on), `batch` (the doubling;
     stops at the first that does not fit), `ac` (at the batch or sequence that did not fit), `scaling`
-    (dist), `8b` (dist). status/reason: set when the rung will not run on this machine.
+    (dist), `8b` (dist), `moe` (dense vs MoE). status/reason: set when the rung will not run on this
+    machine. fields: copied into the rung's row (the moe group's parameter counts).
     """
 
     name: str
@@ -319,6 +320,7 @@ class Rung:
     reason: str = ""
     ngpu: int = 1
     strategy: str = ""
+    fields: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -426,6 +428,7 @@ def execute(ctx: Ctx, rung: Rung, settings: dict[str, str], parent: dict[str, An
         "parent": parent["name"] if parent else None,
         "overrides": settings,
         "command": shown,
+        **rung.fields,
     }
     if rung.status:  # cannot run here: one progress line
         row.update(status=rung.status, reason=rung.reason, estimate={})
