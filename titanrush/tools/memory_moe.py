@@ -243,10 +243,12 @@ def backward_points(s: RunPlan, tokens: int, *, imbalance: float) -> list[tuple[
 
     The shared expert's backward runs first (it ran last in forward): its SwiGLU's input gradients
     (2 x N x hidden) beside everything the block saved. The routed experts' follow, the shared expert's
-    saved tensors freed and its input gradient (N x dim) kept for the sum: with EP the combine's
-    gradient (the reverse all-to-all and the regrouping, 2 x R x dim), then the SwiGLU's input gradients
-    (2 x R x hidden) with w2's gradient made, then w13's backward (the rows' gradient R x dim, w13's
-    gradient) with the experts' hidden tensors freed but the SwiGLU's gradient (2 x R x hidden).
+    saved tensors freed and its input gradient (N x dim) kept for the sum: the gather's gradient (the
+    rows' gradient scattered into zeros, S x dim twice; top-k > 1: and the expanded gradient's copy),
+    with EP the combine's (the reverse all-to-all and the regrouping, 2 x R x dim), then the SwiGLU's
+    input gradients (2 x R x hidden) with w2's gradient made, then w13's backward (the rows' gradient
+    R x dim, w13's gradient) with the experts' hidden tensors freed but the SwiGLU's gradient (2 x R x
+    hidden).
     """
     a, c = s.args, s.c
     d, h = a.dim, a.expert_hidden
@@ -258,6 +260,9 @@ def backward_points(s: RunPlan, tokens: int, *, imbalance: float) -> list[tuple[
         shared = ("shared_expert.w1", "shared_expert.w3", "shared_expert.w2")
         after = -4 * c * tokens * h + c * tokens * d
         points.append((2 * c * tokens * h, ("shared_expert.w2",), ""))
+    # the gather back to the tokens: its backward's zeros and scatter of the rows' gradient (top-k > 1:
+    # with the summed gradient expanded to a copy)
+    points.append((after + (3 if a.top_k > 1 else 2) * c * sent * d, shared, ""))
     if s.ep > 1:
         points.append((after + c * sent * d + 2 * c * recv * d, shared, ""))
     points.append((after + 2 * c * recv * h, (*shared, "experts.w2"), ""))
