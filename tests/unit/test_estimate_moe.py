@@ -152,9 +152,10 @@ MESHES = [
     dict(precision="bf16", tp=2, ac_mode="full"),
     dict(precision="bf16", tp=2, dp_shard=2, ep=2, ac_mode="full"),
     dict(precision="bf16", dp_shard=2, pp=2, pp_microbatches=2),
+    dict(precision="bf16", pp=2, pp_microbatches=2),  # autocast: the experts' casts per micro-batch
 ]
 IDS = ["fp32", "autocast", "fsdp4", "fsdp4_ep2", "ep4_full", "fsdp2_op", "autocast_op_alt", "ep2_sel2",
-       "tp2_full", "tp2_fsdp2_ep2_full", "pp2_fsdp2"]  # fmt: skip
+       "tp2_full", "tp2_fsdp2_ep2_full", "pp2_fsdp2", "pp2_autocast"]  # fmt: skip
 VARIANTS = [{}, {"moe_every": 2, "top_k": 2}]
 
 
@@ -167,11 +168,12 @@ def test_trace_agrees_with_analytic_on_llama4_debug(kw, over):
 
 
 @pytest.mark.parametrize("over", VARIANTS, ids=["every1_top1", "every2_top2"])
-@pytest.mark.parametrize("kw", MESHES, ids=IDS)
+@pytest.mark.parametrize("kw", MESHES[:-1], ids=IDS[:-1])
 def test_forward_and_backward_where_the_moe_blocks_decide(kw, over):
     """With a 1024-token vocabulary the loss no longer dwarfs the blocks: the forward's peak (the last
     MoE block, or the loss) and the backward's (a MoE block's recomputation or backward, or the loss) are
-    each compared with the trace's peak of that phase."""
+    each compared with the trace's peak of that phase. (Not the first stage of PP2 under autocast: its
+    backward holds what the dense model leaves out too, -2.8% on the dense debug model.)"""
     s = moe_plan({"vocab_size": 1024, **over}, **kw)
     traced, b = trace(s), analyze(s, as_traced=True)
     total = {name: sum(m.values()) for name, m in b.moments.items()}
@@ -212,6 +214,22 @@ def test_expert_parallel_imbalance_against_a_trace_of_the_busiest_rank(kw, imbal
     # Without expert parallel a rank's experts compute its own rows: the factor changes nothing.
     dense_ep = dataclasses.replace(s, ep=1)
     assert analyze(dense_ep, moe_imbalance=imbalance).peak == analyze(dense_ep, moe_imbalance=1.0).peak
+
+
+def test_qk_norm_keeps_fp32_queries_and_keys_on_the_rope_layers_only():
+    """Scout normalizes q and k on its RoPE layers (not the NoPE ones, every 4th): eager, the fused
+    RMSNorm keeps its fp32 input and a 1/rms per head and token: 8192 tokens x (40 + 8) heads x (128 +
+    1) x 4 bytes."""
+    s = RunPlan(args=model_args("llama4_17Bx16E"), local_batch=1, seq_len=8192, precision="bf16", dp_shard=8)
+    saved = lambda layer, mode="none": block_saved(s, 8192, 1, mode, layer=layer)  # noqa: E731
+    assert s.args.uses_rope(0) and not s.args.uses_rope(3)
+    assert saved(0)["q, k fp32 (QK-norm)"] == 8192 * 48 * 129 * 4
+    assert "q, k fp32 (QK-norm)" not in saved(3) and "q, k fp32 (QK-norm)" not in saved(0, "full")
+    plain = dataclasses.replace(s, args=dataclasses.replace(s.args, qk_norm=False))
+    assert (
+        sum(saved(0).values()) - sum(block_saved(plain, 8192, 1, "none", layer=0).values())
+        == 8192 * 48 * 129 * 4
+    )
 
 
 # -- compiled MoE blocks on inductor's partitioner (CPU) -------------------------------------------------

@@ -4,7 +4,8 @@ Every tensor is counted from the model's shapes and the parallel layout (TP shar
 the vocabulary; FSDP shards each parameter's first dimension; PP gives each rank its layers and keeps
 several micro-batches in flight, and with FSDP keeps their gradients unsharded in fp32 until the last
 one; CP splits the sequence, and compiled ring attention keeps the K/V it received; float8 linears change
-what autocast and inductor keep; the compiled loss keeps no fp32 logits). The peak is the largest of the
+what autocast and inductor keep; the compiled loss keeps no fp32 logits; a Llama 4's MoE layers, their
+experts split by expert parallel and their own FSDP units: `memory_moe`). The peak is the largest of the
 moments of a step where memory can peak (the last block's forward, the end of forward with the loss, the
 loss's and the output layer's backward, the backward of the first and of the last block, the embedding's
 backward, the optimizer step; a pipelined rank's later micro-batches too), each a dict component ->
@@ -236,6 +237,8 @@ def block_saved(
     (`imbalance`: the busiest EP rank's load over the balanced share).
     """
     out = _block_saved(s, n, batch, mode, as_traced=as_traced, keep_all=keep_all)
+    if layer is not None and mode == "none" and moe.qk_norm(s, layer):
+        out["q, k fp32 (QK-norm)"] = moe.qk_norm_saved(s, n)
     if layer is None or not moe.is_moe(s, layer):
         return out
     for key in moe.DENSE_FFN:

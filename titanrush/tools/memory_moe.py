@@ -36,6 +36,18 @@ def is_moe(s: RunPlan, layer: int) -> bool:
     return s.moe and s.args.is_moe(layer)
 
 
+def qk_norm(s: RunPlan, layer: int) -> bool:
+    """Whether layer `layer` RMS-normalizes its queries and keys (Scout's RoPE layers)."""
+    return s.moe and s.args.qk_norm and s.args.uses_rope(layer)
+
+
+def qk_norm_saved(s: RunPlan, n: int) -> int:
+    """Eager QK-norm on n tokens: the fused RMSNorm keeps its fp32 input (q and k upcast) and an fp32 1/rms
+    per head and token; its output replaces the roped q and k that attention keeps."""
+    heads = (s.args.n_heads + s.args.kv_heads) // s.tp
+    return 4 * n * heads * (s.args.head_dim + 1)
+
+
 def shard_degrees(s: RunPlan) -> tuple[int, int]:
     """FSDP shard degrees of a MoE layer's own parameters (router, shared expert) and of its experts.
 

@@ -63,6 +63,9 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self, weights: dict[str, float] | None = None) -> None:
         super().__init__()
         self.weights = {c: 1.0 for c in CATEGORIES} | (weights or {})
+        # Storages of weights cast at every call, outside autocast's cache (a MoE layer's experts, which
+        # the grouped GEMM casts itself): their casts are kept for backward like activations.
+        self.cast_per_call: set[int] = set()
         self.live: dict[str, float] = dict.fromkeys(CATEGORIES, 0.0)
         self.phase = ""
         self.peak = 0.0
@@ -121,7 +124,7 @@ class LiveBytes(TorchDispatchMode):
         category = "other"
         # A cast of a weight (autocast's cached bf16 copy) is a compute copy of the parameters.
         if func is torch.ops.aten._to_copy.default and self.category(args[0]) == "param":
-            category = "param_copy"
+            category = "other" if id(args[0].untyped_storage()) in self.cast_per_call else "param_copy"
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t, category)
@@ -444,6 +447,9 @@ def trace_rank(
                 tracker.track(p.grad, "grad", scale(p))
         for p in weights:
             tracker.track(p, "param_copy" if master_copies else "param", scale(p))
+        tracker.cast_per_call = {
+            id(p.untyped_storage()) for name, p in model.named_parameters() if ".moe.experts." in name
+        }
         for p in opt_params:
             tracker.track(p, "param", scale(p))
         for buf in model.buffers():
