@@ -498,7 +498,7 @@ def fsdp_buffers(s: RunPlan, plan: RankPlan, *, later: bool = False) -> dict[str
     Under pipeline parallel no unit reduce-scatters during the micro-batches' backward passes (see
     `analyze_rank`): a unit's unsharded gradient is copied to fp32 (the rank's first micro-batch, `later`
     False) or added to the fp32 copy (`later` True), and nothing is in flight. A MoE block's units of its
-    own (expert parallel's experts, the layer under TP): `_inner_buffers`.
+    own (expert parallel's experts, the layer under TP) add theirs (`extra`, below).
     """
     units, root, inner = _units(s, plan)
     pc = 2 if s.precision == "bf16" else 4
