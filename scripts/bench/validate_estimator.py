@@ -7,7 +7,9 @@ Usage (on the GPU machine, from the repo root):
 Each `--run` is "NAME[ @NGPU]: run_train.sh ARGS": `estimate()` here, then a short run whose rank-0
 metrics.jsonl gives the measured peaks: the largest `mem_active_gib` against the predicted peak allocated,
 the largest `mem_reserved_gib` against that + allocator slack (with PP, the first stage's). Writes
-DIR/validation.md, DIR/validation.jsonl and each run's log.
+DIR/validation.md, DIR/validation.jsonl and each run's log. Llama 4 runs: `--moe-imbalance` is the
+estimate's (the busiest EP rank's load); each row records the largest `moe_imbalance` the run logged
+(max / mean per expert, an upper bound of a rank's), to estimate again with.
 """
 
 from __future__ import annotations
@@ -25,14 +27,15 @@ sys.path.insert(0, str(ROOT))
 
 from titanrush import config as cfgmod  # noqa: E402
 from titanrush.tools.estimate import estimate  # noqa: E402
+from titanrush.tools.memory_moe import DEFAULT_IMBALANCE  # noqa: E402
 from titanrush.tools.rush_runner import detect_oom, read_metrics  # noqa: E402
 from titanrush.train import split_args  # noqa: E402
 
 
-def predict(args: list[str], ngpu: int, gpu_mem: float | None) -> dict:
+def predict(args: list[str], ngpu: int, gpu_mem: float | None, moe_imbalance: float) -> dict:
     """The estimator's peak allocated and reserved GiB (pipeline rank 0's) for run_train.sh arguments."""
     path, _, overrides = split_args(args)
-    est = estimate(cfgmod.load(path, overrides), ngpu, gpu_mem)
+    est = estimate(cfgmod.load(path, overrides), ngpu, gpu_mem, moe_imbalance=moe_imbalance)
     alloc, slack = est.rank_peaks_gib[0], est.rank_slack_gib[0]
     return {"pred_alloc": alloc, "pred_reserved": alloc + slack, "fits": est.fits, "phase": est.peak_phase}
 
@@ -48,7 +51,9 @@ def measure(name: str, args: list[str], ngpu: int, steps: int, out: Path) -> dic
     rows = [r for r in read_metrics(out / "runs" / name / "metrics.jsonl") if r.get("mem_active_gib")]
     status = "ok" if rc == 0 else "OOM" if detect_oom(log.read_text(errors="replace")) else f"failed ({rc})"
     return {"status": status, "meas_alloc": max((r["mem_active_gib"] for r in rows), default=None),
-            "meas_reserved": max((r["mem_reserved_gib"] or 0 for r in rows), default=None)}  # fmt: skip
+            "meas_reserved": max((r["mem_reserved_gib"] or 0 for r in rows), default=None),
+            "meas_moe_imbalance": max((r["moe_imbalance"] for r in rows if r.get("moe_imbalance")),
+                                      default=None)}  # fmt: skip
 
 
 def table(rows: list[dict]) -> str:
@@ -74,6 +79,7 @@ def main() -> int:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--gpu-mem", type=float, default=None, help="GiB per GPU (default: the device's)")
+    p.add_argument("--moe-imbalance", type=float, default=DEFAULT_IMBALANCE, help="as titanrush estimate's")
     p.add_argument("--run", action="append", required=True, help="'NAME[ @NGPU]: run_train.sh ARGS'")
     a = p.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -90,7 +96,7 @@ def main() -> int:
             "command": f"NGPU={ngpu} ./run_train.sh {shlex.join(args)}",
         }
         try:
-            row.update(predict(args, ngpu, a.gpu_mem))
+            row.update(predict(args, ngpu, a.gpu_mem, a.moe_imbalance))
         except Exception as e:  # noqa: BLE001 - a config the estimator refuses still runs; say why
             row["estimate_error"] = f"{type(e).__name__}: {e}"
         row.update(measure(row["name"], args, ngpu, a.steps, a.out))

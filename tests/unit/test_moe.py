@@ -366,10 +366,3 @@ def test_chunked_attention_is_causal_attention_within_each_chunk():
     torch.testing.assert_close(out, attn.wo(ref.transpose(1, 2).reshape(2, 24, -1)), rtol=1e-5, atol=1e-5)
     nope = Llama4Attention(args, rope=False)  # NoPE layers: the whole sequence, no rotation
     assert nope.chunk == 0 and not nope.rope
-
-
-def test_the_estimator_refuses_moe_flavors_instead_of_counting_them_dense():
-    from titanrush.tools.estimate import estimate
-
-    with pytest.raises(ConfigError, match="does not model mixture-of-experts"):
-        estimate(config.load(None, ["--model.flavor", "llama4_1Bx16E"]), 2, 80.0, trace=False)

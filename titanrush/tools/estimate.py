@@ -27,9 +27,10 @@ from titanrush import validate
 from titanrush.config import ConfigError, JobConfig
 from titanrush.plan import RunPlan, build_plan, describe_mesh
 from titanrush.tools import memory_model as mm
+from titanrush.tools.memory_moe import DEFAULT_IMBALANCE, shard_degrees
 
 USAGE = """usage: titanrush estimate --config FILE [--ngpu N] [--gpu-mem GiB] [--json] [--no-trace]
-                          [--section.key value ...]
+                          [--moe-imbalance X] [--section.key value ...]
 
 Per-GPU memory of one training step of the config (the trainer's --section.key overrides apply):
 parameters, gradients, optimizer states, activations, logits, FSDP buffers, and whether it fits.
@@ -37,6 +38,8 @@ parameters, gradients, optimizer states, activations, logits, FSDP buffers, and 
   --gpu-mem GiB  memory per GPU (default: the CUDA device's here, else 80 GiB; the report says which)
   --json         print one JSON object instead of the table
   --no-trace     skip the fake-tensor trace (the analytic model alone; instant)
+  --moe-imbalance X  Llama 4 with expert parallel: the busiest EP rank's routed rows over the balanced
+                 share (default 1.25; 1 = perfect balance)
 
 Exit status: 0 the config fits, 1 it does not fit, 2 config error (one line on stderr).
 """
@@ -95,6 +98,9 @@ class Estimate:
     not_traced: list[str] = field(default_factory=list)
     warning: str | None = None
     notes: list[str] = field(default_factory=list)
+    # Llama 4: the busiest expert-parallel rank's routed rows over the balanced share that the estimate
+    # assumes (`memory_moe`); None for a dense model
+    moe_imbalance: float | None = None
 
 
 def plan_for(cfg: JobConfig, ngpu: int) -> tuple[RunPlan, int, str]:
@@ -105,11 +111,6 @@ def plan_for(cfg: JobConfig, ngpu: int) -> tuple[RunPlan, int, str]:
     parallel, flash-attn, float8 tensor cores) becomes a note instead of an error.
     """
     plan = build_plan(cfg, ngpu, machine=False)
-    if plan.moe:  # (its layers would be counted as dense ones: a wrong answer is worse than none)
-        raise ConfigError(
-            f"titanrush estimate does not model mixture-of-experts layers yet (model.flavor = "
-            f"{cfg.model.flavor!r}); estimate a dense flavor, or measure (docs/moe.md)"
-        )
     refused = ""
     try:
         validate.check_machine(cfg)
@@ -120,7 +121,8 @@ def plan_for(cfg: JobConfig, ngpu: int) -> tuple[RunPlan, int, str]:
     whole = mm.RankPlan(
         0, list(range(plan.args.n_layers)), embedding=True, head=True, in_flight=1.0, microbatch=1
     )
-    n_params = sum(d0 * d1 for _, (d0, d1), _ in mm.param_shapes(dataclasses.replace(plan, tp=1), whole))
+    every = dataclasses.replace(plan, tp=1, ep=1)  # (the whole model: every expert, unsharded)
+    n_params = sum(d0 * d1 for _, (d0, d1), _ in mm.param_shapes(every, whole))
     return plan, n_params, refused
 
 
@@ -184,14 +186,16 @@ def _total(s: RunPlan, b: mm.Breakdown, context: int) -> int:
     return b.peak + slack(s, b) + context
 
 
-def max_local_batch(s: RunPlan, limit: float, context: int, cap: int = 1 << 16) -> int:
+def max_local_batch(
+    s: RunPlan, limit: float, context: int, cap: int = 1 << 16, *, moe_imbalance: float = DEFAULT_IMBALANCE
+) -> int:
     """The largest local batch size (a multiple of the pipeline micro-batches) whose analytic total fits
     within `limit` bytes; 0 if none does."""
     step = s.microbatches if s.pp > 1 else 1
 
     def fits(k: int) -> bool:
         sk = dataclasses.replace(s, local_batch=k * step)
-        return _total(sk, mm.analyze(sk), context) <= limit
+        return _total(sk, mm.analyze(sk, moe_imbalance=moe_imbalance), context) <= limit
 
     if not fits(1):
         return 0
@@ -204,7 +208,14 @@ def max_local_batch(s: RunPlan, limit: float, context: int, cap: int = 1 << 16) 
     return lo * step
 
 
-def estimate(cfg: JobConfig, ngpu: int, gpu_mem_gib: float | None = None, *, trace: bool = True) -> Estimate:
+def estimate(
+    cfg: JobConfig,
+    ngpu: int,
+    gpu_mem_gib: float | None = None,
+    *,
+    trace: bool = True,
+    moe_imbalance: float = DEFAULT_IMBALANCE,
+) -> Estimate:
     """Per-GPU memory of one training step of `cfg` on `ngpu` GPUs, and whether it fits.
 
     Args:
@@ -212,6 +223,9 @@ def estimate(cfg: JobConfig, ngpu: int, gpu_mem_gib: float | None = None, *, tra
         ngpu: The number of GPUs (the world size).
         gpu_mem_gib: Memory per GPU; None: `gpu_memory`'s rule (the CUDA device's, else 80 GiB).
         trace: Also trace one step on fake tensors (seconds for 8B) to check the analytic model.
+        moe_imbalance: Llama 4 under expert parallel: the busiest EP rank's routed rows over the balanced
+            share (capacity-free routing: the load varies step to step); 1 is perfect balance, at most ep
+            (every row on one rank). Without EP a rank's experts compute its own rows: no effect.
 
     Returns:
         The estimate; `fits` says whether `total_gib` fits in `gpu_mem_gib`.
@@ -222,10 +236,15 @@ def estimate(cfg: JobConfig, ngpu: int, gpu_mem_gib: float | None = None, *, tra
     if ngpu < 1:
         raise ConfigError(f"--ngpu must be >= 1, got {ngpu}")
     s, n_params, refused = plan_for(cfg, ngpu)
+    if not (math.isfinite(moe_imbalance) and moe_imbalance >= 1.0) or (s.ep > 1 and moe_imbalance > s.ep):
+        raise ConfigError(
+            f"--moe-imbalance must be between 1 (balanced) and ep = {max(s.ep, 1)} (every row on one rank), "
+            f"got {moe_imbalance:g}"
+        )
     mesh = describe_mesh(s)
     notes: list[str] = [refused] if refused else []
     gpu_mem_gib, gpu_mem_note = gpu_memory(gpu_mem_gib)
-    ranks = [mm.analyze_rank(s, p) for p in mm.rank_plans(s)]
+    ranks = [mm.analyze_rank(s, p, moe_imbalance=moe_imbalance) for p in mm.rank_plans(s)]
     b = max(ranks, key=lambda r: r.peak)  # as mm.analyze
     context = _context_bytes(ngpu)
     extra = slack(s, b)
@@ -246,7 +265,7 @@ def estimate(cfg: JobConfig, ngpu: int, gpu_mem_gib: float | None = None, *, tra
         gpu_mem_gib=gpu_mem_gib,
         gpu_mem_note=gpu_mem_note,
         fits=total <= gpu_mem_gib * GIB,
-        max_local_batch_size=max_local_batch(s, gpu_mem_gib * GIB, context),
+        max_local_batch_size=max_local_batch(s, gpu_mem_gib * GIB, context, moe_imbalance=moe_imbalance),
         peak_phase=b.peak_phase,
         peak_rank=b.rank,
         at_peak={k: v / GIB for k, v in b.at_peak.items()},
@@ -254,25 +273,28 @@ def estimate(cfg: JobConfig, ngpu: int, gpu_mem_gib: float | None = None, *, tra
         rank_slack_gib=[slack(s, r) / GIB for r in ranks],
         details={k: _describe(s, k) for k in mm.COMPONENTS if _describe(s, k)},
         notes=notes,
+        moe_imbalance=moe_imbalance if s.moe else None,
     )
+    if s.moe:
+        notes.append(_moe_note(s, moe_imbalance))
     if est.fits and total > 0.95 * gpu_mem_gib * GIB:
         notes.append("within 5% of the GPU's memory: fragmentation may still run it out of memory")
     if trace:
-        _add_trace(est, s, b, extra + context)
+        _add_trace(est, s, b, extra + context, moe_imbalance)
     return est
 
 
-def _add_trace(est: Estimate, s: RunPlan, b: mm.Breakdown, extra: int) -> None:
+def _add_trace(est: Estimate, s: RunPlan, b: mm.Breakdown, extra: int, moe_imbalance: float) -> None:
     """Trace the step, compare with the analytic model on the same scope, record both."""
     from titanrush.tools import memory_trace
 
     est.not_traced = memory_trace.not_traced(s)
     try:
-        tr = memory_trace.trace(s)
+        tr = memory_trace.trace(s, moe_imbalance=moe_imbalance)
     except Exception as e:  # the trace is a check: report its failure, keep the analytic answer
         est.notes.append(f"trace failed ({type(e).__name__}: {e}); the analytic model stands alone")
         return
-    same_scope = mm.analyze(s, as_traced=True)
+    same_scope = mm.analyze(s, as_traced=True, moe_imbalance=moe_imbalance)
     err = (same_scope.peak - tr.peak) / max(tr.peak, 1)
     est.trace_vs_analytic_pct = 100 * err
     # What the trace does not run (FSDP buffers, compile, sequence parallel ...) comes from the model.
@@ -301,9 +323,23 @@ LABELS = {
 }
 
 
+def _shards(s: RunPlan) -> str:
+    """How the states are split: `, 1/4 (FSDP)`; a MoE model's experts (and layers under TP) too."""
+    dense = f", 1/{s.fsdp_shard} (FSDP)" if s.fsdp else ""
+    if not s.moe:
+        return dense
+    layer, experts = shard_degrees(s)
+    out = dense + (f"; MoE layers 1/{layer} (FSDP over tp too)" if s.moe_tp else "")
+    if s.ep > 1:
+        out += f"; experts {s.args.n_experts // s.ep} of {s.args.n_experts} (EP)" + (
+            f", 1/{experts} (FSDP)" if experts > 1 else ""
+        )
+    return out
+
+
 def _describe(s: RunPlan, key: str) -> str:
     states = ("params", "master_weights", "grads", "optimizer")
-    shard = f", 1/{s.fsdp_shard} (FSDP)" if s.fsdp and key in states else ""
+    shard = _shards(s) if key in states else ""
     if key == "params":
         if s.precision == "fp32":
             return "fp32" + shard
@@ -324,6 +360,8 @@ def _describe(s: RunPlan, key: str) -> str:
         elif ac == "selective op" and s.ac_op_matmuls == "all_but_w3":
             ac = "op all but w3"
         return f"AC {ac}" + (", compiled" if s.compile else "")
+    if key == "buffers" and s.moe:
+        return "+ each MoE layer's routing bias and token counts"
     if key == "logits":
         if s.loss == "chunked":
             return f"chunked ({s.loss_chunk} tokens)"
@@ -331,26 +369,41 @@ def _describe(s: RunPlan, key: str) -> str:
     return ""
 
 
+def _moe_note(s: RunPlan, imbalance: float) -> str:
+    """What the estimate assumes of a MoE model's routing (the load is capacity-free: it varies)."""
+    a = s.args
+    what = f"MoE: {len(a.moe_layers)} of {a.n_layers} layers, {a.n_experts} experts, top-{a.top_k}"
+    if s.ep == 1:
+        return f"{what}; without expert parallel each rank's experts compute its own rows (balance-free)"
+    return (
+        f"{what}, {a.n_experts // s.ep} per EP rank; the busiest EP rank assumed to receive {imbalance:g}x "
+        "the balanced rows (--moe-imbalance; the trainer's moe_imbalance metric, max/mean per expert, bounds "
+        "it)"
+    )
+
+
 def format_report(est: Estimate) -> str:
     """The human-readable table."""
-    lines = [
-        f"titanrush estimate: {est.flavor} ({est.n_params / 1e9:.2f}B params) on {est.ngpu} GPU(s), "
-        f"{est.mesh}; local batch {est.local_batch_size} x seq {est.seq_len}, {est.precision}",
-        f"{'per-GPU memory, GiB (pipeline rank ' + str(est.peak_rank) + ')':<54} {'size':>8} {'at peak':>8}",
-    ]
+    rows = []
     for key in mm.COMPONENTS:
         size, peak = getattr(est, f"{key}_gib"), est.at_peak.get(key, 0.0)
         if size == 0 and peak == 0:
             continue
         desc = est.details.get(key, "")
-        label = f"{LABELS[key]}" + (f" [{desc}]" if desc else "")
-        lines.append(f"  {label:<52} {size:8.2f} {peak:8.2f}")
+        rows.append((f"{LABELS[key]}" + (f" [{desc}]" if desc else ""), size, peak))
+    w = max([52] + [len(label) for label, _, _ in rows])  # (a MoE model's states say more)
+    lines = [
+        f"titanrush estimate: {est.flavor} ({est.n_params / 1e9:.2f}B params) on {est.ngpu} GPU(s), "
+        f"{est.mesh}; local batch {est.local_batch_size} x seq {est.seq_len}, {est.precision}",
+        f"{f'per-GPU memory, GiB (pipeline rank {est.peak_rank})':<{w + 2}} {'size':>8} {'at peak':>8}",
+    ]
+    lines += [f"  {label:<{w}} {size:8.2f} {peak:8.2f}" for label, size, peak in rows]
     lines += [
-        f"  {'= peak allocated (at ' + est.peak_phase + ')':<52} {'':8} {est.peak_allocated_gib:8.2f}",
-        f"  {'+ allocator slack (heuristic)':<52} {'':8} {est.allocator_slack_gib:8.2f}",
-        f"  {'+ CUDA context' + (' and NCCL' if est.ngpu > 1 else ''):<52} {'':8} "
+        f"  {'= peak allocated (at ' + est.peak_phase + ')':<{w}} {'':8} {est.peak_allocated_gib:8.2f}",
+        f"  {'+ allocator slack (heuristic)':<{w}} {'':8} {est.allocator_slack_gib:8.2f}",
+        f"  {'+ CUDA context' + (' and NCCL' if est.ngpu > 1 else ''):<{w}} {'':8} "
         f"{est.cuda_context_gib:8.2f}",
-        f"  {'= total':<52} {'':8} {est.total_gib:8.2f}   of {est.gpu_mem_gib:.1f} GiB: "
+        f"  {'= total':<{w}} {'':8} {est.total_gib:8.2f}   of {est.gpu_mem_gib:.1f} GiB: "
         + ("fits" if est.fits else "does NOT fit"),
         f"GPU memory: {est.gpu_mem_note}",
         f"largest local batch size that fits: {est.max_local_batch_size or 'none (not even 1)'}",
@@ -371,13 +424,19 @@ def format_report(est: Estimate) -> str:
 
 def _split(argv: list[str]) -> tuple[dict, list[str]]:
     """Pull the estimator's own flags out of argv; the rest goes to the config loader."""
-    opts: dict = {"ngpu": None, "gpu_mem": None, "json": False, "trace": True}
+    opts: dict = {
+        "ngpu": None,
+        "gpu_mem": None,
+        "moe_imbalance": DEFAULT_IMBALANCE,
+        "json": False,
+        "trace": True,
+    }
     rest: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
         name, eq, value = arg.partition("=")
-        if name in ("--ngpu", "--gpu-mem"):
+        if name in ("--ngpu", "--gpu-mem", "--moe-imbalance"):
             if not eq:
                 if i + 1 >= len(argv):
                     raise ConfigError(f"{name} needs a value")
@@ -415,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
         path, _, overrides = split_args(rest)
         cfg = cfgmod.load(path, overrides)
         ngpu = opts["ngpu"] if opts["ngpu"] is not None else _default_ngpu()
-        est = estimate(cfg, ngpu, opts["gpu_mem"], trace=opts["trace"])
+        est = estimate(cfg, ngpu, opts["gpu_mem"], trace=opts["trace"], moe_imbalance=opts["moe_imbalance"])
     except ConfigError as e:
         print(f"titanrush estimate: config error: {e}", file=sys.stderr)
         return 2

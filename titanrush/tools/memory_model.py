@@ -4,7 +4,8 @@ Every tensor is counted from the model's shapes and the parallel layout (TP shar
 the vocabulary; FSDP shards each parameter's first dimension; PP gives each rank its layers and keeps
 several micro-batches in flight, and with FSDP keeps their gradients unsharded in fp32 until the last
 one; CP splits the sequence, and compiled ring attention keeps the K/V it received; float8 linears change
-what autocast and inductor keep; the compiled loss keeps no fp32 logits). The peak is the largest of the
+what autocast and inductor keep; the compiled loss keeps no fp32 logits; a Llama 4's MoE layers, their
+experts split by expert parallel and their own FSDP units: `memory_moe`). The peak is the largest of the
 moments of a step where memory can peak (the last block's forward, the end of forward with the loss, the
 loss's and the output layer's backward, the backward of the first and of the last block, the embedding's
 backward, the optimizer step; a pipelined rank's later micro-batches too), each a dict component ->
@@ -23,6 +24,7 @@ from titanrush.models.llama import ModelArgs
 from titanrush.parallel.activation_offload import offloaded
 from titanrush.parallel.float8 import skip_reason
 from titanrush.plan import RunPlan
+from titanrush.tools import memory_moe as moe
 
 GIB = 1024**3
 LOWBIT = {"adamw8bit": (1.0, 256, 256), "adamw4bit": (0.5, 128, 16)}  # code bytes, block size, qmap size
@@ -94,17 +96,22 @@ def rank_plans(s: RunPlan) -> list[RankPlan]:
 
 
 def param_shapes(s: RunPlan, plan: RankPlan) -> list[tuple[str, tuple[int, int], bool]]:
-    """(name, TP-local shape (dim0, rest), is a linear weight) of every parameter on the rank."""
+    """(name, TP-local shape (dim0, rest), is a linear weight) of every parameter on the rank (a MoE
+    layer's: `memory_moe.moe_param_shapes`)."""
     a, tp = s.args, s.tp
     d, hq, hkv = a.dim, a.n_heads // tp * a.head_dim, a.kv_heads // tp * a.head_dim
     f, vocab = math.ceil(a.ffn_hidden / tp), math.ceil(a.vocab_size / tp)
     out: list[tuple[str, tuple[int, int], bool]] = []
     if plan.embedding:
         out.append(("tok_embeddings", (vocab, d), False))
-    block = {"wq": (hq, d), "wk": (hkv, d), "wv": (hkv, d), "wo": (d, hq), "w1": (f, d), "w3": (f, d),
-             "w2": (d, f)}  # fmt: skip
+    attention = {"wq": (hq, d), "wk": (hkv, d), "wv": (hkv, d), "wo": (d, hq)}
+    ffn = {"w1": (f, d), "w3": (f, d), "w2": (d, f)}
     for i in plan.layers:
-        out += [(f"layers.{i}.{name}", shape, True) for name, shape in block.items()]
+        out += [(f"layers.{i}.{name}", shape, True) for name, shape in attention.items()]
+        if moe.is_moe(s, i):  # router, shared expert and the rank's experts, whole under TP
+            out += moe.moe_param_shapes(s, i)
+        else:
+            out += [(f"layers.{i}.{name}", shape, True) for name, shape in ffn.items()]
         out += [(f"layers.{i}.{name}", (d, 1), False) for name in ("attention_norm", "ffn_norm")]
     if plan.head:
         out.append(("norm", (d, 1), False))
@@ -153,8 +160,7 @@ def float8_linears(s: RunPlan) -> frozenset[str]:
 def states(s: RunPlan, plan: RankPlan) -> dict[str, int]:
     """Per-GPU bytes of parameters, master weights, gradients, optimizer states and buffers."""
     shapes = param_shapes(s, plan)
-    n = s.fsdp_shard if s.fsdp else 1
-    local = [shard_numel(shape, n) for _, shape, _ in shapes]
+    local = [shard_numel(shape, moe.fsdp_degree(s, name)) for name, shape, _ in shapes]
     stored = 4 * sum(local)  # parameters are fp32 in both precisions (bf16 runs keep fp32 masters)
     on_gpu = 0 if s.cpu_offload else 1
     # autocast caches a bf16 copy of every matmul weight (a tied table: for the output) for fwd and bwd;
@@ -170,8 +176,9 @@ def states(s: RunPlan, plan: RankPlan) -> dict[str, int]:
         "master_weights": stored * on_gpu if s.precision == "bf16" else 0,
         "grads": stored * on_gpu,
         "optimizer": sum(optimizer_bytes(x, s.optimizer) for x in local) * on_gpu,
-        # the RoPE table: rope_len positions x head_dim / 2 fp32 (cos, sin) pairs
-        "buffers": s.args.rope_len * s.args.head_dim // 2 * 8,
+        # the RoPE table: rope_len positions x head_dim / 2 fp32 (cos, sin) pairs; MoE layers' routing
+        # bias and token counts
+        "buffers": s.args.rope_len * s.args.head_dim // 2 * 8 + moe.buffer_bytes(s, plan.layers),
     }
 
 
@@ -213,12 +220,39 @@ def keeps_all_matmuls(s: RunPlan, layer: int) -> bool:
 
 
 def block_saved(
-    s: RunPlan, n: int, batch: int, mode: str, *, as_traced: bool = False, keep_all: bool = False
+    s: RunPlan,
+    n: int,
+    batch: int,
+    mode: str,
+    *,
+    as_traced: bool = False,
+    keep_all: bool = False,
+    layer: int | None = None,
+    imbalance: float = moe.DEFAULT_IMBALANCE,
 ) -> dict[str, int]:
     """Bytes autograd (or the checkpoint) keeps for one block's backward, by tensor, for n local tokens.
 
     `keep_all`: a selective op block that keeps every matmul output although op_matmuls = alternate.
+    `layer`: the block's index in the whole model; a MoE layer's feed-forward is `memory_moe.moe_saved`'s
+    (`imbalance`: the busiest EP rank's load over the balanced share).
     """
+    out = _block_saved(s, n, batch, mode, as_traced=as_traced, keep_all=keep_all)
+    if layer is not None and mode == "none" and moe.qk_norm(s, layer):
+        out["q, k fp32 (QK-norm)"] = moe.qk_norm_saved(s, n)
+    if layer is None or not moe.is_moe(s, layer):
+        return out
+    for key in moe.DENSE_FFN:
+        out.pop(key, None)
+    tokens = _sp(s, n, as_traced)  # a MoE layer routes the rank's sequence shard under TP (no all-gather)
+    if mode == "compiled":  # the router's (and the shared expert's) input
+        out["ffn_norm out"] = s.c * tokens * s.args.dim
+    return out | moe.moe_saved(s, tokens, batch, mode, imbalance=imbalance, keep_all=keep_all)
+
+
+def _block_saved(
+    s: RunPlan, n: int, batch: int, mode: str, *, as_traced: bool, keep_all: bool
+) -> dict[str, int]:
+    """`block_saved` of a dense block."""
     a, tp, c, r = s.args, s.tp, s.c, s.r
     d, dh, hq, hkv = a.dim, a.head_dim, a.n_heads // tp, a.kv_heads // tp
     f, n_sp, seq = math.ceil(a.ffn_hidden / tp), _sp(s, n, as_traced), n // batch
@@ -290,27 +324,48 @@ def block_saved(
     return out
 
 
-def block_working_set(s: RunPlan, n: int, batch: int, mode: str, *, backward: bool, as_traced: bool) -> int:
+def block_working_set(
+    s: RunPlan,
+    n: int,
+    batch: int,
+    mode: str,
+    *,
+    backward: bool,
+    as_traced: bool,
+    layer: int | None = None,
+    imbalance: float = moe.DEFAULT_IMBALANCE,
+) -> int:
     """Bytes of one block's tensors alive at its peak, besides the other blocks' saved tensors.
 
     Backward: what the block's backward holds when the FFN's input gradients are computed (its saved or
     recomputed tensors, dp/ds/db less the freed gate, the incoming residual gradient); with selective
     checkpointing the cached matmul outputs that backward does not need are already released. Forward
     (checkpointed blocks): the FFN's live intermediates, which a checkpointed block does not keep. Under
-    context parallel, ring attention's buffers where they are larger (`_ring_transient`).
+    context parallel, ring attention's buffers where they are larger (`_ring_transient`). A MoE layer
+    (`layer`, its index in the model) holds its own (`memory_moe.forward_live`; backward: `analyze_rank`).
     """
     a, tp, c, r = s.args, s.tp, s.c, s.r
     f, n_sp, seq = math.ceil(a.ffn_hidden / tp), _sp(s, n, as_traced), n // batch
     held = 0 if r == 4 else r * n_sp * a.dim  # a bf16 block input is held beside the norm's fp32 copy
     scores = 8 * batch * (a.n_heads // tp) * seq * seq if a.attn_backend == "math" else 0  # fp32 (T, T)
     ring = _ring_transient(s, n, mode, backward=backward) if s.cp > 1 and not as_traced else 0
+    is_moe = layer is not None and moe.is_moe(s, layer)
     if backward:
-        saved = block_saved(s, n, batch, "compiled" if mode == "compiled" else "none", as_traced=as_traced)
+        kept = "compiled" if mode == "compiled" else "none"
+        saved = block_saved(s, n, batch, kept, as_traced=as_traced, layer=layer, imbalance=imbalance)
+        # (a MoE layer's input gradients: `memory_moe.backward_points`, in `analyze_rank`)
+        grads = 0 if is_moe else 2 * c * n * f
         return (
-            sum(saved.values()) + (held if mode in ("full", "op") else 0) + max(2 * c * n * f, ring)
+            sum(saved.values())
+            + (held if mode in ("full", "op") else 0)
+            + max(grads, ring)
             + r * n_sp * a.dim
-        )  # fmt: skip
+        )
     casts = 4 * n * a.dim if s.autocast else 0  # the FFN input's two bf16 casts
+    if is_moe:  # the mid-block residual: eager, kept by the norm as fp32 (a bf16 one is live beside its
+        # copy, and so is the block's input); the block's output comes after the layer's peak
+        ffn = moe.forward_live(s, n_sp, mode, imbalance=imbalance)
+        return max(ffn, ring) + (2 * held if mode == "none" else r * n_sp * a.dim) + scores
     if mode == "full":  # silu output, w3 output and gate; the FFN input and the mid-block residual
         ffn = 3 * c * n * f + r * n_sp * a.dim + casts
     elif mode == "op":  # w1 and w3 outputs are cached (saved); silu output and gate are not
@@ -407,26 +462,33 @@ def _chunked_loss_bytes(
             "kept": kept}  # fmt: skip
 
 
-def _units(
-    s: RunPlan, plan: RankPlan
-) -> tuple[list[list[tuple[int, bool, str]]], list[tuple[int, bool, str]]]:
-    """FSDP units of the rank in forward order (embedding, blocks, head) and the root's parameters, each
-    parameter as (TP-local numel, is a linear weight, name)."""
+Param = tuple[int, bool, str]  # an FSDP unit's parameter: (TP-local numel, is a linear weight, name)
+
+
+def _units(s: RunPlan, plan: RankPlan) -> tuple[list[list[Param]], list[Param], dict[int, list[list[Param]]]]:
+    """FSDP units of the rank in forward order (embedding, blocks, head), the root's parameters, and the
+    units of their own inside MoE blocks (layer -> units in the order they run: `memory_moe.inner_unit`).
+    Without FSDP (tensor parallel alone) only the MoE layers are FSDP units."""
     shapes = param_shapes(s, plan)
-    by_unit: dict[str, list[tuple[int, bool, str]]] = {}
+    by_unit: dict[str, list[Param]] = {}
     tied = s.args.tie_embeddings and plan.embedding and plan.head
     for name, (d0, d1), linear in shapes:
         if name.startswith("layers."):
-            key = name.rsplit(".", 1)[0]
+            key = moe.inner_unit(s, name) or ".".join(name.split(".")[:2])
         elif name == "tok_embeddings":
             key = "root" if tied else "emb"
         else:
             key = "head"
         by_unit.setdefault(key, []).append((d0 * d1, linear, name))
+    inner = {i: [by_unit.pop(k) for k in (f"layers.{i}.moe", f"layers.{i}.moe.experts") if k in by_unit]
+             for i in plan.layers}  # fmt: skip
+    inner = {i: units for i, units in inner.items() if units}
+    if not s.fsdp:
+        return [], [], inner
     root = by_unit.pop("root", [])
     order = (["emb"] if "emb" in by_unit else []) + [f"layers.{i}" for i in plan.layers]
     order += ["head"] if "head" in by_unit else []
-    return [by_unit[k] for k in order], root
+    return [by_unit[k] for k in order], root, inner
 
 
 def fsdp_buffers(s: RunPlan, plan: RankPlan, *, later: bool = False) -> dict[str, int]:
@@ -435,26 +497,27 @@ def fsdp_buffers(s: RunPlan, plan: RankPlan, *, later: bool = False) -> dict[str
 
     Under pipeline parallel no unit reduce-scatters during the micro-batches' backward passes (see
     `analyze_rank`): a unit's unsharded gradient is copied to fp32 (the rank's first micro-batch, `later`
-    False) or added to the fp32 copy (`later` True), and nothing is in flight.
+    False) or added to the fp32 copy (`later` True), and nothing is in flight. A MoE block's units of its
+    own (expert parallel's experts, the layer under TP) add theirs (`extra`, below).
     """
-    units, root = _units(s, plan)
+    units, root, inner = _units(s, plan)
     pc = 2 if s.precision == "bf16" else 4
     pipelined = s.pp > 1
 
-    def unit(i: int, kind: str) -> int:
-        if i < 0 or i >= len(units):
+    def unit(i: int, kind: str, of: list[list[Param]] = units, dtype: int = pc) -> int:
+        if i < 0 or i >= len(of):
             return 0
         if kind == "gather":
             f8 = s.float8_all_gather
-            return sum(x * (1 if f8 and lin and name != "output" else pc) for x, lin, name in units[i])
+            return sum(x * (1 if f8 and lin and name != "output" else dtype) for x, lin, name in of[i])
         if kind == "grad":  # the unsharded gradients alone, before the unit's post-backward
-            per = pc
+            per = dtype
         elif pipelined:  # the bf16 gradient and its fp32 copy (the copy then counts as a gradient)
-            per = {"reduce": pc if later else pc + 4, "in flight": 0, "held": 0}[kind]
+            per = {"reduce": dtype if later else dtype + 4, "in flight": 0, "held": 0}[kind]
         else:  # grads + reduce-scatter input; the previous unit's input, which FSDP holds until the next
             # unit's backward ends (so that the compute stream cannot reuse it while the collective reads it)
-            per = {"reduce": pc + 4, "in flight": 4, "held": 4}[kind]
-        return per * sum(x for x, _, _ in units[i])
+            per = {"reduce": dtype + 4, "in flight": 4, "held": 4}[kind]
+        return per * sum(x for x, _, _ in of[i])
 
     root_all = 2 * pc * sum(x for x, _, _ in root)  # never resharded; its unsharded gradient accumulates
     first = 1 if plan.embedding and units and units[0][0][2] == "tok_embeddings" else 0
@@ -468,7 +531,7 @@ def fsdp_buffers(s: RunPlan, plan: RankPlan, *, later: bool = False) -> dict[str
     # default: the last block (and the last keep_gathered_last) and the head stay gathered until backward
     blks = tuple(range(max(first, blk + 1 - max(1, s.keep_gathered_last)), blk + 1))
     kept = () if s.reshard == "always" else (head, *blks)
-    return {
+    out = {
         "last block forward": gathered(*blks, head),
         "forward end": gathered(*kept),
         "loss backward": gathered(head, *blks),
@@ -482,21 +545,60 @@ def fsdp_buffers(s: RunPlan, plan: RankPlan, *, later: bool = False) -> dict[str
         # (a block's backward released the input of the unit after it; the embedding's does not)
         "embedding backward": gathered(0) + unit(0, "reduce") + unit(1, "held" if first else "in flight"),
     }
+    if not inner:
+        return out
+    # A MoE layer's own units gather in the compute dtype under FSDP, else (TP alone) as stored, in fp32.
+    dtype = pc if s.fsdp else 4
+
+    def size(layer: int, kind: str, which: slice = slice(None)) -> int:
+        of = inner.get(layer, [])[which]
+        return sum(unit(i, kind, of, dtype) for i in range(len(of)))
+
+    last, prev, first_layer = (
+        plan.layers[-1],
+        plan.layers[-2] if len(plan.layers) > 1 else None,
+        plan.layers[0],
+    )
+    chain = s.fsdp  # in FSDP's prefetch chain (TP alone: each unit a root of its own, no prefetch)
+    never = s.reshard == "never"  # every unit gathered from its forward to its backward
+    every_inner = sum(size(i, "gather") for i in inner) if never else 0
+    extra = {
+        # in use (the last block's layer); then resharded after forward, unless never
+        "last block forward": every_inner or size(last, "gather"),
+        "forward end": every_inner,
+        "loss backward": every_inner,
+        # the head's backward prefetches the unit before it: the last block's last inner unit
+        "output backward": every_inner or (size(last, "gather", slice(-1, None)) if chain else 0),
+        # the layer's units gathered with their gradients (an upper bound: as a dense block's); the block's
+        # backward prefetched the previous block's last inner unit
+        "first block backward": (every_inner or size(last, "gather")) + size(last, "reduce")
+        + (0 if never or not chain or prev is None else size(prev, "gather", slice(-1, None))),
+        "last block backward": (every_inner or size(first_layer, "gather")) + size(first_layer, "reduce"),
+        "embedding backward": every_inner,
+    }  # fmt: skip
+    return {name: x + extra[name] for name, x in out.items()}
 
 
-def analyze_rank(s: RunPlan, plan: RankPlan, *, as_traced: bool = False) -> Breakdown:
-    """Every moment of the step on one pipeline rank, and its peak."""
+def analyze_rank(
+    s: RunPlan, plan: RankPlan, *, as_traced: bool = False, moe_imbalance: float = moe.DEFAULT_IMBALANCE
+) -> Breakdown:
+    """Every moment of the step on one pipeline rank, and its peak (`moe_imbalance`: the busiest expert
+    parallel rank's load over the balanced share, `memory_moe`)."""
     a, st, b, k = s.args, states(s, plan), plan.microbatch, plan.in_flight
     n = b * s.seq_len // s.cp  # tokens of one micro-batch on this rank
     modes = [layer_mode(s, i, as_traced=as_traced) for i in range(len(plan.layers))] or ["full"]
+    layers = plan.layers or [0]
+    moe_kw = dict(as_traced=as_traced, imbalance=moe_imbalance)
     saved = [
         0  # offloaded: its saved tensors wait in host memory (the trace, on one CPU process, keeps them)
         if not as_traced and offloaded(layer, s.ac_offload_first, s.ac_offload_every)
-        else sum(block_saved(s, n, b, m, as_traced=as_traced, keep_all=keeps_all_matmuls(s, layer)).values())
-        for m, layer in zip(modes, plan.layers or [0])
+        else sum(
+            block_saved(s, n, b, m, keep_all=keeps_all_matmuls(s, layer), layer=layer, **moe_kw).values()
+        )
+        for m, layer in zip(modes, layers)
     ]
-    bwd_ws = [block_working_set(s, n, b, m, backward=True, as_traced=as_traced) for m in modes]
-    fwd_ws = block_working_set(s, n, b, modes[-1], backward=False, as_traced=as_traced)
+    bwd_ws = [block_working_set(s, n, b, m, backward=True, layer=i, **moe_kw) for m, i in zip(modes, layers)]
+    fwd_ws = block_working_set(s, n, b, modes[-1], backward=False, layer=layers[-1], **moe_kw)
     if not plan.layers:  # a stage without blocks
         saved, bwd_ws, fwd_ws = [0], [0], 0
     loss = loss_bytes(s, n, as_traced=as_traced) if plan.head else dict.fromkeys(LOSS_KEYS, 0)
@@ -523,7 +625,7 @@ def analyze_rank(s: RunPlan, plan: RankPlan, *, as_traced: bool = False) -> Brea
     f8 = 0  # float8 casts of the largest linear's input, output gradient and weight
     if s.float8 and not as_traced:
         f8 = n * (math.ceil(a.ffn_hidden / s.tp) + a.dim) + 2 * w2
-    fsdp = fsdp_buffers(s, plan) if s.fsdp and not as_traced else {}
+    fsdp = fsdp_buffers(s, plan) if (s.fsdp or s.moe_tp) and not as_traced else {}
     if pipelined and fsdp:
         fsdp |= {name + LATER: x for name, x in fsdp_buffers(s, plan, later=True).items()}
     # Earlier micro-batches' gradients are alive throughout (pipelined: see micro_batch).
@@ -532,6 +634,33 @@ def analyze_rank(s: RunPlan, plan: RankPlan, *, as_traced: bool = False) -> Brea
     base["ddp_buckets"] = g_full if s.ddp and not as_traced else 0
     copies, recast = _autocast_copies(s, plan, modes, as_traced=as_traced)
     moments: dict[str, dict[str, int]] = {}
+    # A MoE block's backward peaks at one of several points (`memory_moe.backward_points`), each with the
+    # gradients of its own parameters made so far: (its transient, those gradients) per point.
+    shapes = {name: shape for name, shape, _ in param_shapes(s, plan)}
+
+    def grad_bytes(name: str) -> int:  # a gradient as `g_all` counts it
+        numel = math.prod(shapes[name]) if pipelined else shard_numel(shapes[name], moe.fsdp_degree(s, name))
+        return 4 * numel
+
+    def moe_options(pos: int) -> list[tuple[int, int]]:
+        layer, mode = layers[pos], modes[pos]
+        ring = _ring_transient(s, n, mode, backward=True) if s.cp > 1 and not as_traced else 0
+        # FSDP's units hold the gradients until their reduce-scatter (`fsdp_buffers`)
+        in_fsdp = (s.fsdp or s.moe_tp) and not as_traced
+        prefix = f"layers.{layer}.moe."
+        tokens = _sp(s, n, as_traced)
+        # A checkpointed block's recomputation: its forward again, saving (`moe_saved` as eager) beside
+        # the forward's live tensors, before any gradient of the block.
+        out = [(moe.recompute_live(s, tokens, imbalance=moe_imbalance), 0)] if mode in ("full", "op") else []
+        for extra, names, fresh in moe.backward_points(s, tokens, imbalance=moe_imbalance):
+            own = 0 if in_fsdp else sum(grad_bytes(prefix + x) for x in names)
+            made = conv * math.prod(shapes[prefix + fresh]) if fresh else 0
+            out.append(((max(extra, ring) - ring if ring else extra) + made, own))  # (ring: at attention's)
+        return out
+
+    first_moe = moe_options(len(layers) - 1) if plan.layers and moe.is_moe(s, layers[-1]) else None
+    last_moe = moe_options(0) if plan.layers and moe.is_moe(s, layers[0]) else None
+    block0 = sum(grad_bytes(x) for x in shapes if x.startswith(f"layers.{layers[0]}.")) if last_moe else 0
 
     def add(name: str, grads: int = 0, **parts: float) -> None:
         g = grads if pipelined or not steady else g_full
@@ -539,6 +668,15 @@ def analyze_rank(s: RunPlan, plan: RankPlan, *, as_traced: bool = False) -> Brea
         if s.autocast:
             m["params"] = copies[name.removesuffix(LATER)]
         moments[name] = {key: int(m.get(key, 0)) for key in COMPONENTS}
+
+    def add_largest(name: str, options: list[tuple[int, dict[str, float]]]) -> None:
+        """The moment `name` at whichever of its points holds most (options: grads, parts)."""
+        best = None
+        for grads, parts in options:
+            add(name, grads, **parts)
+            if best is None or sum(moments[name].values()) > sum(best.values()):
+                best = moments[name]
+        moments[name] = best
 
     def micro_batch(kk: float, tag: str = "", acc: int | None = None) -> None:
         """The moments of one micro-batch's forward and backward with kk micro-batches' activations alive
@@ -570,10 +708,22 @@ def analyze_rank(s: RunPlan, plan: RankPlan, *, as_traced: bool = False) -> Brea
             else:
                 add("output backward" + tag, grads(out_g), activations=everything, logits=logits_grad,
                     float8=f8_out, transient=conv * vocab // 4)  # fmt: skip
-        add("first block backward" + tag, grads(head_g + w2_grad), activations=a_blocks - saved[-1] + a_emb,
-            float8=f8, transient=bwd_ws[-1] + conv * w2 + recast[-1])  # fmt: skip
-        add("last block backward" + tag, grads(g_all - emb_g), activations=(kk - 1) * sum(saved) + a_emb,
-            float8=f8, transient=bwd_ws[0] + conv * w2 + recast[0])  # fmt: skip
+        first = dict(activations=a_blocks - saved[-1] + a_emb, float8=f8)
+        if first_moe is None:
+            add("first block backward" + tag, grads(head_g + w2_grad), **first,
+                transient=bwd_ws[-1] + conv * w2 + recast[-1])  # fmt: skip
+        else:
+            add_largest("first block backward" + tag, [
+                (grads(head_g + own), {**first, "transient": bwd_ws[-1] + extra + recast[-1]})
+                for extra, own in first_moe])  # fmt: skip
+        last = dict(activations=(kk - 1) * sum(saved) + a_emb, float8=f8)
+        if last_moe is None:
+            add("last block backward" + tag, grads(g_all - emb_g), **last,
+                transient=bwd_ws[0] + conv * w2 + recast[0])  # fmt: skip
+        else:  # the first block's own gradients: those made by the point
+            add_largest("last block backward" + tag, [
+                (grads(g_all - emb_g - block0 + own), {**last, "transient": bwd_ws[0] + extra + recast[0]})
+                for extra, own in last_moe])  # fmt: skip
         if plan.embedding:  # the table's gradient arrives last, with all the others
             # As traced under FSDP: the table's unsharded gradient (and its fp32 cast) before it is sharded.
             table = 0 if s.autocast else conv * emb_g // 4 * shard
@@ -631,15 +781,17 @@ def _autocast_copies(
     """
     shapes = param_shapes(s, plan)
     f8 = frozenset() if as_traced else float8_linears(s)
-    blocks = sum(d0 * d1 for name, (d0, d1), lin in shapes
-                 if lin and name.startswith("layers.") and _weight_name(name) not in f8)  # fmt: skip
-    block = 2 * blocks // max(len(plan.layers), 1)
+    # each block's cast weights (a MoE block's router and shared expert; not its experts, which the grouped
+    # GEMM casts at each call: `memory_moe.moe_saved`)
+    block = [2 * sum(d0 * d1 for name, (d0, d1), lin in shapes
+                     if lin and name.startswith(f"layers.{i}.") and _weight_name(name) not in f8)
+             for i in plan.layers]  # fmt: skip
     out = 0 if "output" in f8 else 2 * sum(d0 * d1 for name, (d0, d1), _ in shapes if name == "output")
     if s.args.tie_embeddings and plan.embedding and plan.head and "output" not in f8:
         out += 2 * shapes[0][1][0] * shapes[0][1][1]
     ckpt = [m in ("full", "op") for m in modes] if plan.layers else []
-    cached = 0 if s.compile and not as_traced else block * sum(ckpt)
-    kept = block * (len(ckpt) - sum(ckpt))  # saved by autograd
+    cached = 0 if s.compile and not as_traced else sum(x for x, c in zip(block, ckpt) if c)
+    kept = sum(x for x, c in zip(block, ckpt) if not c)  # saved by autograd
     order = ["last block forward", "forward end", "loss backward", "output backward", "first block backward",
              "last block backward", "embedding backward"]  # fmt: skip
     if as_traced:
@@ -654,9 +806,12 @@ def _autocast_copies(
             with_out = name in ("forward end", "loss backward", "output backward") or (as_traced and i > 0)
         copies[name] = (cached if i < cleared else 0) + kept + (out if with_out else 0)
     again = not as_traced and (cleared < len(order) or s.compile)
-    return copies, [block if c and again else 0 for c in ckpt] or [0]
+    return copies, [x if c and again else 0 for x, c in zip(block, ckpt)] or [0]
 
 
-def analyze(s: RunPlan, *, as_traced: bool = False) -> Breakdown:
+def analyze(
+    s: RunPlan, *, as_traced: bool = False, moe_imbalance: float = moe.DEFAULT_IMBALANCE
+) -> Breakdown:
     """The rank whose peak is largest (with PP, ranks hold different layers and micro-batches)."""
-    return max((analyze_rank(s, p, as_traced=as_traced) for p in rank_plans(s)), key=lambda b: b.peak)
+    ranks = (analyze_rank(s, p, as_traced=as_traced, moe_imbalance=moe_imbalance) for p in rank_plans(s))
+    return max(ranks, key=lambda b: b.peak)

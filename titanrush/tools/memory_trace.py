@@ -5,12 +5,16 @@ No GPU and no memory are needed: fake tensors carry shapes, dtypes and strides o
 category: parameters, gradients, optimizer states, compute copies of the weights, buffers, and the rest
 (activations and temporaries). The same tracker runs on real tensors, which is how the tests check it.
 
-What runs is this rank's share of the work on one device: the single-device Llama with the rank's layers
-(PP), its TP shard of the heads, FFN and vocabulary, its sequence share (CP) and micro-batch, with the job's
-activation checkpointing (the real `apply_ac`), precision and optimizer. FSDP is emulated: states are
-weighted 1/shard degree, and with bf16 the weights are bf16 copies while fp32 masters take the
-gradients. What it cannot run (compile, float8, FSDP's buffers, sequence parallel, the CUDA context) is
-listed in `not_traced`; the analytic model supplies those parts.
+What runs is this rank's share of the work on one device: the single-device Llama (or Llama 4) with the
+rank's layers (PP), its TP shard of the heads, FFN and vocabulary, its sequence share (CP) and micro-batch,
+with the job's activation checkpointing (the real `apply_ac`), precision and optimizer. FSDP is emulated:
+states are weighted 1/shard degree (each parameter its own: a MoE layer's experts and, under TP, the
+whole layer are sharded over other ranks than the dense weights), and with bf16 the weights are bf16
+copies while fp32 masters take the gradients. A MoE layer runs the real router, permutation and experts;
+under expert parallel the rank holds its E / ep experts and expert parallel's dispatch and combine run
+with their tensors but without peers, at a balanced load (`_BalancedExchange`). What it cannot run
+(compile, float8, FSDP's buffers, sequence parallel, the CUDA context) is listed in `not_traced`; the
+analytic model supplies those parts.
 """
 
 from __future__ import annotations
@@ -30,6 +34,9 @@ from torch.utils._pytree import tree_leaves
 
 from titanrush.models.llama.loss import cross_entropy
 from titanrush.models.llama.model import Llama, RMSNorm
+from titanrush.models.llama4 import Llama4, grouped_gemm
+from titanrush.models.llama4.model import Llama4Block
+from titanrush.models.llama4.moe import GroupedExperts
 from titanrush.optim import build_optimizer
 from titanrush.parallel.activation_checkpoint import apply_ac
 from titanrush.parallel.grad_clip import clip_grad_norm_
@@ -41,6 +48,7 @@ from titanrush.tools.memory_model import (
     keeps_all_matmuls,
     rank_plans,
 )
+from titanrush.tools.memory_moe import DEFAULT_IMBALANCE, shard_degrees
 
 CATEGORIES = ("param", "param_copy", "grad", "optimizer", "buffer", "other")
 
@@ -55,30 +63,36 @@ class LiveBytes(TorchDispatchMode):
     def __init__(self, weights: dict[str, float] | None = None) -> None:
         super().__init__()
         self.weights = {c: 1.0 for c in CATEGORIES} | (weights or {})
-        self.live = dict.fromkeys(CATEGORIES, 0)
+        # Storages of weights cast at every call, outside autocast's cache (a MoE layer's experts, which
+        # the grouped GEMM casts itself): their casts are kept for backward like activations.
+        self.cast_per_call: set[int] = set()
+        self.live: dict[str, float] = dict.fromkeys(CATEGORIES, 0.0)
         self.phase = ""
         self.peak = 0.0
         self.peak_phase = ""
-        self.peak_live: dict[str, int] = dict(self.live)
-        self.snapshots: dict[str, dict[str, int]] = {}
+        self.peak_live: dict[str, float] = dict(self.live)
+        self.snapshots: dict[str, dict[str, float]] = {}
         self.phase_peaks: dict[str, float] = {}
         self._info: dict[int, list[Any]] = {}  # id(storage) -> [category, nbytes, weakref]
 
-    def track(self, t: torch.Tensor, category: str = "other") -> None:
-        """Count t's storage under `category` if it is not counted yet."""
+    def track(self, t: torch.Tensor, category: str = "other", scale: float = 1.0) -> None:
+        """Count t's storage under `category` if it is not counted yet (`scale` x its bytes: a tensor
+        sharded over other ranks than its category's weight says)."""
         st = t.untyped_storage()
         key = id(st)
         if key in self._info:
             return
         ref = weakref.ref(st, lambda _, key=key: self._free(key))
-        self._info[key] = [category, st.nbytes(), ref]
-        self.live[category] += st.nbytes()
+        self._info[key] = [category, st.nbytes() * scale, ref]
+        self.live[category] += st.nbytes() * scale
 
-    def retag(self, t: torch.Tensor, category: str) -> None:
-        """Move t's storage to another category (a new tensor that turned out to be a gradient)."""
+    def retag(self, t: torch.Tensor, category: str, scale: float = 1.0) -> None:
+        """Move t's storage to another category (a new tensor that turned out to be a gradient), its bytes
+        counted `scale` times."""
         self.track(t, category)
         info = self._info[id(t.untyped_storage())]
         self.live[info[0]] -= info[1]
+        info[1] = t.untyped_storage().nbytes() * scale
         self.live[category] += info[1]
         info[0] = category
         self._update()
@@ -90,7 +104,7 @@ class LiveBytes(TorchDispatchMode):
     def snapshot(self, name: str) -> None:
         self.snapshots[name] = dict(self.live)
 
-    def weighted(self, live: dict[str, int]) -> dict[str, float]:
+    def weighted(self, live: dict[str, float]) -> dict[str, float]:
         return {c: live[c] * self.weights[c] for c in CATEGORIES}
 
     def _free(self, key: int) -> None:
@@ -110,7 +124,7 @@ class LiveBytes(TorchDispatchMode):
         category = "other"
         # A cast of a weight (autocast's cached bf16 copy) is a compute copy of the parameters.
         if func is torch.ops.aten._to_copy.default and self.category(args[0]) == "param":
-            category = "param_copy"
+            category = "other" if id(args[0].untyped_storage()) in self.cast_per_call else "param_copy"
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.track(t, category)
@@ -188,17 +202,116 @@ class _LowBitStates:
         pass
 
 
-def build_local_model(s: RunPlan, plan: RankPlan) -> Llama:
-    """The rank's share of the Llama as a single-device model: its layers, TP-local shapes, AC applied."""
+def _rows_of(src: torch.Tensor, rows: int) -> torch.Tensor:
+    """A new tensor of `rows` rows shaped as `src`'s: its first rows, zeros after (only shapes matter)."""
+    out = src.new_empty((rows, *src.shape[1:]))
+    k = min(rows, src.shape[0])
+    out[:k].copy_(src[:k])
+    out[k:].zero_()
+    return out
+
+
+class _LocalAllToAll(torch.autograd.Function):
+    """`expert_parallel._AllToAll` without peers: forward a new tensor of the `rows` rows received,
+    backward a new tensor of the gradient sent back (as many rows as were sent)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, rows: int) -> torch.Tensor:
+        ctx.sent = x.shape[0]
+        return _rows_of(x, rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _rows_of(grad, ctx.sent), None
+
+
+class _LocalExchange(nn.Module):
+    """Expert parallel's dispatch and combine around the rank's E / ep experts (`parallel/expert_parallel`:
+    `ExpertParallel.dispatch` and `combine`), with the tensors they allocate: the received counts, the
+    regrouping sort of the received rows, the two all-to-alls' outputs and the two index gathers (the
+    indices kept for backward). The rank receives `imbalance` times the rows it sends (1: a balanced
+    load; the busiest rank's share otherwise). Only the values differ (no peers)."""
+
+    def __init__(self, experts: GroupedExperts, ep: int, imbalance: float) -> None:
+        super().__init__()
+        self.experts, self.ep, self.imbalance = experts, ep, imbalance
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        local = counts.numel() // self.ep
+        rows = math.ceil(x.shape[0] * self.imbalance)  # (memory_moe.rows)
+        with torch.no_grad():
+            matrix = counts.new_empty(counts.shape).copy_(counts).reshape(self.ep, local)
+            index = torch.argsort(torch.zeros(rows, dtype=torch.long), stable=True)
+        received = _LocalAllToAll.apply(x, rows)[index]
+        out = self.experts(received, matrix.sum(0))
+        inverse = torch.empty_like(index).scatter_(0, index, torch.arange(index.numel()))
+        return _LocalAllToAll.apply(out[inverse], x.shape[0])
+
+
+class _GroupedMMShapes(torch.autograd.Function):
+    """The grouped GEMM's allocations for dtypes its fake-tensor shape function refuses (it takes bf16
+    only, as CUDA's kernel; the CPU kernel the trace stands for takes fp32 too): the (T, N) output, the
+    inputs and offsets kept for backward, the two gradients. The fake trace equals a real CPU step
+    through the real kernel (tests/unit/test_estimate_moe.py)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(a, b, offs)
+        return a.new_empty(a.shape[0], b.shape[-1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        a, b, _ = ctx.saved_tensors
+        return grad.new_empty(a.shape), grad.new_empty(b.shape), None
+
+
+@contextlib.contextmanager
+def _fake_grouped_kernel() -> Any:
+    """Within the fake trace: the grouped GEMM of non-bf16 inputs through `_GroupedMMShapes`."""
+    kernel = grouped_gemm.KERNEL
+    if kernel is None:
+        yield
+        return
+
+    def run(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        if a.dtype == torch.bfloat16:
+            return kernel(a, b, offs=offs)
+        return _GroupedMMShapes.apply(a, b, offs)
+
+    grouped_gemm.KERNEL = run
+    try:
+        yield
+    finally:
+        grouped_gemm.KERNEL = kernel
+
+
+def _llama4_layers(s: RunPlan, plan: RankPlan, model: Llama4, imbalance: float) -> None:
+    """The rank's Llama 4 blocks with their indices in the whole model (which are MoE, which use RoPE),
+    numbered 0.. as the local model runs them; under EP each MoE layer holds its E / ep experts and
+    receives `imbalance` times the rows it sends."""
+    a = model.args
+    model.layers = nn.ModuleDict({str(j): Llama4Block(i, a) for j, i in enumerate(plan.layers)})
+    if s.ep > 1:
+        for block in model.layers.values():
+            if block.moe is not None:
+                local = GroupedExperts(a.dim, a.expert_hidden, a.n_experts // s.ep, grouped=a.grouped_mm)
+                block.moe.experts = _LocalExchange(local, s.ep, imbalance)
+
+
+def build_local_model(s: RunPlan, plan: RankPlan, *, moe_imbalance: float = DEFAULT_IMBALANCE) -> Llama:
+    """The rank's share of the Llama as a single-device model: its layers, TP-local shapes, AC applied
+    (a Llama 4's busiest EP rank: `moe_imbalance`, `memory_moe`)."""
     a = s.args
     backend = "math" if a.attn_backend == "math" else "sdpa"  # flash, cudnn, flex: no CPU backward
     # compile_loss off: the trace runs eager (the analytic model says what compile changes)
-    model = Llama(
-        dataclasses.replace(
-            a, n_layers=len(plan.layers), attn_backend=backend, compile_loss=False, expand_kv=False
-        )
+    local = dataclasses.replace(
+        a, n_layers=len(plan.layers), attn_backend=backend, compile_loss=False, expand_kv=False
     )
-    if s.tp > 1:  # what each TP rank holds: its heads, its FFN columns, its vocabulary rows
+    model = Llama4(local) if s.moe else Llama(local)
+    if s.moe:
+        _llama4_layers(s, plan, model, moe_imbalance)
+    if s.tp > 1:  # what each TP rank holds: its heads, its FFN columns, its vocabulary rows (a MoE layer
+        # is whole on every tp rank)
         d, hd, tp = a.dim, a.head_dim, s.tp
         hq, hkv, f = a.n_heads // tp * hd, a.kv_heads // tp * hd, math.ceil(a.ffn_hidden / tp)
         for block in model.layers.values():
@@ -209,6 +322,8 @@ def build_local_model(s: RunPlan, plan: RankPlan) -> Llama:
                 nn.Linear(d, hkv, bias=False),
             )
             att.wo = nn.Linear(hq, d, bias=False)
+            if ffn is None:
+                continue
             ffn.w1, ffn.w3, ffn.w2 = (
                 nn.Linear(d, f, bias=False),
                 nn.Linear(d, f, bias=False),
@@ -248,6 +363,20 @@ def _to_bf16(model: nn.Module) -> list[nn.Parameter]:
     return list(new.values())
 
 
+def _moe_scales(s: RunPlan, model: nn.Module) -> dict[int, float]:
+    """id(parameter) -> (the dense weights' FSDP degree / its own) for a MoE layer's parameters whose FSDP
+    degree differs (`memory_moe.shard_degrees`: the experts under EP, the whole layer under TP)."""
+    dense = s.fsdp_shard if s.fsdp else 1
+    layer, experts = shard_degrees(s) if s.moe else (dense, dense)
+    out = {}
+    for name, p in model.named_parameters():
+        if ".moe." in name:
+            degree = experts if ".moe.experts." in name else layer
+            if degree != dense:
+                out[id(p)] = dense / degree
+    return out
+
+
 def _unique(params: Any) -> list[nn.Parameter]:
     seen: dict[int, nn.Parameter] = {}
     for p in params:
@@ -256,7 +385,12 @@ def _unique(params: Any) -> list[nn.Parameter]:
 
 
 def trace_rank(
-    s: RunPlan, plan: RankPlan, *, fake: bool = True, watch: contextlib.AbstractContextManager | None = None
+    s: RunPlan,
+    plan: RankPlan,
+    *,
+    fake: bool = True,
+    watch: contextlib.AbstractContextManager | None = None,
+    moe_imbalance: float = DEFAULT_IMBALANCE,
 ) -> TraceResult:
     """Trace one optimizer step of the rank's local model and weight the live bytes to per-GPU bytes.
 
@@ -268,6 +402,8 @@ def trace_rank(
         plan: The pipeline rank to trace.
         fake: Fake tensors (no memory); False runs the step on real CPU tensors (tests use it).
         watch: A context entered around the traced step only (tests measure the step with it).
+        moe_imbalance: Llama 4 under expert parallel: the rank receives this many times the rows it sends
+            (the busiest rank's share; `memory_moe`).
     """
     master_copies = s.fsdp and s.precision == "bf16"  # FSDP: bf16 compute weights, fp32 sharded masters
     state = 0.0 if s.cpu_offload else 1 / (s.fsdp_shard if s.fsdp else 1)  # offloaded states: on the host
@@ -276,8 +412,12 @@ def trace_rank(
     )
     steady = s.accum > 1 or s.microbatches > 1  # earlier micro-batches left their gradients
     b, t = plan.microbatch, s.seq_len // s.cp
-    with FakeTensorMode() if fake else contextlib.nullcontext():
-        model = build_local_model(s, plan)
+    fake_mode = contextlib.ExitStack()
+    if fake:
+        fake_mode.enter_context(FakeTensorMode())
+        fake_mode.enter_context(_fake_grouped_kernel())
+    with fake_mode:
+        model = build_local_model(s, plan, moe_imbalance=moe_imbalance)
         weights = _unique(model.parameters())
         if master_copies:
             weights = _to_bf16(model)
@@ -285,6 +425,12 @@ def trace_rank(
             opt_params = list(masters.values())
         else:
             opt_params = weights
+        # A MoE layer's parameters are sharded over other ranks than the dense ones: their states count
+        # (dense degree / their degree) times the categories' weight.
+        scales = _moe_scales(s, model)
+        if master_copies:
+            scales |= {id(masters[key]): x for key, x in scales.items()}
+        scale = lambda p: scales.get(id(p), 1.0)  # noqa: E731
         for p in opt_params:
             p.grad = torch.zeros_like(p)
         if s.optimizer == "adamw":
@@ -298,28 +444,31 @@ def trace_rank(
         for p in opt_params:
             p.grad = p.grad if steady else None
             if p.grad is not None:
-                tracker.track(p.grad, "grad")
+                tracker.track(p.grad, "grad", scale(p))
         for p in weights:
-            tracker.track(p, "param_copy" if master_copies else "param")
+            tracker.track(p, "param_copy" if master_copies else "param", scale(p))
+        tracker.cast_per_call = {
+            id(p.untyped_storage()) for name, p in model.named_parameters() if ".moe.experts." in name
+        }
         for p in opt_params:
-            tracker.track(p, "param")
+            tracker.track(p, "param", scale(p))
         for buf in model.buffers():
             tracker.track(buf, "buffer")
-        for st in optimizer.state.values():
+        for p, st in optimizer.state.items():
             for v in st.values():
                 if isinstance(v, torch.Tensor):
-                    tracker.track(v, "optimizer")
+                    tracker.track(v, "optimizer", scale(p))
 
         def on_grad(p: torch.Tensor) -> None:
             if not master_copies:
-                tracker.retag(p.grad, "grad")
+                tracker.retag(p.grad, "grad", scale(p))
                 return
             m = masters[id(p)]
             g = p.grad.float()  # FSDP reduces in fp32 into the sharded fp32 gradient
             p.grad = None
             if m.grad is None:
                 m.grad = g
-                tracker.retag(g, "grad")
+                tracker.retag(g, "grad", scale(p))
             else:
                 m.grad.add_(g)
 
@@ -384,7 +533,13 @@ def not_traced(s: RunPlan) -> list[str]:
     if s.fsdp:
         out.append("FSDP all-gather / reduce-scatter buffers (states are traced unsharded, weighted 1/shard)")
     if s.tp > 1 and s.sequence_parallel:
-        out.append("sequence parallel: norms and residuals traced at full sequence length (an over-count)")
+        what = "norms, residuals and MoE layers" if s.moe else "norms and residuals"
+        out.append(f"sequence parallel: {what} traced at full sequence length (an over-count)")
+    if s.ep > 1:
+        out.append(
+            "expert parallel: the all-to-alls run as local copies (the rank receiving the assumed "
+            "imbalance times the rows it sends)"
+        )
     if s.tp > 1 and not s.loss_parallel:
         out.append("tp without loss_parallel: traced logits are the vocabulary shard, not all-gathered")
     if s.cp > 1:
@@ -409,10 +564,12 @@ def not_traced(s: RunPlan) -> list[str]:
     return out + ["CUDA context, NCCL and allocator slack"]
 
 
-def trace(s: RunPlan) -> TraceResult:
-    """Trace the rank(s) that can peak (with PP: the first and the last) and return the largest."""
+def trace(s: RunPlan, *, moe_imbalance: float = DEFAULT_IMBALANCE) -> TraceResult:
+    """Trace the rank(s) that can peak (with PP: the first and the last) and return the largest (a
+    Llama 4's busiest EP rank: `moe_imbalance`)."""
     plans = rank_plans(s)
     chosen = {plans[0].rank: plans[0], plans[-1].rank: plans[-1]}
-    result = max((trace_rank(s, p) for p in chosen.values()), key=lambda r: r.peak)
+    ranks = (trace_rank(s, p, moe_imbalance=moe_imbalance) for p in chosen.values())
+    result = max(ranks, key=lambda r: r.peak)
     result.not_traced = not_traced(s)
     return result
