@@ -80,7 +80,8 @@ def main() -> int:
     if a.dry_run:
         for mode in modes:
             print(shlex.join(save_args(mode, a)))
-        print(shlex.join(resume_args(a.folder / f"save_{modes[-1]}" / f"step-{SAVE_STEP}", a)))
+        if a.resume_steps > 0:
+            print(shlex.join(resume_args(a.folder / f"save_{modes[-1]}" / f"step-{SAVE_STEP}", a)))
         return 0
     a.out.mkdir(parents=True, exist_ok=True)
     rows, source = [], None
@@ -120,8 +121,9 @@ def main() -> int:
              "| load s | of it verify s | status |", "|---|" + "---:|" * 7 + "---|"]  # fmt: skip
     keys = ("size_gib", "blocking_s", "save_s", "record_s", "record_pct", "load_s", "verify_s")
     lines += ["| " + " | ".join([r["mode"], *(f(r, k) for k in keys), r["status"]]) + " |" for r in rows]
+    resumed = f"resumed with {a.resume_overrides}" if a.resume_steps > 0 else "no resume"
     header = (f"{env['date']}, {a.ngpu} x {env['device']}, torch {env['torch']}, commit {env['commit']}; "
-              f"{shlex.join([a.config, *a.extra])}; resumed with {a.resume_overrides}")  # fmt: skip
+              f"{shlex.join([a.config, *a.extra])}; {resumed}")  # fmt: skip
     commands = "\n".join(f"- {r['name']}: `{r['command']}`" for r in rows)
     (a.out / "results.md").write_text(f"{header}\n\n" + "\n".join(lines) + f"\n\nCommands:\n\n{commands}\n")
     with open(a.out / "results.jsonl", "w") as fh:
