@@ -13,10 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
+from test_estimate import _allocator_peak
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titanrush import config
 from titanrush.models.llama.parallelize import parallelize_llama
@@ -31,16 +30,6 @@ ROOT = Path(__file__).resolve().parents[2]
 DEBUG = str(ROOT / "train_configs" / "debug.toml")
 TOLERANCE = 0.02  # docs/estimator.md: the analytic model agrees with the trace within 2% at the peak
 FORWARD = ("last block forward", "forward end")
-
-
-@pytest.fixture
-def fake_world():
-    def init(world: int) -> None:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-
-    yield init
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def moe_plan(over: dict | None = None, **kw: object) -> RunPlan:
@@ -99,18 +88,6 @@ def test_states_equal_the_parameters_a_rank_holds(fake_world, world, par, over):
 
 
 # -- the trace runs the real MoE code ------------------------------------------------------------------
-
-
-def _allocator_peak(prof: torch.profiler.profile) -> int:
-    events = getattr(prof.profiler, "kineto_results", None)
-    if events is None:
-        pytest.skip("this torch's profiler exposes no memory events")
-    mem = sorted((e for e in events.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
-    cur = peak = 0
-    for e in mem:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
 
 
 @pytest.mark.parametrize(

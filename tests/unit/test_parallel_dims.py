@@ -4,8 +4,6 @@ plan), and the mesh (on a fake process group)."""
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from titanrush import config
 from titanrush.config import ConfigError
@@ -15,18 +13,6 @@ from titanrush.plan import build_plan
 
 def dims(world: int, *, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1):
     return ParallelDims(dp_replicate=dp_replicate, dp_shard=dp_shard, cp=cp, tp=tp, pp=pp, world_size=world)
-
-
-@pytest.fixture
-def fake_world():
-    """A fake process group of `world` ranks in this one process (this process is rank `rank`)."""
-
-    def init(world: int, rank: int = 0) -> None:
-        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-
-    yield init
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 @pytest.mark.parametrize(

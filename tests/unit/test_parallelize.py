@@ -10,10 +10,8 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from titanrush import config
@@ -24,16 +22,6 @@ from titanrush.models.llama.parallelize import parallelize_llama
 from titanrush.parallel.activation_checkpoint import apply_ac
 from titanrush.parallel.compile import apply_compile
 from titanrush.plan import RunPlan, build_plan
-
-
-@pytest.fixture
-def fake_world():
-    def init(world: int) -> None:
-        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-
-    yield init
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def run_plan(world: int, *args: str) -> RunPlan:
