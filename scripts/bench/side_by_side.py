@@ -16,7 +16,8 @@ and settings. Rows needing more GPUs than present are skipped; `auto` picks this
 
 Per run: tokens/s per GPU (mean over the steps from --measure-from), peak reserved GiB over those steps,
 MFU where logged, time to first step (launch to the first step's log line) and the tokens/s ratio to
-the row's torchtitan run of this invocation. Writes DIR/results.{jsonl,md} and DIR/logs/; prints the table.
+the row's torchtitan run of this invocation; in DIR/results.jsonl also every logged step's loss and, for
+Llama 4, titanrush's routing imbalance. Writes DIR/results.{jsonl,md} and DIR/logs/; prints the table.
 """
 
 from __future__ import annotations
@@ -203,9 +204,11 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
 
 _STEP = {"torchtitan": r"step:\s*(\d+)\s+loss:", "titanrush": r"INFO step\s+(\d+)\s+loss"}
 _FIELDS = {
-    "torchtitan": {"tps": r"tps: ([\d,.]+)", "mem_gib": r"memory:\s*([\d.]+)GiB", "mfu": r"mfu: ([\d.]+)%"},
-    "titanrush": {"tps": r"tps ([\d,.]+)", "mem_gib": r"reserved ([\d.]+)GiB", "mfu": r"mfu ([\d.]+)%"},
-}
+    "torchtitan": {"tps": r"tps: ([\d,.]+)", "mem_gib": r"memory:\s*([\d.]+)GiB", "mfu": r"mfu: ([\d.]+)%",
+                   "loss": r"loss:\s*([\d.]+)"},
+    "titanrush": {"tps": r"tps ([\d,.]+)", "mem_gib": r"reserved ([\d.]+)GiB", "mfu": r"mfu ([\d.]+)%",
+                  "loss": r"loss ([\d.]+)", "imbalance": r"experts max/mean ([\d.]+)"},
+}  # fmt: skip
 
 
 def parse_step(trainer: str, line: str) -> dict | None:
@@ -261,6 +264,11 @@ def summarize(run: Run, result: dict, measure_from: int) -> dict:
         out[key] = reduce(values) if values else None
     if out["status"] == "ok" and not steady:
         out["status"] = "no steps logged"
+    # Every logged step's loss (and a Llama 4 run's routing imbalance, max/mean tokens per expert): the
+    # curves of a long row, e.g. the MoE rows' 200 steps.
+    steps = result.get("steps", [])
+    out["loss_curve"] = [[s["step"], s["loss"]] for s in steps if s.get("loss") is not None]
+    out["imbalance_curve"] = [[s["step"], s["imbalance"]] for s in steps if s.get("imbalance") is not None]
     return out
 
 

@@ -84,11 +84,12 @@ open(path, "a").write(f"{name} start {time.time()}\\n")
 for step in range(1, 5):
     time.sleep(0.05)
     if kind == "torchtitan":
-        print(f"[titan] INFO - step: {step}  loss: 7.5  grad_norm: 1.0  memory: {40 + step:.2f}GiB(30.00%)  "
-              f"tps: {1000 * step:,}  tflops: 1.00  mfu: {step}.00%")
+        print(f"[titan] INFO - step: {step}  loss: {8 - step / 4}  grad_norm: 1.0  "
+              f"memory: {40 + step:.2f}GiB(30.00%)  tps: {1000 * step:,}  tflops: 1.00  mfu: {step}.00%")
     else:
-        print(f"12:00:00 INFO step {step:>6}  loss 7.5000  gnorm 1.000  tps {1200 * step:,}  tflops 1.0  "
-              f"mfu {step + 1:.1f}%  mem 1.00GiB  (1%)  reserved {30 + step:.2f}GiB  step 0.050s")
+        print(f"12:00:00 INFO step {step:>6}  loss {7 - step / 4:.4f}  gnorm 1.000  tps {1200 * step:,}  "
+              f"tflops 1.0  mfu {step + 1:.1f}%  mem 1.00GiB  (1%)  reserved {30 + step:.2f}GiB  "
+              f"experts max/mean {1 + step / 10:.2f}  step 0.050s")
 open(path, "a").write(f"{name} end {time.time()}\\n")
 """
 
@@ -124,6 +125,10 @@ def test_runs_go_one_at_a_time_and_the_table_compares_with_torchtitan(tmp_path, 
     assert (tt["tps"], tt["mem_gib"], tt["mfu"]) == (3500, 44, 3.5)  # steps 3-4
     assert (ours["tps"], ours["mem_gib"], ours["mfu"]) == (4200, 34, 4.5)
     assert 0 < tt["first_step_s"] < 30 and base["status"] == "ok"
+    # every logged step's loss, from either trainer's line format; titanrush's routing imbalance
+    assert tt["loss_curve"] == [[step, 8 - step / 4] for step in range(1, 5)] and tt["imbalance_curve"] == []
+    assert ours["loss_curve"] == [[step, 7 - step / 4] for step in range(1, 5)]
+    assert ours["imbalance_curve"] == [[step, round(1 + step / 10, 2)] for step in range(1, 5)]
     table = (out / "results.md").read_text()
     assert "| fake | same | titanrush | ok | 4,200 | 1.200x | 34.0 | 4.5 |" in table
     assert "| fake | same | base | ok | 4,200 | 1.200x |" in table
