@@ -9,7 +9,7 @@ metrics.jsonl gives the measured peaks: the largest `mem_active_gib` against the
 the largest `mem_reserved_gib` against that + allocator slack (with PP, the first stage's). Writes
 DIR/validation.md, DIR/validation.jsonl and each run's log. Llama 4 runs: `--moe-imbalance` is the
 estimate's (the busiest EP rank's load); each row records the largest `moe_imbalance` the run logged
-(max / mean per expert, an upper bound of a rank's), to estimate again with.
+(max / mean per expert, an upper bound of a rank's): estimate again with min(that, ep).
 """
 
 from __future__ import annotations

@@ -554,11 +554,12 @@ def fsdp_buffers(s: RunPlan, plan: RankPlan, *, later: bool = False) -> dict[str
         of = inner.get(layer, [])[which]
         return sum(unit(i, kind, of, dtype) for i in range(len(of)))
 
-    last, prev, first_layer = (
-        plan.layers[-1],
-        plan.layers[-2] if len(plan.layers) > 1 else None,
-        plan.layers[0],
-    )
+    # The end moments stand for the backward of the MoE layer nearest each end of the rank (`analyze_rank`):
+    # its units, and the layer before the last one's, whose last unit that backward prefetches.
+    moe_layers = [i for i in plan.layers if i in inner]
+    last, first_layer = moe_layers[-1], moe_layers[0]
+    at = plan.layers.index(last)
+    prev = plan.layers[at - 1] if at > 0 else None
     chain = s.fsdp  # in FSDP's prefetch chain (TP alone: each unit a root of its own, no prefetch)
     never = s.reshard == "never"  # every unit gathered from its forward to its backward
     every_inner = sum(size(i, "gather") for i in inner) if never else 0
@@ -658,9 +659,16 @@ def analyze_rank(
             out.append(((max(extra, ring) - ring if ring else extra) + made, own))  # (ring: at attention's)
         return out
 
-    first_moe = moe_options(len(layers) - 1) if plan.layers and moe.is_moe(s, layers[-1]) else None
-    last_moe = moe_options(0) if plan.layers and moe.is_moe(s, layers[0]) else None
-    block0 = sum(grad_bytes(x) for x in shapes if x.startswith(f"layers.{layers[0]}.")) if last_moe else 0
+    # The MoE layers nearest each end of the rank (with moe_every > 1 an end block may be dense): their
+    # backward is a moment of its own, with the blocks behind it in backward done (their gradients made,
+    # their saved activations freed) and those ahead of it waiting.
+    moe_pos = [i for i, layer in enumerate(layers) if plan.layers and moe.is_moe(s, layer)]
+    pos_e, pos_s = (moe_pos[-1], moe_pos[0]) if moe_pos else (None, None)
+    first_moe = moe_options(pos_e) if moe_pos else None
+    last_moe = moe_options(pos_s) if moe_pos else None
+
+    def block_grads(positions: range) -> int:
+        return sum(grad_bytes(x) for i in positions for x in shapes if x.startswith(f"layers.{layers[i]}."))
 
     def add(name: str, grads: int = 0, **parts: float) -> None:
         g = grads if pipelined or not steady else g_full
@@ -690,7 +698,12 @@ def analyze_rank(
                 return g + g_full if s.fsdp else g_full  # beside the unsharded; else the same tensors
             return g
 
-        add("last block forward" + tag, grads(0), activations=a_blocks + a_emb, transient=fwd_ws)
+        options = [(grads(0), dict(activations=a_blocks + a_emb, transient=fwd_ws))]
+        if pos_e is not None and pos_e < len(layers) - 1:  # the last MoE layer's forward, before a dense end
+            before = (kk - 1) * sum(saved) + sum(saved[: pos_e + 1])
+            ws = block_working_set(s, n, b, modes[pos_e], backward=False, layer=layers[pos_e], **moe_kw)
+            options.append((grads(0), dict(activations=before + a_emb, transient=ws)))
+        add_largest("last block forward" + tag, options)
         add("forward end" + tag, grads(0), activations=a_blocks + a_emb + a_head, logits=loss["forward"])
         if plan.head:
             everything = a_blocks + a_emb + a_head
@@ -709,21 +722,27 @@ def analyze_rank(
                 add("output backward" + tag, grads(out_g), activations=everything, logits=logits_grad,
                     float8=f8_out, transient=conv * vocab // 4)  # fmt: skip
         first = dict(activations=a_blocks - saved[-1] + a_emb, float8=f8)
-        if first_moe is None:
-            add("first block backward" + tag, grads(head_g + w2_grad), **first,
-                transient=bwd_ws[-1] + conv * w2 + recast[-1])  # fmt: skip
-        else:
-            add_largest("first block backward" + tag, [
-                (grads(head_g + own), {**first, "transient": bwd_ws[-1] + extra + recast[-1]})
-                for extra, own in first_moe])  # fmt: skip
+        options = []
+        if first_moe is None or pos_e < len(layers) - 1:  # the rank's last block is dense
+            options.append(
+                (grads(head_g + w2_grad), {**first, "transient": bwd_ws[-1] + conv * w2 + recast[-1]})
+            )
+        if first_moe is not None:  # the MoE layer's own gradients: those made by the point
+            done = head_g + block_grads(range(pos_e + 1, len(layers)))
+            alive = dict(activations=a_blocks - sum(saved[pos_e:]) + a_emb, float8=f8)
+            options += [(grads(done + own), {**alive, "transient": bwd_ws[pos_e] + extra + recast[pos_e]})
+                        for extra, own in first_moe]  # fmt: skip
+        add_largest("first block backward" + tag, options)
         last = dict(activations=(kk - 1) * sum(saved) + a_emb, float8=f8)
-        if last_moe is None:
-            add("last block backward" + tag, grads(g_all - emb_g), **last,
-                transient=bwd_ws[0] + conv * w2 + recast[0])  # fmt: skip
-        else:  # the first block's own gradients: those made by the point
-            add_largest("last block backward" + tag, [
-                (grads(g_all - emb_g - block0 + own), {**last, "transient": bwd_ws[0] + extra + recast[0]})
-                for extra, own in last_moe])  # fmt: skip
+        options = []
+        if last_moe is None or pos_s > 0:  # the rank's first block is dense
+            options.append((grads(g_all - emb_g), {**last, "transient": bwd_ws[0] + conv * w2 + recast[0]}))
+        if last_moe is not None:
+            done = g_all - emb_g - block_grads(range(pos_s + 1))
+            alive = dict(activations=(kk - 1) * sum(saved) + sum(saved[:pos_s]) + a_emb, float8=f8)
+            options += [(grads(done + own), {**alive, "transient": bwd_ws[pos_s] + extra + recast[pos_s]})
+                        for extra, own in last_moe]  # fmt: skip
+        add_largest("last block backward" + tag, options)
         if plan.embedding:  # the table's gradient arrives last, with all the others
             # As traced under FSDP: the table's unsharded gradient (and its fp32 cast) before it is sharded.
             table = 0 if s.autocast else conv * emb_g // 4 * shard

@@ -93,7 +93,7 @@ def moe_param_shapes(s: RunPlan, layer: int) -> list[tuple[str, tuple[int, int],
 
 def buffer_bytes(s: RunPlan, layers: list[int]) -> int:
     """The routing bias (fp32) and the step's token counts (int64) of each MoE layer among `layers`."""
-    return 12 * s.args.n_experts * sum(is_moe(s, i) for i in layers) if s.moe else 0
+    return 12 * s.args.n_experts * sum(is_moe(s, i) for i in layers) if s.moe else 0  # (dense: no n_experts)
 
 
 def inner_unit(s: RunPlan, name: str) -> str | None:
@@ -130,9 +130,6 @@ def moe_saved(
     d, h, n_exp, e_local = a.dim, a.expert_hidden, a.n_experts, a.n_experts // s.ep
     sent, recv = rows(s, tokens, imbalance)
     shared = a.shared_expert
-    # EP: the regrouping permutation and the combine's inverse (int64 per received row), kept by their
-    # index ops; the received rows replace the rank's own as the experts' input.
-    ep_index = 16 * recv if s.ep > 1 else 0
     if mode == "full":
         return {}
     if mode == "op":  # matmul and grouped-GEMM outputs kept; a MoE block's aten.mm calls run wq, wk, wv,
@@ -153,6 +150,9 @@ def moe_saved(
         if s.compile:  # backward needs neither down projection's output (as a dense block's w2)
             out.pop("experts w2 out"), out.pop("shared w2 out", None)
         return out
+    # EP: the regrouping permutation and the combine's inverse (int64 per received row), kept by their
+    # index ops; the received rows replace the rank's own as the experts' input.
+    ep_index = 16 * recv if s.ep > 1 else 0
     indices = 36 * sent  # (N, k) choices, order, token, inverse (int64), the chosen scores (fp32)
     if mode == "compiled":
         out = {"router logits": c * tokens * n_exp, "routing indices": indices + 4 * e_local + ep_index,
@@ -216,7 +216,7 @@ def forward_live(s: RunPlan, tokens: int, mode: str, *, imbalance: float) -> int
     swiglu += routed_in + received
     down = 0 if mode == "op" else c * recv * d  # (op: cached, kept)
     combine = routed_in + received + down + (c * recv * d + c * sent * d if ep else 0)  # out[inverse], a2a
-    out = c * sent * d if a.top_k == 1 else c * tokens * d  # routed_out gathered back to its tokens
+    out = c * tokens * d  # routed_out gathered back to its tokens (top-k: summed over a token's k rows)
     routed_out = 0 if mode == "op" and not ep else c * sent * d  # (op: the cached down projection's output)
     end = routed_in + routed_out + out
     points = [swiglu, combine]
@@ -241,7 +241,7 @@ def recompute_live(s: RunPlan, tokens: int, *, imbalance: float) -> int:
     sent, recv = rows(s, tokens, imbalance)
     routed_in = (4 if s.autocast else r) * sent * d if s.ep > 1 or s.autocast else 0
     layer_in = 4 * tokens * d if s.autocast else 0  # (autocast keeps only its bf16 casts)
-    out = c * sent * d if a.top_k == 1 else c * tokens * d
+    out = c * tokens * d
     points = [routed_in + c * sent * d + out + layer_in]
     if s.ep > 1:
         points.append(routed_in + 2 * c * recv * d + c * sent * d - 4 * c * tokens * h * a.shared_expert)

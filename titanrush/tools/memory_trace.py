@@ -12,9 +12,9 @@ states are weighted 1/shard degree (each parameter its own: a MoE layer's expert
 whole layer are sharded over other ranks than the dense weights), and with bf16 the weights are bf16
 copies while fp32 masters take the gradients. A MoE layer runs the real router, permutation and experts;
 under expert parallel the rank holds its E / ep experts and expert parallel's dispatch and combine run
-with their tensors but without peers, at a balanced load (`_BalancedExchange`). What it cannot run
-(compile, float8, FSDP's buffers, sequence parallel, the CUDA context) is listed in `not_traced`; the
-analytic model supplies those parts.
+with their tensors but without peers, receiving `moe_imbalance` times the rows it sends
+(`_LocalExchange`). What it cannot run (compile, float8, FSDP's buffers, sequence parallel, the CUDA
+context) is listed in `not_traced`; the analytic model supplies those parts.
 """
 
 from __future__ import annotations

@@ -101,6 +101,7 @@ def model_figures(config: str | None, settings: dict[str, str]) -> dict[str, Any
         "params_active": active,
         "params_router": sum(m.router.gate.weight.numel() for m in moes),
         "gflop_per_token": flops_per_token(args, matmul_params(model), cfg.training.seq_len) / 1e9,
+        # (one GPU, and the rush fixes training.global_batch_size = -1: no gradient accumulation)
         "tokens_per_step": cfg.training.local_batch_size * cfg.training.seq_len,
     }
 

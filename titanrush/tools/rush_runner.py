@@ -390,7 +390,7 @@ def estimate_fit(ctx: Ctx, settings: dict[str, str], ngpu: int) -> dict[str, Any
         cfg = cfgmod.load(ctx.config, to_args(settings))
         est = quick_estimate(cfg, ngpu, ctx.gpu_mem_gib)
         return {"total_gib": float(est.total_gib), "gpu_mem_gib": ctx.gpu_mem_gib, "fits": bool(est.fits)}
-    except ConfigError as e:  # a config the trainer would refuse (or --moe-imbalance out of range)
+    except ConfigError as e:  # a config the trainer would refuse, or one the estimator does not count
         return {"note": f"no estimate: {e}"[:200]}
     except Exception as e:  # an estimate must never stop the rush
         return {"note": f"estimator error: {type(e).__name__}: {e}"[:200]}
