@@ -160,7 +160,7 @@ def compare(dense: dict[str, Any], moe: dict[str, Any]) -> dict[str, Any]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     """The two rungs as a markdown table."""
-    f = report._fmt
+    f = report.cell
     head = (
         "| rung | model | status | total params | active params | GFLOP/token | tokens/s | TFLOP/s | MFU "
         "| peak active GiB | peak reserved GiB | final loss | tokens/s vs dense | loss - dense |"
@@ -168,12 +168,12 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [head, "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
-            f"| {r['name']} | {r['adds']} | {report._status(r)} | {r['params_total']:,} "
+            f"| {r['name']} | {r['adds']} | {report.status(r)} | {r['params_total']:,} "
             f"| {r['params_active']:,} "
             f"| {r['gflop_per_token']:.4g} | {f(r.get('tps'), '{:,.0f}')} | {f(r.get('tflops'), '{:.3g}')} "
             f"| {f(r.get('mfu'), '{:.1f}%')} | {f(r.get('mem_active_gib'), '{:.2f}')} "
             f"| {f(r.get('mem_reserved_gib'), '{:.2f}')} | {f(r.get('final_loss'), '{:.4f}')} "
-            f"| {report._x(r.get('vs_dense'))} | {f(r.get('loss_diff'), '{:+.4f}')} |"
+            f"| {report.times(r.get('vs_dense'))} | {f(r.get('loss_diff'), '{:+.4f}')} |"
         )
     return "\n".join(lines)
 
@@ -225,13 +225,13 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
 def chart(out: Path, rows: list[dict[str, Any]], device: str) -> Path:
     """moe.png: tokens/s, total vs active parameters, and the loss over the tokens seen and over the
     training time (tokens / the mean tokens/s), per rung."""
-    plt = report._pyplot()
+    plt = report.load_pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(12, 8.5))
     (ax1, ax2), (ax3, ax4) = axes
     names, xs = [r["name"] for r in rows], range(len(rows))
     bars = ax1.bar(names, [r.get("tps") or 0.0 for r in rows], color=["tab:blue", "tab:orange"][: len(rows)])
     for bar, r in zip(bars, rows):
-        label = r["status"] if r["status"] != OK else report._x(r.get("vs_dense") or 1.0)
+        label = r["status"] if r["status"] != OK else report.times(r.get("vs_dense") or 1.0)
         ax1.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom")
     ax1.set(ylabel="tokens/s", title="throughput (labels: vs dense)")
     ax2.bar([x - 0.2 for x in xs], [r["params_total"] / 1e6 for r in rows], 0.4, label="total")

@@ -32,19 +32,23 @@ def write_jsonl(path: Path, rows: list[Row], env: dict[str, Any]) -> None:
             fh.write(json.dumps({**row, "env": env}) + "\n")
 
 
-def _fmt(value: Any, spec: str) -> str:
+def cell(value: Any, spec: str) -> str:
+    """A table cell: the value through `spec`, "-" where there is none."""
     return "-" if value is None else spec.format(value)
 
 
-def _x(value: float | None) -> str:
+def times(value: float | None) -> str:
+    """A ratio as "1.23x"."""
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _status(row: Row) -> str:
+def status(row: Row) -> str:
+    """The row's status, in bold unless it ran OK."""
     return row["status"] if row["status"] == OK else f"**{row['status']}**"
 
 
-def _estimate(row: Row) -> str:
+def estimated(row: Row) -> str:
+    """The memory estimate's total GiB, marked where it does not fit."""
     est = row.get("estimate") or {}
     if est.get("total_gib") is None:
         return "-"
@@ -60,11 +64,11 @@ def ladder_table(rows: list[Row]) -> str:
     lines = [head, "|---:|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
-            f"| {r['index']} | {r['name']} | {r['adds']} | {_status(r)} | {_fmt(r.get('tps'), '{:,.0f}')} "
-            f"| {_fmt(r.get('tflops'), '{:.3g}')} | {_fmt(r.get('mfu'), '{:.1f}%')} "
-            f"| {_fmt(r.get('mem_active_gib'), '{:.2f}')} | {_fmt(r.get('mem_reserved_gib'), '{:.2f}')} "
-            f"| {_fmt(r.get('first_step_s'), '{:.1f}')} | {_x(r.get('speedup_prev'))} "
-            f"| {_x(r.get('speedup_first'))} | {_estimate(r)} |"
+            f"| {r['index']} | {r['name']} | {r['adds']} | {status(r)} | {cell(r.get('tps'), '{:,.0f}')} "
+            f"| {cell(r.get('tflops'), '{:.3g}')} | {cell(r.get('mfu'), '{:.1f}%')} "
+            f"| {cell(r.get('mem_active_gib'), '{:.2f}')} | {cell(r.get('mem_reserved_gib'), '{:.2f}')} "
+            f"| {cell(r.get('first_step_s'), '{:.1f}')} | {times(r.get('speedup_prev'))} "
+            f"| {times(r.get('speedup_first'))} | {estimated(r)} |"
         )
     return "\n".join(lines)
 
@@ -78,11 +82,11 @@ def dist_table(rows: list[Row]) -> str:
     lines = [head, "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
-            f"| {r['strategy']} | {r['ngpu']} | {r.get('mesh', '-')} | {_status(r)} "
-            f"| {_fmt(r.get('tps_total'), '{:,.0f}')} | {_fmt(r.get('tps'), '{:,.0f}')} "
-            f"| {_fmt(r.get('efficiency'), '{:.0%}')} | {_fmt(r.get('mfu'), '{:.1f}%')} "
-            f"| {_fmt(r.get('mem_active_gib'), '{:.2f}')} | {_fmt(r.get('mem_reserved_gib'), '{:.2f}')} "
-            f"| {_fmt(r.get('first_step_s'), '{:.1f}')} | {_estimate(r)} |"
+            f"| {r['strategy']} | {r['ngpu']} | {r.get('mesh', '-')} | {status(r)} "
+            f"| {cell(r.get('tps_total'), '{:,.0f}')} | {cell(r.get('tps'), '{:,.0f}')} "
+            f"| {cell(r.get('efficiency'), '{:.0%}')} | {cell(r.get('mfu'), '{:.1f}%')} "
+            f"| {cell(r.get('mem_active_gib'), '{:.2f}')} | {cell(r.get('mem_reserved_gib'), '{:.2f}')} "
+            f"| {cell(r.get('first_step_s'), '{:.1f}')} | {estimated(r)} |"
         )
     return "\n".join(lines)
 
@@ -97,8 +101,8 @@ def ladder_summary(rows: list[Row]) -> list[str]:
     for r in rows:
         if r.get("speedup_prev") is not None:
             out.append(
-                f"- {r['name']} ({r['adds']}): {_x(r['speedup_prev'])} over {r['parent']}, "
-                f"{_x(r.get('speedup_first'))} over the first rung"
+                f"- {r['name']} ({r['adds']}): {times(r['speedup_prev'])} over {r['parent']}, "
+                f"{times(r.get('speedup_first'))} over the first rung"
             )
     return out
 
@@ -202,7 +206,8 @@ def write_all(
 # Charts
 
 
-def _pyplot() -> Any:
+def load_pyplot() -> Any:
+    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -214,7 +219,7 @@ def _pyplot() -> Any:
 def _bars(
     path: Path, rows: list[Row], series: list[tuple[str, str]], ylabel: str, title: str, label: Callable
 ) -> Path:
-    plt = _pyplot()
+    plt = load_pyplot()
     names = [r["name"] for r in rows]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows) + 2), 4.5))
     width = 0.8 / len(series)
@@ -251,7 +256,7 @@ def ladder_charts(out: Path, rows: list[Row], device: str) -> list[Path]:
     def tps_label(r: Row, key: str) -> str:
         if r["status"] != OK:
             return r["status"]
-        return _x(r.get("speedup_first"))
+        return times(r.get("speedup_first"))
 
     def mem_label(r: Row, key: str) -> str:
         return r["status"] if r["status"] != OK else ""
@@ -279,7 +284,7 @@ def ladder_charts(out: Path, rows: list[Row], device: str) -> list[Path]:
 def dist_charts(out: Path, rows: list[Row], device: str) -> list[Path]:
     """dist_scaling.png: tokens/s per GPU vs GPUs, and the scaling efficiency, per strategy (each curve
     starts at the shared 1-GPU baseline)."""
-    plt = _pyplot()
+    plt = load_pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
     ok = [r for r in rows if r.get("scaling") and r["status"] == OK]
     base = [r for r in ok if r["ngpu"] == 1]

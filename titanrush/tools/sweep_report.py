@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from titanrush.tools.rush_report import Progress as RushProgress
-from titanrush.tools.rush_report import _estimate, _fmt, _status, write_jsonl, write_report
+from titanrush.tools.rush_report import cell, estimated, status, write_jsonl, write_report
 from titanrush.tools.rush_runner import OK
 
 Row = dict[str, Any]
@@ -43,11 +43,11 @@ def sweep_table(ranked: list[Row]) -> str:
         ok = r["status"] == OK and r.get("tps")
         place += 1 if ok else 0
         lines.append(
-            f"| {place if ok else '-'} | `{r['shape']}` | {_status(r)} | {_fmt(r.get('tps'), '{:,.0f}')} "
-            f"| {_fmt(r.get('tps_total'), '{:,.0f}')} | {_fmt(r.get('tflops'), '{:.3g}')} "
-            f"| {_fmt(r.get('mfu'), '{:.1f}%')} | {_fmt(r.get('mem_active_gib'), '{:.2f}')} "
-            f"| {_fmt(r.get('mem_reserved_gib'), '{:.2f}')} | {_fmt(r.get('first_step_s'), '{:.1f}')} "
-            f"| {_estimate(r)} |"
+            f"| {place if ok else '-'} | `{r['shape']}` | {status(r)} | {cell(r.get('tps'), '{:,.0f}')} "
+            f"| {cell(r.get('tps_total'), '{:,.0f}')} | {cell(r.get('tflops'), '{:.3g}')} "
+            f"| {cell(r.get('mfu'), '{:.1f}%')} | {cell(r.get('mem_active_gib'), '{:.2f}')} "
+            f"| {cell(r.get('mem_reserved_gib'), '{:.2f}')} | {cell(r.get('first_step_s'), '{:.1f}')} "
+            f"| {estimated(r)} |"
         )
     return "\n".join(lines)
 
