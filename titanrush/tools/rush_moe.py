@@ -252,11 +252,7 @@ def chart(out: Path, rows: list[dict[str, Any]], device: str) -> Path:
             ax.legend()
     ax1.margins(y=0.15)
     fig.suptitle(f"Dense vs MoE at equal active parameters on {device}")
-    fig.tight_layout()
-    path = out / "moe.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return report.save_figure(fig, out / "moe.png")
 
 
 def write_all(

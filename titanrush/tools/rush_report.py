@@ -216,6 +216,14 @@ def load_pyplot() -> Any:
     return plt
 
 
+def save_figure(fig: Any, path: Path) -> Path:
+    """Lay the figure out, write it as a PNG at `path` and free it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    load_pyplot().close(fig)
+    return path
+
+
 def _bars(
     path: Path, rows: list[Row], series: list[tuple[str, str]], ylabel: str, title: str, label: Callable
 ) -> Path:
@@ -244,10 +252,7 @@ def _bars(
     if len(series) > 1:
         ax.legend()
     ax.margins(y=0.25)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def ladder_charts(out: Path, rows: list[Row], device: str) -> list[Path]:
@@ -307,11 +312,7 @@ def dist_charts(out: Path, rows: list[Row], device: str) -> list[Path]:
             ax.legend()
     ax2.axhline(100, color="grey", lw=0.8, ls="--")
     fig.suptitle(f"Data-parallel scaling on {device}")
-    fig.tight_layout()
-    path = out / "dist_scaling.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, out / "dist_scaling.png")]
 
 
 # ----------------------------------------------------------------------------------------------

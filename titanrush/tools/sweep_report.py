@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from titanrush.tools.rush_report import Progress as RushProgress
-from titanrush.tools.rush_report import cell, estimated, status, write_jsonl, write_report
+from titanrush.tools.rush_report import cell, estimated, save_figure, status, write_jsonl, write_report
 from titanrush.tools.rush_runner import OK
 
 Row = dict[str, Any]
@@ -78,11 +78,7 @@ def sweep_chart(out: Path, ranked: list[Row], device: str) -> Path:
     for ax in (ax1, ax2):
         ax.grid(axis="x", alpha=0.3)
     fig.suptitle(f"Mesh shapes on {device}: throughput and peak memory")
-    fig.tight_layout()
-    path = out / "sweep.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out / "sweep.png")
 
 
 def log_hparams(out: Path, rows: list[Row], dims: list[str], table: str) -> None:
