@@ -16,8 +16,13 @@ never interrupted.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
-from harness import STEPS, launch, run_train
+from harness import ROOT, STEPS, child_env, free_port, launch, run_train
 from test_parity import RTOL, assert_parity
 
 pytestmark = pytest.mark.parallel
@@ -106,3 +111,19 @@ def test_ep2_checkpoint_resumes_at_another_ep_degree(saved_ep2, target):
     for r in rows:
         for key in ("loss", "grad_norm", "moe_imbalance"):
             assert abs(r[key] - ref[r["step"]][key]) <= RTOL * abs(ref[r["step"]][key]), (target, r, key)
+
+
+def test_the_exchange_stays_eager_when_compiled_and_a_rank_receives_no_rows(tmp_path):
+    """Compiled, the MoE layer under EP2 gives the eager layer's outputs and gradients, also at steps where
+    rank 0's experts receive no rows, and no compiled graph holds a collective (traced, the exchange was
+    specialized per rank on its row counts; on two GPUs that hung)."""
+    out = tmp_path / "ep_probe.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
+           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+           str(Path(__file__).parent / "ep_probe.py"), str(out)]  # fmt: skip
+    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    for rank, r in enumerate(json.loads(out.read_text())):
+        assert r["graphs_seen"], f"rank {rank}: nothing was compiled"
+        assert r["collectives"] == [], f"rank {rank}: collectives in compiled graphs: {r['collectives']}"
+        assert r["out"] <= 1e-5 and r["grad"] <= 1e-5, (rank, r)

@@ -13,10 +13,16 @@ sharded over the experts dimension), by wrapping its forward:
 - the local experts run on their groups;
 - combine: the inverse permutation, and the reverse all-to-all back to the tokens' ranks.
 
-Both all-to-alls are autograd functions whose backward is the reverse exchange. Each rank's expert
-gradients are then the sums over every token any EP peer sent them, so FSDP, which shards the experts over
-the data-parallel ranks outside the EP group, must divide the experts' gradient sum by the whole
-data-parallel degree, as it does for the other weights (`shard_experts`). Generic: no model import.
+Both all-to-alls are autograd functions whose backward is the reverse exchange. Dispatch and combine
+run eagerly even inside a compiled block (`torch.compiler.disable`), so every rank issues the same
+collectives whatever rows it receives. Traced, the exchange lands in graphs that each rank specializes on
+its own row counts: a rank that receives no rows recompiles alone, and on two GPUs the ranks then hung in
+the next exchange.
+
+Each rank's expert gradients are then the sums over every token any EP peer sent them, so FSDP, which
+shards the experts over the data-parallel ranks outside the EP group, must divide the experts' gradient
+sum by the whole data-parallel degree, as it does for the other weights (`shard_experts`). Generic: no
+model import.
 """
 
 from __future__ import annotations
@@ -90,6 +96,7 @@ class ExpertParallel:
         for pname, param in list(module.named_parameters(recurse=False)):
             module.register_parameter(pname, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
 
+    @torch.compiler.disable
     def dispatch(
         self, module: nn.Module, inputs: tuple, mesh: DeviceMesh
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +115,7 @@ class ExpertParallel:
         x = all_to_all(x, self.output_splits, self.input_splits, self.group)
         return x[self.index], matrix.sum(0)
 
+    @torch.compiler.disable
     def combine(self, module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         if out.device.type == "meta":
             return out
