@@ -314,6 +314,10 @@ class Float8:
     min_size: int = 1024
     """Linear layers with a dimension below this stay in bf16 (casting costs more than float8 saves);
     0 converts every aligned layer."""
+    experts: bool = False
+    """Llama 4: the routed experts' grouped GEMMs in float8 with rowwise scales (torchao's MoE training
+    prototype; GPUs of compute capability >= 9.0). Independent of `enable`, which converts the linear
+    layers (attention, shared expert, dense FFNs)."""
 
 
 @dataclass

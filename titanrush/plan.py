@@ -75,6 +75,7 @@ class RunPlan:
     float8_all_gather: bool = False
     float8_filter: tuple[str, ...] = ("output",)
     float8_min_size: int = 1024
+    float8_experts: bool = False  # Llama 4: the routed experts' grouped GEMMs in float8 (rowwise)
     loss: str = "plain"
     loss_chunk: int = 4096
     optimizer: str = "adamw"
@@ -288,7 +289,7 @@ def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunP
         # saves, so pipelined stages keep them gathered until backward (ZeRO-2).
         reshard = "never"
     fullgraph = cfg.compile.fullgraph and not (cfg.compile.enable and _graph_break(args.attn_backend))
-    fullgraph = fullgraph and _moe_compiles_whole(args, dims.ep, dims.tp, t.precision)
+    fullgraph = fullgraph and _moe_compiles_whole(args, dims.ep, dims.tp, t.precision) and not f8.experts
     pp_micro = (
         (p.pp_microbatches or dims.pp * stages_per_rank(p.pp_schedule, p.pp_stages_per_rank))
         if dims.pp > 1
@@ -338,6 +339,7 @@ def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunP
         and dims.fsdp_enabled,
         float8_filter=float8_filter,  # (a MoE's router stays in bf16: it ranks near-equal scores)
         float8_min_size=f8.min_size,
+        float8_experts=f8.experts,
         loss=t.loss,
         loss_chunk=t.loss_chunk_size,
         optimizer=cfg.optimizer.name,

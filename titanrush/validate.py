@@ -322,6 +322,11 @@ def check_run(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         _check_pipeline(cfg, dims, args)
     if isinstance(args, Llama4Args):
         _check_moe(cfg, dims, args)
+    elif cfg.float8.experts:
+        raise ConfigError(
+            f"float8.experts needs a Llama 4 (mixture-of-experts) flavor; {cfg.model.flavor!r} has no "
+            "experts: set float8.experts = false (float8.enable converts the linear layers)"
+        )
     if dims.tp > 1 and args.loss_chunk_size > 0:
         raise ConfigError(
             "training.loss = chunked does not compose with parallelism.tp > 1; use training.loss = plain "
@@ -422,6 +427,7 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims, args: Llama4Args) -> None:
         refused = [  # (what, why) where the config asks for it
             ("parallelism.cp > 1", "", dims.cp > 1),
             ("float8.enable", "", cfg.float8.enable),
+            ("float8.experts", "", cfg.float8.experts),
             ("moe.aux_loss_coeff > 0 with sequence parallel", ": the balance loss counts whole sequences, "
              "which sequence parallel splits over the tp ranks; parallelism.sequence_parallel = false "
              "keeps them whole",
@@ -443,6 +449,13 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims, args: Llama4Args) -> None:
             "mixture-of-experts layers yet; use activation_checkpoint.mode = 'full' (or selective = N, "
             "every N-th block in full) or 'none'"
         )
+    f8 = cfg.float8
+    if f8.experts and (dims.pp > 1 or dims.cp > 1 or cfg.training.precision != "bf16" or f8.emulate):
+        raise ConfigError(
+            "float8.experts runs on bf16 training (training.precision = 'bf16'), without float8.emulate, "
+            "and not yet with parallelism.pp > 1 or cp > 1 (untested there); set float8.experts = false "
+            "for this run"
+        )
     chunk = args.attn_chunk
     if chunk and seq > chunk:
         if seq % chunk:
@@ -459,6 +472,16 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims, args: Llama4Args) -> None:
                 f"parallelism.cp > 1 does not compose with chunked attention: training.seq_len = {seq} "
                 f"must be at most the attention chunk ({chunk})"
             )
+
+
+def _has_moe_training() -> bool:
+    """Whether torchao has the float8 grouped GEMM of its MoE training prototype (importing it is slow:
+    only asked for when float8.experts is on)."""
+    try:
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def check_machine(cfg: JobConfig) -> None:
@@ -494,6 +517,18 @@ def check_machine(cfg: JobConfig) -> None:
             raise ConfigError(
                 f"float8 training needs a GPU with float8 tensor cores (compute capability >= 8.9), not "
                 f"{where}; set float8.emulate = true to emulate it (slow, for tests) or float8.enable = false"
+            )
+    if cfg.float8.experts:
+        if importlib.util.find_spec("torchao") is None or not _has_moe_training():
+            raise ConfigError(
+                "float8.experts needs torchao with its MoE training prototype (torchao.prototype."
+                "moe_training, torchao >= 0.17); install it or set float8.experts = false"
+            )
+        if not (cuda and torch.cuda.get_device_capability() >= (9, 0)):
+            where = "on CPU" if not cuda else f"on {torch.cuda.get_device_name()}"
+            raise ConfigError(
+                f"float8.experts needs a GPU with float8 grouped GEMMs (compute capability >= 9.0: "
+                f"Hopper or later), not {where}; set float8.experts = false"
             )
     if cfg.optimizer.name != "adamw" and importlib.util.find_spec("torchao") is None:
         raise ConfigError(

@@ -2,8 +2,8 @@
 over NCCL against one GPU.
 
 Run on the GPU machine: `pytest tests/gpu/test_moe_gpu.py` (EP2, FSDP2 and TP2 need 2 GPUs; EP2 x FSDP2,
-EP2 x CP2 and EP2 x TP2 need 4). The trainer runs llama4_debug (every layer MoE, 8 experts, top-1) on
-synthetic data.
+EP2 x CP2 and EP2 x TP2 need 4; float8 experts need torchao and compute capability >= 9.0). The trainer
+runs llama4_debug (every layer MoE, 8 experts, top-1) on synthetic data.
 """
 
 from __future__ import annotations
@@ -15,7 +15,13 @@ import torch
 from gpu_launch import launch
 from gpu_launch import max_dev as dev
 
-from titanrush.models.llama4.grouped_gemm import KERNEL, grouped_mm, grouped_mm_supported, loop_mm
+from titanrush.models.llama4.grouped_gemm import (
+    KERNEL,
+    float8_grouped_mm,
+    grouped_mm,
+    grouped_mm_supported,
+    loop_mm,
+)
 
 STEPS = 8
 # fp32 on CUDA (the per-expert loop: the grouped kernel takes bf16): only the order of sums differs, but
@@ -49,6 +55,42 @@ def test_grouped_gemm_matches_the_loop_in_bf16(counts):
         ref = results["fp32"][i]
         err = {k: ((results[k][i] - ref).abs().max() / ref.abs().max()).item() for k in ("grouped", "loop")}
         assert err["grouped"] <= max(2 * err["loop"], 1e-2), (what, err)
+
+
+def _float8_ready() -> str | None:
+    """Why float8 experts cannot run here, or None."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        return f"float8 grouped GEMMs need compute capability >= 9.0, not {torch.cuda.get_device_name()}"
+    try:
+        from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm  # noqa: F401
+    except ImportError:
+        return "torchao with its MoE training prototype is not installed"
+    return None
+
+
+@pytest.mark.parametrize("counts", [[37, 0, 101, 6, 256, 1, 0, 111], [64] * 8])
+def test_float8_grouped_gemm_is_float8_and_close(counts):
+    """float8 (rowwise) against fp32: within float8's own rounding (e4m3: 3 mantissa bits), and further
+    off than bf16 is (so the float8 kernel, not the bf16 one, ran), for the output and both gradients;
+    groups of any size, empty ones included (padded to 16 rows inside)."""
+    if (why := _float8_ready()) is not None:
+        pytest.skip(why)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    c = torch.tensor(counts, device="cuda")
+    x = torch.randn(int(c.sum()), 512, device="cuda", generator=gen)
+    w = torch.randn(8, 512, 768, device="cuda", generator=gen) / 512**0.5
+    g = torch.randn(int(c.sum()), 768, device="cuda", generator=gen)
+    results = {}
+    for name in ("float8", "bf16", "fp32"):
+        dtype = torch.float32 if name == "fp32" else torch.bfloat16
+        xi, wi = x.to(dtype).requires_grad_(), w.to(dtype).requires_grad_()
+        out = float8_grouped_mm(xi, wi, c) if name == "float8" else loop_mm(xi, wi, c)
+        out.backward(g.to(out.dtype))
+        results[name] = [t.float() for t in (out, xi.grad, wi.grad)]
+    for i, what in enumerate(("out", "x.grad", "w.grad")):
+        ref = results["fp32"][i]
+        err = {k: ((results[k][i] - ref).abs().max() / ref.abs().max()).item() for k in ("float8", "bf16")}
+        assert 2 * err["bf16"] < err["float8"] <= 0.1, (what, err)
 
 
 def train(tmp: Path, name: str, ngpu: int, dp: int, *overrides: str) -> list[dict]:
@@ -108,3 +150,38 @@ def test_four_gpu_meshes_match_one_gpu(name, tmp_path, refs):
     tolerance = {"loss": 2e-3, "grad_norm": 2e-2} if cp else {"loss": FP32_RTOL, "grad_norm": FP32_RTOL}
     for key, rtol in tolerance.items():
         assert dev(rows, refs["fp32"], key) <= rtol, (key, [r[key] for r in rows])
+
+
+# float8 experts change the experts' GEMMs by float8's rounding (a few percent per product), which a
+# short run's loss feels at the percent level.
+FLOAT8_RTOL = 5e-2
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_float8_experts_train_like_bf16(compiled, tmp_path, refs):
+    """One GPU, eager and compiled: the run says it converted every MoE layer and tracks bf16's losses."""
+    if (why := _float8_ready()) is not None:
+        pytest.skip(why)
+    extra = ["--compile.enable"] if compiled else []
+    args = [
+        "--model.flavor", "llama4_debug", "--training.steps", str(STEPS), "--training.seq_len", "256",
+        "--training.local_batch_size", "8", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
+        "--no-metrics.tensorboard", "--data.dataset", "synthetic", "--training.precision", "bf16",
+        "--float8.experts", *extra,
+    ]  # fmt: skip
+    rows, log = launch(tmp_path, "float8_experts", 1, args, timeout=900)
+    assert "float8 experts: the routed experts of 4 MoE layers" in log, log[-3000:]
+    assert dev(rows, refs["bf16"], "loss") <= FLOAT8_RTOL, [r["loss"] for r in rows]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+@pytest.mark.multigpu
+def test_float8_experts_ep2_matches_one_gpu_float8(tmp_path, refs):
+    """EP2 compiled with float8 experts (each rank quantizes the rows it received): bf16's EP tolerance
+    against bf16's one-GPU run plus float8's."""
+    if (why := _float8_ready()) is not None:
+        pytest.skip(why)
+    rows = train(tmp_path, "ep2_float8", 2, 2, "--training.precision", "bf16", "--parallelism.ep", "2",
+                 "--compile.enable", "--float8.experts")  # fmt: skip
+    assert dev(rows, refs["bf16"], "loss") <= FLOAT8_RTOL + BF16_RTOL, [r["loss"] for r in rows]
+    assert rows[-1]["loss"] < rows[0]["loss"]

@@ -14,7 +14,7 @@ from titanrush.config import ConfigError
 from titanrush.metrics import flops_per_token, matmul_params
 from titanrush.models.llama4 import Llama4, model_args
 from titanrush.models.llama4.balance import balance_experts, moe_modules
-from titanrush.models.llama4.grouped_gemm import KERNEL, grouped_mm, loop_mm
+from titanrush.models.llama4.grouped_gemm import ALIGN, KERNEL, grouped_mm, loop_mm, pad_groups
 from titanrush.models.llama4.moe import MoE
 from titanrush.models.llama4.router import Router, add_loss_grad, balance_loss
 from titanrush.parallel.expert_parallel import regroup_index
@@ -38,6 +38,46 @@ def test_grouped_gemm_matches_the_loop_forward_and_backward(counts):
     torch.testing.assert_close(out, ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(x.grad, x2.grad, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(w.grad, w2.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("counts", [[3, 0, 17, 16], [0, 0, 0, 5], [32, 1, 0, 0]])
+def test_padded_groups_start_on_tiles_and_give_the_same_product(counts):
+    """float8's padding: each group starts at a multiple of 16 in the padded rows, padding rows are zero,
+    and the grouped product over the padded groups, read back, is the product over the groups."""
+    torch.manual_seed(0)
+    c = torch.tensor(counts)
+    x = torch.randn(int(c.sum()), 8, requires_grad=True)
+    w = torch.randn(4, 8, 5)
+    padded, ends, place = pad_groups(x, c)
+    assert ends.dtype == torch.int32 and all(int(e) % ALIGN == 0 for e in ends)
+    assert padded.shape[0] >= int(ends[-1]) and torch.equal(padded[place], x)
+    unused = torch.ones(padded.shape[0], dtype=torch.bool)
+    unused[place] = False
+    assert torch.count_nonzero(padded[unused]) == 0
+    padded_counts = torch.diff(ends.long(), prepend=ends.new_zeros(1).long())
+    got = loop_mm(padded[: int(ends[-1])], w, padded_counts)[place]
+    ref = loop_mm(x, w, c)
+    torch.testing.assert_close(got, ref)
+    g = torch.randn_like(ref)
+    (gx,) = torch.autograd.grad(got, x, g)
+    (rx,) = torch.autograd.grad(ref, x, g)
+    torch.testing.assert_close(gx, rx)
+
+
+def test_float8_experts_refused_without_their_gpu_and_by_the_estimate():
+    """On this CPU machine the run is refused before anything is built, and the estimate refuses what it
+    does not model."""
+    from titanrush.tools.estimate import estimate
+
+    cfg = config.load(
+        None, ["--model.flavor", "llama4_debug", "--float8.experts", "--training.precision", "bf16"]
+    )
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="float8.experts needs"):
+            build_plan(cfg, 1)
+    assert build_plan(cfg, 1, machine=False).float8_experts
+    with pytest.raises(ConfigError, match="does not count float8 with mixture-of-experts"):
+        estimate(cfg, 1, 80.0, trace=False)
 
 
 def test_the_public_grouped_kernel_is_preferred():
@@ -302,6 +342,14 @@ def test_plan_resolves_moe_decisions():
         (1, ["--moe.bias_update_rate", "-1"], "moe.bias_update_rate must be"),
         (1, ["--parallelism.ep", "0"], "parallelism.ep must be"),
         (2, ["--parallelism.ep", "2", "--activation_checkpoint.mode", "selective"], "does not compose"),
+        (1, ["--model.flavor", "debug", "--float8.experts"], "float8.experts needs a Llama 4"),
+        (
+            2,
+            ["--parallelism.tp", "2", "--float8.experts", "--training.precision", "bf16"],
+            r"float8.experts does not compose .*tp",
+        ),
+        (2, ["--parallelism.pp", "2", "--float8.experts", "--training.precision", "bf16"], "not yet with"),
+        (1, ["--float8.experts"], "runs on bf16 training"),
     ],
 )
 def test_moe_config_rules(world, over, match):

@@ -81,6 +81,18 @@ def apply_float8(
     return converted
 
 
+def apply_float8_experts(experts: list[nn.Module]) -> None:
+    """Run the routed experts' two grouped GEMMs in float8 (rowwise scales; `float8_grouped_mm`).
+
+    The weights stay as they are (plain or DTensor parameters in their own dtype): each forward casts
+    them for the float8 kernel, so FSDP, expert parallel and checkpoints see nothing new.
+    """
+    for module in experts:
+        module.float8 = True
+    if experts:
+        logger.info(f"float8 experts: the routed experts of {len(experts)} MoE layers (rowwise scales)")
+
+
 def precompute_float8_scales(model: nn.Module) -> None:
     """After each optimizer step: compute every float8 weight scale in one pass (FSDP float8 all-gather)."""
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp

@@ -236,10 +236,11 @@ def estimate(
     if ngpu < 1:
         raise ConfigError(f"--ngpu must be >= 1, got {ngpu}")
     s, n_params, refused = plan_for(cfg, ngpu)
-    if s.moe and s.float8:  # (its float8 terms follow the dense feed-forward's shapes)
+    if s.moe and (s.float8 or s.float8_experts):  # (its float8 terms follow the dense FFN's shapes)
         raise ConfigError(
             "titanrush estimate does not count float8 with mixture-of-experts layers yet; estimate the run "
-            "with float8.enable = false (float8 converts only the dense linears and the shared expert)"
+            "with float8.enable = false and float8.experts = false (float8 converts only the dense linears "
+            "and the shared expert; the experts' float8 copies and padded rows are not modelled)"
         )
     if not (math.isfinite(moe_imbalance) and moe_imbalance >= 1.0) or (s.ep > 1 and moe_imbalance > s.ep):
         top = (

@@ -37,7 +37,7 @@ from titanrush.parallel.activation_offload import ActivationOffloader, apply_off
 from titanrush.parallel.compile import apply_compile
 from titanrush.parallel.ddp import apply_ddp
 from titanrush.parallel.expert_parallel import apply_ep, shard_experts
-from titanrush.parallel.float8 import apply_float8
+from titanrush.parallel.float8 import apply_float8, apply_float8_experts
 from titanrush.parallel.fsdp import apply_fsdp
 from titanrush.parallel.parallel_dims import JobMesh
 from titanrush.parallel.tensor_parallel import (
@@ -66,7 +66,7 @@ def parallelize_llama(
     Returns:
         The activation offloader (its traffic is logged) where the plan offloads blocks, else None.
     """
-    # 1. float8: swap the linears before TP and FSDP see them.
+    # 1. float8: swap the linears before TP and FSDP see them (the experts' grouped GEMMs: a flag).
     if plan.float8:
         apply_float8(
             model,
@@ -76,6 +76,10 @@ def parallelize_llama(
             filter_fqns=list(plan.float8_filter),
             min_size=plan.float8_min_size,
         )
+
+    experts = {k: b.moe.experts for k, b in model.layers.items() if getattr(b, "moe", None) is not None}
+    if plan.float8_experts:
+        apply_float8_experts(list(experts.values()))
 
     # 2. Tensor parallel (with sequence parallel and loss parallel).
     if mesh is not None and plan.tp > 1:
@@ -88,7 +92,6 @@ def parallelize_llama(
         )
 
     # 2b. Expert parallel (Llama 4): each rank keeps E / ep of every MoE layer's routed experts.
-    experts = {k: b.moe.experts for k, b in model.layers.items() if getattr(b, "moe", None) is not None}
     if mesh is not None and plan.ep > 1:
         apply_ep(list(experts.values()), mesh["ep"])
 

@@ -6,6 +6,11 @@ sync, static shapes: compile-friendly). The kernel is PyTorch's public `torch.nn
 (torch >= 2.10); torch 2.9 has only the private `torch._grouped_mm`, used there behind the version check;
 older versions, and inputs the kernel does not take (fp32 on CUDA or under compile, rows not 16-byte
 aligned), run the loop: one matmul per expert, which needs the counts on the host.
+
+`float8_grouped_mm` is the same product in float8 (`float8.experts`): torchao's rowwise-scaled grouped
+GEMM, differentiable, from its MoE training prototype (`torchao.prototype.moe_training`). Its kernel
+takes groups of whole 16-row tiles, so the rows are first spread into groups padded to multiples of 16
+(`pad_groups`, static shapes: at most 16 x E rows more, no host sync) and the product read back from them.
 """
 
 from __future__ import annotations
@@ -79,3 +84,46 @@ def loop_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Ten
     sizes = counts.tolist()  # (a host sync: the loop needs the group sizes in Python)
     outs = [part @ w[e] for e, part in enumerate(torch.split(x, sizes, dim=0))]
     return torch.cat(outs, dim=0) if outs else x.new_zeros(0, w.shape[-1])
+
+
+ALIGN = 16  # rows per group the float8 grouped kernel takes (16-byte tiles of float8 rows)
+
+
+def pad_groups(
+    x: torch.Tensor, counts: torch.Tensor, align: int = ALIGN
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows sorted by group, spread so that every group starts at a multiple of `align`.
+
+    Returns:
+        The padded rows (T + align x E, K; padding rows are zero, rows past the last group unused), the
+        padded groups' end offsets (E,) int32 (what a grouped kernel takes as `offs`), and each row's
+        place in the padded rows (T,) (`padded[place]` gives x back).
+    """
+    n_rows, n_groups = x.shape[0], counts.shape[0]
+    padded_counts = (counts + align - 1) // align * align
+    ends = torch.cumsum(padded_counts, dim=0)
+    shift = (ends - padded_counts) - (torch.cumsum(counts, dim=0) - counts)  # padded start - start
+    group = torch.repeat_interleave(torch.arange(n_groups, device=x.device), counts, output_size=n_rows)
+    place = torch.arange(n_rows, device=x.device) + shift[group]
+    padded = x.new_zeros(n_rows + align * n_groups, x.shape[1]).index_copy(0, place, x)
+    return padded, ends.to(torch.int32), place
+
+
+def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`grouped_mm` with float8 operands: rows and weights scaled per row (per output column of each
+    expert's weight), bf16 out, gradients through torchao's float8 backward. CUDA, compute capability
+    >= 9.0, K and N multiples of 16 (`titanrush.validate` checks what it can before the run)."""
+    if x.device.type == "meta":  # shape inference (a pipeline's): no kernel to run
+        return x.new_empty(x.shape[0], w.shape[-1], dtype=torch.bfloat16)
+    from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm
+
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    # The kernel reads each expert's weight column-major (strides K*N, 1, K): a transposing copy in bf16
+    # (FSDP's gathered weights are bf16 already; one GPU's fp32 master weights are cast first).
+    w_cols = w.to(torch.bfloat16).mT.contiguous().mT
+    padded, ends, place = pad_groups(x.to(torch.bfloat16), counts)
+    out = _to_fp8_rowwise_then_scaled_grouped_mm(
+        padded, w_cols, ends, torch.bfloat16, pad_token_groups_for_grouped_mm=False
+    )
+    return out[place]

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanrush.models.llama.model import FeedForward
-from titanrush.models.llama4.grouped_gemm import grouped_mm
+from titanrush.models.llama4.grouped_gemm import float8_grouped_mm, grouped_mm
 from titanrush.models.llama4.router import Router, Routing, add_loss_grad, balance_loss, z_loss
 
 
@@ -35,6 +35,7 @@ class GroupedExperts(nn.Module):
 
     `w13` (E, dim, 2 x hidden): each expert's gate (w1) and up (w3) projections side by side;
     `w2` (E, hidden, dim): the down projections. One grouped GEMM computes w1 and w3 together.
+    With `float8` (set by `titanrush.parallel.float8.apply_float8_experts`) both GEMMs run in float8.
     """
 
     def __init__(self, dim: int, hidden: int, n_experts: int, *, grouped: bool = True) -> None:
@@ -42,6 +43,7 @@ class GroupedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(n_experts, dim, 2 * hidden))
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.grouped = grouped
+        self.float8 = False
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (T, dim): rows sorted by expert, counts[e] of them for this module's e-th expert."""
@@ -49,6 +51,9 @@ class GroupedExperts(nn.Module):
         # with its own experts (the dispatch sent it their tokens), as plain tensors.
         w13 = self.w13.to_local() if isinstance(self.w13, DTensor) else self.w13
         w2 = self.w2.to_local() if isinstance(self.w2, DTensor) else self.w2
+        if self.float8:
+            gate, up = float8_grouped_mm(x, w13, counts).chunk(2, dim=-1)
+            return float8_grouped_mm(F.silu(gate) * up, w2, counts)
         gate, up = grouped_mm(x, w13, counts, grouped=self.grouped).chunk(2, dim=-1)
         return grouped_mm(F.silu(gate) * up, w2, counts, grouped=self.grouped)
 
