@@ -69,8 +69,6 @@ class Row:
     best: tuple[str, ...] = ()  # empty: the row's defaults
 
 
-_F8_EXPERTS = (*_NO_AC, "--float8.experts")  # the routed experts' GEMMs in float8 (rowwise): torchtitan 0.2.2 cannot
-# with torchao 0.17 (it imports a config class that torchao renamed)
 _8B_BEST = (*_NO_AC, *_ZERO2, *_CHUNKED)  # estimated 117 GiB per H200 (87 with float8)
 ROWS = {
     r.name: r
@@ -84,9 +82,9 @@ ROWS = {
         Row("8b_cp2_fsdp2", "8B", 4, 8192, 2, cp=2, best=_8B_BEST),
         Row("8b_pp2_fsdp2", "8B", 4, 8192, 4, pp=2, best=_NO_AC),  # PP keeps the weights gathered anyway
         # Llama 4 (MoE, 1.0B active): FSDP, EP2 on the same 2 GPUs, EP2 x FSDP2 on 4 (tt_flavors.py).
-        Row("moe_fsdp2", "llama4_1Bx16E", 2, 4096, 2, ac=False, best=_F8_EXPERTS),
-        Row("moe_ep2", "llama4_1Bx16E", 2, 4096, 2, ac=False, ep=2, best=_F8_EXPERTS),
-        Row("moe_ep2_fsdp4", "llama4_1Bx16E", 4, 4096, 2, ac=False, ep=2, best=_F8_EXPERTS),
+        Row("moe_fsdp2", "llama4_1Bx16E", 2, 4096, 2, ac=False),
+        Row("moe_ep2", "llama4_1Bx16E", 2, 4096, 2, ac=False, ep=2),
+        Row("moe_ep2_fsdp4", "llama4_1Bx16E", 4, 4096, 2, ac=False, ep=2),
     )
 }
 SETTINGS = ("same", "defaults", "best")

@@ -95,9 +95,10 @@ def pad_groups(
     """Rows sorted by group, spread so that every group starts at a multiple of `align`.
 
     Returns:
-        The padded rows (T + align x E, K; padding rows are zero, rows past the last group unused), the
-        padded groups' end offsets (E,) int32 (what a grouped kernel takes as `offs`), and each row's
-        place in the padded rows (T,) (`padded[place]` gives x back).
+        The padded rows (T + align x E rounded up to a multiple of align, K; padding rows are zero,
+        rows past the last group unused), the padded groups' end offsets (E,) int32 (what a grouped
+        kernel takes as `offs`), and each row's place in the padded rows (T,) (`padded[place]` gives x
+        back).
     """
     n_rows, n_groups = x.shape[0], counts.shape[0]
     padded_counts = (counts + align - 1) // align * align
@@ -105,7 +106,10 @@ def pad_groups(
     shift = (ends - padded_counts) - (torch.cumsum(counts, dim=0) - counts)  # padded start - start
     group = torch.repeat_interleave(torch.arange(n_groups, device=x.device), counts, output_size=n_rows)
     place = torch.arange(n_rows, device=x.device) + shift[group]
-    padded = x.new_zeros(n_rows + align * n_groups, x.shape[1]).index_copy(0, place, x)
+    # Whole tiles in all (the weight gradient's kernel reads the rows transposed: its row stride is
+    # this count, which must be 16-byte aligned too).
+    total = (n_rows + align * n_groups + align - 1) // align * align
+    padded = x.new_zeros(total, x.shape[1]).index_copy(0, place, x)
     return padded, ends.to(torch.int32), place
 
 
