@@ -9,9 +9,12 @@ Memory snapshots (`<run>/memory_snapshot/step-<N>-rank<R>.pickle`) open in pytor
 from __future__ import annotations
 
 import contextlib
+import gzip
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerAction
@@ -165,3 +168,117 @@ def record(name: str) -> Iterator[None]:
     """A named range in the trace (e.g. around the optimizer step)."""
     with torch.profiler.record_function(name):
         yield
+
+
+# -- The timeline of a trace file: compute, exposed communication, idle ----------------------------------
+
+_COMM = ("nccl", "all_gather", "allgather", "reduce_scatter", "reducescatter", "all_reduce", "allreduce",
+         "all_to_all", "alltoall", "sendrecv", "c10d")  # fmt: skip
+_COPY = ("memcpy", "memset")
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, disjoint intervals covering the same time as `intervals`."""
+    merged: list[tuple[float, float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def _length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The parts of the disjoint sorted intervals `a` that no interval of `b` (disjoint, sorted) covers."""
+    out: list[tuple[float, float]] = []
+    j = 0
+    for start, end in a:
+        cur = start
+        while j < len(b) and b[j][1] <= cur:
+            j += 1
+        k = j
+        while k < len(b) and b[k][0] < end:
+            if b[k][0] > cur:
+                out.append((cur, b[k][0]))
+            cur = max(cur, b[k][1])
+            k += 1
+        if cur < end:
+            out.append((cur, end))
+    return out
+
+
+def timeline(trace: dict[str, Any]) -> dict[str, float]:
+    """Where a GPU's time went in a Chrome trace (torch.profiler's `export_chrome_trace`, either trainer's).
+
+    Over the profiled steps' span on the GPU (the `ProfilerStep#N` ranges of the GPU timeline; without
+    them, first kernel start to last kernel end), per step, in milliseconds:
+    `compute` (time some compute kernel runs: everything but communication and copies), `comm` (time some
+    communication kernel runs), `exposed_comm` (communication while no compute kernel runs: what the
+    step waits for), `copy` (memory copies and sets while nothing else runs), `idle` (no kernel at all:
+    the host is late), with `step` their sum, and `steps`. Kernels on several streams overlap, so each
+    figure is a union of intervals, not a sum of kernel times.
+    """
+    events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+    device = ("kernel", "gpu_memcpy", "gpu_memset")
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in device]
+    steps = [e for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_user_annotation"
+             and str(e.get("name", "")).startswith("ProfilerStep#")]  # fmt: skip
+    if not kernels:
+        raise ValueError("the trace has no GPU kernels (a CPU run, or not a torch.profiler trace)")
+    if steps:
+        span = _union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in steps])
+    else:
+        first = min(float(e["ts"]) for e in kernels)
+        span = [(first, max(float(e["ts"]) + float(e["dur"]) for e in kernels))]
+
+    def clip(sel: list[dict[str, Any]]) -> list[tuple[float, float]]:
+        raw = _union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in sel])
+        return _intersect(raw, span)
+
+    def name(e: dict[str, Any]) -> str:
+        return str(e.get("name", "")).lower()
+
+    comm = clip([e for e in kernels if any(k in name(e) for k in _COMM)])
+    copy = clip([e for e in kernels if e.get("cat") != "kernel" or any(k in name(e) for k in _COPY)])
+    other = _COMM + _COPY
+    compute = clip([e for e in kernels if e.get("cat") == "kernel" and not any(k in name(e) for k in other)])
+    busy = _union(compute + comm + copy)
+    n = max(1, len(steps))
+    total = _length(span)
+    exposed = _minus(comm, compute)
+    copy_only = _minus(_minus(copy, compute), comm)
+    return {
+        "steps": float(n),
+        "step": total / n / 1e3,
+        "compute": _length(compute) / n / 1e3,
+        "comm": _length(comm) / n / 1e3,
+        "exposed_comm": _length(exposed) / n / 1e3,
+        "copy": _length(copy_only) / n / 1e3,
+        "idle": (total - _length(busy)) / n / 1e3,
+    }
+
+
+def trace_timeline(path: Path | str) -> dict[str, float]:
+    """`timeline` of a trace file (`.json`, or `.json.gz` as titanrush writes them)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as fh:
+        return timeline(json.load(fh))
+
+
+def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The time both disjoint sorted interval lists cover."""
+    out: list[tuple[float, float]] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out

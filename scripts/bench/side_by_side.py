@@ -1,8 +1,6 @@
 """titanrush beside torchtitan 0.2.2 on the same GPUs: the table of docs/benchmarks/performance.md.
 
-Usage (on the GPU machine, from the repo root, torchtitan 0.2.2 importable; gpu_check.sh runs it):
-  python scripts/bench/side_by_side.py --out DIR [--rows auto|1b,8b_fsdp2,...] [--settings same,best]
-      [--steps 25] [--measure-from 10] [--base DIR] [--trainers torchtitan,titanrush] [--dry-run]
+Run on the GPU machine from the repo root with torchtitan 0.2.2 importable (gpu_check.sh does); --help.
 
 A row fixes the work (model, GPUs and mesh, sequence, local batch, compile, float8). Per row torchtitan
 runs once, then titanrush once per setting: `same` (torchtitan's work exactly, its AC policy included:
@@ -17,7 +15,8 @@ and settings. Rows needing more GPUs than present are skipped; `auto` picks this
 Per run: tokens/s per GPU (mean over the steps from --measure-from), peak reserved GiB over those steps,
 MFU where logged, time to first step (launch to the first step's log line) and the tokens/s ratio to
 the row's torchtitan run of this invocation; in DIR/results.jsonl also every logged step's loss and, for
-Llama 4, titanrush's routing imbalance. Writes DIR/results.{jsonl,md} and DIR/logs/; prints the table.
+Llama 4, titanrush's routing imbalance; with --profile-step, where rank 0's profiled step went (compute,
+exposed communication, copies, idle). Writes DIR/results.{jsonl,md} and DIR/logs/; prints the tables.
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ COMPAT = Path(__file__).resolve().parent / "torchtitan_compat"
 sys.path.insert(0, str(ROOT))
 
 from titanrush.data.hf_tokenizer import write_hf_tokenizer  # noqa: E402
+from titanrush.profiling import trace_timeline  # noqa: E402
 from titanrush.tools.rush_runner import detect_oom, kill_group  # noqa: E402
 
 _OP_AC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "op"]
@@ -113,8 +113,11 @@ def setting_flags(row: Row) -> dict[str, list[str]]:
     return {"same": same, "defaults": defaults, "best": list(row.best) or defaults}
 
 
-def torchtitan_toml(row: Row, steps: int, assets: Path, corpus: Path, dump: Path) -> str:
-    """torchtitan's job config for the row (JSON values are TOML values here)."""
+def torchtitan_toml(
+    row: Row, steps: int, assets: Path, corpus: Path, dump: Path, profile_step: int = 0
+) -> str:
+    """torchtitan's job config for the row (JSON values are TOML values here); with `profile_step`, its
+    profiler records that step (after three warm-up steps)."""
     ac = {"mode": "selective", "selective_ac_option": "op"} if row.ac else {"mode": "none"}
     cfg = {
         "job": {"dump_folder": str(dump)},
@@ -138,6 +141,13 @@ def torchtitan_toml(row: Row, steps: int, assets: Path, corpus: Path, dump: Path
                                    "precompute_float8_dynamic_scale_for_fsdp": True},
         "experimental": {"custom_import": "tt_flavors"},
     }  # fmt: skip
+    if profile_step:
+        cfg["profiling"] = {
+            "enable_profiling": True,
+            "profiler_active": 1,
+            "profile_freq": profile_step,
+            "profiler_warmup": min(3, profile_step - 1),
+        }  # fmt: skip (traces: profile_traces/)
     return "\n".join(
         f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kv.items()) for name, kv in cfg.items()
     )
@@ -170,12 +180,16 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
     shim = [] if importlib.util.find_spec("datasets") else [str(COMPAT / "shim")]
     tt_path = os.pathsep.join([str(COMPAT), *shim, *filter(None, [os.environ.get("PYTHONPATH")])])
     trainers = {"titanrush": ROOT, **({"base": a.base.resolve()} if a.base else {})}
-    runs = []
+    runs, profile = [], f"--profiling.enable --profiling.freq {a.profile_step} --profiling.active_steps 1"
+    profile = profile.split() if a.profile_step else []  # titanrush's profiler: a warm-up step, then step N
     for row in rows:
         if "torchtitan" in a.trainers:
             toml = work / "configs" / f"torchtitan_{row.name}.toml"
             toml.parent.mkdir(parents=True, exist_ok=True)
-            toml.write_text(torchtitan_toml(row, a.steps, work / "tokenizer", work / "corpus", work / "tt"))
+            tt = torchtitan_toml(
+                row, a.steps, work / "tokenizer", work / "corpus", work / "tt", a.profile_step
+            )
+            toml.write_text(tt)
             nproc = [f"--nproc_per_node={row.ngpu}", "--local-ranks-filter", "0"]  # rank 0 logs, as ours
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *nproc,
                    "-m", "torchtitan.train", "--job.config_file", str(toml)]  # fmt: skip
@@ -193,7 +207,7 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
                 tag = f"{trainer}_{row.name}_{setting}"
                 args = [*row_flags(row), *flags, "--training.steps", str(a.steps), "--metrics.log_freq", "1",
                         "--metrics.tensorboard", "false", "--job.dump_folder", str(work / "runs"),
-                        "--job.name", tag]  # fmt: skip
+                        "--job.name", tag, *profile]  # fmt: skip
                 cmd = [str(checkout / "run_train.sh"), *args]
                 runs.append(Run(trainer, row.name, setting, cmd, {"NGPU": str(row.ngpu)}, checkout,
                                 work / "logs" / f"{tag}.log"))  # fmt: skip
@@ -270,6 +284,26 @@ def summarize(run: Run, result: dict, measure_from: int) -> dict:
     out["loss_curve"] = [[s["step"], s["loss"]] for s in steps if s.get("loss") is not None]
     out["imbalance_curve"] = [[s["step"], s["imbalance"]] for s in steps if s.get("imbalance") is not None]
     return out
+
+
+def trace_of(run: Run, work: Path) -> Path | None:
+    """Rank 0's trace of the run's profiled step (the newest, where several were written)."""
+    tt = run.trainer == "torchtitan"
+    where = (work / "tt" / "profile_traces") if tt else (work / "runs" / run.log.stem / "profile")
+    found = list(where.glob("iteration_*/rank0_trace.json" if tt else "step-*/rank0.trace.json.gz"))
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def timeline_table(results: list[dict]) -> str:
+    """Where rank 0's profiled step went, per run: milliseconds (and shares of the step)."""
+    keys = ("compute", "exposed_comm", "copy", "idle")
+    lines = ["| row | setting | trainer | step ms | compute | exposed comm. | copies | idle | all comm. |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r, t in ((r, r["timeline"]) for r in results if r.get("timeline")):
+        cells = [r["row"], r["setting"], r["trainer"], f"{t['step']:.1f}"]
+        cells += [f"{t[k]:.1f} ({100 * t[k] / t['step']:.0f}%)" for k in keys] + [f"{t['comm']:.1f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def table(results: list[dict]) -> str:
@@ -360,6 +394,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--trainers", default="torchtitan,titanrush", help="leave one out to run the other alone")
     ap.add_argument("--timeout-per-run", type=float, default=300)
     ap.add_argument("--time-limit", type=float, default=0, help="seconds for all runs (0: none)")
+    ap.add_argument("--profile-step", type=int, default=0, help="both trainers profile this step (>= 2)")
     ap.add_argument("--dry-run", action="store_true", help="print the commands in order, run nothing")
     a = ap.parse_args(argv)
     a.rows = auto_rows() if a.rows == "auto" else a.rows.split(",")
@@ -369,6 +404,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"unknown {what} {bad}; choose from {', '.join(known)}")
     if a.base and not (a.base / "run_train.sh").exists():
         ap.error(f"--base {a.base}: no titanrush checkout there (no run_train.sh)")
+    if a.profile_step and not 2 <= a.profile_step <= a.steps:
+        ap.error(f"--profile-step {a.profile_step} must be in 2..--steps ({a.steps})")
     if not 1 <= a.measure_from <= a.steps:
         ap.error(f"--measure-from {a.measure_from} must be in 1..--steps ({a.steps})")
     return a
@@ -400,6 +437,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[side-by-side] {run.trainer} {run.row} {run.setting} ...", flush=True)
             result = execute(run, min(a.timeout_per_run, left))
         s = summarize(run, result, a.measure_from)
+        if a.profile_step and s["status"] == "ok":
+            trace = trace_of(run, work)
+            s["timeline"] = trace_timeline(trace) if trace else None
+            s["trace"] = str(trace) if trace else None
         results.append(s)
         with open(work / "results.jsonl", "a") as fh:
             fh.write(json.dumps({**s, "env": env}) + "\n")
@@ -409,8 +450,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{env['commit']}{base}, torchtitan {env['torchtitan']}; {a.steps} steps, figures over steps "
               f">= {a.measure_from}")  # fmt: skip
     commands = "\n".join(f"- {r['trainer']} {r['row']} {r['setting']}: `{r['command']}`" for r in results)
-    (work / "results.md").write_text(f"{header}\n\n{table(results)}\n\nCommands:\n\n{commands}\n")
-    print(f"\n{header}\n\n{table(results)}")
+    tables = table(results)
+    if a.profile_step:
+        tables += f"\n\nRank 0's step {a.profile_step} (ms, share of the step):\n\n{timeline_table(results)}"
+    (work / "results.md").write_text(f"{header}\n\n{tables}\n\nCommands:\n\n{commands}\n")
+    print(f"\n{header}\n\n{tables}")
     return 0 if all(r["status"] == "ok" or r["status"].startswith("skipped") for r in results) else 1
 
 

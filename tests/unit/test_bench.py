@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 import tomllib
 
 from titanrush import config
+from titanrush.profiling import trace_timeline
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
@@ -132,3 +134,41 @@ def test_runs_go_one_at_a_time_and_the_table_compares_with_torchtitan(tmp_path, 
     table = (out / "results.md").read_text()
     assert "| fake | same | titanrush | ok | 4,200 | 1.200x | 34.0 | 4.5 |" in table
     assert "| fake | same | base | ok | 4,200 | 1.200x |" in table
+
+
+def test_profile_step_profiles_that_step_in_both_trainers_and_tables_their_timelines(tmp_path):
+    """--profile-step N: torchtitan's profiler records step N, titanrush's too (valid config keys); each
+    run's rank-0 trace is found where the trainer writes it and its timeline lands in the table."""
+    row = sbs.ROWS["8b_fsdp4"]
+    tt = tomllib.loads(sbs.torchtitan_toml(row, 20, tmp_path, tmp_path, tmp_path, profile_step=12))
+    prof = tt["profiling"]
+    assert prof["enable_profiling"] and prof["profile_freq"] == 12 and prof["profiler_active"] == 1
+    assert prof["profile_freq"] >= prof["profiler_active"] + prof["profiler_warmup"]  # torchtitan's rule
+    a = sbs.parse_args(["--out", str(tmp_path), "--rows", "8b_fsdp4", "--settings", "same",
+                        "--steps", "20", "--profile-step", "12"])  # fmt: skip
+    runs = sbs.plan([row], a.settings, a, tmp_path)
+    ours = next(r for r in runs if r.trainer == "titanrush")
+    flags = ours.cmd[1:]
+    cfg = config.load(None, flags)
+    assert (cfg.profiling.enable, cfg.profiling.freq, cfg.profiling.active_steps) == (True, 12, 1)
+    with pytest.raises(SystemExit):
+        sbs.parse_args(["--out", str(tmp_path), "--steps", "5", "--profile-step", "9"])
+
+    events = {"traceEvents": [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 30},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather", "ts": 20, "dur": 20},
+    ]}  # fmt: skip
+    ours_trace = tmp_path / "runs" / ours.log.stem / "profile" / "step-12" / "rank0.trace.json.gz"
+    theirs_trace = tmp_path / "tt" / "profile_traces" / "iteration_12" / "rank0_trace.json"
+    for path, opener in ((ours_trace, gzip.open), (theirs_trace, open)):
+        path.parent.mkdir(parents=True)
+        with opener(path, "wt") as fh:
+            json.dump(events, fh)
+    theirs = next(r for r in runs if r.trainer == "torchtitan")
+    assert sbs.trace_of(ours, tmp_path) == ours_trace and sbs.trace_of(theirs, tmp_path) == theirs_trace
+    t = trace_timeline(ours_trace)
+    assert t["step"] == pytest.approx(0.040) and t["exposed_comm"] == pytest.approx(0.010)
+    result = {"row": "8b_fsdp4", "setting": "same", "trainer": "titanrush", "timeline": t}
+    assert "| 8b_fsdp4 | same | titanrush | 0.0 | 0.0 (75%) | 0.0 (25%) | 0.0 (0%) | 0.0 (0%) |" in (
+        sbs.timeline_table([result])
+    )

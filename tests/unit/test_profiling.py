@@ -1,10 +1,12 @@
-"""The profiler's step boundaries: a GPU sync only where a recorded window opens or closes."""
+"""The profiler: its step boundaries (a GPU sync only where a recorded window opens or closes) and the
+timeline of a trace (compute, exposed communication, copies, idle)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from titanrush.profiling import Profiler
+from titanrush.profiling import Profiler, timeline
 
 
 def test_sync_only_around_the_recorded_window(tmp_path, monkeypatch):
@@ -26,3 +28,42 @@ def test_sync_only_around_the_recorded_window(tmp_path, monkeypatch):
         "step-4",
         "step-8",
     ]
+
+
+def _x(cat: str, name: str, ts: float, dur: float) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+def test_timeline_splits_each_step_into_compute_exposed_communication_copies_and_idle():
+    """Two recorded steps of 100 us drawn by hand. Step 1: compute 0-40 and 50-80 on two streams, an
+    all-gather 30-60 (10 us of it with no compute beside it), a reduce-scatter 90-95 (all 5 exposed), a
+    copy 82-86, nothing else (idle 80-82, 86-90, 95-100: 11 us). Step 2 (200-300): one GEMM 200-290 with
+    an all-reduce under it (none exposed), idle 290-300. A kernel outside the steps and CPU ops do not
+    count. Per step: compute (70 + 90) / 2 = 80, comm (35 + 20) / 2 = 27.5, exposed 7.5, copy 2, idle
+    10.5; the four parts add up to the step."""
+    events = [
+        _x("gpu_user_annotation", "ProfilerStep#5", 0, 100),
+        _x("gpu_user_annotation", "ProfilerStep#6", 200, 100),
+        _x("kernel", "sm90_xmma_gemm_bf16", 0, 40),
+        _x("kernel", "triton_poi_fused_mul_0", 50, 30),
+        _x("kernel", "ncclDevKernel_AllGather_RING_LL", 30, 30),
+        _x("kernel", "ncclDevKernel_ReduceScatter_Sum", 90, 5),
+        _x("gpu_memcpy", "Memcpy DtoD (Device -> Device)", 82, 4),
+        _x("kernel", "nvjet_tst_gemm", 200, 90),
+        _x("kernel", "ncclDevKernel_AllReduce_Sum", 240, 20),
+        _x("kernel", "sm90_xmma_gemm_bf16", 400, 50),  # after the recorded steps
+        _x("cpu_op", "aten::mm", 0, 1000),
+    ]
+    t = timeline({"traceEvents": events})
+    want = {"steps": 2, "step": 0.1, "compute": 0.080, "comm": 0.0275, "exposed_comm": 0.0075,
+            "copy": 0.002, "idle": 0.0105}  # fmt: skip
+    assert t == pytest.approx(want)
+    assert t["compute"] + t["exposed_comm"] + t["copy"] + t["idle"] == pytest.approx(t["step"])
+
+
+def test_timeline_without_step_ranges_spans_the_kernels_and_refuses_a_cpu_trace():
+    events = [_x("kernel", "gemm", 10, 20), _x("kernel", "ncclDevKernel_SendRecv", 25, 15)]
+    t = timeline(events)
+    assert t["step"] == pytest.approx(0.030) and t["exposed_comm"] == pytest.approx(0.010)
+    with pytest.raises(ValueError, match="no GPU kernels"):
+        timeline([_x("cpu_op", "aten::mm", 0, 10)])
