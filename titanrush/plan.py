@@ -2,7 +2,7 @@
 
 `build_plan(cfg, world_size)` validates the config (`titanrush.validate`) and resolves what the config
 leaves open or implies: the parallel degrees (`dp_shard = -1`), the model's arguments (flavor plus
-overrides, K/V heads repeated under context parallel), gradient accumulation, ZeRO-2 for pipelined
+overrides, K/V heads repeated under fp32 context parallel), gradient accumulation, ZeRO-2 for pipelined
 stages, float8's all-gather, the compiled loss, the pipeline's micro-batches, stages per rank and the
 layers of every stage. The trainer builds the run from the plan; `tools/memory_model` counts the bytes
 of the same plan, so the two cannot drift apart. Tests may construct a `RunPlan` directly.
@@ -206,7 +206,9 @@ def resolve_model_args(cfg: JobConfig) -> ModelArgs:
     if t.loss == "chunked":
         over["loss_chunk_size"] = t.loss_chunk_size
         over["compile_loss"] = cfg.compile.enable
-    if cfg.parallelism.cp > 1:  # ring attention wants one K/V head per query head
+    if cfg.parallelism.cp > 1 and t.precision == "fp32":
+        # The ring's fp32 kernel (memory-efficient attention) takes one K/V head per query head; in bf16
+        # cuDNN and flash take grouped heads, and the ring moves n_heads / n_kv_heads times less K/V.
         over["expand_kv"] = True
     if m.flavor in LLAMA4_FLAVORS:
         return llama4_args(m.flavor, **over, grouped_mm=cfg.moe.grouped_mm)

@@ -187,7 +187,7 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
             toml = work / "configs" / f"torchtitan_{row.name}.toml"
             toml.parent.mkdir(parents=True, exist_ok=True)
             tt = torchtitan_toml(
-                row, a.steps, work / "tokenizer", work / "corpus", work / "tt", a.profile_step
+                row, a.steps, work / "tokenizer", work / "corpus", work / "tt" / row.name, a.profile_step
             )
             toml.write_text(tt)
             nproc = [f"--nproc_per_node={row.ngpu}", "--local-ranks-filter", "0"]  # rank 0 logs, as ours
@@ -289,7 +289,7 @@ def summarize(run: Run, result: dict, measure_from: int) -> dict:
 def trace_of(run: Run, work: Path) -> Path | None:
     """Rank 0's trace of the run's profiled step (the newest, where several were written)."""
     tt = run.trainer == "torchtitan"
-    where = (work / "tt" / "profile_traces") if tt else (work / "runs" / run.log.stem / "profile")
+    where = (work / "tt" / run.row / "profile_traces") if tt else (work / "runs" / run.log.stem / "profile")
     found = list(where.glob("iteration_*/rank0_trace.json" if tt else "step-*/rank0.trace.json.gz"))
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 

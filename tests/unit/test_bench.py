@@ -146,7 +146,10 @@ def test_profile_step_profiles_that_step_in_both_trainers_and_tables_their_timel
     assert prof["profile_freq"] >= prof["profiler_active"] + prof["profiler_warmup"]  # torchtitan's rule
     a = sbs.parse_args(["--out", str(tmp_path), "--rows", "8b_fsdp4", "--settings", "same",
                         "--steps", "20", "--profile-step", "12"])  # fmt: skip
-    runs = sbs.plan([row], a.settings, a, tmp_path)
+    runs = sbs.plan([row, sbs.ROWS["8b_cp2_fsdp2"]], a.settings, a, tmp_path)
+    dumps = [tomllib.loads((tmp_path / "configs" / f"torchtitan_{r}.toml").read_text())["job"]["dump_folder"]
+             for r in ("8b_fsdp4", "8b_cp2_fsdp2")]  # fmt: skip
+    assert dumps[0] != dumps[1]  # each row's torchtitan traces in a folder of its own
     ours = next(r for r in runs if r.trainer == "titanrush")
     flags = ours.cmd[1:]
     cfg = config.load(None, flags)
@@ -159,7 +162,7 @@ def test_profile_step_profiles_that_step_in_both_trainers_and_tables_their_timel
         {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather", "ts": 20, "dur": 20},
     ]}  # fmt: skip
     ours_trace = tmp_path / "runs" / ours.log.stem / "profile" / "step-12" / "rank0.trace.json.gz"
-    theirs_trace = tmp_path / "tt" / "profile_traces" / "iteration_12" / "rank0_trace.json"
+    theirs_trace = Path(dumps[0]) / "profile_traces" / "iteration_12" / "rank0_trace.json"
     for path, opener in ((ours_trace, gzip.open), (theirs_trace, open)):
         path.parent.mkdir(parents=True)
         with opener(path, "wt") as fh:

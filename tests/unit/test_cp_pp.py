@@ -38,6 +38,17 @@ def plan_of(world: int, *args: str, machine: bool = False):
 
 
 @pytest.mark.parametrize(
+    "precision, cp, expanded", [("fp32", 2, True), ("bf16", 2, False), ("fp32", 1, False)]
+)
+def test_kv_heads_are_repeated_only_for_the_fp32_ring(precision, cp, expanded):
+    """Under context parallel in bf16 the ring rotates the grouped K/V heads (cuDNN and flash take them),
+    n_heads / n_kv_heads times less than repeated heads; fp32's kernel needs them repeated."""
+    plan = plan_of(2, P + "cp", str(cp), "--training.precision", precision)
+    assert plan.args.expand_kv is expanded
+    assert plan.args.n_kv_heads < plan.args.n_heads  # (the debug model groups its K/V heads)
+
+
+@pytest.mark.parametrize(
     "world, args",
     [
         (4, [P + "cp", "2", P + "pp", "2"]),
@@ -61,7 +72,7 @@ def test_cp_with_pp_is_a_valid_plan(world, args):
     assert plan.cp == 2 and plan.pp == 2
     assert plan.fsdp and plan.fsdp_shard == 2 * plan.dp_shard  # FSDP over dp_shard x cp
     assert plan.reshard == "never"  # pipelined stages keep their weights gathered
-    assert plan.args.expand_kv  # ring attention's equal K/V heads
+    assert plan.args.expand_kv  # fp32: the ring's memory-efficient kernel takes no grouped K/V heads
     # One RoPE row per position of the sequence: what the sharding of the table with the batch needs.
     assert plan.args.rope_len == plan.seq_len
     assert plan.tokens_per_gpu_step == plan.local_batch * plan.seq_len / (2 * 2 * plan.tp)

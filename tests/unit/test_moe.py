@@ -222,6 +222,27 @@ def test_a_skipped_step_moves_no_routing_bias_and_stats_wait_for_the_log():
     assert moe.expert_bias.abs().sum() > 0
 
 
+def test_window_imbalance_sums_the_load_of_every_step_since_the_last_log():
+    """Two steps, each sending every token to one of 4 experts (4.0 per step), to experts 0 then 1: over
+    the window the two experts share the load (max / mean = 2.0); the next window starts empty."""
+    from titanrush.models.llama4.balance import ExpertBalance
+
+    moe = MoE(32, 24, n_experts=4, top_k=1)
+    nn.init.normal_(moe.router.gate.weight, std=0.2)
+    balance = ExpertBalance([], rate=0.0)
+    balance.moes = {"0": moe}
+    for expert in (0, 1):
+        moe.expert_bias.zero_()[expert] = 10.0  # (scores are in (0, 1): the bias decides)
+        moe(torch.randn(2, 5, 32))
+        balance.step()
+    stats = balance.stats()
+    assert stats["moe_imbalance"] == pytest.approx(4.0) and stats["moe_share_l0"][1] == pytest.approx(1.0)
+    assert stats["moe_imbalance_window"] == pytest.approx(2.0) == stats["moe_imbalance_window_mean"]
+    moe(torch.randn(2, 5, 32))
+    balance.step()
+    assert balance.stats()["moe_imbalance_window"] == pytest.approx(4.0)  # one step: expert 1 alone
+
+
 def test_dense_and_moe_checkpoints_are_named_incompatible_and_not_taken_as_a_shape(tmp_path):
     import dataclasses
     import json
@@ -392,6 +413,7 @@ def test_llama4_debug_trains_through_the_trainer(tmp_path):
     for r in rows:
         for layer in range(4):  # every layer is MoE: 4 x 64 tokens, top-1, per step
             assert sum(r[f"moe_tokens_l{layer}"]) == 256 and r[f"moe_imbalance_l{layer}"] >= 1.0
+        assert r["moe_imbalance_window"] == pytest.approx(r["moe_imbalance"])  # logged every step
     assert (tmp_path / "debug" / "tb").is_dir()
 
 

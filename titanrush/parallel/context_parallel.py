@@ -3,9 +3,10 @@
 `torch.distributed.tensor.experimental.context_parallel` shards the given buffers along their sequence
 dimension for the duration of a forward and backward, with head-tail load balancing for causal
 attention (rank i holds chunks i and 2*cp-1-i of 2*cp, so every rank has the same amount of attention
-work), and replaces SDPA by ring attention that passes K/V shards between the ranks. Ring attention
-assumes one K/V head per query head: the model is built with its K/V heads repeated before SDPA
-(`ModelArgs.expand_kv`, set by the run's plan).
+work), and replaces SDPA by ring attention that passes K/V shards between the ranks. In bf16 the ring
+moves the grouped K/V heads (cuDNN and flash take them); in fp32 its memory-efficient kernel takes one
+K/V head per query head, and the plan builds the model with its K/V heads repeated before SDPA
+(`ModelArgs.expand_kv`).
 
 Positions: the model's RoPE table (one row per position of the sequence) is sharded with the batch, in
 the same layout, so that row j of a rank's table is the position of its token j. Every module that holds

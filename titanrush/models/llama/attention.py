@@ -198,8 +198,8 @@ def attention(
 ) -> torch.Tensor:
     """Causal attention of q (B, T, H, D) over k, v (B, T, Hkv, D) -> (B, T, H, D).
 
-    `expand_kv`: sdpa repeats the K/V heads to the query head count before the kernel (context
-    parallel's ring attention shards and rotates K/V assuming one K/V head per query head).
+    `expand_kv`: sdpa repeats the K/V heads to the query head count before the kernel (fp32 context
+    parallel: the ring's memory-efficient kernel takes no grouped K/V heads).
     """
     if backend == "flash":
         return _flash_attention(q, k, v)

@@ -43,7 +43,7 @@ class ModelArgs:
     rope_positions: int = 0
     tie_embeddings: bool = False
     attn_backend: str = "sdpa"
-    expand_kv: bool = False  # sdpa: K/V heads repeated to the query heads (context parallel's ring needs it)
+    expand_kv: bool = False  # sdpa: K/V heads repeated to the query heads (fp32 context parallel)
     loss_chunk_size: int = 0  # > 0: forward(labels=...) returns the chunked cross-entropy loss
     compile_loss: bool = False  # torch.compile the chunked loss's per-chunk math
 

@@ -14,6 +14,11 @@ Activation checkpointing runs a block's forward again in backward, which counts 
 sign of a difference and the shares of the load do not change with a common factor, so the update and
 the metrics use only those: each expert's share of the layer's routed tokens, and the imbalance, the
 largest load over the mean (1.0 is perfect balance; E when one expert gets every token).
+
+One step's load measures one batch: a few sequences, whose tokens share topics, so it swings from step to
+step even when the bias balances the experts over time (2.3x at one step where the 50 steps around it are
+within 1.3x: docs/moe.md). The metrics give both: the logged step's imbalance and the imbalance of the
+load summed over every step since the previous log (the window), which is what balance means.
 """
 
 from __future__ import annotations
@@ -111,14 +116,23 @@ class ExpertBalance:
         top_k = next(iter(self.moes.values())).top_k if self.moes else 0
         self.routed = tokens * top_k
         self.counts: torch.Tensor | None = None
+        self.window: torch.Tensor | None = None  # the load summed since the last `stats`
 
     def step(self, *, update: bool = True) -> None:
         """This step's load; the routing biases moved by it unless `update` is False (a skipped step)."""
         if self.moes:
             self.counts = update_bias(self.moes, rate=self.rate, group=self.group, update=update)
+            self.window = self.counts if self.window is None else self.window + self.counts
 
     def stats(self) -> dict[str, Any]:
-        """The last step's load metrics (a host sync: for logged steps); empty for a dense model."""
-        if self.counts is None:
+        """The last step's load metrics and the window's (a host sync: for logged steps): `load_stats`,
+        plus `moe_imbalance_window` (the largest layer's max / mean load summed over the steps since the
+        previous call) and `moe_imbalance_window_mean` (over layers); empty for a dense model."""
+        if self.counts is None or self.window is None:
             return {}
-        return load_stats(list(self.moes), self.counts, self.routed)
+        window, self.window = self.window, None
+        per_layer = window.max(-1).values / window.mean(-1).clamp(min=1e-9)
+        return load_stats(list(self.moes), self.counts, self.routed) | {
+            "moe_imbalance_window": per_layer.max().item(),
+            "moe_imbalance_window_mean": per_layer.mean().item(),
+        }
