@@ -39,12 +39,12 @@ MESHES = {
     # name: (processes, data-parallel degree, overrides; the reference run gets MOE plus the bias rate)
     "ep2": (2, 2, [P + "ep", "2"]),
     "ep2_fsdp2": (4, 4, [P + "ep", "2"]),
-    "ep4": (4, 4, [P + "ep", "4"]),
+    # (EP4: the checkpoint test resumes an EP2 run at EP4 and matches it step for step)
     "fsdp2_no_ep": (2, 2, []),
     "ep2_hsdp": (4, 4, [P + "ep", "2", P + "dp_replicate", "2", P + "dp_shard", "2"]),
     "ep2_pp2": (4, 2, [P + "ep", "2", P + "pp", "2", *FROZEN]),
-    # compiled blocks, with graph breaks at the all-to-alls (and, in fp32, around the per-expert loop)
-    "ep2_compile": (2, 2, [P + "ep", "2", "--compile.enable"]),
+    # (EP compiled: the exchange test below, at the layer, and tests/gpu/test_moe_gpu.py through the
+    # trainer; compiled MoE blocks through the trainer: tp2_compiled_ac_full)
     # full activation checkpointing recomputes the dispatch, all-to-alls included, in backward
     "ep2_ac_full": (2, 2, [P + "ep", "2", "--activation_checkpoint.mode", "full"]),
     "fsdp2_ac_op": (2, 2, ["--activation_checkpoint.mode", "selective"]),
