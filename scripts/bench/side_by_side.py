@@ -2,21 +2,16 @@
 
 Run on the GPU machine from the repo root with torchtitan 0.2.2 importable (gpu_check.sh does); --help.
 
-A row fixes the work (model, GPUs and mesh, sequence, local batch, compile, float8). Per row torchtitan
-runs once, then titanrush once per setting: `same` (torchtitan's work exactly, its AC policy included:
-selective per-op AC keeping every other matmul output, titanrush's op_matmuls = alternate), `defaults`
-(titanrush's defaults for the model and mesh: op AC keeping every matmul output) and `best` (no AC,
-ZeRO-2, chunked loss where they fit an H200); a setting equal to an earlier one runs once. Both: bf16,
-fused AdamW, clipping at 1.0, compiled blocks and loss, the embedded corpus through titanrush's BPE
-(converted for torchtitan's Hugging Face loader), untied output. One run at a time, never two at once.
-`--base DIR` also runs another titanrush checkout (e.g. the commit before a change) at the same rows
-and settings. Rows needing more GPUs than present are skipped; `auto` picks this machine's row.
+A row fixes the work; per row torchtitan runs once, then titanrush once per setting (`same`: torchtitan's
+work exactly, its AC policy included; `defaults`; `best`), and `--base DIR` another titanrush checkout;
+docs/benchmarks/performance.md says what each row and setting is. One run at a time, never two at once.
+`--balance` (Llama 4 rows): both trainers warm up over 100 steps and move the routing bias by 1e-2 per
+step (docs/moe.md: the experts balance within 200 steps), instead of 10 and torchtitan's 1e-3.
 
-Per run: tokens/s per GPU (mean over the steps from --measure-from), peak reserved GiB over those steps,
-MFU where logged, time to first step (launch to the first step's log line) and the tokens/s ratio to
-the row's torchtitan run of this invocation; in DIR/results.jsonl also every logged step's loss and, for
-Llama 4, titanrush's routing imbalance; with --profile-step, where rank 0's profiled step went (compute,
-exposed communication, copies, idle). Writes DIR/results.{jsonl,md} and DIR/logs/; prints the tables.
+Per run: tokens/s per GPU (mean over the steps from --measure-from), peak reserved GiB, MFU, time to
+first step, the ratio to the row's torchtitan run of this invocation; in DIR/results.jsonl every logged
+step's loss and, for Llama 4, titanrush's routing imbalance; with --profile-step, where rank 0's
+profiled step went. Writes DIR/results.{jsonl,md} and DIR/logs/; prints the tables.
 """
 
 from __future__ import annotations
@@ -49,6 +44,7 @@ _OP_AC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.
 _NO_AC = ["--activation_checkpoint.mode", "none"]
 _ZERO2 = ["--parallelism.fsdp_reshard_after_forward", "never"]
 _CHUNKED = ["--training.loss", "chunked"]  # (not with TP or PP)
+BALANCE = ["--lr_scheduler.warmup_steps", "100", "--moe.bias_update_rate", "1e-2"]  # --balance
 
 
 @dataclass(frozen=True)
@@ -114,7 +110,7 @@ def setting_flags(row: Row) -> dict[str, list[str]]:
 
 
 def torchtitan_toml(
-    row: Row, steps: int, assets: Path, corpus: Path, dump: Path, profile_step: int = 0
+    row: Row, steps: int, assets: Path, corpus: Path, dump: Path, profile_step: int = 0, warmup: int = 10
 ) -> str:
     """torchtitan's job config for the row (JSON values are TOML values here); with `profile_step`, its
     profiler records that step (after three warm-up steps)."""
@@ -126,7 +122,7 @@ def torchtitan_toml(
                   "hf_assets_path": str(assets),
                   "converters": ["quantize.linear.float8"] if row.float8 else []},
         "optimizer": {"name": "AdamW", "lr": 3e-4, "eps": 1e-8, "implementation": "fused"},
-        "lr_scheduler": {"warmup_steps": 10},
+        "lr_scheduler": {"warmup_steps": warmup},
         "training": {"local_batch_size": row.batch, "seq_len": row.seq_len, "max_norm": 1.0, "steps": steps,
                      "dataset": "c4_test", "dataset_path": str(corpus), "mixed_precision_param": "bfloat16",
                      "mixed_precision_reduce": "float32"},
@@ -186,14 +182,15 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
         if "torchtitan" in a.trainers:
             toml = work / "configs" / f"torchtitan_{row.name}.toml"
             toml.parent.mkdir(parents=True, exist_ok=True)
-            tt = torchtitan_toml(
-                row, a.steps, work / "tokenizer", work / "corpus", work / "tt" / row.name, a.profile_step
-            )
+            balance = a.balance and row.flavor.startswith("llama4")
+            tt = torchtitan_toml(row, a.steps, work / "tokenizer", work / "corpus", work / "tt" / row.name,
+                                 a.profile_step, 100 if balance else 10)  # fmt: skip
             toml.write_text(tt)
             nproc = [f"--nproc_per_node={row.ngpu}", "--local-ranks-filter", "0"]  # rank 0 logs, as ours
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *nproc,
                    "-m", "torchtitan.train", "--job.config_file", str(toml)]  # fmt: skip
-            env = {"PYTHONPATH": tt_path, "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+            env = {"PYTHONPATH": tt_path, "PYTORCH_ALLOC_CONF": "expandable_segments:True",
+                   "TT_LOAD_BALANCE_COEFF": "1e-2" if balance else "1e-3"}  # fmt: skip
             log = work / "logs" / f"torchtitan_{row.name}.log"
             runs.append(Run("torchtitan", row.name, "-", cmd, env, ROOT, log))
         seen: list[list[str]] = []
@@ -205,7 +202,9 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
                 if trainer == "titanrush" and "titanrush" not in a.trainers:
                     continue
                 tag = f"{trainer}_{row.name}_{setting}"
-                args = [*row_flags(row), *flags, "--training.steps", str(a.steps), "--metrics.log_freq", "1",
+                balance = BALANCE if a.balance and row.flavor.startswith("llama4") else []
+                args = [*row_flags(row), *flags, *balance, "--training.steps", str(a.steps),
+                        "--metrics.log_freq", "1",
                         "--metrics.tensorboard", "false", "--job.dump_folder", str(work / "runs"),
                         "--job.name", tag, *profile]  # fmt: skip
                 cmd = [str(checkout / "run_train.sh"), *args]
@@ -339,9 +338,7 @@ def environment(base: Path | None) -> dict[str, str]:
         head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
         if not head.stdout.strip():
             return "unknown"
-        changed = subprocess.run(
-            [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
-        )
+        changed = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True)
         return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
 
     count = torch.cuda.device_count()
@@ -360,12 +357,8 @@ def auto_rows() -> list[str]:
     import torch
 
     count = torch.cuda.device_count()
-    if count >= 4:
-        return ["8b_fsdp4"]
-    if count >= 2:
-        big = torch.cuda.get_device_properties(0).total_memory >= 120 * 2**30
-        return ["8b_fsdp2" if big else "3b_fsdp2"]
-    return ["1b"]
+    big = count >= 2 and torch.cuda.get_device_properties(0).total_memory >= 120 * 2**30
+    return ["8b_fsdp4"] if count >= 4 else ["8b_fsdp2" if big else "3b_fsdp2"] if count >= 2 else ["1b"]
 
 
 def write_corpus(path: Path) -> None:
@@ -395,6 +388,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--timeout-per-run", type=float, default=300)
     ap.add_argument("--time-limit", type=float, default=0, help="seconds for all runs (0: none)")
     ap.add_argument("--profile-step", type=int, default=0, help="both trainers profile this step (>= 2)")
+    ap.add_argument("--balance", action="store_true", help="Llama 4 rows: warm-up 100, bias step 1e-2")
     ap.add_argument("--dry-run", action="store_true", help="print the commands in order, run nothing")
     a = ap.parse_args(argv)
     a.rows = auto_rows() if a.rows == "auto" else a.rows.split(",")

@@ -47,6 +47,23 @@ def test_every_setting_of_every_row_is_a_valid_config(row, setting, tmp_path):
         assert ac.mode == "none" or (ac.selective, ac.op_matmuls) == ("op", "alternate")
 
 
+@pytest.mark.parametrize("balance", [False, True])
+def test_balance_sets_the_same_warmup_and_bias_step_in_both_trainers_on_llama4_rows_only(balance, tmp_path):
+    argv = ["--out", str(tmp_path), "--rows", "moe_ep2,1b", "--settings", "same", *(["--balance"] * balance)]
+    a = sbs.parse_args(argv)
+    runs = {
+        (r.trainer, r.row): r
+        for r in sbs.plan([sbs.ROWS["moe_ep2"], sbs.ROWS["1b"]], a.settings, a, tmp_path)
+    }
+    for row, balanced in (("moe_ep2", balance), ("1b", False)):
+        cfg = config.load(None, runs["titanrush", row].cmd[1:])
+        tt = tomllib.loads((tmp_path / "configs" / f"torchtitan_{row}.toml").read_text())
+        warmup = 100 if balanced else 10
+        assert cfg.lr_scheduler.warmup_steps == tt["lr_scheduler"]["warmup_steps"] == warmup
+        rate = 1e-2 if balanced else 1e-3
+        assert cfg.moe.bias_update_rate == float(runs["torchtitan", row].env["TT_LOAD_BALANCE_COEFF"]) == rate
+
+
 def test_a_stale_key_fails_the_check():
     with pytest.raises(config.ConfigError):
         config.load(None, [*sbs.row_flags(sbs.ROWS["1b"]), "--parallelism.no_such_key", "1"])

@@ -3,8 +3,11 @@
 torchtitan 0.2.2 ships no Llama 3.2 shapes; this adds the 1B and the 3B (untied output projection, as
 torchtitan builds every Llama) to its llama3 flavors, so both trainers build the same model; and
 titanrush's Llama 4 benchmark sizes, under the same names, to its llama4 flavors (every layer MoE, one
-shared expert, top-1 sigmoid routing, expert hidden 2816 = its auto-scaled size, the bias update at 1e-3).
+shared expert, top-1 sigmoid routing, expert hidden 2816 = its auto-scaled size, the bias step at
+TT_LOAD_BALANCE_COEFF, default 1e-3 as torchtitan's).
 """
+
+import os
 
 from torchtitan.models.llama3 import llama3_args
 from torchtitan.models.llama3.model.args import RoPEScalingArgs, TransformerModelArgs
@@ -16,8 +19,9 @@ _ARGS = dict(n_kv_heads=8, multiple_of=256, rope_theta=500000, rope_scaling_args
 llama3_args["1B"] = TransformerModelArgs(dim=2048, n_layers=16, n_heads=32, ffn_dim_multiplier=1.5, **_ARGS)
 llama3_args["3B"] = TransformerModelArgs(dim=3072, n_layers=28, n_heads=24, ffn_dim_multiplier=1.0, **_ARGS)
 
+_COEFF = float(os.environ.get("TT_LOAD_BALANCE_COEFF", "1e-3"))
 for _experts in (8, 16):
     llama4_args[f"llama4_1Bx{_experts}E"] = Llama4Args(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=256,
-        rope_theta=500000, moe_args=MoEArgs(num_experts=_experts), interleave_moe_layer_step=1,
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=256, rope_theta=5e5,
+        moe_args=MoEArgs(num_experts=_experts, load_balance_coeff=_COEFF), interleave_moe_layer_step=1,
     )  # fmt: skip
