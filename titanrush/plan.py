@@ -133,9 +133,15 @@ class RunPlan:
         return 2 if self.precision == "bf16" and self.fsdp else 4
 
     @property
+    def vocab_parallel_loss(self) -> bool:
+        """Tensor parallel with loss parallel: the plain loss on the vocabulary-sharded logits
+        (`titanrush.parallel.tensor_parallel.vocab_parallel_cross_entropy_sum`)."""
+        return self.loss == "plain" and self.tp > 1 and self.loss_parallel
+
+    @property
     def compiled_loss(self) -> bool:
-        """The plain loss is compiled with the blocks, except under loss parallel (DTensors stay eager)."""
-        return self.compile and self.loss == "plain" and not (self.tp > 1 and self.loss_parallel)
+        """The plain loss is compiled with the blocks, except under loss parallel (its own function)."""
+        return self.compile and self.loss == "plain" and not self.vocab_parallel_loss
 
     @property
     def float8_tp(self) -> bool:

@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from titanrush import config as cfgmod
 from titanrush import distributed, run_dir
@@ -48,7 +47,12 @@ from titanrush.metrics import (
     resolve_peak,
 )
 from titanrush.models.llama import Llama
-from titanrush.models.llama.loss import cross_entropy_sum, loss_divisor, valid_tokens
+from titanrush.models.llama.loss import (
+    cross_entropy_sum,
+    loss_divisor,
+    valid_tokens,
+    vocab_parallel_cross_entropy_sum,
+)
 from titanrush.models.llama.parallelize import parallelize_llama
 from titanrush.models.llama.pipeline import PipelinedLlama, pipeline_llama
 from titanrush.models.llama4 import Llama4, Llama4Args
@@ -59,7 +63,6 @@ from titanrush.parallel.activation_offload import ActivationOffloader, bind_near
 from titanrush.parallel.context_parallel import cp_step_context, set_rotate_method
 from titanrush.parallel.float8 import precompute_float8_scales
 from titanrush.parallel.grad_clip import clip_grad_norm_
-from titanrush.parallel.tensor_parallel import loss_parallel_context
 from titanrush.plan import RunPlan, build_plan, describe_mesh
 from titanrush.profiling import Profiler
 from titanrush.signals import StopSignals, stop_message
@@ -150,9 +153,13 @@ class Trainer:
         group = self.mesh[view].get_group() if self.mesh is not None and self.mesh[view].size() > 1 else None
         tokens = plan.local_batch * plan.seq_len * plan.accum * plan.dp
         self.balance = ExpertBalance(self.model_parts, rate=plan.moe_bias_rate, group=group, tokens=tokens)
-        # The loss (log-softmax over the vocabulary in fp32) fuses well; under loss parallel it works on
-        # DTensors, which stay eager. It is a sum: the step divides it by its global count of valid tokens.
-        self.loss_fn = torch.compile(cross_entropy_sum) if plan.compiled_loss else cross_entropy_sum
+        # The loss (log-softmax over the vocabulary in fp32) fuses well; under loss parallel the logits are
+        # DTensors sharded over the vocabulary, reduced over the shards by their own function. It is a sum:
+        # the step divides it by its global count of valid tokens.
+        self.loss_fn = (
+            vocab_parallel_cross_entropy_sum if plan.vocab_parallel_loss
+            else torch.compile(cross_entropy_sum) if plan.compiled_loss else cross_entropy_sum
+        )  # fmt: skip
         self._norm = torch.ones((), device=self.device)  # the pipeline loss's divisor of the current step
         self.guard = NonFiniteGuard(cfg.training.on_nonfinite, cfg.training.max_skips)
         self.signals = StopSignals()  # (every rank: it may create a process group)
@@ -244,10 +251,6 @@ class Trainer:
         bf16 = self.plan.autocast
         return torch.autocast(self.device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
-    def _loss_parallel(self) -> contextlib.AbstractContextManager:
-        """Under tensor parallel with loss parallel: the loss on the vocabulary-sharded logits."""
-        return loss_parallel_context(self.plan.tp > 1 and self.plan.loss_parallel)
-
     def _step_inputs(self, batch: Any) -> tuple[Any, ...]:
         """(inputs, labels, position_ids, document_ids, context) of one micro-batch. With flex attention:
         block-causal attention within each document, positions restarting at each document start; else
@@ -271,13 +274,12 @@ class Trainer:
     def _forward_backward(self, batch: Any, norm: torch.Tensor) -> torch.Tensor:
         """This rank's loss of one micro-batch (its sum over `norm`), with backward done."""
         inputs, labels, positions, docs, cp_ctx = self._step_inputs(batch)
-        with cp_ctx, self._loss_parallel():
+        with cp_ctx:
             with self._autocast():  # autocast covers the forward and the loss; backward runs outside it,
                 # which frees autocast's cache of bf16 weight copies as soon as backward is done with each
                 loss = poison(self._loss(inputs, labels, positions, docs, norm))
             loss.backward()
-        # Under loss parallel the loss is a replicated DTensor: its local value is the loss.
-        return _local(loss.detach())
+        return loss.detach()
 
     def _cp_step(self, *batch: torch.Tensor) -> contextlib.AbstractContextManager:
         """Under context parallel: the batch's tensors and every model part's RoPE table sharded over cp
@@ -298,11 +300,11 @@ class Trainer:
         run = p.schedule.eval if evaluate else p.schedule.step
         # bf16 without FSDP is autocast: the schedule runs each stage's forward inside this context. Under
         # context parallel the whole step is ring attention, its batch sharded once for all micro-batches.
-        with self._cp_step(batch.input_ids, batch.labels), self._autocast(), self._loss_parallel():
+        with self._cp_step(batch.input_ids, batch.labels), self._autocast():
             run(*inputs, target=batch.labels if p.has_last else None, losses=losses)
         if not losses:
             return torch.zeros((), device=self.device)
-        return _local(torch.stack([x.detach().float() for x in losses]).sum())
+        return torch.stack([x.detach().float() for x in losses]).sum()
 
     def _eval_sums(self, batch: Any) -> torch.Tensor:
         """[loss sum, valid tokens] of one validation batch on this rank (counted where the loss is)."""
@@ -311,8 +313,8 @@ class Trainer:
             total = self._pipeline_run(batch, one, evaluate=True)
             return torch.stack([total, valid_tokens(batch.labels).float() * self.pipeline.has_last])
         inputs, labels, positions, docs, cp_ctx = self._step_inputs(batch)
-        with cp_ctx, self._loss_parallel(), self._autocast():
-            total = _local(self._loss(inputs, labels, positions, docs, one)).float()
+        with cp_ctx, self._autocast():
+            total = self._loss(inputs, labels, positions, docs, one).float()
             return torch.stack([total, valid_tokens(labels).float()])  # (labels: this cp rank's shard)
 
     def train_step(self, data_iter: Iterator[Any]) -> tuple[torch.Tensor, torch.Tensor, float, bool]:
@@ -487,8 +489,3 @@ class Trainer:
         self.signals.close()
         self.lock.release()
         distributed.destroy()
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A loss as a plain tensor: under loss parallel it is a replicated DTensor whose local value is it."""
-    return t.to_local() if isinstance(t, DTensor) else t

@@ -19,15 +19,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanrush import config
 from titanrush.models.init import _canonical
 from titanrush.models.llama import Llama
-from titanrush.models.llama.loss import cross_entropy
+from titanrush.models.llama.loss import cross_entropy, valid_tokens, vocab_parallel_cross_entropy_sum
 from titanrush.models.llama.parallelize import parallelize_llama
-from titanrush.parallel.tensor_parallel import loss_parallel_context
 from titanrush.plan import RunPlan, build_plan
 
 P = "--parallelism."
@@ -61,10 +61,14 @@ def grads_of(model: torch.nn.Module, mesh: Any, plan: RunPlan) -> tuple[float, d
     if mesh is not None and plan.dp > 1:
         n, r = BATCH // plan.dp, mesh["dp"].get_local_rank()
         x, y = x[r * n : (r + 1) * n], y[r * n : (r + 1) * n]
-    with loss_parallel_context(plan.tp > 1 and plan.loss_parallel):
-        loss = model(x, labels=y) if model.args.loss_chunk_size else cross_entropy(model(x), y)
-        loss.backward()
-    loss = loss.detach().to_local() if isinstance(loss, DTensor) else loss.detach()
+    if model.args.loss_chunk_size:
+        loss = model(x, labels=y)
+    elif plan.vocab_parallel_loss:  # the trainer's loss under loss parallel, as a mean
+        loss = vocab_parallel_cross_entropy_sum(model(x), y) / valid_tokens(y)
+    else:
+        loss = cross_entropy(model(x), y)
+    loss.backward()
+    loss = loss.detach()
     if mesh is not None and plan.dp > 1:
         dist.all_reduce(loss, group=mesh["dp"].get_group())
         loss = loss / plan.dp
@@ -90,6 +94,38 @@ def build(plan: RunPlan, mesh: Any) -> nn.Module:
     return model
 
 
+def vocab_parallel_loss_deviations(world: int) -> dict[str, dict[str, Any]]:
+    """The loss parallel's function against F.cross_entropy on the whole logits: a vocabulary of 67 over
+    `world` ranks (uneven shards), ignored labels, rows in chunks of 2; fp32 and bf16 logits (the
+    reference takes the bf16 values in fp32). Deviations relative to the reference's largest value."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from titanrush.models.llama import loss as loss_module
+
+    mesh, out = init_device_mesh("cpu", (world,)), {}
+    loss_module.LOSS_CHUNK_ELEMENTS = 40  # (2 rows of 17 per chunk)
+    gen = torch.Generator().manual_seed(3)
+    full = torch.randn(3, 5, 67, generator=gen) * 4
+    labels = torch.randint(0, 67, (3, 5), generator=gen)
+    labels[0, :2] = labels[2, 4] = -100
+    for dtype in (torch.float32, torch.bfloat16):
+        x = distribute_tensor(full.to(dtype).clone(), mesh, [Shard(2)]).requires_grad_()
+        loss = vocab_parallel_cross_entropy_sum(x, labels)
+        (loss * 0.5).backward()
+        ref_x = full.to(dtype).float().clone().requires_grad_()
+        ref = F.cross_entropy(ref_x.flatten(0, 1), labels.flatten(0, 1), reduction="sum")
+        (ref * 0.5).backward()
+        grad = x.grad.full_tensor().float()
+        out[f"vocab_parallel_loss_{str(dtype)[6:]}"] = {
+            "loss_dev": abs(loss.item() - ref.item()) / ref.item(),
+            "grad_dev": ((grad - ref_x.grad).abs().max() / ref_x.grad.abs().max()).item(),
+            "ignored_rows_grad": grad.flatten(0, 1)[labels.flatten() == -100].abs().max().item(),
+        }
+    loss_module.LOSS_CHUNK_ELEMENTS = 2**26
+    return out
+
+
 def main(out_path: str) -> None:
     torch.use_deterministic_algorithms(True)
     world = int(os.environ["WORLD_SIZE"])
@@ -109,6 +145,7 @@ def main(out_path: str) -> None:
             worst = max(dev, key=dev.get)
             report[name] = {"loss": loss, "ref_loss": ref_loss, "max_grad_dev": dev[worst], "worst": worst}
         dist.barrier()
+    report |= vocab_parallel_loss_deviations(world)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)

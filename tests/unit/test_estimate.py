@@ -302,11 +302,48 @@ def test_compiled_loss_keeps_the_bf16_logits_not_fp32_ones():
     b = analyze(s)
     assert b.peak_phase == "loss backward" and b.at_peak["logits"] == 8_405_516_288
     assert analyze(s, as_traced=True).at_peak["logits"] == 12 * nv
-    # Not compiled: under loss parallel (DTensors), the chunked loss, or without compile.
+    # Not compiled: under loss parallel (its own function), the chunked loss, or without compile.
     assert not dataclasses.replace(s, tp=2).compiled_loss
     assert dataclasses.replace(s, tp=2, loss_parallel=False).compiled_loss
     assert not dataclasses.replace(s, loss="chunked").compiled_loss
     assert not dataclasses.replace(s, compile=False).compiled_loss
+
+
+def test_vocab_parallel_loss_keeps_the_logits_shard_and_14_bytes_a_row(fake_world):
+    """Loss parallel's own function keeps the logits it was given (no copy) and, per row, an fp32
+    log-sum-exp, an int64 index and two masks: what the estimate counts beside the logits' shard; its
+    gradient comes back in the logits' dtype. The estimate for TP2 then holds no (n, V) fp32 tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from titanrush.models.llama.loss import vocab_parallel_cross_entropy_sum
+
+    fake_world(1)
+    n, vocab = 64, 1000
+    logits = distribute_tensor(torch.randn(2, n // 2, vocab, dtype=torch.bfloat16),
+                               init_device_mesh("cpu", (1,)), [Shard(2)]).requires_grad_()  # fmt: skip
+    labels = torch.randint(0, vocab, (2, n // 2))
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        loss = vocab_parallel_cross_entropy_sum(logits, labels)
+    ref = torch.nn.functional.cross_entropy(
+        logits.to_local().float().flatten(0, 1), labels.flatten(), reduction="sum"
+    )
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-5)
+    storages = {x.untyped_storage().data_ptr() for x in saved}
+    assert logits.to_local().untyped_storage().data_ptr() in storages  # the shard itself, not a copy
+    others = [
+        x for x in saved if x.untyped_storage().data_ptr() != logits.to_local().untyped_storage().data_ptr()
+    ]
+    assert sum(x.numel() * x.element_size() for x in others) == 14 * n
+    loss.backward()
+    assert logits.grad.to_local().dtype == torch.bfloat16
+    s = RunPlan(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=2, tp=2,
+              ac_mode="selective", compile=True)  # fmt: skip
+    assert s.vocab_parallel_loss and not s.compiled_loss
+    rows, half = 16384, 128256 // 2
+    kept = loss_bytes(s, rows, as_traced=False)["log_softmax"]
+    assert kept == 2 * rows * half + 14 * rows  # the bf16 shard and the rows' numbers: no fp32 copy
 
 
 def test_compiled_loss_on_cpu_saves_only_the_logits_it_was_given():

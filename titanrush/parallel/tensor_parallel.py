@@ -10,30 +10,19 @@ The plan itself (which module is column-wise, row-wise, sequence-parallel) belon
   over the sequence, so the norms and residual adds run on 1/tp of the tokens; the all-reduce becomes a
   reduce-scatter plus an all-gather (same volume, less memory and compute).
 - loss parallel: the output projection keeps its logits sharded over the vocabulary and the
-  cross-entropy is computed on the shards (never all-gathering the (tokens, vocab) logits).
+  cross-entropy is computed on the shards, never all-gathering the (tokens, vocab) logits
+  (`titanrush.models.llama.loss.vocab_parallel_cross_entropy_sum`).
 """
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
-from torch.distributed.tensor.parallel import (
-    ParallelStyle,
-    RowwiseParallel,
-    loss_parallel,
-    parallelize_module,
-)
-
-
-def loss_parallel_context(enabled: bool) -> contextlib.AbstractContextManager:
-    """torch's `loss_parallel()` when the output projection is vocabulary-sharded (`enabled`: tensor
-    parallel with loss parallel), else a no-op."""
-    return loss_parallel() if enabled else contextlib.nullcontext()
+from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, parallelize_module
 
 
 class ReplicateParallel(ParallelStyle):

@@ -376,6 +376,8 @@ def _describe(s: RunPlan, key: str) -> str:
     if key == "logits":
         if s.loss == "chunked":
             return f"chunked ({s.loss_chunk} tokens)"
+        if s.vocab_parallel_loss:
+            return "vocabulary-parallel (no fp32 logits)"
         return "plain, compiled (no fp32 logits)" if s.compiled_loss else "plain, fp32"
     return ""
 

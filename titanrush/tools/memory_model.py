@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 from titanrush.models.llama import ModelArgs
+from titanrush.models.llama.loss import LOSS_CHUNK_ELEMENTS
 from titanrush.parallel.activation_offload import offloaded
 from titanrush.parallel.float8 import skip_reason
 from titanrush.plan import RunPlan
@@ -406,6 +407,14 @@ def loss_bytes(s: RunPlan, n: int, *, as_traced: bool) -> dict[str, int]:
         return _chunked_loss_bytes(s, n, n_sp, min(n, s.loss_chunk), vocab, as_traced=as_traced)
     head_in = (2 if s.autocast else r) * n * a.dim
     saved = 4 * n_sp * a.dim + 4 * n_sp + head_in
+    if s.vocab_parallel_loss and not as_traced:
+        # Loss parallel's own function (titanrush.parallel.tensor_parallel): it keeps the logits shard it was
+        # given and per row an fp32 log-sum-exp, the label's local index and two masks; its fp32 math runs
+        # in row chunks (a chunk's upcast and exponentials), and backward writes the gradient in place.
+        logits, stats = c * n * vocab, 14 * n
+        chunk = 8 * min(n * vocab, LOSS_CHUNK_ELEMENTS)
+        return {"saved": saved, "log_softmax": logits + stats, "forward": logits + stats + chunk,
+                "backward": 2 * logits + stats + chunk, "rows": n, "vocab": vocab, "kept": 0}  # fmt: skip
     if s.compiled_loss and not as_traced:
         # Compiled, the fp32 upcast, log-softmax and nll_loss fuse into row reductions: the loss keeps the
         # logits it was given (compute dtype) and two fp32 numbers per row (max, log-sum-exp), and its
