@@ -135,7 +135,7 @@ class RunPlan:
     @property
     def vocab_parallel_loss(self) -> bool:
         """Tensor parallel with loss parallel: the plain loss on the vocabulary-sharded logits
-        (`titanrush.parallel.tensor_parallel.vocab_parallel_cross_entropy_sum`)."""
+        (`titanrush.models.llama.loss.vocab_parallel_cross_entropy_sum`)."""
         return self.loss == "plain" and self.tp > 1 and self.loss_parallel
 
     @property

@@ -408,7 +408,7 @@ def loss_bytes(s: RunPlan, n: int, *, as_traced: bool) -> dict[str, int]:
     head_in = (2 if s.autocast else r) * n * a.dim
     saved = 4 * n_sp * a.dim + 4 * n_sp + head_in
     if s.vocab_parallel_loss and not as_traced:
-        # Loss parallel's own function (titanrush.parallel.tensor_parallel): it keeps the logits shard it was
+        # Loss parallel's own function (models/llama/loss.py): it keeps the logits shard it was
         # given and per row an fp32 log-sum-exp, the label's local index and two masks; its fp32 math runs
         # in row chunks (a chunk's upcast and exponentials), and backward writes the gradient in place.
         logits, stats = c * n * vocab, 14 * n
