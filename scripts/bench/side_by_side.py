@@ -267,9 +267,11 @@ def execute(run: Run, timeout: float) -> dict:
     return {"status": status, "first_step_s": first_step_s, "steps": steps}
 
 
-def summarize(run: Run, result: dict, measure_from: int) -> dict:
-    """The run's figures: means (tokens/s, MFU) and the peak (reserved GiB) over the measured steps."""
-    steady = [s for s in result.get("steps", []) if s["step"] >= measure_from]
+def summarize(run: Run, result: dict, measure_from: int, profile_step: int = 0) -> dict:
+    """The run's figures: means (tokens/s, MFU) and the peak (reserved GiB) over the measured steps, less
+    the profiled ones (both profilers record every `profile_step`-th step)."""
+    steps = [s for s in result.get("steps", []) if not (profile_step and s["step"] % profile_step == 0)]
+    steady = [s for s in steps if s["step"] >= measure_from]
     out = {"trainer": run.trainer, "row": run.row, "setting": run.setting, "status": result["status"],
            "first_step_s": result.get("first_step_s"), "command": run.shell()}  # fmt: skip
     for key, reduce in (("tps", fmean), ("mfu", fmean), ("mem_gib", max)):
@@ -430,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"[side-by-side] {run.trainer} {run.row} {run.setting} ...", flush=True)
             result = execute(run, min(a.timeout_per_run, left))
-        s = summarize(run, result, a.measure_from)
+        s = summarize(run, result, a.measure_from, a.profile_step)
         if a.profile_step and s["status"] == "ok":
             trace = trace_of(run, work)
             s["timeline"] = trace_timeline(trace) if trace else None

@@ -64,6 +64,14 @@ def test_balance_sets_the_same_warmup_and_bias_step_in_both_trainers_on_llama4_r
         assert cfg.moe.bias_update_rate == float(runs["torchtitan", row].env["TT_LOAD_BALANCE_COEFF"]) == rate
 
 
+def test_profiled_steps_are_left_out_of_the_figures():
+    run = sbs.Run("titanrush", "1b", "same", ["x"], {}, sbs.ROOT, sbs.ROOT / "log")
+    steps = [{"step": i, "tps": 100.0 if i % 5 else 10.0, "mem_gib": 1.0, "loss": 1.0} for i in range(1, 13)]
+    out = sbs.summarize(run, {"status": "ok", "steps": steps}, 3, profile_step=5)
+    assert out["tps"] == 100.0 and len(out["loss_curve"]) == 12  # steps 5 and 10 left out; curves whole
+    assert sbs.summarize(run, {"status": "ok", "steps": steps}, 3)["tps"] == pytest.approx(1000 / 10 - 18)
+
+
 def test_a_stale_key_fails_the_check():
     with pytest.raises(config.ConfigError):
         config.load(None, [*sbs.row_flags(sbs.ROWS["1b"]), "--parallelism.no_such_key", "1"])
