@@ -43,12 +43,11 @@ def render() -> str:
 
 def main() -> int:
     text = render()
-    if "--check" in sys.argv:
-        if not OUT.exists() or OUT.read_text() != text:
-            print(f"{OUT} is stale: run python scripts/gen_config_doc.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text)
+    if "--check" not in sys.argv:
+        OUT.write_text(text)
+    elif not OUT.exists() or OUT.read_text() != text:
+        print(f"{OUT} is stale: run python scripts/gen_config_doc.py", file=sys.stderr)
+        return 1
     return 0
 
 

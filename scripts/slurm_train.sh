@@ -34,9 +34,7 @@ NNODES=${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}
 # (sed reads all the names: `head -n 1` would end the pipe early and pipefail would stop the script)
 HEAD_NODE=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 RDZV_ENDPOINT=${RDZV_ENDPOINT:-$HEAD_NODE:${RDZV_PORT:-29500}}
-if [ -z "${NGPU:-}" ] && [ -n "${SLURM_GPUS_ON_NODE:-}" ]; then
-  NGPU=$SLURM_GPUS_ON_NODE
-fi
+[ -z "${NGPU:-}" ] && [ -n "${SLURM_GPUS_ON_NODE:-}" ] && NGPU=$SLURM_GPUS_ON_NODE
 export NNODES RDZV_ENDPOINT RDZV_ID="titanrush-$SLURM_JOB_ID"
 [ -n "${NGPU:-}" ] && export NGPU
 # Some clusters need these for NCCL to find the right network; set them in your environment if so:

@@ -3,15 +3,14 @@
 Run on the GPU machine from the repo root with torchtitan 0.2.2 importable (gpu_check.sh does); --help.
 
 A row fixes the work; per row torchtitan runs once, then titanrush once per setting (`same`: torchtitan's
-work exactly, its AC policy included; `defaults`; `best`), and `--base DIR` another titanrush checkout;
-docs/benchmarks/performance.md says what each row and setting is. One run at a time, never two at once.
-`--balance` (Llama 4 rows): both trainers warm up over 100 steps and move the routing bias by 1e-2 per
-step (docs/moe.md: the experts balance within 200 steps), instead of 10 and torchtitan's 1e-3.
+work exactly, AC policy included; `defaults`; `best`; docs/benchmarks/performance.md), and `--base DIR`
+another titanrush checkout; one run at a time, never two at once. `--balance`: on Llama 4 rows both
+trainers warm up over 100 steps and move the routing bias by 1e-2 a step (docs/moe.md), not 10 and 1e-3.
 
-Per run: tokens/s per GPU (mean over the steps from --measure-from), peak reserved GiB, MFU, time to
-first step, the ratio to the row's torchtitan run of this invocation; in DIR/results.jsonl every logged
-step's loss and, for Llama 4, titanrush's routing imbalance; with --profile-step, where rank 0's
-profiled step went. Writes DIR/results.{jsonl,md} and DIR/logs/; prints the tables.
+Per run: tokens/s per GPU (mean from --measure-from), peak reserved GiB, MFU, time to first step, the
+ratio to the row's torchtitan run; in DIR/results.jsonl every step's loss, titanrush's routing imbalance
+per step and per 10 steps (Llama 4), and with --profile-step where rank 0's profiled step went. Writes
+DIR/results.{jsonl,md} and DIR/logs/; prints the tables.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from titanrush.data.hf_tokenizer import write_hf_tokenizer  # noqa: E402
 from titanrush.profiling import trace_timeline  # noqa: E402
-from titanrush.tools.rush_runner import detect_oom, kill_group  # noqa: E402
+from titanrush.tools.rush_runner import detect_oom, kill_group, read_metrics  # noqa: E402
 
 _OP_AC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "op"]
 _NO_AC = ["--activation_checkpoint.mode", "none"]
@@ -138,12 +137,8 @@ def torchtitan_toml(
         "experimental": {"custom_import": "tt_flavors"},
     }  # fmt: skip
     if profile_step:
-        cfg["profiling"] = {
-            "enable_profiling": True,
-            "profiler_active": 1,
-            "profile_freq": profile_step,
-            "profiler_warmup": min(3, profile_step - 1),
-        }  # fmt: skip (traces: profile_traces/)
+        prof = {"enable_profiling": True, "profiler_active": 1, "profile_freq": profile_step}
+        cfg["profiling"] = {**prof, "profiler_warmup": min(3, profile_step - 1)}  # traces: profile_traces/
     return "\n".join(
         f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kv.items()) for name, kv in cfg.items()
     )
@@ -279,12 +274,23 @@ def summarize(run: Run, result: dict, measure_from: int, profile_step: int = 0) 
         out[key] = reduce(values) if values else None
     if out["status"] == "ok" and not steady:
         out["status"] = "no steps logged"
-    # Every logged step's loss (and a Llama 4 run's routing imbalance, max/mean tokens per expert): the
-    # curves of a long row, e.g. the MoE rows' 200 steps.
+    # Every logged step's loss and Llama 4's routing imbalance (max/mean tokens per expert): the curves.
     steps = result.get("steps", [])
     out["loss_curve"] = [[s["step"], s["loss"]] for s in steps if s.get("loss") is not None]
     out["imbalance_curve"] = [[s["step"], s["imbalance"]] for s in steps if s.get("imbalance") is not None]
     return out
+
+
+def window_imbalance(metrics: Path, every: int = 10) -> list[list[float]]:
+    """A Llama 4 run's load per `every` steps: [last step, worst layer's max/mean, mean over layers] of the
+    tokens per expert (metrics.jsonl's `moe_tokens_l<i>`) summed over the window's steps."""
+    sums: dict[int, dict[str, list[float]]] = {}
+    for m in read_metrics(metrics):
+        w = sums.setdefault((m["step"] - 1) // every, {})
+        for k, v in ((k, v) for k, v in m.items() if k.startswith("moe_tokens_l")):
+            w[k] = [a + b for a, b in zip(w.get(k, [0] * len(v)), v)]
+    out = [(i, [max(v) * len(v) / sum(v) for v in w.values() if sum(v)]) for i, w in sorted(sums.items())]
+    return [[(i + 1) * every, round(max(x), 2), round(fmean(x), 2)] for i, x in out if x]
 
 
 def trace_of(run: Run, work: Path) -> Path | None:
@@ -380,9 +386,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--rows", default="auto", help=f"auto, or comma-separated from: {', '.join(ROWS)}")
-    ap.add_argument(
-        "--settings", default=",".join(SETTINGS), help=f"comma-separated from: {', '.join(SETTINGS)}"
-    )
+    ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated: {', '.join(SETTINGS)}")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--measure-from", type=int, default=10)
     ap.add_argument("--base", type=Path, help="another titanrush checkout, run at the same rows and settings")
@@ -437,6 +441,8 @@ def main(argv: list[str] | None = None) -> int:
             trace = trace_of(run, work)
             s["timeline"] = trace_timeline(trace) if trace else None
             s["trace"] = str(trace) if trace else None
+        if run.trainer != "torchtitan" and s["imbalance_curve"]:
+            s["imbalance_windows"] = window_imbalance(work / "runs" / run.log.stem / "metrics.jsonl")
         results.append(s)
         with open(work / "results.jsonl", "a") as fh:
             fh.write(json.dumps({**s, "env": env}) + "\n")

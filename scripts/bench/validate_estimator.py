@@ -90,11 +90,8 @@ def main() -> int:
         if not sep:
             p.error(f"--run {spec!r}: expected 'NAME[ @NGPU]: ARGS'")
         args, ngpu = shlex.split(rest), int(at) if at.strip() else 1
-        row: dict = {
-            "name": name.strip(),
-            "ngpu": ngpu,
-            "command": f"NGPU={ngpu} ./run_train.sh {shlex.join(args)}",
-        }
+        command = f"NGPU={ngpu} ./run_train.sh {shlex.join(args)}"
+        row: dict = {"name": name.strip(), "ngpu": ngpu, "command": command}
         try:
             row.update(predict(args, ngpu, a.gpu_mem, a.moe_imbalance))
         except Exception as e:  # noqa: BLE001 - a config the estimator refuses still runs; say why

@@ -72,6 +72,21 @@ def test_profiled_steps_are_left_out_of_the_figures():
     assert sbs.summarize(run, {"status": "ok", "steps": steps}, 3)["tps"] == pytest.approx(1000 / 10 - 18)
 
 
+def test_window_imbalance_sums_each_experts_tokens_over_ten_steps(tmp_path):
+    """Per 10-step window: the layer's max / mean of the summed load, worst and mean over layers."""
+    rows = []
+    for step in range(1, 21):
+        first = step <= 10  # layer 0 alternates (even over the window), then sticks to expert 0
+        l0 = ([4, 0] if step % 2 else [0, 4]) if first else [4, 0]
+        rows.append({"step": step, "moe_tokens_l0": l0, "moe_tokens_l1": [3, 1] if first else [2, 2]})
+    rows.insert(5, {"step": 5, "val_loss": 2.0})  # a validation record: no load
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + '\n{"step": 21, "moe_tok')  # torn last line
+    # window 1: layer 0 [20, 20] -> 1.0, layer 1 [30, 10] -> 1.5; window 2: [40, 0] -> 2.0, [20, 20] -> 1.0
+    assert sbs.window_imbalance(path) == [[10, 1.5, 1.25], [20, 2.0, 1.5]]
+    assert sbs.window_imbalance(tmp_path / "missing.jsonl") == []
+
+
 def test_a_stale_key_fails_the_check():
     with pytest.raises(config.ConfigError):
         config.load(None, [*sbs.row_flags(sbs.ROWS["1b"]), "--parallelism.no_such_key", "1"])
@@ -143,6 +158,9 @@ def test_runs_go_one_at_a_time_and_the_table_compares_with_torchtitan(tmp_path, 
     monkeypatch.setattr(sbs, "write_hf_tokenizer", lambda folder: None)
     monkeypatch.setattr(sbs, "write_corpus", lambda path: None)
     out = tmp_path / "out"
+    metrics = out / "runs" / "titanrush-same" / "metrics.jsonl"  # what the fake titanrush "wrote"
+    metrics.parent.mkdir(parents=True)
+    metrics.write_text("".join(json.dumps({"step": i, "moe_tokens_l0": [3, 1]}) + "\n" for i in range(1, 5)))
     assert sbs.main(["--out", str(out), "--rows", "fake", "--steps", "4", "--measure-from", "3"]) == 0
     events = [line.split() for line in spans.read_text().splitlines()]
     assert [e[1] for e in events] == ["start", "end"] * 3  # each run ended before the next began
@@ -156,6 +174,7 @@ def test_runs_go_one_at_a_time_and_the_table_compares_with_torchtitan(tmp_path, 
     assert tt["loss_curve"] == [[step, 8 - step / 4] for step in range(1, 5)] and tt["imbalance_curve"] == []
     assert ours["loss_curve"] == [[step, 7 - step / 4] for step in range(1, 5)]
     assert ours["imbalance_curve"] == [[step, round(1 + step / 10, 2)] for step in range(1, 5)]
+    assert ours["imbalance_windows"] == [[10, 1.5, 1.5]] and "imbalance_windows" not in tt  # metrics.jsonl
     table = (out / "results.md").read_text()
     assert "| fake | same | titanrush | ok | 4,200 | 1.200x | 34.0 | 4.5 |" in table
     assert "| fake | same | base | ok | 4,200 | 1.200x |" in table
