@@ -112,7 +112,7 @@ def torchtitan_toml(
     row: Row, steps: int, assets: Path, corpus: Path, dump: Path, profile_step: int = 0, warmup: int = 10
 ) -> str:
     """torchtitan's job config for the row (JSON values are TOML values here); with `profile_step`, its
-    profiler records that step (after three warm-up steps)."""
+    profiler records that step (after one warm-up step, as titanrush's)."""
     ac = {"mode": "selective", "selective_ac_option": "op"} if row.ac else {"mode": "none"}
     cfg = {
         "job": {"dump_folder": str(dump)},
@@ -138,7 +138,7 @@ def torchtitan_toml(
     }  # fmt: skip
     if profile_step:
         prof = {"enable_profiling": True, "profiler_active": 1, "profile_freq": profile_step}
-        cfg["profiling"] = {**prof, "profiler_warmup": min(3, profile_step - 1)}  # traces: profile_traces/
+        cfg["profiling"] = {**prof, "profiler_warmup": 1}  # traces: profile_traces/
     return "\n".join(
         f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kv.items()) for name, kv in cfg.items()
     )
@@ -264,8 +264,8 @@ def execute(run: Run, timeout: float) -> dict:
 
 def summarize(run: Run, result: dict, measure_from: int, profile_step: int = 0) -> dict:
     """The run's figures: means (tokens/s, MFU) and the peak (reserved GiB) over the measured steps, less
-    the profiled ones (both profilers record every `profile_step`-th step)."""
-    steps = [s for s in result.get("steps", []) if not (profile_step and s["step"] % profile_step == 0)]
+    each profiled step (every `profile_step`-th), its warm-up step and the step after (the trace's export)."""
+    steps = [s for s in result.get("steps", []) if not (profile_step and (s["step"] + 1) % profile_step <= 2)]
     steady = [s for s in steps if s["step"] >= measure_from]
     out = {"trainer": run.trainer, "row": run.row, "setting": run.setting, "status": result["status"],
            "first_step_s": result.get("first_step_s"), "command": run.shell()}  # fmt: skip
@@ -393,7 +393,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--trainers", default="torchtitan,titanrush", help="leave one out to run the other alone")
     ap.add_argument("--timeout-per-run", type=float, default=300)
     ap.add_argument("--time-limit", type=float, default=0, help="seconds for all runs (0: none)")
-    ap.add_argument("--profile-step", type=int, default=0, help="both trainers profile this step (>= 2)")
+    ap.add_argument("--profile-step", type=int, default=0, help="both trainers profile this step (>= 4)")
     ap.add_argument("--balance", action="store_true", help="Llama 4 rows: warm-up 100, bias step 1e-2")
     ap.add_argument("--dry-run", action="store_true", help="print the commands in order, run nothing")
     a = ap.parse_args(argv)
@@ -404,8 +404,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error(f"unknown {what} {bad}; choose from {', '.join(known)}")
     if a.base and not (a.base / "run_train.sh").exists():
         ap.error(f"--base {a.base}: no titanrush checkout there (no run_train.sh)")
-    if a.profile_step and not 2 <= a.profile_step <= a.steps:
-        ap.error(f"--profile-step {a.profile_step} must be in 2..--steps ({a.steps})")
+    if a.profile_step and not 4 <= a.profile_step <= a.steps:
+        ap.error(f"--profile-step {a.profile_step} must be in 4..--steps ({a.steps})")
     if not 1 <= a.measure_from <= a.steps:
         ap.error(f"--measure-from {a.measure_from} must be in 1..--steps ({a.steps})")
     return a

@@ -66,10 +66,13 @@ def test_balance_sets_the_same_warmup_and_bias_step_in_both_trainers_on_llama4_r
 
 def test_profiled_steps_are_left_out_of_the_figures():
     run = sbs.Run("titanrush", "1b", "same", ["x"], {}, sbs.ROOT, sbs.ROOT / "log")
-    steps = [{"step": i, "tps": 100.0 if i % 5 else 10.0, "mem_gib": 1.0, "loss": 1.0} for i in range(1, 13)]
+    # both profilers slow the profiled steps (5, 10), their warm-up steps and the steps that write the traces
+    slow = {4, 5, 6, 9, 10, 11}
+    steps = [{"step": i, "tps": 10.0 if i in slow else 100.0, "mem_gib": 1, "loss": 1} for i in range(1, 13)]
     out = sbs.summarize(run, {"status": "ok", "steps": steps}, 3, profile_step=5)
-    assert out["tps"] == 100.0 and len(out["loss_curve"]) == 12  # steps 5 and 10 left out; curves whole
-    assert sbs.summarize(run, {"status": "ok", "steps": steps}, 3)["tps"] == pytest.approx(1000 / 10 - 18)
+    assert out["tps"] == 100.0 and len(out["loss_curve"]) == 12  # the slow steps left out; curves whole
+    every = sbs.summarize(run, {"status": "ok", "steps": steps}, 3)  # steps 3-12: 6 slow, 4 fast
+    assert every["tps"] == pytest.approx((6 * 10 + 4 * 100) / 10)
 
 
 def test_window_imbalance_sums_each_experts_tokens_over_ten_steps(tmp_path):
@@ -188,6 +191,7 @@ def test_profile_step_profiles_that_step_in_both_trainers_and_tables_their_timel
     prof = tt["profiling"]
     assert prof["enable_profiling"] and prof["profile_freq"] == 12 and prof["profiler_active"] == 1
     assert prof["profile_freq"] >= prof["profiler_active"] + prof["profiler_warmup"]  # torchtitan's rule
+    assert prof["profiler_warmup"] == 1  # as titanrush's schedule: both pay the same warm-up steps
     a = sbs.parse_args(["--out", str(tmp_path), "--rows", "8b_fsdp4", "--settings", "same",
                         "--steps", "20", "--profile-step", "12"])  # fmt: skip
     runs = sbs.plan([row, sbs.ROWS["8b_cp2_fsdp2"]], a.settings, a, tmp_path)
@@ -200,6 +204,8 @@ def test_profile_step_profiles_that_step_in_both_trainers_and_tables_their_timel
     assert (cfg.profiling.enable, cfg.profiling.freq, cfg.profiling.active_steps) == (True, 12, 1)
     with pytest.raises(SystemExit):
         sbs.parse_args(["--out", str(tmp_path), "--steps", "5", "--profile-step", "9"])
+    with pytest.raises(SystemExit):  # warm-up, profiled and export steps would leave nothing to measure
+        sbs.parse_args(["--out", str(tmp_path), "--steps", "9", "--profile-step", "3"])
 
     events = {"traceEvents": [
         {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 30},
