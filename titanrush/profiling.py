@@ -220,7 +220,9 @@ def timeline(trace: dict[str, Any]) -> dict[str, float]:
     communication kernel runs), `exposed_comm` (communication while no compute kernel runs: what the
     step waits for), `copy` (memory copies and sets while nothing else runs), `idle` (no kernel at all:
     the host is late), with `step` their sum, and `steps`. Kernels on several streams overlap, so each
-    figure is a union of intervals, not a sum of kernel times.
+    figure is a union of intervals, not a sum of kernel times. Then the compute kernels' summed time by
+    kind (`kind_of`): `kernel_matmul`, `kernel_attention`, `kernel_compiled` (Triton), `kernel_optimizer`
+    and `kernel_other`, which say where a difference in `compute` between two runs comes from.
     """
     events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
     device = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -245,7 +247,13 @@ def timeline(trace: dict[str, Any]) -> dict[str, float]:
     comm = clip([e for e in kernels if any(k in name(e) for k in _COMM)])
     copy = clip([e for e in kernels if e.get("cat") != "kernel" or any(k in name(e) for k in _COPY)])
     other = _COMM + _COPY
-    compute = clip([e for e in kernels if e.get("cat") == "kernel" and not any(k in name(e) for k in other)])
+    computing = [e for e in kernels if e.get("cat") == "kernel" and not any(k in name(e) for k in other)]
+    compute = clip(computing)
+    kinds = dict.fromkeys(("matmul", "attention", "compiled", "optimizer", "other"), 0.0)
+    for e in computing:
+        kind, start = kind_of(str(e.get("name", ""))), float(e["ts"])
+        inside = _length(_intersect([(start, start + float(e["dur"]))], span))
+        kinds[kind if kind in kinds else "other"] += inside
     busy = _union(compute + comm + copy)
     n = max(1, len(steps))
     total = _length(span)
@@ -259,6 +267,7 @@ def timeline(trace: dict[str, Any]) -> dict[str, float]:
         "exposed_comm": _length(exposed) / n / 1e3,
         "copy": _length(copy_only) / n / 1e3,
         "idle": (total - _length(busy)) / n / 1e3,
+        **{f"kernel_{kind}": t / n / 1e3 for kind, t in kinds.items()},
     }
 
 

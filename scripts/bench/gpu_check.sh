@@ -9,8 +9,7 @@
 #   ROWS, SETTINGS: comma-separated (python scripts/bench/side_by_side.py --help; SETTINGS default
 #   same,defaults,best). Environment: BASE=DIR (another titanrush checkout, run beside this one),
 #   STEPS, MEASURE_FROM, BUDGET (seconds for the whole call, default 540), TITANRUSH_COMMIT and
-#   TITANRUSH_BASE_COMMIT (the commits, where the checkouts have no .git).
-# Wheels carried in .whl/ (torchao; torchtitan 0.2.2 and the imports it lacks here) are installed first.
+#   TITANRUSH_BASE_COMMIT (the commits, where the checkouts have no .git). Installs the wheels of .whl/.
 set -u
 MODE=${1:-all}
 [ "$MODE" = all ] && ROWS=${2:-1b} || ROWS=${2:-auto}

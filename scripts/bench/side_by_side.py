@@ -274,7 +274,6 @@ def summarize(run: Run, result: dict, measure_from: int, profile_step: int = 0) 
         out[key] = reduce(values) if values else None
     if out["status"] == "ok" and not steady:
         out["status"] = "no steps logged"
-    # Every logged step's loss and Llama 4's routing imbalance (max/mean tokens per expert): the curves.
     steps = result.get("steps", [])
     out["loss_curve"] = [[s["step"], s["loss"]] for s in steps if s.get("loss") is not None]
     out["imbalance_curve"] = [[s["step"], s["imbalance"]] for s in steps if s.get("imbalance") is not None]
@@ -302,13 +301,15 @@ def trace_of(run: Run, work: Path) -> Path | None:
 
 
 def timeline_table(results: list[dict]) -> str:
-    """Where rank 0's profiled step went, per run: milliseconds (and shares of the step)."""
-    keys = ("compute", "exposed_comm", "copy", "idle")
-    lines = ["| row | setting | trainer | step ms | compute | exposed comm. | copies | idle | all comm. |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    """Rank 0's profiled step per run: ms (share of the step); compute kernels by kind (streams overlap)."""
+    keys, kinds = ("compute", "exposed_comm", "copy", "idle"), ("matmul", "attention", "compiled", "other")
+    head = ["row", "setting", "trainer", "step ms", "compute", "exposed comm.", "copies", "idle", "all comm.",
+            "kernels: matmul / attention / Triton / other"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * 6 + "---|"]
     for r, t in ((r, r["timeline"]) for r in results if r.get("timeline")):
         cells = [r["row"], r["setting"], r["trainer"], f"{t['step']:.1f}"]
         cells += [f"{t[k]:.1f} ({100 * t[k] / t['step']:.0f}%)" for k in keys] + [f"{t['comm']:.1f}"]
+        cells.append(" / ".join(f"{t.get('kernel_' + k, 0):.0f}" for k in kinds))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -40,7 +40,8 @@ def test_timeline_splits_each_step_into_compute_exposed_communication_copies_and
     copy 82-86, nothing else (idle 80-82, 86-90, 95-100: 11 us). Step 2 (200-300): one GEMM 200-290 with
     an all-reduce under it (none exposed), idle 290-300. A kernel outside the steps and CPU ops do not
     count. Per step: compute (70 + 90) / 2 = 80, comm (35 + 20) / 2 = 27.5, exposed 7.5, copy 2, idle
-    10.5; the four parts add up to the step."""
+    10.5; the four parts add up to the step. Compute kernels by kind, per step: matmul (40 + 90) / 2 = 65,
+    compiled (Triton) 30 / 2 = 15."""
     events = [
         _x("gpu_user_annotation", "ProfilerStep#5", 0, 100),
         _x("gpu_user_annotation", "ProfilerStep#6", 200, 100),
@@ -56,7 +57,8 @@ def test_timeline_splits_each_step_into_compute_exposed_communication_copies_and
     ]
     t = timeline({"traceEvents": events})
     want = {"steps": 2, "step": 0.1, "compute": 0.080, "comm": 0.0275, "exposed_comm": 0.0075,
-            "copy": 0.002, "idle": 0.0105}  # fmt: skip
+            "copy": 0.002, "idle": 0.0105, "kernel_matmul": 0.065, "kernel_compiled": 0.015,
+            "kernel_attention": 0, "kernel_optimizer": 0, "kernel_other": 0}  # fmt: skip
     assert t == pytest.approx(want)
     assert t["compute"] + t["exposed_comm"] + t["copy"] + t["idle"] == pytest.approx(t["step"])
 
