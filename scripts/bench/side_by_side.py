@@ -281,8 +281,8 @@ def summarize(run: Run, result: dict, measure_from: int, profile_step: int = 0) 
 
 
 def window_imbalance(metrics: Path, every: int = 10) -> list[list[float]]:
-    """A Llama 4 run's load per `every` steps: [last step, worst layer's max/mean, mean over layers] of the
-    tokens per expert (metrics.jsonl's `moe_tokens_l<i>`) summed over the window's steps."""
+    """A Llama 4 run's load per `every` steps: [window's end, worst layer's max/mean, mean over layers] of
+    the tokens per expert (metrics.jsonl's `moe_tokens_l<i>`) summed over the window's steps."""
     sums: dict[int, dict[str, list[float]]] = {}
     for m in read_metrics(metrics):
         w = sums.setdefault((m["step"] - 1) // every, {})
