@@ -211,6 +211,25 @@ def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[t
     return out
 
 
+def _window(trace: dict[str, Any] | list[dict[str, Any]]) -> tuple[list, list, list, int]:
+    """A trace's events, its GPU kernels (copies and sets included), the recorded steps' span on the GPU
+    (the `ProfilerStep#N` ranges; without them, first kernel start to last kernel end) and the number of
+    steps (at least 1)."""
+    events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
+    device = ("kernel", "gpu_memcpy", "gpu_memset")
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in device]
+    steps = [e for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_user_annotation"
+             and str(e.get("name", "")).startswith("ProfilerStep#")]  # fmt: skip
+    if not kernels:
+        raise ValueError("the trace has no GPU kernels (a CPU run, or not a torch.profiler trace)")
+    if steps:
+        span = _union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in steps])
+    else:
+        first = min(float(e["ts"]) for e in kernels)
+        span = [(first, max(float(e["ts"]) + float(e["dur"]) for e in kernels))]
+    return events, kernels, span, max(1, len(steps))
+
+
 def timeline(trace: dict[str, Any]) -> dict[str, float]:
     """Where a GPU's time went in a Chrome trace (torch.profiler's `export_chrome_trace`, either trainer's).
 
@@ -224,18 +243,7 @@ def timeline(trace: dict[str, Any]) -> dict[str, float]:
     kind (`kind_of`): `kernel_matmul`, `kernel_attention`, `kernel_compiled` (Triton), `kernel_optimizer`
     and `kernel_other`, which say where a difference in `compute` between two runs comes from.
     """
-    events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
-    device = ("kernel", "gpu_memcpy", "gpu_memset")
-    kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in device]
-    steps = [e for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_user_annotation"
-             and str(e.get("name", "")).startswith("ProfilerStep#")]  # fmt: skip
-    if not kernels:
-        raise ValueError("the trace has no GPU kernels (a CPU run, or not a torch.profiler trace)")
-    if steps:
-        span = _union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in steps])
-    else:
-        first = min(float(e["ts"]) for e in kernels)
-        span = [(first, max(float(e["ts"]) + float(e["dur"]) for e in kernels))]
+    _, kernels, span, n = _window(trace)
 
     def clip(sel: list[dict[str, Any]]) -> list[tuple[float, float]]:
         raw = _union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in sel])
@@ -255,7 +263,6 @@ def timeline(trace: dict[str, Any]) -> dict[str, float]:
         inside = _length(_intersect([(start, start + float(e["dur"]))], span))
         kinds[kind if kind in kinds else "other"] += inside
     busy = _union(compute + comm + copy)
-    n = max(1, len(steps))
     total = _length(span)
     exposed = _minus(comm, compute)
     copy_only = _minus(_minus(copy, compute), comm)
@@ -273,9 +280,13 @@ def timeline(trace: dict[str, Any]) -> dict[str, float]:
 
 def trace_timeline(path: Path | str) -> dict[str, float]:
     """`timeline` of a trace file (`.json`, or `.json.gz` as titanrush writes them)."""
+    return timeline(_read(path))
+
+
+def _read(path: Path | str) -> Any:
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as fh:
-        return timeline(json.load(fh))
+        return json.load(fh)
 
 
 def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
@@ -291,3 +302,62 @@ def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> li
         else:
             j += 1
     return out
+
+
+_MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::_scaled_mm",
+               "aten::_grouped_mm")  # fmt: skip
+
+
+def kernels(trace: dict[str, Any] | list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """The compute kernels of a trace's recorded steps (as `timeline` finds them), per step: key -> (calls,
+    ms). A matmul kernel's key is the op that launched it and its input shapes (`aten::mm 16384x4096 @
+    4096x14336`, torch.profiler's `record_shapes`; both trainers record them), so that two runs' GEMMs
+    compare shape by shape; any other kernel's key is its name up to its argument list. Communication
+    kernels and copies are left out (`timeline` accounts for them)."""
+    events, found, span, n = _window(trace)
+    ops: dict[Any, list[dict[str, Any]]] = {}
+    for e in events:
+        if e.get("ph") == "X" and e.get("cat") == "cpu_op" and str(e.get("name", "")) in _MATMUL_OPS:
+            ops.setdefault(e.get("args", {}).get("External id"), []).append(e)
+    out: dict[str, tuple[float, float]] = {}
+    for e in found:
+        name = str(e.get("name", ""))
+        if e.get("cat") != "kernel" or any(k in name.lower() for k in _COMM + _COPY):
+            continue
+        start = float(e["ts"])
+        inside = _length(_intersect([(start, start + float(e["dur"]))], span))
+        if not inside:
+            continue
+        key = name.split("(")[0][:90]
+        launcher = ops.get(e.get("args", {}).get("External id"))
+        if kind_of(name) == "matmul" and launcher:
+            op = min(launcher, key=lambda o: float(o.get("dur", 0)))  # the innermost matmul op
+            dims = [d for d in op.get("args", {}).get("Input Dims", []) if isinstance(d, list) and d]
+            key = f"{op['name']} " + " @ ".join("x".join(map(str, d)) for d in dims[:2])
+        calls, ms = out.get(key, (0.0, 0.0))
+        out[key] = (calls + 1 / n, ms + inside / n / 1e3)
+    return out
+
+
+def trace_kernels(path: Path | str) -> dict[str, tuple[float, float]]:
+    """`kernels` of a trace file (`.json` or `.json.gz`)."""
+    return kernels(_read(path))
+
+
+def kernel_differences(
+    a: dict[str, tuple[float, float]], b: dict[str, tuple[float, float]], top: int = 10
+) -> list[tuple[str, float, float, float, float]]:
+    """The `top` kernel keys whose time per step differs most between two `kernels` results (largest
+    absolute difference first): (key, calls in a, ms in a, calls in b, ms in b), zeros where one lacks it."""
+    keys = sorted(a.keys() | b.keys(), key=lambda k: -abs(a.get(k, (0, 0))[1] - b.get(k, (0, 0))[1]))
+    return [(k, *a.get(k, (0.0, 0.0)), *b.get(k, (0.0, 0.0))) for k in keys[:top]]
+
+
+def kernel_table(a: dict, b: dict, names: tuple[str, str] = ("a", "b"), top: int = 8) -> str:
+    """`kernel_differences` as a markdown table: ms per step and calls per step of each run."""
+    head = f"| kernel | {names[0]} ms | calls | {names[1]} ms | calls |\n|---|---:|---:|---:|---:|"
+    rows = [
+        f"| `{k}` | {am:.1f} | {ac:.0f} | {bm:.1f} | {bc:.0f} |"
+        for k, ac, am, bc, bm in kernel_differences(a, b, top)
+    ]
+    return "\n".join([head, *rows])

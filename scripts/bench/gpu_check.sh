@@ -1,15 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check in one GPU-machine call: the GPU tests, then titanrush beside torchtitan 0.2.2.
-# Usage, from the repo root on the GPU machine (logs and results under $OUT, default /tmp/gpu_check):
+# From the repo root on the GPU machine (logs and results under $OUT, default /tmp/gpu_check):
 #   bash scripts/bench/gpu_check.sh [all|tests|bench] [ROWS] [SETTINGS]
-#     all    (default) pytest tests/gpu, then side_by_side.py on ROWS (default 1b)
-#     tests  pytest tests/gpu
-#     bench  side_by_side.py on ROWS (default auto: 1b on one GPU, 8b_fsdp2 on two H200s, 3b_fsdp2 on
-#            two smaller GPUs, 8b_fsdp4 on four)
-#   ROWS, SETTINGS: comma-separated (python scripts/bench/side_by_side.py --help; SETTINGS default
-#   same,defaults,best). Environment: BASE=DIR (another titanrush checkout, run beside this one),
-#   STEPS, MEASURE_FROM, BUDGET (seconds for the whole call, default 540), TITANRUSH_COMMIT and
-#   TITANRUSH_BASE_COMMIT (the commits, where the checkouts have no .git). Installs the wheels of .whl/.
+# all (default): pytest tests/gpu, then side_by_side.py on ROWS (default 1b); tests: pytest tests/gpu;
+# bench: side_by_side.py on ROWS (default auto: 1b on one GPU, 8b_fsdp2 on two H200s, 3b_fsdp2 on two
+# smaller GPUs, 8b_fsdp4 on four). ROWS, SETTINGS (default same,defaults,best): comma-separated, as in
+# side_by_side.py --help. Environment: BASE=DIR (another checkout, run beside this one), STEPS, MEASURE_FROM,
+# BUDGET (s for the call, default 540), TITANRUSH_COMMIT, TITANRUSH_BASE_COMMIT (where there is no .git).
 set -u
 MODE=${1:-all}
 [ "$MODE" = all ] && ROWS=${2:-1b} || ROWS=${2:-auto}

@@ -1,15 +1,13 @@
 """titanrush beside torchtitan 0.2.2 on the same GPUs: the table of docs/benchmarks/performance.md.
 
 Run on the GPU machine from the repo root with torchtitan 0.2.2 importable (gpu_check.sh does); --help.
-
 A row fixes the work; per row torchtitan runs once, then titanrush once per setting (`same`: torchtitan's
-work exactly, AC policy included; `defaults`; `best`; docs/benchmarks/performance.md), and `--base DIR`
-another titanrush checkout; one run at a time, never two at once. `--balance`: on Llama 4 rows both
-trainers warm up over 100 steps and move the routing bias by 1e-2 a step (docs/moe.md), not 10 and 1e-3.
+work exactly, AC policy included; `defaults`; `best`) and `--base DIR` another checkout, one run at a
+time. `--balance`: Llama 4 rows warm up over 100 steps and move the routing bias by 1e-2 a step (moe.md).
 
 Per run: tokens/s per GPU (mean from --measure-from), peak reserved GiB, MFU, time to first step, the
 ratio to the row's torchtitan run; in DIR/results.jsonl every step's loss, titanrush's routing imbalance
-per step and per 10 steps (Llama 4), and with --profile-step where rank 0's profiled step went. Writes
+(Llama 4), and with --profile-step where rank 0's profiled step went and its kernels. Writes
 DIR/results.{jsonl,md} and DIR/logs/; prints the tables.
 """
 
@@ -36,7 +34,7 @@ COMPAT = Path(__file__).resolve().parent / "torchtitan_compat"
 sys.path.insert(0, str(ROOT))
 
 from titanrush.data.hf_tokenizer import write_hf_tokenizer  # noqa: E402
-from titanrush.profiling import trace_timeline  # noqa: E402
+from titanrush.profiling import kernel_table, trace_kernels, trace_timeline  # noqa: E402
 from titanrush.tools.rush_runner import detect_oom, kill_group, read_metrics  # noqa: E402
 
 _OP_AC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "op"]
@@ -314,11 +312,17 @@ def timeline_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def kernel_tables(results: list[dict]) -> str:
+    """Per titanrush run, the kernels whose profiled time differs most from the row's torchtitan run's."""
+    ref = {r["row"]: r["kernels"] for r in results if r["trainer"] == "torchtitan" and r.get("kernels")}
+    runs = [r for r in results if r["trainer"] != "torchtitan" and r.get("kernels") and r["row"] in ref]
+    tables = [kernel_table(ref[r["row"]], r["kernels"], ("torchtitan", "titanrush")) for r in runs]
+    return "".join(f"\n\n{r['row']}, {r['setting']}:\n\n{t}" for r, t in zip(runs, tables))
+
+
 def table(results: list[dict]) -> str:
     """One line per run; `vs torchtitan` divides by the row's torchtitan run of the same invocation."""
-    head = (
-        "row | setting | trainer | status | tok/s/GPU | vs torchtitan | reserved GiB | MFU % | first step s"
-    )
+    head = "row | setting | trainer | status | tok/s/GPU | vs torchtitan | reserved GiB | MFU % | 1st step s"
     lines = [f"| {head} |", "|---|---|---|---|---:|---:|---:|---:|---:|"]
     ref = {r["row"]: r.get("tps") for r in results if r["trainer"] == "torchtitan" and r["status"] == "ok"}
 
@@ -339,8 +343,7 @@ def environment(base: Path | None) -> dict[str, str]:
     import torch
 
     def commit(path: Path, var: str) -> str:
-        """HEAD, marked "+changes" where tracked files differ from it (e.g. a copied checkout whose .git
-        is older than its files): a result never names a commit it was not measured at."""
+        """HEAD, "+changes" where tracked files differ (a result never names a commit it did not run)."""
         if os.environ.get(var):
             return os.environ[var]
         git = ["git", "-C", str(path)]
@@ -375,9 +378,7 @@ def write_corpus(path: Path) -> None:
     from titanrush.data.sources import embedded_documents
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        for doc in embedded_documents("train"):
-            fh.write(json.dumps({"text": doc.text}) + "\n")
+    path.write_text("".join(json.dumps({"text": d.text}) + "\n" for d in embedded_documents("train")))
 
 
 # ---------------------------------------------------------------- main
@@ -441,6 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.profile_step and s["status"] == "ok":
             trace = trace_of(run, work)
             s["timeline"] = trace_timeline(trace) if trace else None
+            s["kernels"] = trace_kernels(trace) if trace else None
             s["trace"] = str(trace) if trace else None
         if run.trainer != "torchtitan" and s["imbalance_curve"]:
             s["imbalance_windows"] = window_imbalance(work / "runs" / run.log.stem / "metrics.jsonl")
@@ -456,6 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     tables = table(results)
     if a.profile_step:
         tables += f"\n\nRank 0's step {a.profile_step} (ms, share of the step):\n\n{timeline_table(results)}"
+        tables += f"\n\nThe kernels that differ most, ms per step (GEMMs by shape):{kernel_tables(results)}"
     (work / "results.md").write_text(f"{header}\n\n{tables}\n\nCommands:\n\n{commands}\n")
     print(f"\n{header}\n\n{tables}")
     return 0 if all(r["status"] == "ok" or r["status"].startswith("skipped") for r in results) else 1

@@ -225,3 +225,22 @@ def test_profile_step_profiles_that_step_in_both_trainers_and_tables_their_timel
     t["kernel_matmul"] = 12.0  # ms per step
     row = "| 8b_fsdp4 | same | titanrush | 0.0 | 0.0 (75%) | 0.0 (25%) | 0.0 (0%) | 0.0 (0%) | 0.0 |"
     assert row + " 12 / 0 / 0 / 0 |" in sbs.timeline_table([result])
+
+
+def test_kernel_tables_set_each_titanrush_run_beside_its_rows_torchtitan_run():
+    """Per titanrush run with kernels, a table of the kernels that differ most from the same row's
+    torchtitan run, through JSON as results.jsonl holds them (tuples become lists); a row without a
+    torchtitan profile gets none."""
+    tt = {"aten::mm 8x4 @ 4x16": (2, 10.0), "rope_complex": (1, 3.0)}
+    ours = {"aten::mm 8x4 @ 4x16": (2, 9.5), "rope_real": (1, 1.0)}
+    results = json.loads(json.dumps([
+        {"row": "8b_fsdp4", "setting": "-", "trainer": "torchtitan", "kernels": tt},
+        {"row": "8b_fsdp4", "setting": "same", "trainer": "titanrush", "kernels": ours},
+        {"row": "1b", "setting": "same", "trainer": "titanrush", "kernels": ours},
+    ]))  # fmt: skip
+    text = sbs.kernel_tables(results)
+    assert text.count("| kernel | torchtitan ms |") == 1 and "8b_fsdp4, same:" in text and "1b" not in text
+    lines = [line for line in text.splitlines() if line.startswith("| `")]
+    assert lines[0] == "| `rope_complex` | 3.0 | 1 | 0.0 | 0 |"  # the largest gap first
+    assert lines[1] == "| `rope_real` | 0.0 | 0 | 1.0 | 1 |"
+    assert lines[2] == "| `aten::mm 8x4 @ 4x16` | 10.0 | 2 | 9.5 | 2 |"

@@ -1,12 +1,12 @@
-"""The profiler: its step boundaries (a GPU sync only where a recorded window opens or closes) and the
-timeline of a trace (compute, exposed communication, copies, idle)."""
+"""The profiler: its step boundaries (a GPU sync only where a recorded window opens or closes) and what a
+trace says (the timeline: compute, exposed communication, copies, idle; the kernels, GEMMs by shape)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from titanrush.profiling import Profiler, timeline
+from titanrush.profiling import Profiler, kernel_differences, kernels, timeline
 
 
 def test_sync_only_around_the_recorded_window(tmp_path, monkeypatch):
@@ -69,3 +69,50 @@ def test_timeline_without_step_ranges_spans_the_kernels_and_refuses_a_cpu_trace(
     assert t["step"] == pytest.approx(0.030) and t["exposed_comm"] == pytest.approx(0.010)
     with pytest.raises(ValueError, match="no GPU kernels"):
         timeline([_x("cpu_op", "aten::mm", 0, 10)])
+
+
+def _op(name: str, ts: float, dur: float, ext: int, dims: list) -> dict:
+    return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur,
+            "args": {"External id": ext, "Input Dims": dims}}  # fmt: skip
+
+
+def _k(name: str, ts: float, dur: float, ext: int | None = None) -> dict:
+    return {**_x("kernel", name, ts, dur), "args": {} if ext is None else {"External id": ext}}
+
+
+def test_kernels_key_gemms_by_the_launching_ops_shapes_and_the_rest_by_name():
+    """Two recorded steps of 100 us. Both launch the same cuBLAS kernel for two GEMM shapes (op 1 and 3:
+    32x64 @ 64x128, op 2: 32x64 @ 64x64); `aten::linear` wraps op 1, and the innermost matmul op names the
+    shape. A Triton kernel runs twice with different argument lists (one key), NCCL and a copy are left
+    out, and the kernel half outside the steps counts only its inside part (10 of 20 us)."""
+    events = [
+        _x("gpu_user_annotation", "ProfilerStep#3", 0, 100),
+        _x("gpu_user_annotation", "ProfilerStep#4", 100, 100),
+        {"ph": "X", "cat": "cpu_op", "name": "aten::linear", "ts": 0, "dur": 9, "args": {"External id": 1}},
+        _op("aten::mm", 1, 5, 1, [[32, 64], [64, 128], []]),
+        _op("aten::mm", 20, 5, 2, [[32, 64], [64, 64]]),
+        _op("aten::mm", 120, 5, 3, [[32, 64], [64, 128]]),
+        _k("nvjet_sm90_tst_gemm", 10, 30, 1),
+        _k("nvjet_sm90_tst_gemm", 40, 10, 2),
+        _k("nvjet_sm90_tst_gemm", 110, 40, 3),
+        _k("triton_poi_fused_silu_0(float*, float*)", 60, 6),
+        _k("triton_poi_fused_silu_0(half*, half*)", 150, 4),
+        _k("ncclDevKernel_AllGather_RING_LL(args)", 0, 50),
+        _x("gpu_memcpy", "Memcpy DtoD", 70, 5),
+        _k("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 190, 20),
+    ]
+    got = kernels({"traceEvents": events})
+    assert set(got) == {"aten::mm 32x64 @ 64x128", "aten::mm 32x64 @ 64x64", "triton_poi_fused_silu_0",
+                        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"}  # fmt: skip
+    assert got["aten::mm 32x64 @ 64x128"] == pytest.approx((1.0, 0.035))  # (30 + 40) us over 2 steps
+    assert got["aten::mm 32x64 @ 64x64"] == pytest.approx((0.5, 0.005))
+    assert got["triton_poi_fused_silu_0"] == pytest.approx((1.0, 0.005))
+    assert got["cudnn_generated_fort_native_sdpa_sm90_flash_fprop"] == pytest.approx((0.5, 0.005))
+
+
+def test_kernel_differences_rank_by_the_largest_gap_either_way():
+    a = {"mm A": (2.0, 10.0), "mm B": (1.0, 5.0), "silu": (1.0, 1.0)}
+    b = {"mm A": (2.0, 10.5), "mm B": (1.0, 2.0), "rope": (1.0, 4.0)}
+    got = kernel_differences(a, b, top=3)
+    assert [k for k, *_ in got] == ["rope", "mm B", "silu"]
+    assert got[0] == ("rope", 0.0, 0.0, 1.0, 4.0) and got[2] == ("silu", 1.0, 1.0, 0.0, 0.0)
