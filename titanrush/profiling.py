@@ -12,6 +12,7 @@ import contextlib
 import gzip
 import json
 import logging
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -328,7 +329,7 @@ def kernels(trace: dict[str, Any] | list[dict[str, Any]]) -> dict[str, tuple[flo
         inside = _length(_intersect([(start, start + float(e["dur"]))], span))
         if not inside:
             continue
-        key = name.split("(")[0][:90]
+        key = _kernel_key(name)
         launcher = ops.get(e.get("args", {}).get("External id"))
         if kind_of(name) == "matmul" and launcher:
             op = min(launcher, key=lambda o: float(o.get("dur", 0)))  # the innermost matmul op
@@ -337,6 +338,13 @@ def kernels(trace: dict[str, Any] | list[dict[str, Any]]) -> dict[str, tuple[flo
         calls, ms = out.get(key, (0.0, 0.0))
         out[key] = (calls + 1 / n, ms + inside / n / 1e3)
     return out
+
+
+def _kernel_key(name: str) -> str:
+    """A kernel's name without namespaces and argument list; a Triton kernel's without the index inductor
+    numbers it by (`triton_poi_fused_mul_silu_7`), which differs between compilations of the same code."""
+    name = re.sub(r"\(anonymous namespace\)::|\b[a-z_]+::", "", name).split("(")[0]  # namespaces out
+    return (re.sub(r"_\d+$", "", name) if name.startswith("triton_") else name)[:120]
 
 
 def trace_kernels(path: Path | str) -> dict[str, tuple[float, float]]:

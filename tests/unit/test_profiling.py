@@ -83,8 +83,9 @@ def _k(name: str, ts: float, dur: float, ext: int | None = None) -> dict:
 def test_kernels_key_gemms_by_the_launching_ops_shapes_and_the_rest_by_name():
     """Two recorded steps of 100 us. Both launch the same cuBLAS kernel for two GEMM shapes (op 1 and 3:
     32x64 @ 64x128, op 2: 32x64 @ 64x64); `aten::linear` wraps op 1, and the innermost matmul op names the
-    shape. A Triton kernel runs twice with different argument lists (one key), NCCL and a copy are left
-    out, and the kernel half outside the steps counts only its inside part (10 of 20 us)."""
+    shape. A Triton kernel runs twice under two inductor indices and argument lists (one key: the index
+    changes between compilations), namespaces drop out of the names, NCCL and a copy are left out, and
+    the kernel half outside the steps counts only its inside part (10 of 20 us)."""
     events = [
         _x("gpu_user_annotation", "ProfilerStep#3", 0, 100),
         _x("gpu_user_annotation", "ProfilerStep#4", 100, 100),
@@ -96,17 +97,19 @@ def test_kernels_key_gemms_by_the_launching_ops_shapes_and_the_rest_by_name():
         _k("nvjet_sm90_tst_gemm", 40, 10, 2),
         _k("nvjet_sm90_tst_gemm", 110, 40, 3),
         _k("triton_poi_fused_silu_0(float*, float*)", 60, 6),
-        _k("triton_poi_fused_silu_0(half*, half*)", 150, 4),
+        _k("triton_poi_fused_silu_3(half*, half*)", 150, 4),
         _k("ncclDevKernel_AllGather_RING_LL(args)", 0, 50),
         _x("gpu_memcpy", "Memcpy DtoD", 70, 5),
         _k("cudnn_generated_fort_native_sdpa_sm90_flash_fprop", 190, 20),
+        _k("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<float>(x)", 180, 2),
     ]
     got = kernels({"traceEvents": events})
-    assert set(got) == {"aten::mm 32x64 @ 64x128", "aten::mm 32x64 @ 64x64", "triton_poi_fused_silu_0",
-                        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"}  # fmt: skip
+    assert set(got) == {"aten::mm 32x64 @ 64x128", "aten::mm 32x64 @ 64x64", "triton_poi_fused_silu",
+                        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop",
+                        "void multi_tensor_apply_kernel<float>"}  # fmt: skip
     assert got["aten::mm 32x64 @ 64x128"] == pytest.approx((1.0, 0.035))  # (30 + 40) us over 2 steps
     assert got["aten::mm 32x64 @ 64x64"] == pytest.approx((0.5, 0.005))
-    assert got["triton_poi_fused_silu_0"] == pytest.approx((1.0, 0.005))
+    assert got["triton_poi_fused_silu"] == pytest.approx((1.0, 0.005))
     assert got["cudnn_generated_fort_native_sdpa_sm90_flash_fprop"] == pytest.approx((0.5, 0.005))
 
 
