@@ -223,12 +223,37 @@ def _window(trace: dict[str, Any] | list[dict[str, Any]]) -> tuple[list, list, l
              and str(e.get("name", "")).startswith("ProfilerStep#")]  # fmt: skip
     if not kernels:
         raise ValueError("the trace has no GPU kernels (a CPU run, or not a torch.profiler trace)")
+    launched = _launched(events, kernels)
+    if launched:
+        return events, kernels, _union(launched), len(launched)
     if steps:
         span = _union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in steps])
     else:
         first = min(float(e["ts"]) for e in kernels)
         span = [(first, max(float(e["ts"]) + float(e["dur"]) for e in kernels))]
     return events, kernels, span, max(1, len(steps))
+
+
+def _launched(events: list[dict[str, Any]], kernels: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """Per recorded step (a `ProfilerStep#N` range on the host), first start to last end of the kernels the
+    host launched inside it (CUDA runtime calls matched to kernels by correlation id); [] where the trace
+    lacks either. (The GPU's own `ProfilerStep#N` ranges end where a nested range such as the optimizer's
+    `Optimizer.step` begins its kernels, and so leave out a step's last kernels.)"""
+
+    def ends(e: dict[str, Any]) -> tuple[float, float]:
+        return float(e["ts"]), float(e["ts"]) + float(e["dur"])
+
+    host = [ends(e) for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+            and str(e.get("name", "")).startswith("ProfilerStep#")]  # fmt: skip
+    runtime = ("cuda_runtime", "cuda_driver")
+    calls = {e["args"]["correlation"]: float(e["ts"]) for e in events
+             if e.get("cat") in runtime and "correlation" in e.get("args", {})}  # fmt: skip
+    out = []
+    for lo, hi in sorted(host):
+        mine = [ends(k) for k in kernels if lo <= calls.get(k.get("args", {}).get("correlation"), -1.0) <= hi]
+        if mine:
+            out.append((min(a for a, _ in mine), max(b for _, b in mine)))
+    return out
 
 
 def timeline(trace: dict[str, Any]) -> dict[str, float]:
