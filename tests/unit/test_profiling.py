@@ -119,3 +119,36 @@ def test_kernel_differences_rank_by_the_largest_gap_either_way():
     got = kernel_differences(a, b, top=3)
     assert [k for k, *_ in got] == ["rope", "mm B", "silu"]
     assert got[0] == ("rope", 0.0, 0.0, 1.0, 4.0) and got[2] == ("silu", 1.0, 1.0, 0.0, 0.0)
+
+
+def test_a_steps_window_holds_every_kernel_its_host_range_launched_even_after_a_nested_gpu_range():
+    """As torch.profiler writes a step whose optimizer runs last (seen on an H200): the GPU's
+    `ProfilerStep#5` range ends where the nested `Optimizer.step` range's kernels begin, at 100 of 120 us.
+    The step's window is the span of the kernels whose launch (a CUDA runtime call with the kernel's
+    correlation id) falls inside the host's `ProfilerStep#5` range: 0-120 here, the optimizer's 20 us
+    included; a kernel launched before that range (at 130-140 on the GPU) stays out."""
+
+    def launch(ts: float, corr: int) -> dict:
+        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1,
+                "args": {"correlation": corr}}  # fmt: skip
+
+    def kernel(name: str, ts: float, dur: float, corr: int) -> dict:
+        return {**_x("kernel", name, ts, dur), "args": {"correlation": corr}}
+
+    events = [
+        _x("user_annotation", "ProfilerStep#5", -50, 200),
+        _x("gpu_user_annotation", "ProfilerStep#5", 0, 100),
+        _x("gpu_user_annotation", "Optimizer.step#AdamW.step", 100, 20),
+        launch(-40, 1),
+        launch(-30, 2),
+        launch(60, 3),
+        launch(-60, 9),
+        kernel("nvjet_gemm", 0, 90, 1),
+        kernel("triton_poi_fused_0", 90, 10, 2),
+        kernel("multi_tensor_apply_kernel_FusedAdamMathFunctor", 100, 20, 3),
+        kernel("nvjet_gemm", 130, 10, 9),
+    ]
+    t = timeline({"traceEvents": events})
+    assert t["steps"] == 1 and t["step"] == pytest.approx(0.120)
+    assert t["kernel_optimizer"] == pytest.approx(0.020) and t["kernel_matmul"] == pytest.approx(0.090)
+    assert kernels(events)["multi_tensor_apply_kernel_FusedAdamMathFunctor"] == pytest.approx((1.0, 0.020))
