@@ -214,18 +214,18 @@ def _minus(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[t
 
 def _window(trace: dict[str, Any] | list[dict[str, Any]]) -> tuple[list, list, list, int]:
     """A trace's events, its GPU kernels (copies and sets included), the recorded steps' span on the GPU
-    (the `ProfilerStep#N` ranges; without them, first kernel start to last kernel end) and the number of
-    steps (at least 1)."""
+    and the number of steps (at least 1). The span: per step, first start to last end of the kernels the
+    host launched inside the step's range (`_launched`); for traces without launch records, the GPU's
+    `ProfilerStep#N` ranges; without those, first kernel start to last kernel end."""
     events = trace.get("traceEvents", trace) if isinstance(trace, dict) else trace
     device = ("kernel", "gpu_memcpy", "gpu_memset")
     kernels = [e for e in events if e.get("ph") == "X" and e.get("cat") in device]
-    steps = [e for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_user_annotation"
-             and str(e.get("name", "")).startswith("ProfilerStep#")]  # fmt: skip
     if not kernels:
         raise ValueError("the trace has no GPU kernels (a CPU run, or not a torch.profiler trace)")
-    launched = _launched(events, kernels)
-    if launched:
+    if launched := _launched(events, kernels):
         return events, kernels, _union(launched), len(launched)
+    steps = [e for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_user_annotation"
+             and str(e.get("name", "")).startswith("ProfilerStep#")]  # fmt: skip
     if steps:
         span = _union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in steps])
     else:
@@ -259,8 +259,8 @@ def _launched(events: list[dict[str, Any]], kernels: list[dict[str, Any]]) -> li
 def timeline(trace: dict[str, Any]) -> dict[str, float]:
     """Where a GPU's time went in a Chrome trace (torch.profiler's `export_chrome_trace`, either trainer's).
 
-    Over the profiled steps' span on the GPU (the `ProfilerStep#N` ranges of the GPU timeline; without
-    them, first kernel start to last kernel end), per step, in milliseconds:
+    Over the recorded steps' windows on the GPU (`_window`: per step, the span of the kernels the host
+    launched inside its `ProfilerStep#N` range), per step, in milliseconds:
     `compute` (time some compute kernel runs: everything but communication and copies), `comm` (time some
     communication kernel runs), `exposed_comm` (communication while no compute kernel runs: what the
     step waits for), `copy` (memory copies and sets while nothing else runs), `idle` (no kernel at all:
@@ -338,8 +338,8 @@ def kernels(trace: dict[str, Any] | list[dict[str, Any]]) -> dict[str, tuple[flo
     """The compute kernels of a trace's recorded steps (as `timeline` finds them), per step: key -> (calls,
     ms). A matmul kernel's key is the op that launched it and its input shapes (`aten::mm 16384x4096 @
     4096x14336`, torch.profiler's `record_shapes`; both trainers record them), so that two runs' GEMMs
-    compare shape by shape; any other kernel's key is its name up to its argument list. Communication
-    kernels and copies are left out (`timeline` accounts for them)."""
+    compare shape by shape; any other kernel's key is its name (`_kernel_key`). Communication kernels and
+    copies are left out (`timeline` accounts for them)."""
     events, found, span, n = _window(trace)
     ops: dict[Any, list[dict[str, Any]]] = {}
     for e in events:
