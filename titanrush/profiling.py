@@ -306,10 +306,11 @@ def timeline(trace: dict[str, Any]) -> dict[str, float]:
 
 def trace_timeline(path: Path | str) -> dict[str, float]:
     """`timeline` of a trace file (`.json`, or `.json.gz` as titanrush writes them)."""
-    return timeline(_read(path))
+    return timeline(read_trace(path))
 
 
-def _read(path: Path | str) -> Any:
+def read_trace(path: Path | str) -> Any:
+    """A Chrome trace file, `.json` or `.json.gz`, parsed (for `timeline` and `kernels` of one read)."""
     opener = gzip.open if str(path).endswith(".gz") else open
     with opener(path, "rt") as fh:
         return json.load(fh)
@@ -370,11 +371,6 @@ def _kernel_key(name: str) -> str:
     numbers it by (`triton_poi_fused_mul_silu_7`), which differs between compilations of the same code."""
     name = re.sub(r"\(anonymous namespace\)::|\b[a-z_]+::", "", name).split("(")[0]  # namespaces out
     return (re.sub(r"_\d+$", "", name) if name.startswith("triton_") else name)[:120]
-
-
-def trace_kernels(path: Path | str) -> dict[str, tuple[float, float]]:
-    """`kernels` of a trace file (`.json` or `.json.gz`)."""
-    return kernels(_read(path))
 
 
 def kernel_differences(

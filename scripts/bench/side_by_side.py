@@ -34,7 +34,7 @@ COMPAT = Path(__file__).resolve().parent / "torchtitan_compat"
 sys.path.insert(0, str(ROOT))
 
 from titanrush.data.hf_tokenizer import write_hf_tokenizer  # noqa: E402
-from titanrush.profiling import kernel_table, trace_kernels, trace_timeline  # noqa: E402
+from titanrush.profiling import kernel_table, kernels, read_trace, timeline  # noqa: E402
 from titanrush.tools.rush_runner import detect_oom, kill_group, read_metrics  # noqa: E402
 
 _OP_AC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "op"]
@@ -441,8 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         s = summarize(run, result, a.measure_from, a.profile_step)
         if a.profile_step and s["status"] == "ok":
             trace = trace_of(run, work)
-            s["timeline"] = trace_timeline(trace) if trace else None
-            s["kernels"] = trace_kernels(trace) if trace else None
+            data = read_trace(trace) if trace else None  # parsed once: an 8B trace is hundreds of MB
+            s["timeline"], s["kernels"] = (timeline(data), kernels(data)) if data else (None, None)
             s["trace"] = str(trace) if trace else None
         if run.trainer != "torchtitan" and s["imbalance_curve"]:
             s["imbalance_windows"] = window_imbalance(work / "runs" / run.log.stem / "metrics.jsonl")
