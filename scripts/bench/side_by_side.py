@@ -106,15 +106,14 @@ def setting_flags(row: Row) -> dict[str, list[str]]:
     return {"same": same, "defaults": defaults, "best": list(row.best) or defaults}
 
 
-def torchtitan_toml(
-    row: Row, steps: int, assets: Path, corpus: Path, dump: Path, profile_step: int = 0, warmup: int = 10
-) -> str:
+def torchtitan_toml(row: Row, steps: int, assets: Path, corpus: Path, dump: Path, profile_step: int = 0,
+                    warmup: int = 10, log_freq: int = 1) -> str:  # fmt: skip
     """torchtitan's job config for the row (JSON values are TOML values here); with `profile_step`, its
     profiler records that step (after one warm-up step, as titanrush's)."""
     ac = {"mode": "selective", "selective_ac_option": "op"} if row.ac else {"mode": "none"}
     cfg = {
         "job": {"dump_folder": str(dump)},
-        "metrics": {"log_freq": 1, "disable_color_printing": True},
+        "metrics": {"log_freq": log_freq, "disable_color_printing": True},
         "model": {"name": "llama4" if row.flavor.startswith("llama4") else "llama3", "flavor": row.flavor,
                   "hf_assets_path": str(assets),
                   "converters": ["quantize.linear.float8"] if row.float8 else []},
@@ -177,7 +176,7 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
             toml.parent.mkdir(parents=True, exist_ok=True)
             balance = a.balance and row.flavor.startswith("llama4")
             tt = torchtitan_toml(row, a.steps, work / "tokenizer", work / "corpus", work / "tt" / row.name,
-                                 a.profile_step, 100 if balance else 10)  # fmt: skip
+                                 a.profile_step, 100 if balance else 10, a.log_freq)  # fmt: skip
             toml.write_text(tt)
             nproc = [f"--nproc_per_node={row.ngpu}", "--local-ranks-filter", "0"]  # rank 0 logs, as ours
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *nproc,
@@ -197,7 +196,7 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
                 tag = f"{trainer}_{row.name}_{setting}"
                 balance = BALANCE if a.balance and row.flavor.startswith("llama4") else []
                 args = [*row_flags(row), *flags, *balance, "--training.steps", str(a.steps),
-                        "--metrics.log_freq", "1",
+                        "--metrics.log_freq", str(a.log_freq),
                         "--metrics.tensorboard", "false", "--job.dump_folder", str(work / "runs"),
                         "--job.name", tag, *profile]  # fmt: skip
                 cmd = [str(checkout / "run_train.sh"), *args]
@@ -391,6 +390,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated: {', '.join(SETTINGS)}")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--measure-from", type=int, default=10)
+    ap.add_argument("--log-freq", type=int, default=1, help="both trainers log (and sync) every N steps")
     ap.add_argument("--base", type=Path, help="another titanrush checkout, run at the same rows and settings")
     ap.add_argument("--trainers", default="torchtitan,titanrush", help="leave one out to run the other alone")
     ap.add_argument("--timeout-per-run", type=float, default=300)
