@@ -3,9 +3,8 @@
     python scripts/build_tokenizer.py [--ranks 7936] [--output titanrush/data/assets/titanrush_bpe.tiktoken]
 
 Writes tiktoken's rank-file format (`base64(token) rank` per line). With the 256 Llama 3 special
-tokens that `titanrush.data.tokenizer` appends, the default 7936 ranks give a vocabulary of 8192.
-The shipped file was built from the Python 3.11 standard library; another Python version gives a
-slightly different (equally valid) table.
+tokens that `titanrush.data.tokenizer` appends, the default 7936 ranks give a vocabulary of 8192. Built
+from the Python 3.11 standard library; another Python gives a slightly different (equally valid) table.
 """
 
 from __future__ import annotations

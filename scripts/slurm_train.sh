@@ -1,19 +1,15 @@
 #!/usr/bin/env bash
 # Multi-node titanrush training on SLURM: one torchrun launcher per node (srun), joined by torchrun's
 # c10d rendezvous on the first node of the allocation. Each launcher starts NGPU training processes.
-#
 #   sbatch --nodes=8 scripts/slurm_train.sh --config train_configs/llama70b_2d.toml [--section.key value ...]
-#
 # Environment (all optional):
 #   NGPU           training processes per node (default: the GPUs SLURM gave each node, else all visible)
 #   RDZV_PORT      rendezvous port on the first node (default 29500)
 #   RDZV_ENDPOINT  host:port of the rendezvous (default: first node of the allocation : RDZV_PORT)
 #   PYTHON         interpreter (default python3); activate your environment before sbatch, srun inherits it
-#
 # Every node runs ./run_train.sh with NNODES, NODE_RANK (= SLURM_NODEID) and RDZV_ENDPOINT set; the
 # rendezvous id is the SLURM job id, so two jobs never join each other. If a node fails, srun's
 # --kill-on-bad-exit ends the others instead of leaving them waiting in a collective.
-#
 #SBATCH --job-name=titanrush
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1

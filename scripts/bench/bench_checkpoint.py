@@ -1,16 +1,14 @@
 """Checkpoint save and load times: save under the config's mesh, resume under another (checkpoint_8b.md).
 
-Usage (on the GPU machine, from the repo root):
-  python scripts/bench/bench_checkpoint.py --config train_configs/llama8b_fsdp.toml --ngpu 4 \
-      --folder /dev/shm/ckbench --out DIR [--modes disabled,async_pinned] \
-      [--resume-overrides "--parallelism.tp 2"] [--keep] [--dry-run] [overrides ...]
-
-Per mode (`checkpoint.async_mode`), 3 steps with a full checkpoint at step 2 (step 3 runs while an async
-save is in flight): the time training was blocked (`ckpt_blocking_s`), until the checkpoint was
-complete (`ckpt_save_s`), and of it rank 0's checksumming for the integrity record (`ckpt_integrity_s`).
-Then one run loads the last good checkpoint under `--resume-overrides` and trains on: its `ckpt_load_s`,
-the integrity check inside it (`ckpt_verify_s`), and whether it went on at step 3. The table goes to stdout
-and DIR/results.md (DIR/results.jsonl: each run's exact command). Exit status 1 if any run is not ok.
+On the GPU machine, from the repo root: python scripts/bench/bench_checkpoint.py --config
+train_configs/llama8b_fsdp.toml --ngpu 4 --folder /dev/shm/ckbench --out DIR [--modes disabled,async_pinned]
+[--resume-overrides "--parallelism.tp 2"] [--keep] [--dry-run] [overrides ...]. Per mode
+(`checkpoint.async_mode`), 3 steps with a full checkpoint at step 2 (step 3 runs while an async save is in
+flight): the time training was blocked (`ckpt_blocking_s`), until the checkpoint was complete
+(`ckpt_save_s`), and in it rank 0's checksums for the integrity record (`ckpt_integrity_s`). Then a run
+loads the last good checkpoint under `--resume-overrides` and trains on: `ckpt_load_s`, its integrity check
+(`ckpt_verify_s`), whether it went on at step 3. Table: stdout and DIR/results.md (results.jsonl: each
+run's command). Exit status 1 if a run is not ok.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
-# The GPU check in one GPU-machine call: the GPU tests, then titanrush beside torchtitan 0.2.2.
-# From the repo root on the GPU machine (logs and results under $OUT, default /tmp/gpu_check):
-#   bash scripts/bench/gpu_check.sh [all|tests|bench] [ROWS] [SETTINGS]
-# all (default): pytest tests/gpu, then side_by_side.py on ROWS (default 1b); tests: pytest tests/gpu;
-# bench: side_by_side.py on ROWS (default auto: 1b on one GPU, 8b_fsdp2 on two H200s, 3b_fsdp2 on two
-# smaller GPUs, 8b_fsdp4 on four). ROWS, SETTINGS (default same,defaults,best): comma-separated, as in
-# side_by_side.py --help. Environment: BASE=DIR (another checkout, run beside this one), STEPS, MEASURE_FROM,
-# BUDGET (s for the call, default 540), TITANRUSH_COMMIT, TITANRUSH_BASE_COMMIT (where there is no .git).
+# The GPU check in one GPU-machine call: the GPU tests, then titanrush beside torchtitan 0.2.2. From the
+# repo root there: bash scripts/bench/gpu_check.sh [all|tests|bench] [ROWS] [SETTINGS] (logs, results: $OUT,
+# default /tmp/gpu_check). all: tests/gpu, then ROWS (default 1b); tests; bench: ROWS (default auto: the
+# machine's row, see side_by_side.py). ROWS, SETTINGS (same,defaults,best) as side_by_side.py's. Environment:
+# BASE=DIR (another checkout), STEPS, MEASURE_FROM, BUDGET (s, 540), TITANRUSH_COMMIT, TITANRUSH_BASE_COMMIT.
 set -u
 MODE=${1:-all}
 [ "$MODE" = all ] && ROWS=${2:-1b} || ROWS=${2:-auto}

@@ -2,13 +2,11 @@
 
 Run on the GPU machine from the repo root with torchtitan 0.2.2 importable (gpu_check.sh does); --help.
 A row fixes the work; per row torchtitan runs once, then titanrush once per setting (`same`: torchtitan's
-work exactly, AC policy included; `defaults`; `best`) and `--base DIR` another checkout, one run at a
-time. `--balance`: Llama 4 rows warm up over 100 steps and move the routing bias by 1e-2 a step (moe.md).
-
-Per run: tokens/s per GPU (mean from --measure-from), peak reserved GiB, MFU, time to first step, the
-ratio to the row's torchtitan run; in DIR/results.jsonl every step's loss, titanrush's routing imbalance
-(Llama 4), and with --profile-step where rank 0's profiled step went and its kernels. Writes
-DIR/results.{jsonl,md} and DIR/logs/; prints the tables.
+work exactly, AC policy and pipeline split included; `defaults`; `best`) and `--base DIR` another
+checkout, one run at a time. `--balance`: Llama 4 rows warm up over 100 steps, routing bias step 1e-2.
+Per run: tokens/s per GPU (mean from --measure-from), peak reserved GiB, MFU, time to first step, ratio to
+the row's torchtitan run; in DIR/results.jsonl each logged loss, titanrush's routing imbalance (Llama 4),
+with --profile-step where rank 0's profiled step went, its kernels. Writes DIR/results.{jsonl,md}, logs/.
 """
 
 from __future__ import annotations
@@ -34,6 +32,7 @@ COMPAT = Path(__file__).resolve().parent / "torchtitan_compat"
 sys.path.insert(0, str(ROOT))
 
 from titanrush.data.hf_tokenizer import write_hf_tokenizer  # noqa: E402
+from titanrush.models.llama.flavors import model_args  # noqa: E402
 from titanrush.profiling import kernel_table, kernels, read_trace, timeline  # noqa: E402
 from titanrush.tools.rush_runner import detect_oom, kill_group, read_metrics  # noqa: E402
 
@@ -99,9 +98,19 @@ def row_flags(row: Row) -> list[str]:
     return flags + (["--float8.enable"] if row.float8 else [])
 
 
+def even_split(row: Row) -> list[int]:
+    """torchtitan's layers per stage: embedding, output count as a layer, spread evenly (8B, pp 2: 16/16)."""
+    units, pp = model_args(row.flavor).n_layers + 2, row.pp
+    split = [units // pp + (i < units % pp) for i in range(pp)]  # the first stages take the remainder
+    return [split[0] - 1, *split[1:-1], split[-1] - 1]
+
+
 def setting_flags(row: Row) -> dict[str, list[str]]:
-    """Each named setting's titanrush flags for this row, on top of `row_flags`."""
+    """Each named setting's titanrush flags for this row, on top of `row_flags`; `same` splits a pipeline's
+    layers evenly, as torchtitan does (titanrush's default weighs each stage's cost)."""
     same = [*_OP_AC, "--activation_checkpoint.op_matmuls", "alternate"] if row.ac else _NO_AC
+    if row.pp > 1:
+        same = [*same, "--parallelism.pp_layers_per_stage", ",".join(map(str, even_split(row)))]
     defaults = _OP_AC if row.ac else _NO_AC
     return {"same": same, "defaults": defaults, "best": list(row.best) or defaults}
 
@@ -195,10 +204,9 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
                     continue
                 tag = f"{trainer}_{row.name}_{setting}"
                 balance = BALANCE if a.balance and row.flavor.startswith("llama4") else []
-                args = [*row_flags(row), *flags, *balance, "--training.steps", str(a.steps),
-                        "--metrics.log_freq", str(a.log_freq),
-                        "--metrics.tensorboard", "false", "--job.dump_folder", str(work / "runs"),
-                        "--job.name", tag, *profile]  # fmt: skip
+                args = [*row_flags(row), *flags, *balance, "--training.steps", str(a.steps), "--job.name",
+                        tag, "--metrics.log_freq", str(a.log_freq), "--metrics.tensorboard", "false",
+                        "--job.dump_folder", str(work / "runs"), *profile]  # fmt: skip
                 cmd = [str(checkout / "run_train.sh"), *args]
                 runs.append(Run(trainer, row.name, setting, cmd, {"NGPU": str(row.ngpu)}, checkout,
                                 work / "logs" / f"{tag}.log"))  # fmt: skip
@@ -260,20 +268,23 @@ def execute(run: Run, timeout: float) -> dict:
 
 
 def summarize(run: Run, result: dict, measure_from: int, profile_step: int = 0) -> dict:
-    """The run's figures: means (tokens/s, MFU) and the peak (reserved GiB) over the measured steps, less
-    each profiled step (every `profile_step`-th), its warm-up step and the step after (the trace's export)."""
-    steps = [s for s in result.get("steps", []) if not (profile_step and (s["step"] + 1) % profile_step <= 2)]
-    steady = [s for s in steps if s["step"] >= measure_from]
+    """The figures over the steps from `measure_from` on (a logged line stands for the steps since the one
+    before, all measured or it is left out): means (tokens/s, MFU), peak reserved GiB; less each profiled
+    step (every `profile_step`-th), its warm-up step and the step after (the trace's export)."""
+    logged = result.get("steps", [])
+    since = {s["step"]: before["step"] for before, s in zip([{"step": 0}, *logged], logged)}
+    steady = [s for s in logged if since[s["step"]] >= measure_from - 1
+              and not (profile_step and (s["step"] + 1) % profile_step <= 2)]  # fmt: skip
     out = {"trainer": run.trainer, "row": run.row, "setting": run.setting, "status": result["status"],
            "first_step_s": result.get("first_step_s"), "command": run.shell()}  # fmt: skip
-    for key, reduce in (("tps", fmean), ("mfu", fmean), ("mem_gib", max)):
-        values = [s[key] for s in steady if s.get(key) is not None]
-        out[key] = reduce(values) if values else None
+    for key in ("tps", "mfu", "mem_gib"):
+        values = [(s[key], s["step"] - since[s["step"]]) for s in steady if s.get(key) is not None]
+        mean = fmean([v for v, _ in values], weights=[n for _, n in values]) if values else None
+        out[key] = max(v for v, _ in values) if values and key == "mem_gib" else mean
     if out["status"] == "ok" and not steady:
         out["status"] = "no steps logged"
-    steps = result.get("steps", [])
-    out["loss_curve"] = [[s["step"], s["loss"]] for s in steps if s.get("loss") is not None]
-    out["imbalance_curve"] = [[s["step"], s["imbalance"]] for s in steps if s.get("imbalance") is not None]
+    out["loss_curve"] = [[s["step"], s["loss"]] for s in logged if s.get("loss") is not None]
+    out["imbalance_curve"] = [[s["step"], s["imbalance"]] for s in logged if s.get("imbalance") is not None]
     return out
 
 
@@ -390,7 +401,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated: {', '.join(SETTINGS)}")
     ap.add_argument("--steps", type=int, default=25)
     ap.add_argument("--measure-from", type=int, default=10)
-    ap.add_argument("--log-freq", type=int, default=1, help="both trainers log (and sync) every N steps")
+    ap.add_argument("--log-freq", type=int, help="both log every N steps (10; 1 with --profile-step)")
     ap.add_argument("--base", type=Path, help="another titanrush checkout, run at the same rows and settings")
     ap.add_argument("--trainers", default="torchtitan,titanrush", help="leave one out to run the other alone")
     ap.add_argument("--timeout-per-run", type=float, default=300)
@@ -408,6 +419,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         ap.error(f"--base {a.base}: no titanrush checkout there (no run_train.sh)")
     if a.profile_step and not 4 <= a.profile_step <= a.steps:
         ap.error(f"--profile-step {a.profile_step} must be in 4..--steps ({a.steps})")
+    a.log_freq = a.log_freq or (1 if a.profile_step else 10)  # (10: torchtitan's default)
+    if a.profile_step and a.log_freq != 1:
+        ap.error("--profile-step needs --log-freq 1 (a logged line would stand for the profiled steps too)")
     if not 1 <= a.measure_from <= a.steps:
         ap.error(f"--measure-from {a.measure_from} must be in 1..--steps ({a.steps})")
     return a

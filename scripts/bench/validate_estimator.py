@@ -1,15 +1,12 @@
 """The memory estimator against real runs: predicted vs measured peak memory per GPU (estimator_gpu.md).
 
-Usage (on the GPU machine, from the repo root):
-  python scripts/bench/validate_estimator.py --out DIR [--steps 4] [--gpu-mem GiB] \
-      --run "1b-bs8: --config train_configs/llama1b_single.toml" --run "8b-fsdp4 @4: --config ..."
-
-Each `--run` is "NAME[ @NGPU]: run_train.sh ARGS": `estimate()` here, then a short run whose rank-0
-metrics.jsonl gives the measured peaks: the largest `mem_active_gib` against the predicted peak allocated,
-the largest `mem_reserved_gib` against that + allocator slack (with PP, the first stage's). Writes
-DIR/validation.md, DIR/validation.jsonl and each run's log. Llama 4 runs: `--moe-imbalance` is the
-estimate's (the busiest EP rank's load); each row records the largest `moe_imbalance` the run logged
-(max / mean per expert, an upper bound of a rank's): estimate again with min(that, ep).
+On the GPU machine, from the repo root: python scripts/bench/validate_estimator.py --out DIR [--steps 4]
+[--gpu-mem GiB] --run "1b-bs8: --config train_configs/llama1b_single.toml" --run "8b-fsdp4 @4: ...".
+Each `--run` is "NAME[ @NGPU]: run_train.sh ARGS": `estimate()`, then a short run whose rank-0 metrics.jsonl
+gives the peaks: the largest `mem_active_gib` against the predicted allocated peak, `mem_reserved_gib`
+against that + allocator slack (PP: the first stage's). Writes DIR/validation.{md,jsonl} and the logs.
+Llama 4: `--moe-imbalance` is the estimate's (the busiest EP rank's load); each row records the largest
+`moe_imbalance` logged (max / mean per expert, a bound of a rank's): estimate again with min(that, ep).
 """
 
 from __future__ import annotations

@@ -75,6 +75,40 @@ def test_profiled_steps_are_left_out_of_the_figures():
     assert every["tps"] == pytest.approx((6 * 10 + 4 * 100) / 10)
 
 
+def test_a_logged_line_counts_for_the_steps_since_the_line_before_it():
+    """Logging every 10 steps: the line at step 10 stands for steps 2-10 (compile warm-up), left out when
+    measuring from 10; steps 11-20 and 21-25 count, weighted by their number of steps."""
+    run = sbs.Run("torchtitan", "1b", "-", ["x"], {}, sbs.ROOT, sbs.ROOT / "log")
+    steps = [{"step": s, "tps": t, "mfu": t / 10, "mem_gib": m, "loss": 1.0}
+             for s, t, m in ((1, 5.0, 1.0), (10, 20.0, 9.0), (20, 100.0, 3.0), (25, 70.0, 2.0))]  # fmt: skip
+    out = sbs.summarize(run, {"status": "ok", "steps": steps}, 10)
+    assert out["tps"] == pytest.approx((10 * 100 + 5 * 70) / 15) and out["mfu"] == pytest.approx(9.0)
+    assert out["mem_gib"] == 3.0 and len(out["loss_curve"]) == 4
+    assert sbs.summarize(run, {"status": "ok", "steps": steps}, 12)["tps"] == 70.0  # 11-20 not all measured
+
+
+def test_both_trainers_log_every_10_steps_unless_a_step_is_profiled(tmp_path):
+    a = sbs.parse_args(["--out", str(tmp_path), "--rows", "8b_fsdp4", "--settings", "same"])
+    runs = sbs.plan([sbs.ROWS["8b_fsdp4"]], a.settings, a, tmp_path)
+    ours = config.load(None, next(r for r in runs if r.trainer == "titanrush").cmd[1:])
+    tt = tomllib.loads((tmp_path / "configs" / "torchtitan_8b_fsdp4.toml").read_text())
+    assert a.log_freq == ours.metrics.log_freq == tt["metrics"]["log_freq"] == 10  # torchtitan's default
+    profiled = ["--out", str(tmp_path), "--steps", "20", "--profile-step", "12"]
+    assert sbs.parse_args(profiled).log_freq == 1  # a logged line must not stand for the profiled steps
+    with pytest.raises(SystemExit):
+        sbs.parse_args([*profiled, "--log-freq", "10"])
+
+
+def test_same_splits_a_pipeline_as_torchtitan_does():
+    """torchtitan 0.2.2 counts the embedding and the output as a layer each and spreads the units evenly,
+    the first stages taking the remainder: 34 units over 2 stages, 17 + 17; over 4, 9 + 9 + 8 + 8."""
+    assert sbs.even_split(sbs.ROWS["8b_pp2_fsdp2"]) == [16, 16]
+    assert sbs.even_split(sbs.Row("x", "8B", 4, 8192, 4, pp=4)) == [8, 9, 8, 7]
+    flags = sbs.setting_flags(sbs.ROWS["8b_pp2_fsdp2"])
+    assert config.load(None, flags["same"]).parallelism.pp_layers_per_stage == [16, 16]
+    assert config.load(None, flags["defaults"]).parallelism.pp_layers_per_stage == []  # titanrush's own
+
+
 def test_window_imbalance_sums_each_experts_tokens_over_ten_steps(tmp_path):
     """Per 10-step window: the layer's max / mean of the summed load, worst and mean over layers."""
     rows = []

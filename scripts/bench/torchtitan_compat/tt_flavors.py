@@ -1,10 +1,9 @@
 """Imported by torchtitan through `--experimental.custom_import tt_flavors` (side_by_side.py).
 
-torchtitan 0.2.2 ships no Llama 3.2 shapes; this adds the 1B and the 3B (untied output projection, as
-torchtitan builds every Llama) to its llama3 flavors, so both trainers build the same model; and
-titanrush's Llama 4 benchmark sizes, under the same names, to its llama4 flavors (every layer MoE, one
-shared expert, top-1 sigmoid routing, expert hidden 2816 = its auto-scaled size, the bias step at
-TT_LOAD_BALANCE_COEFF, default 1e-3 as torchtitan's).
+torchtitan 0.2.2 ships no Llama 3.2 shapes: this adds the 1B and 3B (untied output, as torchtitan builds
+every Llama) to its llama3 flavors, and titanrush's Llama 4 benchmark sizes to its llama4 flavors (every
+layer MoE, one shared expert, top-1 sigmoid routing, expert hidden 2816 = its auto-scaled size, the bias
+step at TT_LOAD_BALANCE_COEFF, default 1e-3 as torchtitan's), so both trainers build the same models.
 """
 
 import os
