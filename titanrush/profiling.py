@@ -272,17 +272,10 @@ def timeline(trace: dict[str, Any]) -> dict[str, float]:
     _, kernels, span, n = _window(trace)
 
     def clip(sel: list[dict[str, Any]]) -> list[tuple[float, float]]:
-        raw = _union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in sel])
-        return _intersect(raw, span)
+        return _intersect(_union([_ends(e) for e in sel]), span)
 
-    def name(e: dict[str, Any]) -> str:
-        return str(e.get("name", "")).lower()
-
-    comm = clip([e for e in kernels if any(k in name(e) for k in _COMM)])
-    copy = clip([e for e in kernels if e.get("cat") != "kernel" or any(k in name(e) for k in _COPY)])
-    other = _COMM + _COPY
-    computing = [e for e in kernels if e.get("cat") == "kernel" and not any(k in name(e) for k in other)]
-    compute = clip(computing)
+    communicating, copying, computing = _sort(kernels)
+    comm, copy, compute = clip(communicating), clip(copying), clip(computing)
     kinds = dict.fromkeys(("matmul", "attention", "compiled", "optimizer", "other"), 0.0)
     for e in computing:
         kind, start = kind_of(str(e.get("name", ""))), float(e["ts"])
@@ -302,6 +295,60 @@ def timeline(trace: dict[str, Any]) -> dict[str, float]:
         "idle": (total - _length(busy)) / n / 1e3,
         **{f"kernel_{kind}": t / n / 1e3 for kind, t in kinds.items()},
     }
+
+
+def _ends(e: dict[str, Any]) -> tuple[float, float]:
+    return float(e["ts"]), float(e["ts"]) + float(e["dur"])
+
+
+def _sort(kernels: list[dict[str, Any]]) -> tuple[list, list, list]:
+    """A trace's GPU kernels as (communication, copies and sets, compute)."""
+    out: tuple[list, list, list] = ([], [], [])
+    for e in kernels:
+        name = str(e.get("name", "")).lower()
+        comm = any(k in name for k in _COMM)
+        out[0 if comm else 1 if e.get("cat") != "kernel" or any(k in name for k in _COPY) else 2].append(e)
+    return out
+
+
+def collectives(trace: dict[str, Any] | list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """The communication kernels of a trace's recorded steps (as `timeline` finds them), per step, keyed by
+    kernel (`_kernel_key`: collective, reduction, dtype, algorithm) and process group where the trace names
+    it: `calls`; `ms`, their time; `exposed`, the part no compute kernel overlaps (what the step waits
+    for); `concurrent`, the part another stream's communication overlaps (sharing links and SMs). Two
+    runs with the same collectives and different `ms` wait differently: for a peer, or for bandwidth."""
+    _, found, span, n = _window(trace)
+    comm, _, computing = _sort(found)
+    compute = _union([_ends(e) for e in computing])
+    streams: dict[Any, list[tuple[float, float]]] = {}
+    for e in comm:
+        streams.setdefault(e.get("tid"), []).append(_ends(e))
+    others = {s: _union([iv for t, ivs in streams.items() if t != s for iv in ivs]) for s in streams}
+    out: dict[str, dict[str, float]] = {}
+    for e in comm:
+        inside = _intersect([_ends(e)], span)
+        if not inside:
+            continue
+        args = e.get("args", {})
+        group = args.get("Process Group Description") or args.get("Process Group Name")
+        key = _kernel_key(str(e.get("name", ""))) + (f" ({group})" if group else "")
+        row = out.setdefault(key, dict.fromkeys(("calls", "ms", "exposed", "concurrent"), 0.0))
+        row["calls"] += 1 / n
+        row["ms"] += _length(inside) / n / 1e3
+        row["exposed"] += _length(_minus(inside, compute)) / n / 1e3
+        row["concurrent"] += _length(_intersect(inside, others[e.get("tid")])) / n / 1e3
+    return out
+
+
+def collective_table(a: dict, b: dict, names: tuple[str, str] = ("a", "b")) -> str:
+    """Two `collectives` results side by side, the longest first: per step calls, ms, exposed, concurrent."""
+    keys = sorted(a.keys() | b.keys(), key=lambda k: -max(x.get(k, {}).get("ms", 0.0) for x in (a, b)))
+    head = f"| collective | {names[0]}: calls, ms, exposed, concurrent | {names[1]} |\n|---|---|---|"
+
+    def cells(row: dict | None) -> str:
+        return "-" if row is None else "{calls:.0f}, {ms:.1f}, {exposed:.1f}, {concurrent:.1f}".format(**row)
+
+    return "\n".join([head, *(f"| `{k}` | {cells(a.get(k))} | {cells(b.get(k))} |" for k in keys)])
 
 
 def trace_timeline(path: Path | str) -> dict[str, float]:
@@ -390,3 +437,11 @@ def kernel_table(a: dict, b: dict, names: tuple[str, str] = ("a", "b"), top: int
         for k, ac, am, bc, bm in kernel_differences(a, b, top)
     ]
     return "\n".join([head, *rows])
+
+
+def comparison(a: dict, b: dict, names: tuple[str, str] = ("a", "b"), top: int = 8) -> str:
+    """Two profiled runs side by side, each a dict with their `kernels` and `collectives`: the `top`
+    kernels whose time differs most (`kernel_table`), then every collective (`collective_table`)."""
+    kernel_part = kernel_table(a["kernels"], b["kernels"], names, top)
+    both = collective_table(a.get("collectives") or {}, b.get("collectives") or {}, names)
+    return f"{kernel_part}\n\nCollectives, per step:\n\n{both}"

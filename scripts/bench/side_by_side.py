@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from titanrush.data.hf_tokenizer import write_hf_tokenizer  # noqa: E402
 from titanrush.models.llama.flavors import model_args  # noqa: E402
-from titanrush.profiling import kernel_table, kernels, read_trace, timeline  # noqa: E402
+from titanrush.profiling import collectives, comparison, kernels, read_trace, timeline  # noqa: E402
 from titanrush.tools.rush_runner import detect_oom, kill_group, read_metrics  # noqa: E402
 
 _OP_AC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "op"]
@@ -323,10 +323,10 @@ def timeline_table(results: list[dict]) -> str:
 
 
 def kernel_tables(results: list[dict]) -> str:
-    """Per titanrush run, the kernels whose profiled time differs most from the row's torchtitan run's."""
-    ref = {r["row"]: r["kernels"] for r in results if r["trainer"] == "torchtitan" and r.get("kernels")}
+    """Per titanrush run, its kernels and collectives beside its row's torchtitan run's (`comparison`)."""
+    ref = {r["row"]: r for r in results if r["trainer"] == "torchtitan" and r.get("kernels")}
     runs = [r for r in results if r["trainer"] != "torchtitan" and r.get("kernels") and r["row"] in ref]
-    tables = [kernel_table(ref[r["row"]], r["kernels"], ("torchtitan", "titanrush")) for r in runs]
+    tables = [comparison(ref[r["row"]], r, ("torchtitan", "titanrush")) for r in runs]
     return "".join(f"\n\n{r['row']}, {r['setting']}:\n\n{t}" for r, t in zip(runs, tables))
 
 
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.profile_step and s["status"] == "ok":
             trace = trace_of(run, work)
             data = read_trace(trace) if trace else None  # parsed once: an 8B trace is hundreds of MB
-            s["timeline"], s["kernels"] = (timeline(data), kernels(data)) if data else (None, None)
+            s.update({f.__name__: f(data) if data else None for f in (timeline, kernels, collectives)})
             s["trace"] = str(trace) if trace else None
         if run.trainer != "torchtitan" and s["imbalance_curve"]:
             s["imbalance_windows"] = window_imbalance(work / "runs" / run.log.stem / "metrics.jsonl")

@@ -267,9 +267,11 @@ def test_kernel_tables_set_each_titanrush_run_beside_its_rows_torchtitan_run():
     torchtitan profile gets none."""
     tt = {"aten::mm 8x4 @ 4x16": (2, 10.0), "rope_complex": (1, 3.0)}
     ours = {"aten::mm 8x4 @ 4x16": (2, 9.5), "rope_real": (1, 1.0)}
+    rs = {"ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL": {"calls": 130, "ms": 43.5, "exposed": 5.0,
+                                                           "concurrent": 10.0}}  # fmt: skip
     results = json.loads(json.dumps([
-        {"row": "8b_fsdp4", "setting": "-", "trainer": "torchtitan", "kernels": tt},
-        {"row": "8b_fsdp4", "setting": "same", "trainer": "titanrush", "kernels": ours},
+        {"row": "8b_fsdp4", "setting": "-", "trainer": "torchtitan", "kernels": tt, "collectives": rs},
+        {"row": "8b_fsdp4", "setting": "same", "trainer": "titanrush", "kernels": ours, "collectives": {}},
         {"row": "1b", "setting": "same", "trainer": "titanrush", "kernels": ours},
     ]))  # fmt: skip
     text = sbs.kernel_tables(results)
@@ -278,3 +280,4 @@ def test_kernel_tables_set_each_titanrush_run_beside_its_rows_torchtitan_run():
     assert lines[0] == "| `rope_complex` | 3.0 | 1 | 0.0 | 0 |"  # the largest gap first
     assert lines[1] == "| `rope_real` | 0.0 | 0 | 1.0 | 1 |"
     assert lines[2] == "| `aten::mm 8x4 @ 4x16` | 10.0 | 2 | 9.5 | 2 |"
+    assert lines[3] == "| `ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL` | 130, 43.5, 5.0, 10.0 | - |"

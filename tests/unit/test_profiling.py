@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titanrush.profiling import Profiler, kernel_differences, kernels, timeline
+from titanrush.profiling import Profiler, collective_table, collectives, kernel_differences, kernels, timeline
 
 
 def test_sync_only_around_the_recorded_window(tmp_path, monkeypatch):
@@ -61,6 +61,50 @@ def test_timeline_splits_each_step_into_compute_exposed_communication_copies_and
             "kernel_attention": 0, "kernel_optimizer": 0, "kernel_other": 0}  # fmt: skip
     assert t == pytest.approx(want)
     assert t["compute"] + t["exposed_comm"] + t["copy"] + t["idle"] == pytest.approx(t["step"])
+
+
+def _comm(name: str, ts: float, dur: float, tid: int, group: str | None = None) -> dict:
+    e = {**_x("kernel", name, ts, dur), "tid": tid}
+    return {**e, "args": {"Process Group Description": group}} if group else e
+
+
+def test_collectives_say_which_communication_the_step_waits_for_and_which_shares_the_links():
+    """Two recorded steps of 200 us drawn by hand, the same in each. A GEMM 0-100 on stream 7; a
+    tensor-parallel bf16 reduce-scatter 90-130 on stream 20 (30 us with no compute beside it, 10 us beside
+    the FSDP one); an FSDP fp32 reduce-scatter 120-160 on stream 21 (all 40 exposed, 10 concurrent) and a
+    second one 170-180 (10 exposed, alone). Per step: TP 1 call, 40 / 30 / 10 us; FSDP 2 calls, 50 / 50 / 10.
+    The process group is named where the trace names it."""
+    rs = "ncclDevKernel_ReduceScatter_Sum_{}_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
+    events = []
+    for step, t0 in ((1, 0), (2, 1000)):
+        events += [
+            _x("gpu_user_annotation", f"ProfilerStep#{step}", t0, 200),
+            _comm("nvjet_tst_gemm", t0, 100, 7),
+            _comm(rs.format("bf16"), t0 + 90, 40, 20, "tp"),
+            _comm(rs.format("f32"), t0 + 120, 40, 21),
+            _comm(rs.format("f32"), t0 + 170, 10, 21),
+        ]
+    got = collectives({"traceEvents": events})
+    tp, fsdp = (
+        "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL (tp)",
+        "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL",
+    )
+    assert got.keys() == {tp, fsdp}
+    assert got[tp] == pytest.approx({"calls": 1, "ms": 0.040, "exposed": 0.030, "concurrent": 0.010})
+    assert got[fsdp] == pytest.approx({"calls": 2, "ms": 0.050, "exposed": 0.050, "concurrent": 0.010})
+    assert timeline({"traceEvents": events})["exposed_comm"] == pytest.approx(0.070)  # 100-160, 170-180
+
+
+def test_collective_table_sets_two_runs_side_by_side_the_longest_first():
+    a = {"rs": {"calls": 130, "ms": 43.5, "exposed": 5.0, "concurrent": 12.25}, "ag": {"calls": 3, "ms": 2.0,
+         "exposed": 0.0, "concurrent": 0.0}}  # fmt: skip
+    b = {"rs": {"calls": 130, "ms": 71.8, "exposed": 20.0, "concurrent": 30.0}}
+    lines = collective_table(a, b, ("torchtitan", "titanrush")).splitlines()
+    assert lines[0] == "| collective | torchtitan: calls, ms, exposed, concurrent | titanrush |"
+    assert lines[2:] == [
+        "| `rs` | 130, 43.5, 5.0, 12.2 | 130, 71.8, 20.0, 30.0 |",
+        "| `ag` | 3, 2.0, 0.0, 0.0 | - |",
+    ]
 
 
 def test_timeline_without_step_ranges_spans_the_kernels_and_refuses_a_cpu_trace():
