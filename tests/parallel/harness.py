@@ -1,4 +1,4 @@
-"""Helpers of the parallel tests: run the real trainer as one process or under torchrun (gloo, CPU) and
+"""Helpers of the parallel tests: run the real trainer as one process or as several ranks (gloo, CPU) and
 read its metrics.jsonl.
 
 Every run trains the debug model shrunk to a few CPU-seconds a step: seq_len 64, a global batch of 4
@@ -9,11 +9,14 @@ process see the same tokens and must agree up to floating-point reassociation.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,6 +43,39 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def spawn(entry: list[str], nproc: int, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `python ENTRY` as `nproc` ranks of one gloo job on this host, with the environment torchrun gives
+    its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) but without the
+    launcher, whose own start-up (importing torch, the rendezvous) adds seconds to every test; as torchrun
+    does, a rank that fails stops the others. Tests of the launch itself (run_train.sh, multi-node, signals,
+    the console) use torchrun. Returns the exit status (the first failure's; -9 past `timeout`) and every
+    rank's output."""
+    cmd, port = [sys.executable, *entry], str(free_port())
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(nproc)]
+        procs = []
+        for rank, log in enumerate(logs):
+            ranks = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc}
+            env = {**child_env(), **{k: str(v) for k, v in ranks.items()}, "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": port}  # fmt: skip
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout
+        while (running := [p for p in procs if p.poll() is None]) and time.monotonic() < deadline:
+            if any(p.returncode for p in procs):
+                break
+            time.sleep(0.05)
+        failed = [p.returncode for p in procs if p.poll() not in (None, 0)]
+        for p in running:
+            p.kill()
+            p.wait()
+        status = failed[0] if failed else -9 if any(p.returncode == -9 for p in running) else 0
+        output = []
+        for rank, log in enumerate(logs):
+            log.seek(0)
+            output.append(f"--- rank {rank}:\n{log.read()}")
+    return subprocess.CompletedProcess(cmd, status, "".join(output), "")
+
+
 def train_args(dump: Path, name: str, dp: int, *overrides: str) -> list[str]:
     """The shrunk debug run, with `overrides` last (they win)."""
     return [
@@ -59,21 +95,19 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def launch(dump: Path, name: str, nproc: int, *overrides: str, dp: int | None = None) -> list[dict]:
-    """Train under `nproc` processes (1: no launcher); return rank 0's metrics rows, whatever steps ran."""
-    args = train_args(dump, name, nproc if dp is None else dp, *overrides)
+    """Train in `nproc` processes (several: `spawn`); return rank 0's metrics rows, whatever steps ran."""
+    entry = ["-m", "titanrush.train", *train_args(dump, name, nproc if dp is None else dp, *overrides)]
     if nproc == 1:
-        cmd = [sys.executable, "-m", "titanrush.train", *args]
+        cmd = [sys.executable, *entry]
+        res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "titanrush.train",
-               *args]  # fmt: skip
-    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, failure(cmd, res.stdout + res.stderr)
+        res = spawn(entry, nproc)
+    assert res.returncode == 0, failure(res.args, res.stdout + res.stderr)
     return read_metrics(dump / name)
 
 
 def run_train(dump: Path, name: str, nproc: int, *overrides: str, dp: int | None = None) -> list[dict]:
-    """Train under `nproc` processes (1: no launcher) and return the metrics rows of rank 0.
+    """Train in `nproc` processes (several: `spawn`) and return the metrics rows of rank 0.
 
     Args:
         dump: The dump folder; the run writes `dump/name/metrics.jsonl`.

@@ -9,11 +9,9 @@ reduced twice, missed, or summed over the wrong ranks is off by O(1).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
-from harness import ROOT, child_env, free_port
+from harness import ROOT, spawn
 
 pytestmark = pytest.mark.parallel
 
@@ -23,13 +21,8 @@ LOSS_RTOL = 1e-5
 
 def test_every_gradient_matches_on_every_mesh(tmp_path):
     out = tmp_path / "probe.json"
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=4",
-        "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-        str(ROOT / "tests" / "parallel" / "grad_probe.py"), str(out),
-    ]  # fmt: skip
-    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-6000:]
+    res = spawn([str(ROOT / "tests" / "parallel" / "grad_probe.py"), str(out)], 4)
+    assert res.returncode == 0, res.stdout[-6000:]
     report = json.loads(out.read_text())
     assert set(report) >= {
         "fsdp4",

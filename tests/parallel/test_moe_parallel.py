@@ -1,6 +1,6 @@
 """Llama 4 (llama4_debug: every layer MoE, 8 experts, top-1) trains the same on every mesh as in one process.
 
-The real trainer under torchrun (gloo, CPU), 6 steps of the same global batch as the single-process run
+The real trainer in several processes (gloo, CPU), 6 steps of the same global batch as the single-process run
 (harness.py). Expert parallel sends each token to the rank holding its expert and back (all-to-all with
 variable splits); the experts are sharded over the data-parallel ranks outside EP by FSDP; the loads that
 move the routing bias are summed over all data-parallel ranks. So each step's mean loss and global
@@ -17,12 +17,10 @@ never interrupted.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from harness import ROOT, STEPS, child_env, free_port, launch, run_train
+from harness import STEPS, launch, run_train, spawn
 from test_parity import RTOL, assert_parity
 
 pytestmark = pytest.mark.parallel
@@ -118,11 +116,8 @@ def test_the_exchange_stays_eager_when_compiled_and_a_rank_receives_no_rows(tmp_
     rank 0's experts receive no rows, and no compiled graph holds a collective (traced, the exchange was
     specialized per rank on its row counts; on two GPUs that hung)."""
     out = tmp_path / "ep_probe.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-           str(Path(__file__).parent / "ep_probe.py"), str(out)]  # fmt: skip
-    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout + res.stderr
+    res = spawn([str(Path(__file__).parent / "ep_probe.py"), str(out)], 2, timeout=300)
+    assert res.returncode == 0, res.stdout
     for rank, r in enumerate(json.loads(out.read_text())):
         assert r["graphs_seen"], f"rank {rank}: nothing was compiled"
         assert r["collectives"] == [], f"rank {rank}: collectives in compiled graphs: {r['collectives']}"

@@ -1,4 +1,4 @@
-"""Every mesh trains like one process: the real trainer under torchrun (gloo, CPU) against a single process.
+"""Every mesh trains like one process: the real trainer as several ranks (gloo, CPU) against one process.
 
 Each run logs the global mean loss and the global gradient norm (before clipping) at every one of its 6
 steps; both must agree with the single-process run to a relative RTOL at every step. The global batch is

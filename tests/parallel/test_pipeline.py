@@ -1,7 +1,7 @@
 """Pipeline parallel trains like one process, and every rank logs the true loss and grad norm; context
 parallel's plumbing with and without pipelining.
 
-The real trainer under torchrun (gloo, CPU) against the single-process run of the same global batch
+The real trainer in several processes (gloo, CPU) against the single-process run of the same global batch
 (6 steps). Stages differ from the single process only in where the sums of the loss and of the squared
 gradients are taken (per micro-batch, per stage), so the tolerance is the parity suite's RTOL.
 
@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
-from harness import ROOT, STEPS, child_env, failure, free_port, launch, max_rel_dev, run_train
+from harness import ROOT, STEPS, failure, launch, max_rel_dev, run_train, spawn
 from test_parity import RTOL, assert_parity
 
 pytestmark = pytest.mark.parallel
@@ -112,11 +110,8 @@ def test_context_parallel_shards_every_stage_table_with_the_batch(name, tmp_path
     args = ["--job.dump_folder", str(tmp_path), "--job.name", name, "--training.seq_len", "64",
             "--training.local_batch_size", "4", "--training.precision", "fp32", "--no-metrics.tensorboard",
             *overrides]  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}",
-           str(ROOT / "tests" / "parallel" / "cp_probe.py"), str(out), *args]  # fmt: skip
-    res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, failure(cmd, res.stdout + res.stderr)
+    res = spawn([str(ROOT / "tests" / "parallel" / "cp_probe.py"), str(out), *args], nproc)
+    assert res.returncode == 0, failure(res.args, res.stdout)
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
     assert all(all(n > 0 for n in r["calls"]) for r in reports)  # every rank's stages attended, each step
     for key in ("losses", "grad_norms"):
