@@ -96,14 +96,14 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def launch(dump: Path, name: str, nproc: int, *overrides: str, dp: int | None = None) -> list[dict]:
     """Train in `nproc` processes (several: `spawn`); return rank 0's metrics rows, whatever steps ran."""
-    entry = ["-m", "titanrush.train", *train_args(dump, name, nproc if dp is None else dp, *overrides)]
-    if nproc == 1:
-        cmd = [sys.executable, *entry]
-        res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
-    else:
-        res = spawn(entry, nproc)
-    assert res.returncode == 0, failure(res.args, res.stdout + res.stderr)
+    run_ok(["-m", "titanrush.train", *train_args(dump, name, nproc if dp is None else dp, *overrides)], nproc)
     return read_metrics(dump / name)
+
+
+def run_ok(entry: list[str], nproc: int) -> None:
+    """`spawn` (one process: WORLD_SIZE 1, no process group), failing the test with the ranks' errors."""
+    res = spawn(entry, nproc)
+    assert res.returncode == 0, failure(res.args, res.stdout)
 
 
 def run_train(dump: Path, name: str, nproc: int, *overrides: str, dp: int | None = None) -> list[dict]:

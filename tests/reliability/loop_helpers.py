@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 
-from harness import ROOT, child_env, failure, free_port, spawn  # noqa: E402
+from harness import ROOT, child_env, failure, free_port, run_ok  # noqa: E402
 
 from titanrush.models.llama.loss import IGNORE_INDEX  # noqa: E402
 
@@ -94,12 +94,7 @@ def launcher(nproc: int, entry: list[str]) -> list[str]:
 def run_masked(dump: Path, name: str, nproc: int, *args: str) -> list[dict]:
     """Train with masked labels in `nproc` processes (several: `harness.spawn`); rank 0's metrics rows."""
     entry = [str(HERE / "masked_train.py"), "--job.dump_folder", str(dump), "--job.name", name, *args]
-    if nproc == 1:
-        cmd = [sys.executable, *entry]
-        res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=600)
-    else:
-        res = spawn(entry, nproc)
-    assert res.returncode == 0, failure(res.args, res.stdout + res.stderr)
+    run_ok(entry, nproc)
     return read_rows(dump / name)
 
 
