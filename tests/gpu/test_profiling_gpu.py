@@ -1,11 +1,15 @@
-"""Profiling on a GPU: each traced window holds exactly its own steps' kernels."""
+"""Profiling on a GPU: each traced window holds exactly its own steps' kernels; a real trace's collectives."""
 
 from __future__ import annotations
 
 import gzip
 import json
 
+import pytest
+from gpu_launch import launch
+
 from titanrush import config
+from titanrush.profiling import collectives, read_trace, timeline
 from titanrush.trainer import Trainer
 
 
@@ -41,3 +45,27 @@ def test_a_traced_window_holds_exactly_its_steps(tmp_path):
         assert kernels, "no GPU kernels recorded"
         assert kernels <= launches, f"{len(kernels - launches)} kernels launched before the window"
         assert launches <= kernels, f"{len(launches - kernels)} launches whose kernels ran after it"
+
+
+@pytest.mark.multigpu(2)
+def test_collectives_of_an_fsdp_tp_trace_name_each_communicator(tmp_path):
+    # A real NCCL trace (TP 2 on two GPUs: sequence parallel's all-gathers and reduce-scatters):
+    # `collectives` finds both kinds in the profiled step, exposed and concurrent parts never exceed a
+    # kernel's time, and the exposed parts add up to at least the timeline's exposed communication (the
+    # same window; overlapping collectives count once there).
+    args = ["--training.steps", "6", "--model.flavor", "debug", "--training.seq_len", "512",
+            "--training.local_batch_size", "4", "--training.precision", "bf16", "--parallelism.tp", "2",
+            "--metrics.log_freq", "1", "--profiling.enable", "--profiling.freq", "4",
+            "--profiling.active_steps", "1"]  # fmt: skip
+    launch(tmp_path, "coll", 2, args)
+    trace = read_trace(next((tmp_path / "coll" / "profile").glob("step-4/rank0.trace.json.gz")))
+    found = collectives(trace)
+    names = " ".join(found)
+    assert "AllGather" in names and "ReduceScatter" in names, names
+    for key, row in found.items():
+        assert row["calls"] >= 1 and 0 <= row["exposed"] <= row["ms"] + 1e-9, (key, row)
+        assert 0 <= row["concurrent"] <= row["ms"] + 1e-9, (key, row)
+    exposed = timeline(trace)["exposed_comm"]
+    assert (
+        sum(r["exposed"] for r in found.values()) >= exposed - 1e-6
+    )  # (overlapping collectives count twice)
