@@ -227,10 +227,10 @@ def _window(trace: dict[str, Any] | list[dict[str, Any]]) -> tuple[list, list, l
     steps = [e for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_user_annotation"
              and str(e.get("name", "")).startswith("ProfilerStep#")]  # fmt: skip
     if steps:
-        span = _union([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in steps])
+        span = _union([_ends(e) for e in steps])
     else:
         first = min(float(e["ts"]) for e in kernels)
-        span = [(first, max(float(e["ts"]) + float(e["dur"]) for e in kernels))]
+        span = [(first, max(_ends(e)[1] for e in kernels))]
     return events, kernels, span, max(1, len(steps))
 
 
@@ -240,17 +240,14 @@ def _launched(events: list[dict[str, Any]], kernels: list[dict[str, Any]]) -> li
     lacks either. (The GPU's own `ProfilerStep#N` ranges end where a nested range such as the optimizer's
     `Optimizer.step` begins its kernels, and so leave out a step's last kernels.)"""
 
-    def ends(e: dict[str, Any]) -> tuple[float, float]:
-        return float(e["ts"]), float(e["ts"]) + float(e["dur"])
-
-    host = [ends(e) for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
+    host = [_ends(e) for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
             and str(e.get("name", "")).startswith("ProfilerStep#")]  # fmt: skip
     runtime = ("cuda_runtime", "cuda_driver")
     calls = {e["args"]["correlation"]: float(e["ts"]) for e in events
              if e.get("cat") in runtime and "correlation" in e.get("args", {})}  # fmt: skip
     out = []
     for lo, hi in sorted(host):
-        mine = [ends(k) for k in kernels if lo <= calls.get(k.get("args", {}).get("correlation"), -1.0) <= hi]
+        mine = [_ends(k) for k in kernels if lo <= calls.get(k.get("args", {}).get("correlation"), -1) <= hi]
         if mine:
             out.append((min(a for a, _ in mine), max(b for _, b in mine)))
     return out
@@ -313,10 +310,11 @@ def _sort(kernels: list[dict[str, Any]]) -> tuple[list, list, list]:
 
 def collectives(trace: dict[str, Any] | list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """The communication kernels of a trace's recorded steps (as `timeline` finds them), per step, keyed by
-    kernel (`_kernel_key`: collective, reduction, dtype, algorithm) and process group where the trace names
-    it: `calls`; `ms`, their time; `exposed`, the part no compute kernel overlaps (what the step waits
-    for); `concurrent`, the part another stream's communication overlaps (sharing links and SMs). Two
-    runs with the same collectives and different `ms` wait differently: for a peer, or for bandwidth."""
+    kernel (`_kernel_key`: collective, reduction, dtype, algorithm) and message size where the trace
+    records it (torch.profiler's `In msg nelems`; process groups are named differently by each trainer):
+    `calls`; `ms`, their time; `exposed`, the part no compute kernel overlaps (what the step waits for);
+    `concurrent`, the part another stream's communication overlaps (sharing links and SMs). Two runs with
+    the same collectives and different `ms` wait differently: for a peer, or for bandwidth."""
     _, found, span, n = _window(trace)
     comm, _, computing = _sort(found)
     compute = _union([_ends(e) for e in computing])
@@ -329,9 +327,8 @@ def collectives(trace: dict[str, Any] | list[dict[str, Any]]) -> dict[str, dict[
         inside = _intersect([_ends(e)], span)
         if not inside:
             continue
-        args = e.get("args", {})
-        group = args.get("Process Group Description") or args.get("Process Group Name")
-        key = _kernel_key(str(e.get("name", ""))) + (f" ({group})" if group else "")
+        size = e.get("args", {}).get("In msg nelems")
+        key = _kernel_key(str(e.get("name", ""))) + (f" ({size} elements)" if size is not None else "")
         row = out.setdefault(key, dict.fromkeys(("calls", "ms", "exposed", "concurrent"), 0.0))
         row["calls"] += 1 / n
         row["ms"] += _length(inside) / n / 1e3

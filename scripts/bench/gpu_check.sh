@@ -31,7 +31,7 @@ if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
   left=$((BUDGET - SECONDS))
   [ "$left" -gt 1 ] || left=1
   timeout $((left + 30)) python3 scripts/bench/side_by_side.py --out "$OUT/bench" --rows "$ROWS" \
-    --settings "$SETTINGS" --steps "${STEPS:-25}" --measure-from "${MEASURE_FROM:-10}" --time-limit "$left" \
+    --settings "$SETTINGS" --steps "${STEPS:-30}" --measure-from "${MEASURE_FROM:-10}" --time-limit "$left" \
     ${BASE:+--base "$BASE"} > "$OUT/bench.log" 2>&1
   echo "side_by_side.py exit $? (log: $OUT/bench.log)" >> "$OUT/env.txt"
 fi

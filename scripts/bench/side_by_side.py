@@ -258,12 +258,8 @@ def execute(run: Run, timeout: float) -> dict:
                 steps.append(step)
         rc = proc.wait()
         timer.cancel()
-    if rc == 0:
-        status = "ok"
-    elif time.monotonic() - t0 >= timeout:
-        status = "timeout"
-    else:
-        status = "OOM" if detect_oom(run.log.read_text(errors="replace")) else f"failed ({rc})"
+    failed = "OOM" if rc and detect_oom(run.log.read_text(errors="replace")) else f"failed ({rc})"
+    status = "ok" if rc == 0 else "timeout" if time.monotonic() - t0 >= timeout else failed
     return {"status": status, "first_step_s": first_step_s, "steps": steps}
 
 
@@ -399,7 +395,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--rows", default="auto", help=f"auto, or comma-separated from: {', '.join(ROWS)}")
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated: {', '.join(SETTINGS)}")
-    ap.add_argument("--steps", type=int, default=25)
+    ap.add_argument("--steps", type=int, default=30, help="a multiple of --log-freq (torchtitan's last log)")
     ap.add_argument("--measure-from", type=int, default=10)
     ap.add_argument("--log-freq", type=int, help="both log every N steps (10; 1 with --profile-step)")
     ap.add_argument("--base", type=Path, help="another titanrush checkout, run at the same rows and settings")
@@ -422,6 +418,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     a.log_freq = a.log_freq or (1 if a.profile_step else 10)  # (10: torchtitan's default)
     if a.profile_step and a.log_freq != 1:
         ap.error("--profile-step needs --log-freq 1 (a logged line would stand for the profiled steps too)")
+    if a.steps % a.log_freq:  # (titanrush logs its last step, torchtitan only every log_freq-th)
+        ap.error(f"--steps {a.steps} must be a multiple of --log-freq {a.log_freq}")
     if not 1 <= a.measure_from <= a.steps:
         ap.error(f"--measure-from {a.measure_from} must be in 1..--steps ({a.steps})")
     return a
@@ -458,7 +456,7 @@ def main(argv: list[str] | None = None) -> int:
             data = read_trace(trace) if trace else None  # parsed once: an 8B trace is hundreds of MB
             s.update({f.__name__: f(data) if data else None for f in (timeline, kernels, collectives)})
             s["trace"] = str(trace) if trace else None
-        if run.trainer != "torchtitan" and s["imbalance_curve"]:
+        if run.trainer != "torchtitan" and s["imbalance_curve"] and a.log_freq == 1:  # (every step's load)
             s["imbalance_windows"] = window_imbalance(work / "runs" / run.log.stem / "metrics.jsonl")
         results.append(s)
         with open(work / "results.jsonl", "a") as fh:

@@ -53,22 +53,25 @@ def spawn(entry: list[str], nproc: int, timeout: float = 600) -> subprocess.Comp
     cmd, port = [sys.executable, *entry], str(free_port())
     with contextlib.ExitStack() as stack:
         logs = [stack.enter_context(tempfile.TemporaryFile("w+")) for _ in range(nproc)]
-        procs = []
-        for rank, log in enumerate(logs):
-            ranks = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc}
-            env = {**child_env(), **{k: str(v) for k, v in ranks.items()}, "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": port}  # fmt: skip
-            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-        deadline = time.monotonic() + timeout
-        while (running := [p for p in procs if p.poll() is None]) and time.monotonic() < deadline:
-            if any(p.returncode for p in procs):
-                break
-            time.sleep(0.05)
-        failed = [p.returncode for p in procs if p.poll() not in (None, 0)]
-        for p in running:
-            p.kill()
-            p.wait()
-        status = failed[0] if failed else -9 if any(p.returncode == -9 for p in running) else 0
+        procs: list[subprocess.Popen] = []
+        try:
+            for rank, log in enumerate(logs):
+                ranks = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc}
+                env = {**child_env(), **{k: str(v) for k, v in ranks.items()}, "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": port}  # fmt: skip
+                procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+            deadline = time.monotonic() + timeout
+            while None in (codes := [p.poll() for p in procs]) and time.monotonic() < deadline:
+                if any(codes):  # a rank failed: stop the others
+                    break
+                time.sleep(0.05)
+            failed = [c for c in codes if c]
+            status = failed[0] if failed else -9 if None in codes else 0
+        finally:  # (also when the test is interrupted: no rank is left waiting for its peers)
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                p.wait()
         output = []
         for rank, log in enumerate(logs):
             log.seek(0)

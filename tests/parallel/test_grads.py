@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from harness import ROOT, spawn
+from harness import ROOT, failure, spawn
 
 pytestmark = pytest.mark.parallel
 
@@ -22,7 +22,7 @@ LOSS_RTOL = 1e-5
 def test_every_gradient_matches_on_every_mesh(tmp_path):
     out = tmp_path / "probe.json"
     res = spawn([str(ROOT / "tests" / "parallel" / "grad_probe.py"), str(out)], 4)
-    assert res.returncode == 0, res.stdout[-6000:]
+    assert res.returncode == 0, failure(res.args, res.stdout)
     report = json.loads(out.read_text())
     assert set(report) >= {
         "fsdp4",

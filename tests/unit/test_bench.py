@@ -77,13 +77,15 @@ def test_profiled_steps_are_left_out_of_the_figures():
 
 def test_a_logged_line_counts_for_the_steps_since_the_line_before_it():
     """Logging every 10 steps: the line at step 10 stands for steps 2-10 (compile warm-up), left out when
-    measuring from 10; steps 11-20 and 21-25 count, weighted by their number of steps."""
+    measuring from 11; lines count for their number of steps (step 1's: one)."""
     run = sbs.Run("torchtitan", "1b", "-", ["x"], {}, sbs.ROOT, sbs.ROOT / "log")
     steps = [{"step": s, "tps": t, "mfu": t / 10, "mem_gib": m, "loss": 1.0}
-             for s, t, m in ((1, 5.0, 1.0), (10, 20.0, 9.0), (20, 100.0, 3.0), (25, 70.0, 2.0))]  # fmt: skip
-    out = sbs.summarize(run, {"status": "ok", "steps": steps}, 10)
-    assert out["tps"] == pytest.approx((10 * 100 + 5 * 70) / 15) and out["mfu"] == pytest.approx(9.0)
+             for s, t, m in ((1, 5.0, 1.0), (10, 20.0, 9.0), (20, 100.0, 3.0), (30, 70.0, 2.0))]  # fmt: skip
+    out = sbs.summarize(run, {"status": "ok", "steps": steps}, 11)
+    assert out["tps"] == pytest.approx(85.0) and out["mfu"] == pytest.approx(8.5)
     assert out["mem_gib"] == 3.0 and len(out["loss_curve"]) == 4
+    every = sbs.summarize(run, {"status": "ok", "steps": steps}, 1)
+    assert every["tps"] == pytest.approx((5 + 9 * 20 + 10 * 100 + 10 * 70) / 30) and every["mem_gib"] == 9.0
     assert sbs.summarize(run, {"status": "ok", "steps": steps}, 12)["tps"] == 70.0  # 11-20 not all measured
 
 
@@ -97,6 +99,8 @@ def test_both_trainers_log_every_10_steps_unless_a_step_is_profiled(tmp_path):
     assert sbs.parse_args(profiled).log_freq == 1  # a logged line must not stand for the profiled steps
     with pytest.raises(SystemExit):
         sbs.parse_args([*profiled, "--log-freq", "10"])
+    with pytest.raises(SystemExit):  # titanrush would log step 25, torchtitan not: other steps measured
+        sbs.parse_args(["--out", str(tmp_path), "--steps", "25"])
 
 
 def test_same_splits_a_pipeline_as_torchtitan_does():
@@ -198,7 +202,12 @@ def test_runs_go_one_at_a_time_and_the_table_compares_with_torchtitan(tmp_path, 
     metrics = out / "runs" / "titanrush-same" / "metrics.jsonl"  # what the fake titanrush "wrote"
     metrics.parent.mkdir(parents=True)
     metrics.write_text("".join(json.dumps({"step": i, "moe_tokens_l0": [3, 1]}) + "\n" for i in range(1, 5)))
-    assert sbs.main(["--out", str(out), "--rows", "fake", "--steps", "4", "--measure-from", "3"]) == 0
+    assert (
+        sbs.main(
+            ["--out", str(out), "--rows", "fake", "--steps", "4", "--measure-from", "3", "--log-freq", "1"]
+        )
+        == 0
+    )
     events = [line.split() for line in spans.read_text().splitlines()]
     assert [e[1] for e in events] == ["start", "end"] * 3  # each run ended before the next began
     assert all(float(events[i][2]) <= float(events[i + 1][2]) for i in range(len(events) - 1))

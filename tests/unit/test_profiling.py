@@ -63,9 +63,9 @@ def test_timeline_splits_each_step_into_compute_exposed_communication_copies_and
     assert t["compute"] + t["exposed_comm"] + t["copy"] + t["idle"] == pytest.approx(t["step"])
 
 
-def _comm(name: str, ts: float, dur: float, tid: int, group: str | None = None) -> dict:
+def _comm(name: str, ts: float, dur: float, tid: int, nelems: int | None = None) -> dict:
     e = {**_x("kernel", name, ts, dur), "tid": tid}
-    return {**e, "args": {"Process Group Description": group}} if group else e
+    return {**e, "args": {"In msg nelems": nelems}} if nelems else e
 
 
 def test_collectives_say_which_communication_the_step_waits_for_and_which_shares_the_links():
@@ -73,22 +73,20 @@ def test_collectives_say_which_communication_the_step_waits_for_and_which_shares
     tensor-parallel bf16 reduce-scatter 90-130 on stream 20 (30 us with no compute beside it, 10 us beside
     the FSDP one); an FSDP fp32 reduce-scatter 120-160 on stream 21 (all 40 exposed, 10 concurrent) and a
     second one 170-180 (10 exposed, alone). Per step: TP 1 call, 40 / 30 / 10 us; FSDP 2 calls, 50 / 50 / 10.
-    The process group is named where the trace names it."""
+    The message size is in the key where the trace records it."""
     rs = "ncclDevKernel_ReduceScatter_Sum_{}_RING_LL(ncclDevKernelArgsStorage<4096ul>)"
     events = []
     for step, t0 in ((1, 0), (2, 1000)):
         events += [
             _x("gpu_user_annotation", f"ProfilerStep#{step}", t0, 200),
             _comm("nvjet_tst_gemm", t0, 100, 7),
-            _comm(rs.format("bf16"), t0 + 90, 40, 20, "tp"),
+            _comm(rs.format("bf16"), t0 + 90, 40, 20, 67108864),
             _comm(rs.format("f32"), t0 + 120, 40, 21),
             _comm(rs.format("f32"), t0 + 170, 10, 21),
         ]
     got = collectives({"traceEvents": events})
-    tp, fsdp = (
-        "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL (tp)",
-        "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL",
-    )
+    tp = "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL (67108864 elements)"
+    fsdp = "ncclDevKernel_ReduceScatter_Sum_f32_RING_LL"
     assert got.keys() == {tp, fsdp}
     assert got[tp] == pytest.approx({"calls": 1, "ms": 0.040, "exposed": 0.030, "concurrent": 0.010})
     assert got[fsdp] == pytest.approx({"calls": 2, "ms": 0.050, "exposed": 0.050, "concurrent": 0.010})
