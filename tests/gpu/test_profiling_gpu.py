@@ -48,7 +48,7 @@ def test_a_traced_window_holds_exactly_its_steps(tmp_path):
 
 
 @pytest.mark.multigpu(2)
-def test_collectives_of_an_fsdp_tp_trace_name_each_communicator(tmp_path):
+def test_collectives_of_a_real_tensor_parallel_trace(tmp_path):
     # A real NCCL trace (TP 2 on two GPUs: sequence parallel's all-gathers and reduce-scatters):
     # `collectives` finds both kinds in the profiled step, exposed and concurrent parts never exceed a
     # kernel's time, and the exposed parts add up to at least the timeline's exposed communication (the
