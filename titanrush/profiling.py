@@ -391,10 +391,8 @@ def kernels(trace: dict[str, Any] | list[dict[str, Any]]) -> dict[str, tuple[flo
         if e.get("ph") == "X" and e.get("cat") == "cpu_op" and str(e.get("name", "")) in _MATMUL_OPS:
             ops.setdefault(e.get("args", {}).get("External id"), []).append(e)
     out: dict[str, tuple[float, float]] = {}
-    for e in found:
+    for e in _sort(found)[2]:  # the compute kernels
         name = str(e.get("name", ""))
-        if e.get("cat") != "kernel" or any(k in name.lower() for k in _COMM + _COPY):
-            continue
         start = float(e["ts"])
         inside = _length(_intersect([(start, start + float(e["dur"]))], span))
         if not inside:
