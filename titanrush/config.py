@@ -267,6 +267,10 @@ class Compile:
     """torch.compile each transformer block (and the loss)."""
     fullgraph: bool = True
     """Compile each block as one graph (an error if it breaks)."""
+    overlap_collectives: bool = True
+    """Let Inductor move the collectives inside each compiled block (tensor parallel's all-gathers and
+    reduce-scatters) next to compute they can overlap, without raising the block's peak memory (the
+    torch.compile options reorder_for_compute_comm_overlap and its peak-memory-preserving passes)."""
 
 
 @dataclass
@@ -393,6 +397,18 @@ class Profiling:
 
 
 @dataclass
+class Experimental:
+    """Levers that rely on private PyTorch options: off by default, refused on torch versions they were
+    not run on."""
+
+    async_tp: bool = False
+    """Async tensor parallel: Inductor splits each sequence-parallel all-gather + matmul and matmul +
+    reduce-scatter in a compiled block into chunks that overlap over symmetric memory (torch.compile's
+    private `_micro_pipeline_tp` option, torchtitan's enable_async_tensor_parallel). Needs parallelism.tp
+    > 1 with sequence_parallel, compile.enable and CUDA GPUs; run on torch 2.11."""
+
+
+@dataclass
 class JobConfig:
     job: Job = field(default_factory=Job)
     model: Model = field(default_factory=Model)
@@ -409,6 +425,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
+    experimental: Experimental = field(default_factory=Experimental)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -68,6 +68,8 @@ class RunPlan:
     ac_offload_every: int = 1
     compile: bool = False
     fullgraph: bool = True
+    overlap_collectives: bool = False  # Inductor reorders the collectives in compiled blocks (tp > 1)
+    async_tp: bool = False  # Inductor's micro-pipelined TP (experimental.async_tp)
     # Float8 (torchao): `float8_all_gather` is in effect (tensorwise scaling under FSDP only).
     float8: bool = False
     float8_recipe: str = "tensorwise"
@@ -338,6 +340,8 @@ def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunP
         ac_offload_every=ac.offload_every,
         compile=cfg.compile.enable,
         fullgraph=fullgraph,
+        overlap_collectives=cfg.compile.enable and cfg.compile.overlap_collectives and dims.tp > 1,
+        async_tp=cfg.experimental.async_tp,
         float8=f8.enable,
         float8_recipe=f8.recipe,
         float8_emulate=f8.emulate,

@@ -32,6 +32,9 @@ from titanrush.parallel.parallel_dims import ParallelDims
 # positions x 1,024 sequences), low enough that a typo fails here and not as a host MemoryError.
 MAX_MICROBATCH_TOKENS = 2**27
 
+# The torch versions (major.minor) experimental.async_tp was run on, on the GPU machine.
+ASYNC_TP_TORCH = ("2.11",)
+
 # key -> (low, high, low inclusive, high inclusive): the allowed range of every numeric config key
 # (None: unbounded). A test holds every int and float field of the config to having an entry here.
 RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
@@ -339,6 +342,27 @@ def check_run(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         )
     if p.fsdp_cpu_offload and not dims.fsdp_enabled:
         raise ConfigError("parallelism.fsdp_cpu_offload needs FSDP: parallelism.dp_shard > 1")
+    if cfg.experimental.async_tp:
+        _check_async_tp(cfg, dims)
+
+
+def _check_async_tp(cfg: JobConfig, dims: ParallelDims) -> None:
+    """Async TP fuses the sequence-parallel collectives with the matmuls of the compiled blocks."""
+    missing = [
+        what
+        for what, ok in (
+            ("parallelism.tp > 1", dims.tp > 1),
+            ("parallelism.sequence_parallel = true", cfg.parallelism.sequence_parallel),
+            ("compile.enable = true", cfg.compile.enable),
+        )
+        if not ok
+    ]
+    if missing:
+        raise ConfigError(
+            f"experimental.async_tp needs {' and '.join(missing)} (it fuses tensor parallel's "
+            "sequence-parallel all-gathers and reduce-scatters with the matmuls Inductor compiles); set "
+            "those, or experimental.async_tp = false"
+        )
 
 
 def _check_mesh_fits(dims: ParallelDims, args: ModelArgs, seq_len: int) -> None:
@@ -529,6 +553,17 @@ def check_machine(cfg: JobConfig) -> None:
             raise ConfigError(
                 f"float8.experts needs a GPU with float8 grouped GEMMs (compute capability >= 9.0: "
                 f"Hopper or later), not {where}; set float8.experts = false"
+            )
+    if cfg.experimental.async_tp:
+        if not cuda:
+            raise ConfigError(
+                "experimental.async_tp needs CUDA GPUs (symmetric memory over NVLink); set it to false"
+            )
+        version = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+        if version not in ASYNC_TP_TORCH:
+            raise ConfigError(
+                f"experimental.async_tp relies on a private torch.compile option and was run on torch "
+                f"{', '.join(ASYNC_TP_TORCH)} only, not {torch.__version__}; set it to false"
             )
     if cfg.optimizer.name != "adamw" and importlib.util.find_spec("torchao") is None:
         raise ConfigError(

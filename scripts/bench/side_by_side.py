@@ -58,6 +58,7 @@ class Row:
     cp: int = 1
     pp: int = 1
     ep: int = 1  # expert parallel (Llama 4 rows)
+    async_tp: bool = False  # both trainers fuse TP's collectives with the matmuls (symmetric memory)
     best: tuple[str, ...] = ()  # empty: the row's defaults
 
 
@@ -71,6 +72,7 @@ ROWS = {
         Row("8b_fsdp4", "8B", 4, 8192, 2, best=_8B_BEST),
         Row("8b_fsdp4_float8", "8B", 4, 8192, 2, float8=True, best=_8B_BEST),
         Row("8b_tp2_fsdp2", "8B", 4, 8192, 2, tp=2, best=(*_NO_AC, *_ZERO2)),
+        Row("8b_tp2_fsdp2_async", "8B", 4, 8192, 2, tp=2, async_tp=True, best=(*_NO_AC, *_ZERO2)),
         Row("8b_cp2_fsdp2", "8B", 4, 8192, 2, cp=2, best=_8B_BEST),
         Row("8b_pp2_fsdp2", "8B", 4, 8192, 4, pp=2, best=_NO_AC),  # PP keeps the weights gathered anyway
         # Llama 4 (MoE, 1.0B active): FSDP, EP2 on the same 2 GPUs, EP2 x FSDP2 on 4 (tt_flavors.py).
@@ -95,7 +97,7 @@ def row_flags(row: Row) -> list[str]:
         flags += [f"--parallelism.{key}", str(degree)] if degree > 1 else []
     if row.pp > 1:  # torchtitan's default: 1F1B, micro-batches of one sequence
         flags += ["--parallelism.pp_schedule", "1F1B", "--parallelism.pp_microbatches", str(row.batch)]
-    return flags + (["--float8.enable"] if row.float8 else [])
+    return flags + (["--float8.enable"] if row.float8 else []) + (["--experimental.async_tp"] * row.async_tp)
 
 
 def even_split(row: Row) -> list[int]:
@@ -133,7 +135,7 @@ def torchtitan_toml(row: Row, steps: int, assets: Path, corpus: Path, dump: Path
                      "mixed_precision_reduce": "float32"},
         "parallelism": {"data_parallel_shard_degree": -1, "tensor_parallel_degree": row.tp,
                         "context_parallel_degree": row.cp, "pipeline_parallel_degree": row.pp,
-                        "expert_parallel_degree": row.ep,
+                        "expert_parallel_degree": row.ep, "enable_async_tensor_parallel": row.async_tp,
                         "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 1},
         "checkpoint": {"enable": False},
         "activation_checkpoint": ac,

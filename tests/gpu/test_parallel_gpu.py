@@ -7,13 +7,15 @@ gradient norm from metrics.jsonl with a one-GPU run.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
-from gpu_launch import launch
+from gpu_launch import launch, torchrun
 from gpu_launch import max_dev as dev
 
 pytestmark = pytest.mark.multigpu
+HERE = Path(__file__).parent
 
 STEPS = 8
 # fp32 on GPU (TF32 off): only the order of the sums differs, as on CPU, but cuBLAS picks its kernels by
@@ -74,3 +76,37 @@ def test_bf16_meshes_train_like_one_gpu(name, tmp_path, refs):
     assert dev(rows, refs["bf16"], "loss") <= BF16_RTOL, [r["loss"] for r in rows]
     assert rows[-1]["loss"] < rows[0]["loss"]
     print(f"{name}: loss {dev(rows, refs['bf16'], 'loss'):.2e}")
+
+
+def _tp_probe(tmp: Path, name: str, *overrides: str) -> dict:
+    """Rank 0's report of `async_tp_probe.py` for a compiled bf16 TP 2 run of STEPS steps."""
+    args = [
+        "--training.steps", str(STEPS), "--training.seq_len", "256", "--training.local_batch_size", "8",
+        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--no-metrics.tensorboard",
+        "--data.dataset", "synthetic", "--training.precision", "bf16", "--parallelism.tp", "2",
+        "--compile.enable", "--job.dump_folder", str(tmp), "--job.name", name, *overrides,
+    ]  # fmt: skip
+    torchrun(2, [str(HERE / "async_tp_probe.py"), str(tmp / name / "probe"), *args], timeout=900)
+    return json.loads((tmp / name / "probe" / "rank0.json").read_text())
+
+
+def test_async_tp_fuses_the_collectives_and_trains_alike(tmp_path, refs):
+    """experimental.async_tp: the compiled blocks call the fused symmetric-memory kernels in place of the
+    sequence-parallel collectives, and the losses follow the one-GPU run as plain TP's do."""
+    plain = _tp_probe(tmp_path, "tp2", "--no-compile.overlap_collectives")
+    fused = _tp_probe(tmp_path, "tp2_async", "--experimental.async_tp")
+    assert plain["fused_all_gather_matmul"] == plain["fused_matmul_reduce_scatter"] == 0, plain
+    assert plain["all_gather_into_tensor"] > 0 and plain["reduce_scatter"] > 0, plain
+    assert fused["fused_all_gather_matmul"] > 0 and fused["fused_matmul_reduce_scatter"] > 0, fused
+    ref = [r["loss"] for r in refs["bf16"]]
+    for run in (plain, fused):
+        assert len(run["losses"]) == STEPS
+        assert max(abs(a - b) / b for a, b in zip(run["losses"], ref)) <= BF16_RTOL, (run["losses"], ref)
+    print(f"async TP: {fused}")
+
+
+def test_overlapped_collectives_train_like_plain_tp(tmp_path, refs):
+    """compile.overlap_collectives (the default) only reorders: TP 2's losses follow the one-GPU run's."""
+    rows = train(tmp_path, "tp2_overlap", 2, 1, "--training.precision", "bf16", "--parallelism.tp", "2",
+                 "--compile.enable", "--compile.overlap_collectives")  # fmt: skip
+    assert dev(rows, refs["bf16"], "loss") <= BF16_RTOL, [r["loss"] for r in rows]

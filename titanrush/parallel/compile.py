@@ -7,11 +7,36 @@ pipeline stage boundaries outside the compiled regions.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
+# Inductor's passes that move a compiled graph's collectives and their waits, in the order its config
+# recommends: none raises the graph's peak memory.
+OVERLAP_PASSES = (
+    "reorder_communication_preserving_peak_memory",
+    "sink_waits_iterative",
+    "reorder_communication_preserving_peak_memory",
+)
 
-def apply_compile(model: nn.Module, *, fullgraph: bool = True) -> None:
+
+def inductor_options(*, overlap_collectives: bool = False, async_tp: bool = False) -> dict[str, Any]:
+    """torch.compile's `options` for the blocks: collectives moved to overlap compute, async TP.
+
+    Under async TP Inductor fuses each all-gather + matmul and matmul + reduce-scatter into chunked
+    kernels over symmetric memory, leaving the collectives that reordering already hides alone.
+    """
+    options: dict[str, Any] = {}
+    if overlap_collectives:
+        options["reorder_for_compute_comm_overlap"] = True
+        options["reorder_for_compute_comm_overlap_passes"] = list(OVERLAP_PASSES)
+    if async_tp:
+        options["_micro_pipeline_tp"] = True
+    return options
+
+
+def apply_compile(model: nn.Module, *, fullgraph: bool = True, options: dict[str, Any] | None = None) -> None:
     """Replace every block of `model.layers` by `torch.compile(block)`, in place.
 
     The entry in the ModuleDict becomes the compiled wrapper, so parameter names gain `_orig_mod.`
@@ -22,6 +47,7 @@ def apply_compile(model: nn.Module, *, fullgraph: bool = True) -> None:
         model: A model whose blocks live in the ModuleDict `model.layers` (possibly already wrapped for
             activation checkpointing: the checkpoint is then traced into the graph).
         fullgraph: Compile each block as one graph, raising on a graph break instead of falling back.
+        options: Inductor options for every block (`inductor_options`); None or empty: the defaults.
     """
     # All blocks share one code object. Should dynamo's guards tell them apart (a per-block constant),
     # each needs its own cache entry, and validation's other shape one more: past the limit dynamo
@@ -29,4 +55,4 @@ def apply_compile(model: nn.Module, *, fullgraph: bool = True) -> None:
     limit = 2 * len(model.layers) + 8
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
     for name, block in list(model.layers.items()):
-        model.layers.register_module(name, torch.compile(block, fullgraph=fullgraph))
+        model.layers.register_module(name, torch.compile(block, fullgraph=fullgraph, options=options or None))

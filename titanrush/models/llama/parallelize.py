@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import (
 
 from titanrush.parallel.activation_checkpoint import apply_ac
 from titanrush.parallel.activation_offload import ActivationOffloader, apply_offload
-from titanrush.parallel.compile import apply_compile
+from titanrush.parallel.compile import apply_compile, inductor_options
 from titanrush.parallel.ddp import apply_ddp
 from titanrush.parallel.expert_parallel import apply_ep, shard_experts
 from titanrush.parallel.float8 import apply_float8, apply_float8_experts
@@ -119,7 +119,8 @@ def parallelize_llama(
                 else f"attn_backend={model.args.attn_backend}"
             )
             logger.info(f"compile: {what} runs between compiled graphs")
-        apply_compile(model, fullgraph=plan.fullgraph)
+        options = inductor_options(overlap_collectives=plan.overlap_collectives, async_tp=plan.async_tp)
+        apply_compile(model, fullgraph=plan.fullgraph, options=options)
 
     # 6. Data parallel: FSDP (or HSDP on a 2-D mesh), else plain DDP. Mixture-of-experts layers first
     #    (inner units): the experts under EP over the ranks that are not EP peers; under TP the whole
