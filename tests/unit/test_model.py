@@ -13,7 +13,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from titanrush.models.llama import FLAVORS, Llama, model_args
 from titanrush.models.llama.loss import chunked_cross_entropy, cross_entropy
-from titanrush.models.llama.model import TransformerBlock, apply_rope, rope_cache, rope_frequencies
+from titanrush.models.llama.model import (
+    TransformerBlock,
+    apply_rope,
+    rope_cache,
+    rope_frequencies,
+    to_matmul_dtype,
+)
 
 
 def count(flavor: str, **over) -> int:
@@ -592,3 +598,19 @@ def test_chunked_cross_entropy_keeps_the_weight_gradient_in_the_weight_dtype():
     g = (torch.softmax(logits, -1) - F.one_hot(y, 96).float()) / 40
     ref = (g.t() @ h.detach().float()).bfloat16() * 0.5
     torch.testing.assert_close(w.grad, ref, atol=2e-2, rtol=2e-2)
+
+
+def test_block_under_autocast_casts_each_norm_output_once():
+    """Under autocast a block hands its linears the norms' outputs already in bf16 (one cast each, before
+    sequence parallel's all-gather): the linears see what they would have cast themselves, so the block's
+    output is the one of feeding them the fp32 norms; without autocast nothing is cast."""
+    torch.manual_seed(0)
+    args = model_args("debug")
+    block, rope, x = TransformerBlock(0, args), rope_cache(args, 16), torch.randn(2, 16, args.dim)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = block(x, rope)
+        h = x + block.attention(block.attention_norm(x), rope)
+        ref = h + block.feed_forward(block.ffn_norm(h))
+        assert to_matmul_dtype(block.attention_norm(x)).dtype == torch.bfloat16
+    assert torch.equal(out, ref)
+    assert to_matmul_dtype(x) is x

@@ -20,7 +20,7 @@ from titanrush.models.init import _canonical
 from titanrush.models.llama import Llama, model_args
 from titanrush.models.llama.parallelize import parallelize_llama
 from titanrush.parallel.activation_checkpoint import apply_ac
-from titanrush.parallel.compile import apply_compile
+from titanrush.parallel.compile import OVERLAP_PASSES, apply_compile, inductor_options
 from titanrush.plan import RunPlan, build_plan
 
 
@@ -395,3 +395,30 @@ def test_moe_layers_under_tp_are_fsdp_units_over_the_tp_ranks(
     assert model.layers["0"].attention.wq.weight.device_mesh.mesh_dim_names[-1] == "tp"
     for unit in (moe, moe.experts) if plan.ep > 1 else (moe,):
         assert unit._get_fsdp_state()._fsdp_param_group.gradient_divide_factor == divide
+
+
+@pytest.mark.parametrize(
+    "args, world, overlap",
+    [
+        (("--compile.enable", "--parallelism.tp", "2"), 2, True),
+        (("--compile.enable", "--parallelism.tp", "2", "--no-compile.overlap_collectives"), 2, False),
+        (("--parallelism.tp", "2"), 2, False),  # nothing compiled
+        (("--compile.enable",), 2, False),  # FSDP's collectives run outside the compiled blocks
+    ],
+)
+def test_compiled_blocks_overlap_tensor_parallel_collectives(fake_world, monkeypatch, args, world, overlap):
+    """The plan turns compile.overlap_collectives on where compiled blocks hold collectives (TP), and every
+    compiled block gets Inductor's reordering passes (with async TP, the micro-pipelining option too)."""
+    seen: list[dict | None] = []
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda m, **kw: seen.append(kw.get("options")) or real(m, **kw))
+    fake_world(world)
+    plan = run_plan(world, *args)
+    assert plan.overlap_collectives is overlap
+    model = parallel(world, *args)
+    assert len(seen) == len(model.layers) if plan.compile else not seen
+    expected = inductor_options(overlap_collectives=overlap) or None
+    assert all(options == expected for options in seen), seen
+    if overlap:
+        assert expected["reorder_for_compute_comm_overlap_passes"] == list(OVERLAP_PASSES)
+    assert inductor_options(async_tp=True) == {"_micro_pipeline_tp": True}

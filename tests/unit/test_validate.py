@@ -4,6 +4,7 @@ keys, and the plan's checks against the mesh and the model, each a ConfigError n
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 
 import pytest
@@ -96,6 +97,10 @@ def test_value_rules(args, pattern):
         (2, ["--training.global_batch_size", "6", "--training.local_batch_size", "4"], "multiple of"),
         (1, ["--training.seq_len", "4096"], "exceeds the debug model's maximum of 2048"),
         (1, ["--model.vocab_size", "100"], "does not cover the tokenizer"),
+        (1, ["--compile.enable", "--experimental.async_tp"], r"async_tp needs parallelism.tp > 1 \(it fuses"),
+        (2, ["--parallelism.tp", "2", "--experimental.async_tp"], r"needs compile.enable = true \("),
+        (2, ["--parallelism.tp", "2", "--no-parallelism.sequence_parallel", "--experimental.async_tp"],
+         "needs parallelism.sequence_parallel = true and compile.enable = true"),
     ],
 )  # fmt: skip
 def test_run_rules(world, args, pattern):
@@ -108,8 +113,9 @@ def test_machine_rules_on_cpu():
         (["--parallelism.cp", "2"], "needs CUDA GPUs"),
         (["--model.attn_backend", "flex"], "needs a CUDA GPU for training"),
         (["--training.precision", "bf16", "--float8.enable"], "float8 tensor cores"),
+        (["--parallelism.tp", "2", "--compile.enable", "--experimental.async_tp"], "async_tp needs CUDA"),
     ):
-        world = 2 if "--parallelism.cp" in args else 1
+        world = 2 if "--parallelism.cp" in args or "--parallelism.tp" in args else 1
         with pytest.raises(ConfigError, match=pattern):
             plan(*args, world=world)
         # ... and the estimator, which plans for another machine, skips them
@@ -129,3 +135,16 @@ def test_every_llama4_flavor_plans():
         build_plan(
             config.load(None, ["--model.flavor", flavor, "--training.seq_len", "64"]), 1, machine=False
         )
+
+
+@pytest.mark.parametrize("version, ok", [("2.11.0+cu130", True), ("2.11.1", True), ("2.13.0+cpu", False)])
+def test_async_tp_is_refused_on_torch_versions_it_was_not_run_on(monkeypatch, version, ok):
+    """The private option's lever runs only on the torch versions it was run on (the CUDA check passes)."""
+    monkeypatch.setattr(validate.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(validate.torch, "__version__", version)
+    cfg = config.load(None, ["--parallelism.tp", "2", "--compile.enable", "--experimental.async_tp"])
+    if ok:
+        validate.check_machine(cfg)
+    else:
+        with pytest.raises(ConfigError, match=f"was run on torch 2.11 only, not {re.escape(version)}"):
+            validate.check_machine(cfg)

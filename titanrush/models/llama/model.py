@@ -133,6 +133,17 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
 
 
+def to_matmul_dtype(x: torch.Tensor) -> torch.Tensor:
+    """A norm's output in autocast's dtype where autocast is on, else unchanged.
+
+    In a block the norms feed only linears, each of which would cast the same fp32 activations to bf16:
+    one cast here instead gives the same inputs, and tensor parallel's all-gather of them (sequence
+    parallel) moves half the bytes and sits right before the matmul, where async TP fuses the two.
+    """
+    dev = x.device.type
+    return x.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else x
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
@@ -180,8 +191,8 @@ class TransformerBlock(nn.Module):
         self.init_std = 0.02 / (2 * (layer_id + 1)) ** 0.5
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: object = None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.attention(to_matmul_dtype(self.attention_norm(x)), rope, mask)
+        return h + self.feed_forward(to_matmul_dtype(self.ffn_norm(h)))
 
 
 class Llama(nn.Module):
