@@ -422,3 +422,20 @@ def test_compiled_blocks_overlap_tensor_parallel_collectives(fake_world, monkeyp
     if overlap:
         assert expected["reorder_for_compute_comm_overlap_passes"] == list(OVERLAP_PASSES)
     assert inductor_options(async_tp=True) == {"_micro_pipeline_tp": True}
+
+
+@pytest.mark.parametrize("async_tp", [True, False])
+def test_async_tp_registers_the_tp_group_for_symmetric_memory(fake_world, monkeypatch, async_tp):
+    """Inductor's async TP fuses only over groups registered with symmetric memory: the tp group is."""
+    import torch.distributed._symmetric_memory as symm
+
+    seen: list[str] = []
+    monkeypatch.setattr(symm, "enable_symm_mem_for_group", seen.append)
+    fake_world(4)
+    flags = ("--compile.enable", "--parallelism.tp", "2") + (("--experimental.async_tp",) if async_tp else ())
+    plan = run_plan(4, *flags)
+    mesh = plan.dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = Llama(plan.args)
+    parallelize_llama(model, plan, mesh)
+    assert seen == ([mesh["tp"].get_group().group_name] if async_tp else [])

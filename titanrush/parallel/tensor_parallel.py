@@ -16,6 +16,7 @@ The plan itself (which module is column-wise, row-wise, sequence-parallel) belon
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -68,6 +69,20 @@ class SyncRowwiseParallel(RowwiseParallel):
         if outputs.placements != output_layouts:
             outputs = outputs.redistribute(placements=output_layouts, async_op=False)
         return outputs.to_local() if use_local_output else outputs
+
+
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Register the TP group with symmetric memory, where async TP's fused kernels exchange the shards.
+
+    Inductor's async TP pass (`compile.inductor_options(async_tp=True)`) fuses only over registered
+    groups and skips the others without a word; torch 2.11 marks the registration deprecated ("no need to
+    call") while its pass still requires it, so the deprecation warning is silenced here.
+    """
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
 def apply_tp_plan(module: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:

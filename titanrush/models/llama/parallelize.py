@@ -44,6 +44,7 @@ from titanrush.parallel.tensor_parallel import (
     ReplicateParallel,
     SyncRowwiseParallel,
     apply_tp_plan,
+    enable_async_tp,
 )
 from titanrush.plan import RunPlan
 
@@ -90,6 +91,8 @@ def parallelize_llama(
             loss_parallel=plan.loss_parallel,
             float8=plan.float8_tp,
         )
+        if plan.async_tp:  # (Inductor fuses the collectives with the matmuls when it compiles the blocks)
+            enable_async_tp(mesh["tp"])
 
     # 2b. Expert parallel (Llama 4): each rank keeps E / ep of every MoE layer's routed experts.
     if mesh is not None and plan.ep > 1:
