@@ -71,6 +71,7 @@ ROWS = {
         Row("8b_fsdp2", "8B", 2, 8192, 2, best=(*_OP_AC, *_CHUNKED)),  # no AC: does not fit 2 x 141 GB
         Row("8b_fsdp4", "8B", 4, 8192, 2, best=_8B_BEST),
         Row("8b_fsdp4_float8", "8B", 4, 8192, 2, float8=True, best=_8B_BEST),
+        Row("8b_tp2", "8B", 2, 8192, 2, tp=2),  # torchtitan has no bf16 without FSDP: --trainers titanrush
         Row("8b_tp2_fsdp2", "8B", 4, 8192, 2, tp=2, best=(*_NO_AC, *_ZERO2)),
         Row("8b_tp2_fsdp2_async", "8B", 4, 8192, 2, tp=2, async_tp=True, best=(*_NO_AC, *_ZERO2)),
         Row("8b_cp2_fsdp2", "8B", 4, 8192, 2, cp=2, best=_8B_BEST),
@@ -208,7 +209,7 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
                 balance = BALANCE if a.balance and row.flavor.startswith("llama4") else []
                 args = [*row_flags(row), *flags, *balance, "--training.steps", str(a.steps), "--job.name",
                         tag, "--metrics.log_freq", str(a.log_freq), "--metrics.tensorboard", "false",
-                        "--job.dump_folder", str(work / "runs"), *profile]  # fmt: skip
+                        "--job.dump_folder", str(work / "runs"), *profile, *a.flags.split()]  # fmt: skip
                 cmd = [str(checkout / "run_train.sh"), *args]
                 runs.append(Run(trainer, row.name, setting, cmd, {"NGPU": str(row.ngpu)}, checkout,
                                 work / "logs" / f"{tag}.log"))  # fmt: skip
@@ -406,6 +407,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--time-limit", type=float, default=0, help="seconds for all runs (0: none)")
     ap.add_argument("--profile-step", type=int, default=0, help="both trainers profile this step (>= 4)")
     ap.add_argument("--balance", action="store_true", help="Llama 4 rows: warm-up 100, bias step 1e-2")
+    ap.add_argument("--flags", default="", help="--flags=\"...\": more titanrush flags on its runs")
     ap.add_argument("--dry-run", action="store_true", help="print the commands in order, run nothing")
     a = ap.parse_args(argv)
     a.rows = auto_rows() if a.rows == "auto" else a.rows.split(",")
@@ -432,9 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     work = a.out.resolve()
     runs = plan([ROWS[r] for r in a.rows], a.settings, a, work)
     if a.dry_run:
-        for r in runs:
-            print(f"[{r.trainer} {r.row} {r.setting}] {r.shell()}")
-        return 0
+        return print("\n".join(f"[{r.trainer} {r.row} {r.setting}] {r.shell()}" for r in runs)) or 0
     import torch
 
     if "torchtitan" in a.trainers:

@@ -37,6 +37,7 @@ def test_every_setting_of_every_row_is_a_valid_config(row, setting, tmp_path):
         tp["expert_parallel_degree"],
     )
     assert cfg.float8.enable == (tt["model"]["converters"] == ["quantize.linear.float8"])
+    assert cfg.experimental.async_tp == tp["enable_async_tensor_parallel"] == r.async_tp
     assert cfg.compile.enable and cfg.training.precision == "bf16" and cfg.optimizer.implementation == "fused"
     assert cfg.model.tie_embeddings in ("untied", "flavor") and cfg.model.attn_backend == "sdpa"
     if p.pp > 1:  # torchtitan's micro-batches of one sequence
@@ -101,6 +102,16 @@ def test_both_trainers_log_every_10_steps_unless_a_step_is_profiled(tmp_path):
         sbs.parse_args([*profiled, "--log-freq", "10"])
     with pytest.raises(SystemExit):  # titanrush would log step 25, torchtitan not: other steps measured
         sbs.parse_args(["--out", str(tmp_path), "--steps", "25"])
+
+
+def test_flags_go_to_each_titanrush_run_only(tmp_path):
+    argv = ["--out", str(tmp_path), "--rows", "8b_tp2_fsdp2", "--flags=--experimental.async_tp"]
+    a = sbs.parse_args(argv)
+    runs = sbs.plan([sbs.ROWS["8b_tp2_fsdp2"]], a.settings, a, tmp_path)
+    assert {r.trainer for r in runs} == {"torchtitan", "titanrush"}
+    for run in runs:
+        assert ("--experimental.async_tp" in run.cmd) == (run.trainer == "titanrush")
+    assert all(config.load(None, r.cmd[1:]).experimental.async_tp for r in runs if r.trainer == "titanrush")
 
 
 def test_same_splits_a_pipeline_as_torchtitan_does():

@@ -7,6 +7,7 @@ Numerical parity of every mesh with one process is in tests/parallel (real gloo 
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -278,7 +279,7 @@ def test_compile_replaces_blocks_and_names_stay_loadable():
     assert [_canonical(n) for n in after] == before
 
 
-def test_float8_tp_keeps_plain_styles_for_a_part_with_bf16_linears(fake_world, caplog):
+def test_float8_tp_keeps_plain_styles_for_a_part_with_bf16_linears(fake_world, caplog, monkeypatch):
     # The 1B's situation in small: wk and wv (dim x kv dim) fall below float8.min_size and stay bf16,
     # so attention keeps the plain TP styles while the FFN (all float8) shards in float8.
     pytest.importorskip("torchao", reason="float8 is torchao's; it is a project dependency")
@@ -292,6 +293,8 @@ def test_float8_tp_keeps_plain_styles_for_a_part_with_bf16_linears(fake_world, c
     )  # fmt: skip
     with torch.device("meta"):
         model = Llama(plan.args)
+    # (a test before this one may have run the trainer's logging setup, which stops propagation)
+    monkeypatch.setattr(logging.getLogger("titanrush"), "propagate", True)
     with caplog.at_level("INFO", logger="titanrush"):
         parallelize_llama(model, plan, plan.dims.build_mesh("cpu"))
     block = model.layers["0"]
