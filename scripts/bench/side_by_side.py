@@ -58,7 +58,8 @@ class Row:
     cp: int = 1
     pp: int = 1
     ep: int = 1  # expert parallel (Llama 4 rows)
-    async_tp: bool = False  # both trainers fuse TP's collectives with the matmuls (symmetric memory)
+    async_tp: bool = False  # both trainers' async TP switch on (torchtitan 0.2.2's fuses nothing on 2.11)
+    tt: bool = True  # False: torchtitan cannot do the same work (it trains TP without FSDP in fp32 only)
     best: tuple[str, ...] = ()  # empty: the row's defaults
 
 
@@ -71,7 +72,7 @@ ROWS = {
         Row("8b_fsdp2", "8B", 2, 8192, 2, best=(*_OP_AC, *_CHUNKED)),  # no AC: does not fit 2 x 141 GB
         Row("8b_fsdp4", "8B", 4, 8192, 2, best=_8B_BEST),
         Row("8b_fsdp4_float8", "8B", 4, 8192, 2, float8=True, best=_8B_BEST),
-        Row("8b_tp2", "8B", 2, 8192, 2, tp=2),  # torchtitan has no bf16 without FSDP: --trainers titanrush
+        Row("8b_tp2", "8B", 2, 8192, 2, tp=2, tt=False),  # titanrush alone, its levers' A/B (--flags)
         Row("8b_tp2_fsdp2", "8B", 4, 8192, 2, tp=2, best=(*_NO_AC, *_ZERO2)),
         Row("8b_tp2_fsdp2_async", "8B", 4, 8192, 2, tp=2, async_tp=True, best=(*_NO_AC, *_ZERO2)),
         Row("8b_cp2_fsdp2", "8B", 4, 8192, 2, cp=2, best=_8B_BEST),
@@ -183,7 +184,7 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
     runs, profile = [], f"--profiling.enable --profiling.freq {a.profile_step} --profiling.active_steps 1"
     profile = profile.split() if a.profile_step else []  # titanrush's profiler: a warm-up step, then step N
     for row in rows:
-        if "torchtitan" in a.trainers:
+        if "torchtitan" in a.trainers and row.tt:
             toml = work / "configs" / f"torchtitan_{row.name}.toml"
             toml.parent.mkdir(parents=True, exist_ok=True)
             balance = a.balance and row.flavor.startswith("llama4")
@@ -206,17 +207,16 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
                 if trainer == "titanrush" and "titanrush" not in a.trainers:
                     continue
                 tag = f"{trainer}_{row.name}_{setting}"
-                balance = BALANCE if a.balance and row.flavor.startswith("llama4") else []
-                args = [*row_flags(row), *flags, *balance, "--training.steps", str(a.steps), "--job.name",
+                extra = BALANCE if a.balance and row.flavor.startswith("llama4") else []
+                extra = extra + (shlex.split(a.flags) if trainer == "titanrush" else [])  # (not the base's)
+                args = [*row_flags(row), *flags, *extra, "--training.steps", str(a.steps), "--job.name",
                         tag, "--metrics.log_freq", str(a.log_freq), "--metrics.tensorboard", "false",
-                        "--job.dump_folder", str(work / "runs"), *profile, *a.flags.split()]  # fmt: skip
+                        "--job.dump_folder", str(work / "runs"), *profile]  # fmt: skip
                 cmd = [str(checkout / "run_train.sh"), *args]
                 runs.append(Run(trainer, row.name, setting, cmd, {"NGPU": str(row.ngpu)}, checkout,
                                 work / "logs" / f"{tag}.log"))  # fmt: skip
     return runs
 
-
-# ---------------------------------------------------------------- running and reading the logs
 
 _STEP = {"torchtitan": r"step:\s*(\d+)\s+loss:", "titanrush": r"INFO step\s+(\d+)\s+loss"}
 _FIELDS = {
@@ -390,9 +390,6 @@ def write_corpus(path: Path) -> None:
     path.write_text("".join(json.dumps({"text": d.text}) + "\n" for d in embedded_documents("train")))
 
 
-# ---------------------------------------------------------------- main
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
@@ -407,7 +404,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--time-limit", type=float, default=0, help="seconds for all runs (0: none)")
     ap.add_argument("--profile-step", type=int, default=0, help="both trainers profile this step (>= 4)")
     ap.add_argument("--balance", action="store_true", help="Llama 4 rows: warm-up 100, bias step 1e-2")
-    ap.add_argument("--flags", default="", help="--flags=\"...\": more titanrush flags on its runs")
+    ap.add_argument("--flags", default="", help='--flags="...": more titanrush flags on its runs')
     ap.add_argument("--dry-run", action="store_true", help="print the commands in order, run nothing")
     a = ap.parse_args(argv)
     a.rows = auto_rows() if a.rows == "auto" else a.rows.split(",")

@@ -105,8 +105,9 @@ def test_async_tp_fuses_the_collectives_and_trains_alike(tmp_path, refs):
     print(f"async TP: {fused}")
 
 
-def test_overlapped_collectives_train_like_plain_tp(tmp_path, refs):
-    """compile.overlap_collectives (the default) only reorders: TP 2's losses follow the one-GPU run's."""
+def test_overlapped_collectives_train_like_one_gpu(tmp_path, refs):
+    """compile.overlap_collectives (the default) only reorders: compiled TP 2's losses follow the one-GPU
+    run's (`test_async_tp_fuses_the_collectives_and_trains_alike` runs TP 2 with the overlap off)."""
     rows = train(tmp_path, "tp2_overlap", 2, 1, "--training.precision", "bf16", "--parallelism.tp", "2",
                  "--compile.enable", "--compile.overlap_collectives")  # fmt: skip
     assert dev(rows, refs["bf16"], "loss") <= BF16_RTOL, [r["loss"] for r in rows]

@@ -105,13 +105,24 @@ def test_both_trainers_log_every_10_steps_unless_a_step_is_profiled(tmp_path):
 
 
 def test_flags_go_to_each_titanrush_run_only(tmp_path):
-    argv = ["--out", str(tmp_path), "--rows", "8b_tp2_fsdp2", "--flags=--experimental.async_tp"]
+    base = tmp_path / "base"
+    base.mkdir()
+    (base / "run_train.sh").touch()
+    argv = ["--out", str(tmp_path), "--rows", "8b_tp2_fsdp2", "--flags=--experimental.async_tp", "--base",
+            str(base), "--balance"]  # fmt: skip
     a = sbs.parse_args(argv)
     runs = sbs.plan([sbs.ROWS["8b_tp2_fsdp2"]], a.settings, a, tmp_path)
-    assert {r.trainer for r in runs} == {"torchtitan", "titanrush"}
-    for run in runs:
+    assert {r.trainer for r in runs} == {"torchtitan", "titanrush", "base"}
+    for run in runs:  # (the base checkout may not know the flags)
         assert ("--experimental.async_tp" in run.cmd) == (run.trainer == "titanrush")
     assert all(config.load(None, r.cmd[1:]).experimental.async_tp for r in runs if r.trainer == "titanrush")
+    assert sbs.BALANCE == ["--lr_scheduler.warmup_steps", "100", "--moe.bias_update_rate", "1e-2"]
+
+
+def test_a_row_torchtitan_cannot_do_runs_titanrush_alone(tmp_path):
+    a = sbs.parse_args(["--out", str(tmp_path), "--rows", "8b_tp2"])
+    runs = sbs.plan([sbs.ROWS["8b_tp2"]], a.settings, a, tmp_path)
+    assert runs and {r.trainer for r in runs} == {"titanrush"}
 
 
 def test_same_splits_a_pipeline_as_torchtitan_does():

@@ -133,6 +133,14 @@ def test_trace_agrees_with_analytic(kw):
     assert abs(analytic.peak - traced.peak) <= 0.10 * traced.peak
 
 
+def test_eager_autocast_keeps_one_bf16_copy_of_each_norm_output():
+    """Under autocast a block's linears share one bf16 copy of each norm's output (the model casts once),
+    so the count of an eager step without checkpointing is the traced one, not 3 + 2 copies."""
+    s = RunPlan(args=model_args("debug"), local_batch=8, seq_len=256, precision="bf16")
+    traced = trace(s).peak
+    assert abs(analyze(s, as_traced=True).peak - traced) <= 0.005 * traced
+
+
 MIB = 2**20
 
 

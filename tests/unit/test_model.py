@@ -607,8 +607,12 @@ def test_block_under_autocast_casts_each_norm_output_once():
     torch.manual_seed(0)
     args = model_args("debug")
     block, rope, x = TransformerBlock(0, args), rope_cache(args, 16), torch.randn(2, 16, args.dim)
+    seen: list[torch.dtype] = []
+    for part in (block.attention, block.feed_forward):
+        part.register_forward_pre_hook(lambda module, inputs: seen.append(inputs[0].dtype))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = block(x, rope)
+        assert seen == [torch.bfloat16, torch.bfloat16]  # (the hooks also see the reference's fp32 below)
         h = x + block.attention(block.attention_norm(x), rope)
         ref = h + block.feed_forward(block.ffn_norm(h))
         assert to_matmul_dtype(block.attention_norm(x)).dtype == torch.bfloat16

@@ -21,7 +21,7 @@ from titanrush.models.init import _canonical
 from titanrush.models.llama import Llama, model_args
 from titanrush.models.llama.parallelize import parallelize_llama
 from titanrush.parallel.activation_checkpoint import apply_ac
-from titanrush.parallel.compile import OVERLAP_PASSES, apply_compile, inductor_options
+from titanrush.parallel.compile import OVERLAP_PASSES, apply_compile
 from titanrush.plan import RunPlan, build_plan
 
 
@@ -407,6 +407,7 @@ def test_moe_layers_under_tp_are_fsdp_units_over_the_tp_ranks(
         (("--compile.enable", "--parallelism.tp", "2", "--no-compile.overlap_collectives"), 2, False),
         (("--parallelism.tp", "2"), 2, False),  # nothing compiled
         (("--compile.enable",), 2, False),  # FSDP's collectives run outside the compiled blocks
+        (("--compile.enable", "--parallelism.tp", "2", "--experimental.async_tp"), 2, True),
     ],
 )
 def test_compiled_blocks_overlap_tensor_parallel_collectives(fake_world, monkeypatch, args, world, overlap):
@@ -420,11 +421,12 @@ def test_compiled_blocks_overlap_tensor_parallel_collectives(fake_world, monkeyp
     assert plan.overlap_collectives is overlap
     model = parallel(world, *args)
     assert len(seen) == len(model.layers) if plan.compile else not seen
-    expected = inductor_options(overlap_collectives=overlap) or None
-    assert all(options == expected for options in seen), seen
-    if overlap:
-        assert expected["reorder_for_compute_comm_overlap_passes"] == list(OVERLAP_PASSES)
-    assert inductor_options(async_tp=True) == {"_micro_pipeline_tp": True}
+    assert plan.async_tp is ("--experimental.async_tp" in args)
+    for options in seen:
+        assert options is None if not overlap else options["reorder_for_compute_comm_overlap"] is True
+        assert (options or {}).get("_micro_pipeline_tp", False) is plan.async_tp, options
+        if overlap:
+            assert options["reorder_for_compute_comm_overlap_passes"] == list(OVERLAP_PASSES)
 
 
 @pytest.mark.parametrize("async_tp", [True, False])

@@ -1,4 +1,4 @@
-"""Tensor parallel helpers: applying a plan, loss parallel, async TP.
+"""Tensor parallel helpers: applying a plan, the styles the Llama's plan adds to torch's, async TP.
 
 The plan itself (which module is column-wise, row-wise, sequence-parallel) belongs to the model: see
 `titanrush/models/llama/parallelize.py`. Terms:
@@ -12,6 +12,9 @@ The plan itself (which module is column-wise, row-wise, sequence-parallel) belon
 - loss parallel: the output projection keeps its logits sharded over the vocabulary and the
   cross-entropy is computed on the shards, never all-gathering the (tokens, vocab) logits
   (`titanrush.models.llama.loss.vocab_parallel_cross_entropy_sum`).
+- async TP: inside the compiled blocks Inductor splits each sequence-parallel all-gather + matmul (and
+  matmul + reduce-scatter) into chunks whose exchange over symmetric memory overlaps the partial
+  matmuls (`enable_async_tp` here, the option in `titanrush.parallel.compile.inductor_options`).
 """
 
 from __future__ import annotations

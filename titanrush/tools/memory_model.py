@@ -309,12 +309,14 @@ def _block_saved(
         return out
     # Eager, no checkpointing: what each op saves (see docs/estimator.md for the list).
     norm = 4 * n_sp * d + 4 * n_sp  # RMSNorm keeps its fp32 input and the fp32 1/rms
-    # The matmul inputs: autocast casts them once per matmul (wq, wk, wv; w1, w3), each cast kept.
+    # The matmul inputs under autocast: a Llama block casts each norm's output once (`to_matmul_dtype`:
+    # one bf16 copy that wq, wk, wv, or w1, w3, keep); a Llama 4 block lets autocast cast it per matmul.
+    att, ffn = (6, 4) if s.moe else (2, 2)
     out = {
-        "attention_norm in": norm, "attention in": (6 if s.autocast else r) * n * d,
+        "attention_norm in": norm, "attention in": (att if s.autocast else r) * n * d,
         "q roped": c * n * hq * dh, "k roped": c * n * kv * dh, "v": c * n * kv * dh,
         "attention out": c * n * hq * dh, "logsumexp": lse,
-        "ffn_norm in": norm, "ffn in": (4 if s.autocast else r) * n * d,
+        "ffn_norm in": norm, "ffn in": (ffn if s.autocast else r) * n * d,
         "w1 out": c * n * f, "silu out": c * n * f, "w3 out": c * n * f, "gate": c * n * f,
     }  # fmt: skip
     if a.attn_backend == "math":  # the (T, T) scores: fp32 softmax output, its bf16 copy, the mask
@@ -362,7 +364,7 @@ def block_working_set(
             + max(grads, ring)
             + r * n_sp * a.dim
         )
-    casts = 4 * n * a.dim if s.autocast else 0  # the FFN input's two bf16 casts
+    casts = (4 if s.moe else 2) * n * a.dim if s.autocast else 0  # the FFN input's bf16 cast(s)
     if is_moe:  # the mid-block residual: eager, kept by the norm as fp32 (a bf16 one is live beside its
         # copy, and so is the block's input); the block's output comes after the layer's peak
         ffn = moe.forward_live(s, n_sp, mode, imbalance=imbalance)
