@@ -75,6 +75,7 @@ ROWS = {
         Row("8b_tp2", "8B", 2, 8192, 2, tp=2, tt=False),  # titanrush alone, its levers' A/B (--flags)
         Row("8b_tp2_fsdp2", "8B", 4, 8192, 2, tp=2, best=(*_NO_AC, *_ZERO2)),
         Row("8b_tp2_fsdp2_async", "8B", 4, 8192, 2, tp=2, async_tp=True, best=(*_NO_AC, *_ZERO2)),
+        Row("8b_cp2", "8B", 2, 8192, 2, cp=2, best=(*_NO_AC, *_CHUNKED)),  # FSDP over the cp ranks (both)
         Row("8b_cp2_fsdp2", "8B", 4, 8192, 2, cp=2, best=_8B_BEST),
         Row("8b_pp2_fsdp2", "8B", 4, 8192, 4, pp=2, best=_NO_AC),  # PP keeps the weights gathered anyway
         # Llama 4 (MoE, 1.0B active): FSDP, EP2 on the same 2 GPUs, EP2 x FSDP2 on 4 (tt_flavors.py).
