@@ -19,6 +19,12 @@ if [ -z "${NGPU:-}" ]; then
   NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 1)" 2>/dev/null || echo 1)
 fi
 NNODES=${NNODES:-1}
+for var in NGPU NNODES; do
+  if ! [[ "${!var}" =~ ^[1-9][0-9]{0,5}$ ]]; then
+    echo "run_train.sh: error: $var=${!var} must be a whole number >= 1" >&2
+    exit 2
+  fi
+done
 
 if [ "$NGPU" = "1" ] && [ "$NNODES" = "1" ]; then
   # One process: no launcher needed, and config errors exit with status 2 directly.

@@ -609,6 +609,8 @@ Origins = dict[tuple[str, str | None], Path]
 
 def _read_toml(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, dict[str, Any]], Origins]:
     """`read_toml`, and where each key comes from (the last file of the chain that sets it)."""
+    if path.is_dir():
+        raise ConfigError(f"config file {str(path)!r} is a folder; pass a TOML file to --config")
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} not found; pass an existing file to --config")
     resolved = path.resolve()
@@ -717,6 +719,8 @@ def load(config_path: str | None = None, overrides: list[str] | None = None) -> 
     `titanrush.plan.build_plan` runs).
     """
     cfg = JobConfig()
+    if config_path is not None and not str(config_path).strip():
+        raise ConfigError("--config is empty: pass a TOML file, or leave --config out for the defaults")
     if config_path:
         data, origins = _read_toml(Path(config_path), ())
         for section, values in data.items():

@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 from titanrush import hf_mapping
 from titanrush.checkpoint_compat import RUNTIME_ARGS, model_arg_differences
+from titanrush.checkpoint_integrity import read_record, verify
 from titanrush.config import ConfigError
 from titanrush.hf_mapping import first_few
 from titanrush.models.llama import Llama, ModelArgs
@@ -103,7 +104,14 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
             return llama4_hf.args_from_hf_config(cfg)
         except (KeyError, TypeError) as e:
             raise ConfigError(f"config.json of a Llama 4 lacks or mistypes {e}") from None
-    return hf_mapping.args_from_hf_config(cfg)
+    try:
+        return hf_mapping.args_from_hf_config(cfg)
+    except ConfigError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a value of the wrong type
+        raise ConfigError(
+            f"config.json of a Llama lacks or mistypes a value ({type(e).__name__}: {e})"
+        ) from None
 
 
 def flavor_of(args: ModelArgs) -> str:
@@ -201,6 +209,7 @@ def read_checkpoint(checkpoint_dir: str | Path) -> tuple[dict[str, torch.Tensor]
     path = _step_folder(checkpoint_dir)
     if not (path / ".metadata").exists():
         raise ConfigError(f"{path} has no DCP .metadata file: the save did not finish; use another step")
+    _verify(path)
     args, info = _info_args(path / INFO_FILE)
     try:
         stored = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
@@ -222,9 +231,24 @@ def read_checkpoint(checkpoint_dir: str | Path) -> tuple[dict[str, torch.Tensor]
         sd[k] = torch.empty(shape, dtype=meta.properties.dtype)
     try:
         dcp.load({"model": sd}, checkpoint_id=str(path), no_dist=True)
-    except Exception as e:  # a data file that is truncated, missing or unreadable
-        raise ConfigError(f"checkpoint {path} is corrupt ({type(e).__name__}: {e})") from e
+    except (Exception, dcp.CheckpointException) as e:  # (DCP's exception is a BaseException)
+        raise ConfigError(
+            f"checkpoint {path} is corrupt: a data file is truncated, missing or unreadable "
+            f"({type(e).__name__}); use another step"
+        ) from None
     return _cast(sd, sd["tok_embeddings.weight"].dtype, args.tie_embeddings), args, info
+
+
+def _verify(path: Path) -> None:
+    """Check the step folder's files against its integrity record, as a resume does (none: not checked)."""
+    try:
+        record = read_record(path)
+    except ValueError as e:
+        raise ConfigError(f"checkpoint {path} is corrupt: {e}; use another step") from None
+    problems = verify(path, record) if record is not None else []
+    if problems:
+        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
+        raise ConfigError(f"checkpoint {path} is corrupt: {'; '.join(problems[:3])}{more}; use another step")
 
 
 def _cast(sd: dict[str, torch.Tensor], dtype: torch.dtype, tied: bool) -> dict[str, torch.Tensor]:
@@ -278,6 +302,7 @@ def export_hf(
         tokenizer: `data.tokenizer`'s syntax; "auto" takes the one the checkpoint was trained with
             (`training_tokenizer`); None writes no tokenizer (and no BOS/EOS ids).
     """
+    _refuse_existing(Path(out_dir), folder=True)
     spec = training_tokenizer(checkpoint_dir) if tokenizer == "auto" else tokenizer
     sd, args, info = read_checkpoint(checkpoint_dir)
     files: dict[str, Callable[[Path], object]] = {}
@@ -316,8 +341,18 @@ def export_hf(
     return out
 
 
+def _refuse_existing(out: Path, folder: bool) -> None:
+    """An export writes a new file, or a folder into a new or empty one: never over what is there."""
+    if folder and out.is_dir():
+        if any(out.iterdir()):
+            raise ConfigError(f"{out} is a folder that is not empty: export into a new or empty folder")
+    elif out.exists():
+        raise ConfigError(f"{out} exists: export to a new path (or delete it first)")
+
+
 def export_pt(checkpoint_dir: str | Path, out_path: str | Path, dtype: torch.dtype = torch.float32) -> Path:
     """Save {"model": state dict, "model_args": dict, "step": N} as one `.pt` file (torch.load-able)."""
+    _refuse_existing(Path(out_path), folder=False)
     sd, args, info = read_checkpoint(checkpoint_dir)
     blob = {"model": _cast(sd, dtype, args.tie_embeddings), "model_args": dataclasses.asdict(args),
             "step": info.get("step"), "flavor": info.get("flavor")}  # fmt: skip

@@ -130,6 +130,11 @@ def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
     required = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
     if [k for k in required if k not in cfg]:
         raise ConfigError(f"config.json lacks {[k for k in required if k not in cfg]}")
+    counts = (*required, "num_key_value_heads", "max_position_embeddings")
+    for k in counts:
+        value = cfg.get(k, 1)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(f"config.json has {k} = {value!r}: a whole number >= 1 is needed")
     unsupported = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
     for key, want in unsupported.items():
         if cfg.get(key, want) != want:

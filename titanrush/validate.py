@@ -92,10 +92,10 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "float8.min_size": (0, None, True, True),
     "checkpoint.interval": (1, None, True, True),
     "checkpoint.keep_latest_k": (0, None, True, True),
-    "data.num_workers": (0, None, True, True),
+    "data.num_workers": (0, 64, True, True),  # loader processes per rank
     "data.prefetch_factor": (1, None, True, True),
     "validation.freq": (0, None, True, True),
-    "validation.steps": (1, None, True, True),
+    "validation.steps": (1, 2**63, True, False),
     "profiling.freq": (1, None, True, True),
     "profiling.active_steps": (1, None, True, True),
 }
@@ -122,6 +122,9 @@ def check_values(cfg: JobConfig) -> None:
         if not ok:
             raise ConfigError(f"{key} must be {_range_text(low, high, low_in, high_in)}, got {v}")
     t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
+    name = cfg.job.name
+    if not name.strip() or name in (".", "..") or "/" in name or "\\" in name:
+        raise ConfigError(f"job.name = {name!r}: a folder name under job.dump_folder (no '/', not empty)")
     if t.global_batch_size == 0 or t.global_batch_size < -1:
         raise ConfigError(f"training.global_batch_size must be -1 or > 0, got {t.global_batch_size}")
     if p.dp_shard == 0:
@@ -148,7 +151,7 @@ def check_values(cfg: JobConfig) -> None:
             "warm-up step before the traced ones)"
         )
     sel = ac.selective
-    if sel != "op" and not (sel.isdigit() and int(sel) > 0):
+    if sel != "op" and not (sel.isascii() and sel.isdigit() and int(sel) > 0):
         raise ConfigError(
             f"activation_checkpoint.selective = {sel!r}: use 'op' or a positive integer N (every N-th block)"
         )

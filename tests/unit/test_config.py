@@ -222,6 +222,10 @@ def run_cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     [
         (["--training.stepz", "3"], "did you mean training.steps"),
         (["--config", "no/such/file.toml"], "not found"),
+        (["--config", "/"], "is a folder; pass a TOML file"),
+        (["--config="], "--config is empty"),
+        (["--job.name", "../../escape"], "job.name = '../../escape': a folder name under job.dump_folder"),
+        (["--job.name", ""], "job.name = '': a folder name"),
         (["--training.seq_len", "4096"], "exceeds the debug model's maximum"),
         (["--model.flavor", "8b"], "did you mean '8B'"),
         (["--model.vocab_size", "1000"], "does not cover the tokenizer"),

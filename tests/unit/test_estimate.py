@@ -568,6 +568,13 @@ def test_cli_exit_status_1_when_the_config_does_not_fit(capsys):
     assert est_mod.main(["--config", DEBUG, "--ngpu", "1", "--no-trace", "--gpu-mem", f"{2 * total}"]) == 0
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5"])
+def test_cli_refuses_a_bad_ngpu_from_the_environment(value, monkeypatch, capsys):
+    monkeypatch.setenv("NGPU", value)
+    assert est_mod.main(["--config", DEBUG, "--no-trace"]) == 2
+    assert f"NGPU={value} must be a whole number >= 1" in capsys.readouterr().err
+
+
 def test_gpu_memory_rule():
     """One rule for estimate, sweep and rush: --gpu-mem, else the GPU here, else 80 GiB, said so."""
     assert est_mod.gpu_memory(141.0, {"cuda": True, "name": "NVIDIA H100", "mem_gib": 79.2}) == (

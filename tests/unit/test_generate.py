@@ -117,6 +117,12 @@ def test_cli_errors_exit_2(tmp_path, model, capsys):
     assert "max_seq_len" in capsys.readouterr().err
     assert generate_cmd.main(["--checkpoint", str(ckpt), "--prompt", "x", "--top-p", "0"]) == 2
     assert generate_cmd.main(["--checkpoint", str(ckpt), "--prompt", "x", "--device", "gpu0"]) == 2
+    capsys.readouterr()
+    for bad in (["--temperature", "nan"], ["--temperature", "inf"], ["--seed", str(2**70)], ["--seed", "-1"],
+                ["--device", "meta"]):  # fmt: skip
+        assert generate_cmd.main(["--checkpoint", str(ckpt), "--prompt", "x", *bad]) == 2, bad
+        err = capsys.readouterr().err
+        assert bad[0] in err and "Traceback" not in err, err
 
 
 def test_hf_folder_loads_like_the_checkpoint(tmp_path, model):

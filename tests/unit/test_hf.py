@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -380,6 +381,13 @@ def test_errors_name_the_problem_and_write_nothing(tmp_path, capsys):
     (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
     with pytest.raises(ConfigError, match=r"no place for: model.layers.3"):
         hf.import_hf(out, tmp_path / "imp")
+    for key, value in (("hidden_size", "abc"), ("num_attention_heads", 0), ("vocab_size", 2.5)):
+        (out / "config.json").write_text(json.dumps({**cfg, key: value}))
+        with pytest.raises(ConfigError, match=f"config.json has {key} = {value!r}: a whole number >= 1"):
+            hf.import_hf(out, tmp_path / "imp")
+    (out / "config.json").write_text(json.dumps({**cfg, "rope_theta": "abc"}))
+    with pytest.raises(ConfigError, match=r"config.json of a Llama lacks or mistypes a value \(ValueError"):
+        hf.import_hf(out, tmp_path / "imp")
     (out / "config.json").write_text(json.dumps(cfg))
     weights = hf.load_safetensors(out / "model.safetensors")
     del weights["model.layers.3.mlp.up_proj.weight"]
@@ -420,6 +428,53 @@ def test_trainer_written_checkpoints_export(tmp_path):
     out = hf.export_hf(ck / "step-1", tmp_path / "hf", dtype=torch.float32)  # step 1: full fp32 state
     back = hf.from_hf_state_dict(hf.load_safetensors(out / "model.safetensors"), args)
     assert sorted(back) == sorted(trained) and not torch.equal(back["norm.weight"], trained["norm.weight"])
+
+
+def test_damaged_checkpoints_and_existing_outputs_are_refused(tmp_path, capsys):
+    """convert and generate check the integrity record as a resume does; no DCP traceback on a file that
+    cannot be read; an export never writes over a file or into a non-empty folder."""
+    from titanrush import config
+    from titanrush.tools import convert, generate
+    from titanrush.trainer import Trainer
+
+    argv = ["--job.dump_folder", str(tmp_path), "--job.name", "run", *TRAIN, "--checkpoint.enable",
+            "--checkpoint.interval", "2"]  # fmt: skip
+    trainer = Trainer(config.load(None, argv))
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+    good = tmp_path / "run" / "checkpoint" / "step-2"
+    flipped, cut = tmp_path / "flipped", tmp_path / "cut"
+    shutil.copytree(good, flipped)
+    shutil.copytree(good, cut)
+    data = next(flipped.glob("*.distcp"))
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2 : len(raw) // 2 + 4] = bytes(4 * [0x7F])  # (a weight's bytes: DCP reads them fine)
+    data.write_bytes(bytes(raw))
+    (cut / "integrity.json").unlink()  # a folder with no record: DCP's own failure must be caught
+    with open(next(cut.glob("*.distcp")), "r+b") as f:
+        f.truncate(1000)
+    cases = [
+        (convert.main, ["--to-pt", str(flipped), str(tmp_path / "a.pt")], "is corrupt: __0_0.distcp bytes"),
+        (
+            generate.main,
+            ["--checkpoint", str(flipped), "--prompt", "x", "--max-new-tokens", "1"],
+            "is corrupt",
+        ),
+        (convert.main, ["--to-hf", str(cut), str(tmp_path / "b")], "truncated, missing or unreadable"),
+        (convert.main, ["--to-pt", str(good), str(tmp_path / "run" / "config.toml")], "exists"),
+        (convert.main, ["--to-hf", str(good), str(good)], "not empty"),
+    ]
+    before = (tmp_path / "run" / "config.toml").read_bytes()
+    for main, args, message in cases:
+        assert main(args) == 2, args
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "a.pt").exists() and not (tmp_path / "b").exists()
+    assert (tmp_path / "run" / "config.toml").read_bytes() == before
+    assert sorted(p.name for p in good.iterdir()) == sorted(p.name for p in flipped.iterdir())
+    assert convert.main(["--to-pt", str(good), str(tmp_path / "a.pt")]) == 0  # the sound folder exports
 
 
 def start_from_import(tmp_path: Path, flags_of) -> None:

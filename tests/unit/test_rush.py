@@ -272,6 +272,21 @@ def test_bad_override_is_a_config_error(capsys):
     assert "training.seq_len" in capsys.readouterr().err  # the suggestion
 
 
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--timeout", "-1"], "--timeout"),
+        (["--timeout", "nan"], "--timeout"),
+        (["--max-batch", "0"], "--max-batch"),
+        (["--max-doublings", "-1"], "--max-doublings"),
+        (["--output", DEBUG], "is a file"),
+    ],
+)
+def test_bad_options_exit_2_before_any_run(flags, message, capsys):
+    assert rush.main(["ladder", "--config", DEBUG, "--steps", "2", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------------------------
 # Real runs on CPU
 

@@ -84,6 +84,12 @@ def test_bad_input_exits_2(fake_cpu, capsys):
     assert sweep.main(["--ngpu", "2"]) == 2  # --config is required (argparse's message)
     assert sweep.main(["--config", DEBUG, "--ngpu", "2", "--dry-run", "--gpu-mem", "-1"]) == 2
     assert "--gpu-mem must be a positive number of GiB, got -1.0" in capsys.readouterr().err
+    for bad in ("-1", "0", "nan", "inf"):
+        assert sweep.main(["--config", DEBUG, "--ngpu", "1", "--dry-run", "--timeout", bad]) == 2
+        assert "--timeout" in capsys.readouterr().err
+    a_file = Path(DEBUG)  # an existing file is no output folder; nothing runs, nothing is written
+    assert sweep.main(["--config", DEBUG, "--ngpu", "1", "--steps", "2", "--output", str(a_file)]) == 2
+    assert "is a file" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------------------------

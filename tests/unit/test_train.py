@@ -76,6 +76,19 @@ def test_debug_run_learns_and_writes_every_sink(tmp_path):
     assert len(acc.Scalars("loss")) == len(rows)
 
 
+@pytest.mark.parametrize("env", ["NGPU=0", "NGPU=-1", "NGPU=1.5", "NGPU=abc", "NNODES=0", "NNODES=two"])
+def test_launcher_refuses_bad_process_counts(tmp_path, env):
+    """run_train.sh's NGPU / NNODES: one line naming the variable, exit 2, no launch, nothing written."""
+    name, value = env.split("=")
+    res = subprocess.run(
+        [str(ROOT / "run_train.sh"), *small(tmp_path, "bad")],
+        capture_output=True, text=True, timeout=120, env={**__import__("os").environ, name: value},
+    )  # fmt: skip
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.strip() == f"run_train.sh: error: {env} must be a whole number >= 1"
+    assert not (tmp_path / "bad").exists()
+
+
 def test_gradient_accumulation_equals_one_larger_batch(tmp_path):
     one = run_inprocess(small(tmp_path, "one", "--training.steps", "4", "--training.local_batch_size", "4"))
     acc = run_inprocess(

@@ -64,6 +64,7 @@ def test_every_range_is_enforced_with_the_key_in_the_message(key):
         (["--training.global_batch_size", "0"], "training.global_batch_size must be -1 or > 0"),
         (["--parallelism.dp_shard", "0"], "parallelism.dp_shard must be -1"),
         (["--activation_checkpoint.selective", "some"], "use 'op' or a positive integer"),
+        (["--activation_checkpoint.selective", "²"], "use 'op' or a positive integer"),  # isdigit, not int
         (
             ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.op_all_last", "4"],
             "only applies to selective op checkpointing with op_matmuls = alternate",

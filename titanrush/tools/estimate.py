@@ -469,8 +469,11 @@ def _split(argv: list[str]) -> tuple[dict, list[str]]:
 
 
 def _default_ngpu() -> int:
-    if os.environ.get("NGPU"):
-        return int(os.environ["NGPU"])
+    value = os.environ.get("NGPU")
+    if value:
+        if not value.isascii() or not value.isdigit() or int(value) < 1:
+            raise ConfigError(f"NGPU={value} must be a whole number >= 1 (or pass --ngpu N)")
+        return int(value)
     return torch.cuda.device_count() or 1
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 import time
 from pathlib import Path
@@ -96,8 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
-        if ns.max_new_tokens < 1 or ns.temperature < 0 or not 0 < ns.top_p <= 1:
-            parser.error("--max-new-tokens must be >= 1, --temperature >= 0 and --top-p in (0, 1]")
+        if ns.max_new_tokens < 1 or not 0 <= ns.temperature < math.inf or not 0 < ns.top_p <= 1:
+            parser.error(
+                "--max-new-tokens must be >= 1, --temperature a finite number >= 0 and --top-p in (0, 1]"
+            )
+        if not 0 <= ns.seed < 2**63:
+            parser.error("--seed must be in [0, 2**63)")
     except SystemExit as e:  # --help or a usage error: argparse has printed it
         return int(e.code or 0)
     try:
@@ -108,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(
                 f"--device {ns.device!r} is not a device: use auto, cpu, cuda or cuda:N"
             ) from None
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"--device {ns.device}: generate runs on cpu or cuda")
         if device.type == "cuda" and not cuda:
             raise ConfigError(f"--device {ns.device}: no CUDA GPU here; use --device cpu")
         on_gpu = torch.bfloat16 if device.type == "cuda" else torch.float32

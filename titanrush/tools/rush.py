@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
 from pathlib import Path
@@ -381,8 +382,21 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     kind = argv[0]
     args, overrides = parse(argv)
-    if args.steps < 2 or (kind == "dist" and args.ngpu < 1):
-        print("titanrush rush: --steps must be >= 2 and --ngpu >= 1", file=sys.stderr)
+    ladder = kind == "ladder"
+    checks = [
+        (args.steps < 2, "--steps must be >= 2"),
+        (kind == "dist" and args.ngpu < 1, "--ngpu must be >= 1"),
+        (not 0 < args.timeout < math.inf, "--timeout must be a finite number of seconds > 0"),
+        (
+            args.output.exists() and not args.output.is_dir(),
+            f"--output {args.output} is a file: name a folder",
+        ),
+        (ladder and args.max_batch < 1, "--max-batch must be >= 1"),
+        (ladder and (args.max_doublings or 0) < 0, "--max-doublings must be >= 0"),
+    ]
+    bad = [message for failed, message in checks if failed]
+    if bad:
+        print(f"titanrush rush: {'; '.join(bad)}", file=sys.stderr)
         return 2
     config = str(Path(args.config).resolve()) if args.config else None
     dev = runner.probe_device()
