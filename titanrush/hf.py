@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 from titanrush import hf_mapping
 from titanrush.checkpoint_compat import RUNTIME_ARGS, model_arg_differences
+from titanrush.checkpoint_folder import summarize
 from titanrush.checkpoint_integrity import read_record, verify
 from titanrush.config import ConfigError
 from titanrush.hf_mapping import first_few
@@ -247,8 +248,7 @@ def _verify(path: Path) -> None:
         raise ConfigError(f"checkpoint {path} is corrupt: {e}; use another step") from None
     problems = verify(path, record) if record is not None else []
     if problems:
-        more = f"; and {len(problems) - 3} more" if len(problems) > 3 else ""
-        raise ConfigError(f"checkpoint {path} is corrupt: {'; '.join(problems[:3])}{more}; use another step")
+        raise ConfigError(f"checkpoint {path} is corrupt: {summarize(problems)}; use another step")
 
 
 def _cast(sd: dict[str, torch.Tensor], dtype: torch.dtype, tied: bool) -> dict[str, torch.Tensor]:
