@@ -176,7 +176,7 @@ def test_continued_pretraining_of_a_converted_llama_in_one_command(tmp_path, cap
         tokenizer, source_args = "default", LLAMA31_LIKE
     model = make_model(source_args, seed=5)
     source = hf.export_hf(
-        save_checkpoint(model, tmp_path / "src"), tmp_path / "hf", torch.float32, str(tokenizer)
+        save_checkpoint(model, tmp_path / "src"), tmp_path / "hf_model", torch.float32, str(tokenizer)
     )
     assert convert.main(["--from-hf", str(source), str(tmp_path / "ckpt")]) == 0
     printed = capsys.readouterr().out.splitlines()[-1].split("--config FILE", 1)[1]
