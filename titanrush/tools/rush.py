@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shlex
 import sys
 from pathlib import Path
@@ -386,15 +385,12 @@ def main(argv: list[str] | None = None) -> int:
     checks = [
         (args.steps < 2, "--steps must be >= 2"),
         (kind == "dist" and args.ngpu < 1, "--ngpu must be >= 1"),
-        (not 0 < args.timeout < math.inf, "--timeout must be a finite number of seconds > 0"),
-        (
-            args.output.exists() and not args.output.is_dir(),
-            f"--output {args.output} is a file: name a folder",
-        ),
         (ladder and args.max_batch < 1, "--max-batch must be >= 1"),
         (ladder and (args.max_doublings or 0) < 0, "--max-doublings must be >= 0"),
     ]
-    bad = [message for failed, message in checks if failed]
+    bad = [message for failed, message in checks if failed] + runner.option_problems(
+        args.timeout, args.output
+    )
     if bad:
         print(f"titanrush rush: {'; '.join(bad)}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import re
 import shlex
@@ -283,6 +284,15 @@ def child_env(**extra: str) -> dict[str, str]:
 
 
 # ----------------------------------------------------------------------------------------------
+def option_problems(timeout: float, output: Path) -> list[str]:
+    """What is wrong with the options sweep and rush share (--timeout, --output), before anything runs."""
+    checks = [
+        (not 0 < timeout < math.inf, f"--timeout {timeout}: seconds per run, a finite number > 0"),
+        (output.exists() and not output.is_dir(), f"--output {output} is a file: name a folder"),
+    ]
+    return [message for failed, message in checks if failed]
+
+
 # The machine
 
 

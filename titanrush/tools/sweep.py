@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import difflib
 import itertools
-import math
 import shlex
 import sys
 from pathlib import Path
@@ -330,10 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     if args.ngpu < 1 or args.steps < 2:
         return _fail("--ngpu must be >= 1 and --steps >= 2")
-    if not 0 < args.timeout < math.inf:
-        return _fail(f"--timeout {args.timeout}: seconds per shape, a finite number > 0")
-    if args.output.exists() and not args.output.is_dir():
-        return _fail(f"--output {args.output} is a file: name a folder")
+    if problems := runner.option_problems(args.timeout, args.output):
+        return _fail("; ".join(problems))
     if args.assume_cuda and not args.dry_run:
         return _fail("--assume-cuda only plans (a run needs real GPUs): use it with --dry-run")
     try:
