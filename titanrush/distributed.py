@@ -1,8 +1,7 @@
 """The process group and the launch environment: ranks, init, barriers, rank 0's word to every rank.
 
-torchrun (or `run_train.sh`) sets RANK, WORLD_SIZE and LOCAL_RANK; a process started
-without them is rank 0 of 1. Everything here is a no-op without a process group, so single-process code
-calls it unconditionally.
+The ranks come from the launcher's environment (`titanrush.launch_env`). Everything here is a no-op
+without a process group, so single-process code calls it unconditionally.
 """
 
 from __future__ import annotations
@@ -10,33 +9,16 @@ from __future__ import annotations
 import gc
 import logging
 import os
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
+from titanrush.launch_env import ranks_from_env  # (also the trainer's: distributed.ranks_from_env)
+
 logger = logging.getLogger("titanrush")
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Ranks:
-    """This process's place in the job, from torchrun's environment variables."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-
-def ranks_from_env(environ: dict[str, str] | os._Environ = os.environ) -> Ranks:
-    """RANK, WORLD_SIZE and LOCAL_RANK (defaults: one process)."""
-    return Ranks(
-        rank=int(environ.get("RANK", "0")),
-        world_size=int(environ.get("WORLD_SIZE", "1")),
-        local_rank=int(environ.get("LOCAL_RANK", "0")),
-    )
 
 
 def init_device(local_rank: int, *, expandable: bool) -> torch.device:

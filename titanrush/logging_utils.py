@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import sys
 import warnings
 from typing import Any, TextIO
+
+from titanrush.launch_env import ranks_from_env
 
 _shown: set[tuple[str, str]] = set()  # (category, message) of the warnings rank 0 has printed
 
@@ -31,8 +32,8 @@ def init_logging(*, verbose: bool = False) -> None:
     Args:
         verbose: Every rank logs INFO and shows every warning (`metrics.verbose`).
     """
-    rank = int(os.environ.get("RANK", "0"))
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ranks = ranks_from_env()
+    rank, world = ranks.rank, ranks.world_size
     logger = logging.getLogger("titanrush")
     if not logger.handlers:
         prefix = f"[rank{rank}] " if world > 1 else ""

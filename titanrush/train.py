@@ -2,8 +2,8 @@
 
 Exit status (docs/operations.md):
   0        the run reached training.steps
-  1        a run stopped for a reason outside the config (a full disk during a save: one line), or
-           another failure (a traceback)
+  1        a run stopped for a reason outside the config (a full disk during a save, out of memory:
+           one line naming the fix), or another failure (a traceback)
   2        a config error: one line naming the key, before anything is built or written
   3        a non-finite loss or gradient norm stopped the run (training.on_nonfinite): one line naming
            the step; nothing of that step was saved
@@ -21,6 +21,7 @@ import sys
 from titanrush import config as cfgmod
 from titanrush.config import ConfigError
 from titanrush.errors import RunError
+from titanrush.launch_env import Ranks, ranks_from_env
 from titanrush.logging_utils import init_logging
 
 USAGE = """usage: titanrush train [--config FILE] [--check] [--section.key value | --section.key=value
@@ -74,6 +75,7 @@ def _main(argv: list[str]) -> int:
     try:
         path, check, overrides = split_args(argv)
         cfg = cfgmod.load(path, overrides)
+        ranks = ranks_from_env()
     except ConfigError as e:
         print(f"titanrush: config error: {e}", file=sys.stderr)
         return 2
@@ -84,20 +86,34 @@ def _main(argv: list[str]) -> int:
 
     # Before anything starts CUDA (the plan's machine checks may): the allocator reads it at start-up.
     set_allocator_env(os.environ, expandable=cfg.training.expandable_segments)
-    return _check_or_train(cfg, check)
+    return _check_or_train(cfg, check, ranks)
 
 
 NONFINITE_STATUS = 3
+OOM_FIX = (
+    "The run does not fit this device: `titanrush estimate` with the same config shows where the memory "
+    "goes; lower training.local_batch_size or training.seq_len, set activation_checkpoint.mode, shard "
+    "over more GPUs, or check the model's size (model.vocab_size, model.dim, model.n_layers)"
+)
 
 
-def _check_or_train(cfg: cfgmod.JobConfig, check: bool) -> int:
-    from titanrush.distributed import ranks_from_env
+def out_of_memory(e: BaseException) -> str | None:
+    """What an allocation failure says (a GPU's first line, or the host allocator's), else None."""
+    import torch
+
+    text = str(e).strip() or type(e).__name__
+    if isinstance(e, (MemoryError, torch.OutOfMemoryError)):
+        return text.splitlines()[0]
+    at = text.find("DefaultCPUAllocator: can't allocate memory")
+    return text[at:].split(". Error code")[0] if at >= 0 else None
+
+
+def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
     from titanrush.nonfinite import NonFiniteError
     from titanrush.plan import build_plan
     from titanrush.signals import end_with_launcher
     from titanrush.trainer import Trainer
 
-    ranks = ranks_from_env()
     say = (
         (lambda line: print(f"titanrush: {line}", file=sys.stderr))
         if ranks.rank == 0
@@ -125,6 +141,11 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool) -> int:
         except RunError as e:  # a run stopped for a reason outside the config (a full disk, ...)
             print(f"titanrush: error: {e}", file=sys.stderr)
             return 1
+    except (MemoryError, RuntimeError) as e:  # (torch.OutOfMemoryError is a RuntimeError)
+        if (what := out_of_memory(e)) is None:
+            raise
+        print(f"titanrush: error: out of memory on rank {ranks.rank}: {what}. {OOM_FIX}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # before the loop's handler is in place, or a second Ctrl-C
         say("interrupted: stopped at once, nothing saved (exit status 130)")
         return 128 + signal.SIGINT

@@ -57,3 +57,16 @@ def test_hsdp_and_tp_meshes_print_no_mesh_deprecation(tmp_path):
     out = run_train_sh(tmp_path / "hsdp", 4, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2")
     assert_quiet(out)
     assert_quiet(run_train_sh(tmp_path / "tp", 4, "--parallelism.tp", "2"))
+
+
+def test_a_model_too_large_for_the_gpu_is_one_line_naming_the_fix(tmp_path):
+    # a 2e8-token table of width 256 (205 GB in fp32) is materialized on the GPU and does not fit it
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    cmd = ["./run_train.sh", "--job.dump_folder", str(tmp_path), "--training.steps", "1",
+           "--model.vocab_size", "200000000"]  # fmt: skip
+    res = subprocess.run(cmd, cwd=ROOT, env={**env, "NGPU": "1"}, capture_output=True, text=True, timeout=600)
+    err = res.stderr.strip().splitlines()
+    assert res.returncode == 1, res.stderr[-4000:]
+    assert err[-1].startswith("titanrush: error: out of memory on rank 0: CUDA out of memory"), err[-3:]
+    assert "titanrush estimate" in err[-1] and "Traceback" not in res.stderr
+    assert rush_runner.classify(1, res.stdout + res.stderr)[0] == rush_runner.OOM

@@ -66,6 +66,8 @@ def test_oom_detection_and_classification():
     err = "titanrush: config error: float8.enable: float8 arrives with issue 6; set float8.enable = false\n"
     assert rush_runner.classify(2, err) == (NOT_AVAILABLE, err.split("config error: ")[1].strip())
     assert rush_runner.classify(-9, "")[0] == FAILED
+    ours = "[rank1]: titanrush: error: out of memory on rank 1: DefaultCPUAllocator: can't allocate memory\n"
+    assert rush_runner.classify(1, ours + "torch...ChildFailedError: x\n") == (OOM, ours[9:].strip())
     assert rush_runner.last_error_line("") == ""
     assert rush_runner.last_error_line("no error here\nlast line\n") == "last line"
 
@@ -285,6 +287,25 @@ def test_bad_override_is_a_config_error(capsys):
 def test_bad_options_exit_2_before_any_run(flags, message, capsys):
     assert rush.main(["ladder", "--config", DEBUG, "--steps", "2", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "No such file"),
+        ('{"status": "OOM", "tps": 0}\n', "no OK row with tps"),
+        ("not json\n", "Expecting value"),
+    ],
+)
+def test_unusable_sweep_results_exit_2_before_any_run(tmp_path, content, message, capsys):
+    path = tmp_path / "sweep.jsonl"
+    if content is not None:
+        path.write_text(content)
+    argv = ["dist", "--config", DEBUG, "--ngpu", "2", "--sweep-results", str(path), "--output", str(tmp_path)]
+    assert rush.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--sweep-results" in err and message in err and "titanrush sweep" in err
+    assert [p.name for p in tmp_path.iterdir()] == ([path.name] if content else [])  # nothing ran
 
 
 # ----------------------------------------------------------------------------------------------

@@ -192,6 +192,73 @@ def test_allocator_setting_goes_through_the_environment_and_leaves_a_set_one():
     assert env == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}  # the user's wins
 
 
+@pytest.mark.parametrize(
+    "env, named",
+    [
+        ({"RANK": "abc"}, "RANK='abc'"),
+        ({"WORLD_SIZE": "0"}, "WORLD_SIZE='0'"),
+        ({"LOCAL_RANK": "-1"}, "LOCAL_RANK='-1'"),
+        ({"WORLD_SIZE": "\u0662"}, "WORLD_SIZE="),  # a digit to str.isdigit, not to int()
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 must be below WORLD_SIZE=2"),
+    ],
+)
+def test_a_bad_launch_environment_is_named_before_anything_starts(monkeypatch, capsys, env, named):
+    from titanrush import train
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setattr(train, "_check_or_train", lambda *a: pytest.fail("went on past a bad environment"))
+    assert train.main(["--check"]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "run_train.sh" in err and "Traceback" not in err
+
+
+def test_the_launch_environment_gives_the_ranks():
+    from titanrush.launch_env import Ranks, ranks_from_env
+
+    assert ranks_from_env({}) == Ranks(0, 1, 0)
+    assert ranks_from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": " 1\n"}) == Ranks(3, 4, 1)
+
+
+def test_a_model_too_large_for_the_host_is_one_line_with_the_fix(tmp_path, capsys):
+    from titanrush import train
+
+    # a 1e11-token table of width 256 cannot be allocated on any host: the trainer says so, no traceback
+    argv = ["--model.vocab_size", "100000000000", "--job.dump_folder", str(tmp_path), "--training.steps", "1"]
+    assert train.main(argv) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "titanrush: error: out of memory on rank 0: DefaultCPUAllocator"
+    )
+    assert "titanrush estimate" in err[0] and "model.vocab_size" in err[0]
+
+
+def test_a_gpu_out_of_memory_is_one_line_and_other_failures_keep_their_traceback(monkeypatch, capsys):
+    import torch
+
+    from titanrush import train, trainer
+
+    def raising(error):
+        def build(cfg, plan):
+            raise error
+
+        return build
+
+    msg = (
+        "CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.1 GiB\nSECOND LINE"
+    )
+    monkeypatch.setattr(trainer, "Trainer", raising(torch.OutOfMemoryError(msg)))
+    assert train.main(["--training.steps", "1"]) == 1
+    err = capsys.readouterr().err
+    assert "titanrush: error: out of memory on rank 0: CUDA out of memory. Tried to allocate 2.00 GiB" in err
+    assert "SECOND LINE" not in err  # the first line of torch's message only
+    monkeypatch.setattr(trainer, "Trainer", raising(RuntimeError("an unrelated bug")))
+    with pytest.raises(RuntimeError, match="an unrelated bug"):
+        train.main(["--training.steps", "1"])
+
+
 @pytest.mark.parametrize("gc_freq, collecting", [("50", False), ("0", True)])
 def test_launch_builds_the_trainer_with_the_collector_off(monkeypatch, gc_freq, collecting):
     import gc
@@ -199,7 +266,7 @@ def test_launch_builds_the_trainer_with_the_collector_off(monkeypatch, gc_freq, 
     from titanrush import train
 
     seen = []
-    monkeypatch.setattr(train, "_check_or_train", lambda cfg, check: seen.append(gc.isenabled()) or 0)
+    monkeypatch.setattr(train, "_check_or_train", lambda cfg, check, ranks: seen.append(gc.isenabled()) or 0)
     monkeypatch.setattr(train, "init_logging", lambda **kw: None)
     assert gc.isenabled()
     assert train.main(["--training.gc_freq", gc_freq]) == 0

@@ -226,7 +226,7 @@ def read_sweep_best(path: str) -> dict[str, str]:
         json.loads(text) if text.lstrip().startswith("[") else [json.loads(x) for x in text.splitlines() if x]
     )
     speed = lambda r: r.get("tps") or r.get("tokens_per_s") or 0.0
-    ok = [r for r in rows if r.get("status", OK) == OK and speed(r) > 0]
+    ok = [r for r in rows if isinstance(r, dict) and r.get("status", OK) == OK and speed(r) > 0]
     if not ok:
         raise ValueError(f"{path}: no OK row with tps")
     best = max(ok, key=speed)
@@ -242,26 +242,23 @@ def read_sweep_best(path: str) -> dict[str, str]:
     return {str(k): str(v) for k, v in {**over, **mesh}.items()}
 
 
-def _eight_b(dev: dict[str, Any], ngpu: int, sweep_results: str | None) -> Rung:
-    """The 8B on N GPUs with FSDP and the sweep's best mesh, or why it cannot run."""
+def _eight_b(dev: dict[str, Any], ngpu: int, sweep_mesh: dict[str, str] | None) -> Rung:
+    """The 8B on N GPUs with FSDP and the sweep's best mesh (`read_sweep_best`), or why it cannot run."""
     adds = f"8B, FSDP on {ngpu} GPUs, the sweep's best mesh"
     rung = Rung(f"8b-fsdp-{ngpu}", adds, {"model.flavor": "8B"}, "8b", ngpu=ngpu, strategy="8B FSDP")
-    if not sweep_results:
+    if sweep_mesh is None:
         rung.status, rung.reason = (
             NOT_AVAILABLE,
             "pass --sweep-results FILE (from titanrush sweep) for the mesh",
         )
         return rung
-    try:
-        rung.delta.update(read_sweep_best(sweep_results))
-    except (OSError, ValueError, ConfigError) as e:
-        rung.status, rung.reason = NOT_AVAILABLE, f"sweep results unreadable: {e}"
-    if rung.status is None and not dev.get("cuda"):
+    rung.delta.update(sweep_mesh)
+    if not dev.get("cuda"):
         rung.status, rung.reason = NEEDS_GPU, "the 8B does not train on CPU"
     return rung
 
 
-def dist_plan(dev: dict[str, Any], ngpu: int, sweep_results: str | None) -> list[Rung]:
+def dist_plan(dev: dict[str, Any], ngpu: int, sweep_mesh: dict[str, str] | None) -> list[Rung]:
     """The 1-GPU baseline, then DDP, ZeRO-2, ZeRO-3 and HSDP at 2, 4 ... N GPUs, then the 8B."""
     sizes = sorted({2**i for i in range(ngpu.bit_length()) if 2**i <= ngpu} | {ngpu})
     one = {"parallelism.dp_replicate": "1", "parallelism.dp_shard": "1"}
@@ -282,7 +279,7 @@ def dist_plan(dev: dict[str, Any], ngpu: int, sweep_results: str | None) -> list
             rungs.append(
                 Rung(f"{short}-{k}", f"{strategy} on {k} GPUs", delta, "scaling", status, reason, k, strategy)
             )
-    return rungs + [_eight_b(dev, ngpu, sweep_results)]
+    return rungs + [_eight_b(dev, ngpu, sweep_mesh)]
 
 
 def run_dist(ctx: Ctx, plan: list[Rung], base: dict[str, str]) -> list[str]:
@@ -391,6 +388,12 @@ def main(argv: list[str] | None = None) -> int:
     bad = [message for failed, message in checks if failed] + runner.option_problems(
         args.timeout, args.output
     )
+    sweep_mesh = None
+    if kind == "dist" and args.sweep_results is not None:
+        try:
+            sweep_mesh = read_sweep_best(args.sweep_results)
+        except (OSError, ValueError, ConfigError) as e:
+            bad.append(f"--sweep-results: {e} (pass the results.jsonl that `titanrush sweep` wrote)")
     if bad:
         print(f"titanrush rush: {'; '.join(bad)}", file=sys.stderr)
         return 2
@@ -427,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"batch doubling stops after {doublings} doublings (--max-doublings)"
             )
     elif kind == "dist":
-        plan = dist_plan(dev, args.ngpu, args.sweep_results)
+        plan = dist_plan(dev, args.ngpu, sweep_mesh)
     elif not dev.get("cuda"):
         notes.append("CPU: MFU is null (no peak to divide by), peak memory is the process's peak RSS")
     ctx = Ctx(

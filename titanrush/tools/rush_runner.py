@@ -42,10 +42,11 @@ _OOM_MARKERS = (
     "failed to cuda calloc",
     "cudnn_status_alloc_failed",
     "memoryerror",  # Python's own, on the host
+    "titanrush: error: out of memory",  # the trainer's one line for any of them (titanrush.train)
 )
 _ERROR_LINE = re.compile(
     r"^(?:\[(?:rank|default)\d+\]:\s*)*"  # torchrun's per-rank prefixes
-    r"((?:[A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)|(?:titanrush: config error: .*))$"
+    r"((?:[A-Za-z_][\w.]*(?:Error|Exception|Interrupt)\b.*)|(?:titanrush: (?:config )?error: .*))$"
 )
 _CONFIG_ERROR = re.compile(r"titanrush: config error: (.*)")
 

@@ -1,0 +1,46 @@
+"""The launcher's word on this process: RANK, WORLD_SIZE and LOCAL_RANK, checked before anything starts.
+
+torchrun (or `run_train.sh`) sets them; a process started without them is rank 0 of 1. A value that is
+not a whole number in range is a `ConfigError` naming the variable, not a traceback from `int()`.
+This module imports no torch: the trainer reads it before torch's import.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from titanrush.config import ConfigError
+
+_FIX = "torchrun sets RANK, WORLD_SIZE and LOCAL_RANK: launch with run_train.sh, or unset all three"
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the job, from torchrun's environment variables."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+
+
+def _whole(environ: dict[str, str] | os._Environ, name: str, default: int, low: int) -> int:
+    text = environ.get(name)
+    if text is None:
+        return default
+    value = int(text.strip()) if text.strip().isascii() and text.strip().isdigit() else None
+    if value is None or value < low:
+        raise ConfigError(f"{name}={text!r} in the environment must be a whole number >= {low} ({_FIX})")
+    return value
+
+
+def ranks_from_env(environ: dict[str, str] | os._Environ = os.environ) -> Ranks:
+    """RANK, WORLD_SIZE and LOCAL_RANK (defaults: one process); `ConfigError` on a bad value."""
+    ranks = Ranks(
+        rank=_whole(environ, "RANK", 0, 0),
+        world_size=_whole(environ, "WORLD_SIZE", 1, 1),
+        local_rank=_whole(environ, "LOCAL_RANK", 0, 0),
+    )
+    if ranks.rank >= ranks.world_size:
+        raise ConfigError(f"RANK={ranks.rank} must be below WORLD_SIZE={ranks.world_size} ({_FIX})")
+    return ranks
