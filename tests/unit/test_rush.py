@@ -289,6 +289,14 @@ def test_bad_options_exit_2_before_any_run(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, code, said", [([], 2, "no command"), (["nope"], 2, "unknown command 'nope'"),
+                                               (["--help"], 0, "")])  # fmt: skip
+def test_a_missing_or_unknown_command_prints_the_usage_and_names_the_problem(argv, code, said, capsys):
+    assert rush.main(argv) == code
+    out, err = capsys.readouterr()
+    assert "titanrush rush ladder" in out and (said in err if said else err == "")
+
+
 @pytest.mark.parametrize(
     "content, message",
     [

@@ -375,7 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in ("ladder", "dist", "moe"):
         print(__doc__)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+        if argv and argv[0] in ("-h", "--help"):
+            return 0
+        given = f"unknown command {argv[0]!r}" if argv else "no command"
+        print(f"titanrush rush: {given}; choose ladder, dist or moe (usage above)", file=sys.stderr)
+        return 2
     kind = argv[0]
     args, overrides = parse(argv)
     ladder = kind == "ladder"
