@@ -28,7 +28,8 @@ def _whole(environ: dict[str, str] | os._Environ, name: str, default: int, low: 
     text = environ.get(name)
     if text is None:
         return default
-    value = int(text.strip()) if text.strip().isascii() and text.strip().isdigit() else None
+    digits = text.strip()
+    value = int(digits) if digits.isascii() and digits.isdigit() else None
     if value is None or value < low:
         raise ConfigError(f"{name}={text!r} in the environment must be a whole number >= {low} ({_FIX})")
     return value
