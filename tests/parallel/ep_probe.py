@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
+from titanrush.distributed import destroy
 from titanrush.models.llama4.moe import MoE
 from titanrush.parallel.expert_parallel import apply_ep
 
@@ -75,7 +76,8 @@ def main() -> None:
     if rank == 0:
         with open(sys.argv[1], "w") as f:
             json.dump(gathered, f)
-    dist.destroy_process_group()
+    torch.compiler.reset()  # (the compiled graphs hold the layer, its DTensors and through them the mesh)
+    destroy()
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ gradient's largest entry, plus the two losses.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import json
 import os
 import sys
@@ -24,6 +23,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from titanrush import config
+from titanrush.distributed import destroy
 from titanrush.models.init import _canonical
 from titanrush.models.llama import Llama
 from titanrush.models.llama.loss import cross_entropy, valid_tokens, vocab_parallel_cross_entropy_sum
@@ -149,8 +149,7 @@ def main(out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(report, f, indent=1)
-    dist.destroy_process_group()
-    gc.collect()  # free the meshes' process groups before interpreter shutdown (gloo may abort there)
+    destroy()
 
 
 if __name__ == "__main__":
