@@ -24,23 +24,27 @@ class Ranks:
     local_rank: int = 0
 
 
-def _whole(environ: dict[str, str] | os._Environ, name: str, default: int, low: int) -> int:
+def whole_number(
+    environ: dict[str, str] | os._Environ, name: str, default: int, low: int, fix: str = _FIX
+) -> int:
+    """The environment variable `name` as a whole number >= `low` (`default` where unset or empty); else a
+    `ConfigError` naming the variable, its value and `fix`."""
     text = environ.get(name)
-    if text is None:
+    if not text:
         return default
     digits = text.strip()
     value = int(digits) if digits.isascii() and digits.isdigit() else None
     if value is None or value < low:
-        raise ConfigError(f"{name}={text!r} in the environment must be a whole number >= {low} ({_FIX})")
+        raise ConfigError(f"{name}={text!r} in the environment must be a whole number >= {low} ({fix})")
     return value
 
 
 def ranks_from_env(environ: dict[str, str] | os._Environ = os.environ) -> Ranks:
     """RANK, WORLD_SIZE and LOCAL_RANK (defaults: one process); `ConfigError` on a bad value."""
     ranks = Ranks(
-        rank=_whole(environ, "RANK", 0, 0),
-        world_size=_whole(environ, "WORLD_SIZE", 1, 1),
-        local_rank=_whole(environ, "LOCAL_RANK", 0, 0),
+        rank=whole_number(environ, "RANK", 0, 0),
+        world_size=whole_number(environ, "WORLD_SIZE", 1, 1),
+        local_rank=whole_number(environ, "LOCAL_RANK", 0, 0),
     )
     if ranks.rank >= ranks.world_size:
         raise ConfigError(f"RANK={ranks.rank} must be below WORLD_SIZE={ranks.world_size} ({_FIX})")

@@ -572,7 +572,8 @@ def test_cli_exit_status_1_when_the_config_does_not_fit(capsys):
 def test_cli_refuses_a_bad_ngpu_from_the_environment(value, monkeypatch, capsys):
     monkeypatch.setenv("NGPU", value)
     assert est_mod.main(["--config", DEBUG, "--no-trace"]) == 2
-    assert f"NGPU={value} must be a whole number >= 1" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"NGPU={value!r} in the environment must be a whole number >= 1 (or pass --ngpu N)" in err
 
 
 def test_gpu_memory_rule():

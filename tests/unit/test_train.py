@@ -218,7 +218,7 @@ def test_a_bad_launch_environment_is_named_before_anything_starts(monkeypatch, c
 def test_the_launch_environment_gives_the_ranks():
     from titanrush.launch_env import Ranks, ranks_from_env
 
-    assert ranks_from_env({}) == Ranks(0, 1, 0)
+    assert ranks_from_env({}) == Ranks(0, 1, 0) == ranks_from_env({"RANK": "", "WORLD_SIZE": ""})
     assert ranks_from_env({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": " 1\n"}) == Ranks(3, 4, 1)
 
 

@@ -25,6 +25,7 @@ import torch
 from titanrush import config as cfgmod
 from titanrush import validate
 from titanrush.config import ConfigError, JobConfig
+from titanrush.launch_env import whole_number
 from titanrush.plan import RunPlan, build_plan, describe_mesh
 from titanrush.tools import memory_model as mm
 from titanrush.tools.memory_moe import DEFAULT_IMBALANCE, shard_degrees
@@ -469,12 +470,8 @@ def _split(argv: list[str]) -> tuple[dict, list[str]]:
 
 
 def _default_ngpu() -> int:
-    value = os.environ.get("NGPU")
-    if value:
-        if not value.isascii() or not value.isdigit() or int(value) < 1:
-            raise ConfigError(f"NGPU={value} must be a whole number >= 1 (or pass --ngpu N)")
-        return int(value)
-    return torch.cuda.device_count() or 1
+    ngpu = whole_number(os.environ, "NGPU", 0, 1, "or pass --ngpu N")
+    return ngpu or torch.cuda.device_count() or 1
 
 
 def main(argv: list[str] | None = None) -> int:
