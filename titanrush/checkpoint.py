@@ -50,13 +50,13 @@ from titanrush import checkpoint_integrity as integrity
 from titanrush.checkpoint_folder import (
     INFO_FILE,
     check_folder,
-    check_writable,
     choose,
     elsewhere,
     prepare_save,
     save_failure,
     scan,
     space_warning,
+    unwritable_error,
     verify_files,
 )
 from titanrush.checkpoint_state import ModelState, ObjectState, OptimizerState, TrainState
@@ -126,13 +126,9 @@ class CheckpointManager:
         self._pending: _PendingSave | None = None
         self._last: Path | None = None  # the newest checkpoint, whose size the next save needs
         if enable:
-            error = from_rank0(check_writable(folder) if rank == 0 else "")
+            error = from_rank0(unwritable_error(folder) if rank == 0 else "")
             if error:
-                raise ConfigError(
-                    f"checkpoint.folder: {error}, so the first save (step {interval}) would fail; choose a "
-                    "writable checkpoint.folder (relative to the run folder, or absolute), fix its "
-                    "permissions, or --no-checkpoint.enable"
-                )
+                raise ConfigError(error)
         # Background saves run their collectives on a gloo group of their own, off the training streams.
         use_pg = enable and async_mode != "disabled" and dist.is_initialized()
         self._pg = dist.new_group(backend="gloo") if use_pg else None

@@ -132,6 +132,16 @@ def free_bytes(path: Path) -> int:
     return shutil.disk_usage(_existing(path)).free
 
 
+def unwritable_error(folder: Path) -> str:
+    """The refusal of a checkpoint folder that cannot be written ('' if it can)."""
+    error = check_writable(folder)
+    return error and (
+        f"checkpoint.folder: {error}, so no checkpoint could be saved; choose a writable "
+        "checkpoint.folder (relative to the run folder, or absolute), fix its permissions, or "
+        "--no-checkpoint.enable"
+    )
+
+
 def check_writable(folder: Path) -> str:
     """Why the checkpoint folder cannot be made or written ('' if it can): a probe file is created and
     removed in it, or in its nearest existing parent (permissions, read-only mounts and quotas all show)."""
@@ -224,7 +234,12 @@ def choose(folder: Path | None, load_path: str, model_only: bool) -> dict[str, A
                 f"checkpoint {s.path} is incomplete (it lacks {s.missing}; a save that did not finish, or a "
                 f"partial copy): moved aside to {moved.name}; resuming from the newest complete one"
             )
-    done = [s for s in found if s.complete]
+    return decide([s for s in found if s.complete], folder, load_path, model_only)
+
+
+def decide(done: list[StepFolder], folder: Path | None, load_path: str, model_only: bool) -> dict[str, Any]:
+    """`choose`'s decision from the run's complete step folders `done`, without touching the disk (also
+    what `titanrush.train --check` asks)."""
     full = [s for s in done if not s.model_only]
     if full:
         newer = [s for s in done if s.model_only and s.step > full[-1].step]
@@ -348,7 +363,8 @@ def check_folder(path: Path, *, own: bool, model_only: bool, steps: int | None) 
         ConfigError: saying incomplete, corrupt or what else is wrong, and what to do.
     """
     if not path.is_dir():
-        raise ConfigError(f"checkpoint folder {path} does not exist; check checkpoint.load_path")
+        what = "is a file, not a folder" if path.exists() else "does not exist"
+        raise ConfigError(f"checkpoint folder {path} {what}; check checkpoint.load_path")
     state = inspect(path)
     if not state.complete:
         raise ConfigError(

@@ -25,6 +25,18 @@ from titanrush.launch_env import ranks_from_env
 _shown: set[tuple[str, str]] = set()  # (category, message) of the warnings rank 0 has printed
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to `sys.stderr` as it is when a record comes (a caller may have redirected it since)."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def init_logging(*, verbose: bool = False) -> None:
     """Set up titanrush's logger and the console policy of this process; call it once the config is read,
     before torch is imported (the handler is added once: a later call only changes the levels).
@@ -37,7 +49,7 @@ def init_logging(*, verbose: bool = False) -> None:
     logger = logging.getLogger("titanrush")
     if not logger.handlers:
         prefix = f"[rank{rank}] " if world > 1 else ""
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname)s %(message)s", "%H:%M:%S"))
         logger.addHandler(handler)
         logger.propagate = False

@@ -85,22 +85,25 @@ def check(path: Path, *, overwrite: bool, rank: int) -> RunLock:
         ConfigError: The folder exists and `job.overwrite` is false, is a file, cannot be written, or
             another run holds it.
     """
-    error = ""
     lock = RunLock()
+    error = ""
     if rank == 0:
-        if path.exists() and not path.is_dir():
-            error = f"run folder {path} is a file; choose another job.name or job.dump_folder"
-        elif path.exists() and not overwrite:
-            error = f"run folder {path} exists and job.overwrite = false; choose another job.name"
-        elif path.is_dir():
-            error = _unwritable(path, path) or lock.acquire(path)
-        else:
-            error = _unwritable(path, _existing_parent(path))
+        error = problem(path, overwrite=overwrite) or (lock.acquire(path) if path.is_dir() else "")
     error = from_rank0(error)
     if error:
         lock.release()
         raise ConfigError(error)
     return lock
+
+
+def problem(path: Path, *, overwrite: bool) -> str:
+    """Why the run cannot use the folder ('' if it can), lock aside: a file, an existing folder without
+    job.overwrite, or a folder (or nearest existing parent) that cannot be written."""
+    if path.exists() and not path.is_dir():
+        return f"run folder {path} is a file; choose another job.name or job.dump_folder"
+    if path.exists() and not overwrite:
+        return f"run folder {path} exists and job.overwrite = false; choose another job.name"
+    return _unwritable(path, path if path.is_dir() else _existing_parent(path))
 
 
 def _unwritable(path: Path, folder: Path) -> str:

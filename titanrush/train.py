@@ -14,6 +14,7 @@ Exit status (docs/operations.md):
 from __future__ import annotations
 
 import gc
+import logging
 import os
 import signal
 import sys
@@ -27,8 +28,8 @@ from titanrush.logging_utils import init_logging
 USAGE = """usage: titanrush train [--config FILE] [--check] [--section.key value | --section.key=value
                        | --section.key | --no-section.key ...]
 
-Trains a Llama from a TOML config (defaults < TOML < command line). --check validates the config and
-exits. Lists are comma-separated.
+Trains a Llama from a TOML config (defaults < TOML < command line). --check validates the config, the
+data, the checkpoint to load and the output folders, and exits. Lists are comma-separated.
 """
 
 
@@ -111,6 +112,7 @@ def out_of_memory(e: BaseException) -> str | None:
 def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
     from titanrush.nonfinite import NonFiniteError
     from titanrush.plan import build_plan
+    from titanrush.preflight import check_files
     from titanrush.signals import end_with_launcher
     from titanrush.trainer import Trainer
 
@@ -122,7 +124,9 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
     try:
         try:
             plan = build_plan(cfg, ranks.world_size)
-            if check:
+            if check:  # (quiet: the run itself logs what the data and checkpoint hold)
+                logging.getLogger("titanrush").setLevel(logging.WARNING)
+                check_files(cfg, plan)
                 print("config OK")
                 return 0
             end_with_launcher()  # a worker of a launcher killed from here on ends too

@@ -187,7 +187,9 @@ class Trainer:
             vocab_size=plan.args.vocab_size,
         )
         self.train_loader = build_dataloader(cfg.data, split="train", **self.loader_args)
-        self._val_loader: Any = None
+        self._val_loader: Any = None  # (a run that validates checks its split now, not at the first pass)
+        if cfg.validation.freq:
+            self._val_loader = build_dataloader(cfg.data, split="validation", **self.loader_args)
         marks.append(("data", time.perf_counter()))
         ck = cfg.checkpoint
         self.checkpointer = CheckpointManager(

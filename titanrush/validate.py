@@ -125,6 +125,10 @@ def check_values(cfg: JobConfig) -> None:
     name = cfg.job.name
     if not name.strip() or name in (".", "..") or "/" in name or "\\" in name:
         raise ConfigError(f"job.name = {name!r}: a folder name under job.dump_folder (no '/', not empty)")
+    if not cfg.job.dump_folder.strip():
+        raise ConfigError("job.dump_folder is empty: set the folder that holds run folders (e.g. ./outputs)")
+    if not cfg.checkpoint.folder.strip():
+        raise ConfigError("checkpoint.folder is empty: name a folder under the run folder (e.g. checkpoint)")
     if t.global_batch_size == 0 or t.global_batch_size < -1:
         raise ConfigError(f"training.global_batch_size must be -1 or > 0, got {t.global_batch_size}")
     if p.dp_shard == 0:

@@ -339,7 +339,7 @@ def test_unwritable_checkpoint_folder_is_refused_at_start(tmp_path, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert_one_line(err)
-    assert "checkpoint.folder: " in err and "so the first save (step 2) would fail" in err
+    assert "checkpoint.folder: " in err and "so no checkpoint could be saved" in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # stopped before any step
 
 

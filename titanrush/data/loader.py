@@ -386,6 +386,7 @@ def _corpus(cfg: Data, tokenizer: Tokenizer, split: str, vocab_size: int | None)
             raise ConfigError(
                 f"{label}: no text in the {split} split (about 1% of documents are held out for validation); "
                 "add documents or point data.path at a larger corpus"
+                + (", or set validation.freq = 0" if split == "validation" else "")
             )
         return corpus
 

@@ -1,0 +1,85 @@
+"""`titanrush train --check` (run by run_train.sh before it launches several processes) refuses what the
+run would refuse at start-up: missing data, an empty validation split, a checkpoint to load that is not
+there or not complete, folders that cannot be written. One line, exit status 2, nothing written."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from titanrush import train
+
+
+def check(tmp_path: Path, *extra: str) -> list[str]:
+    return [
+        "--check", "--job.dump_folder", str(tmp_path / "runs"), "--job.name", "job",
+        "--data.cache_dir", str(tmp_path / "cache"), *extra,
+    ]  # fmt: skip
+
+
+def refused(tmp_path: Path, capsys, *extra: str) -> str:
+    """The one line --check prints for `extra`; the run folder was not made."""
+    assert train.main(check(tmp_path, *extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("titanrush: config error: ") and "\n" not in err and "Traceback" not in err, err
+    assert not (tmp_path / "runs" / "job").exists()
+    return err
+
+
+def test_a_runnable_config_passes_and_writes_no_run_folder(tmp_path, capsys):
+    (tmp_path / "corpus.txt").write_text("".join(f"document {i} has a few words.\n\n" for i in range(400)))
+    files = ["--data.dataset", "files", "--data.path", str(tmp_path / "corpus.txt")]
+    assert train.main(check(tmp_path, *files, "--checkpoint.enable")) == 0
+    assert capsys.readouterr().out.strip() == "config OK"
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (["--data.dataset", "files", "--data.path", "{tmp}/missing.txt"], "no such file or folder"),
+        (["--data.dataset", "shards", "--data.path", "{tmp}"], "not found"),
+        (["--checkpoint.load_path", "{tmp}/missing"], "does not exist; check checkpoint.load_path"),
+        (["--checkpoint.load_path", "{tmp}/file.txt"], "is a file, not a folder; check checkpoint.load_path"),
+        (["--checkpoint.load_path", "{tmp}/step-5"], "is incomplete"),
+        (
+            ["--checkpoint.enable", "--checkpoint.folder", "{tmp}/file.txt/ck"],
+            "so no checkpoint could be saved",
+        ),
+        (["--job.dump_folder", "{tmp}/file.txt"], "choose another job.dump_folder"),
+    ],
+    ids=["data_path", "shards_index", "load_path", "load_path_file", "load_incomplete", "ck_folder", "dump"],
+)
+def test_what_the_run_would_refuse_at_start_is_refused_by_check(tmp_path, capsys, extra, named):
+    (tmp_path / "file.txt").write_text("a file where a folder is needed")
+    (tmp_path / "step-5").mkdir()
+    err = refused(tmp_path, capsys, "--data.dataset", "synthetic", *[a.format(tmp=tmp_path) for a in extra])
+    assert named in err, err
+
+
+def test_an_existing_run_folder_without_overwrite_is_refused(tmp_path, capsys):
+    (tmp_path / "runs" / "job").mkdir(parents=True)
+    assert train.main(check(tmp_path, "--data.dataset", "synthetic", "--no-job.overwrite")) == 2
+    assert "exists and job.overwrite = false" in capsys.readouterr().err
+    assert os.listdir(tmp_path / "runs" / "job") == []
+
+
+def test_an_empty_validation_split_is_refused_before_training(tmp_path, capsys):
+    (tmp_path / "tiny.txt").write_text("hello world")
+    data = ["--data.dataset", "files", "--data.path", str(tmp_path / "tiny.txt"), "--validation.freq", "1"]
+    err = refused(tmp_path, capsys, *data)
+    assert "no text in the validation split" in err and "validation.freq = 0" in err
+    # The run itself (one process: no --check first) stops at start-up too, before step 1.
+    argv = [a for a in check(tmp_path, *data, "--training.steps", "2") if a != "--check"]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "no text in the validation split" in err and "Traceback" not in err
+    assert not (tmp_path / "runs" / "job" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("key", ["job.dump_folder", "checkpoint.folder"])
+def test_an_empty_folder_name_is_refused(tmp_path, capsys, key):
+    err = refused(tmp_path, capsys, "--data.dataset", "synthetic", f"--{key}", " ")
+    assert f"{key} is empty" in err
