@@ -238,7 +238,7 @@ def choose(folder: Path | None, load_path: str, model_only: bool) -> dict[str, A
 
 
 def decide(done: list[StepFolder], folder: Path | None, load_path: str, model_only: bool) -> dict[str, Any]:
-    """`choose`'s decision from the run's complete step folders `done`, without touching the disk (also
+    """`choose`'s decision from the run's complete step folders `done`, without changing the disk (also
     what `titanrush.train --check` asks)."""
     full = [s for s in done if not s.model_only]
     if full:
@@ -264,6 +264,13 @@ def decide(done: list[StepFolder], folder: Path | None, load_path: str, model_on
         return {}
     path = Path(load_path)
     inside = scan(path) if STEP_DIR.match(path.name) is None else []
+    if not inside and STEP_DIR.match(path.name) is None and path.is_dir():
+        nested = sorted(d for d in path.iterdir() if d.is_dir() and scan(d))
+        if nested:  # a run folder
+            return {
+                "error": f"checkpoint.load_path {path} holds no step-<N> folder; its checkpoints are in "
+                f"{nested[0]}: name that folder (its newest complete checkpoint is taken) or one of its steps"
+            }
     if inside:  # a checkpoint folder: take its newest complete (full, unless only the weights are asked)
         done = [s for s in inside if s.complete]
         candidates = done if model_only else [s for s in done if not s.model_only] or done

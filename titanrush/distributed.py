@@ -119,7 +119,7 @@ def all_ranks(value: list[str]) -> list[str]:
     """Every rank's `value` lists joined in rank order, duplicates dropped (every rank calls it): findings
     that each rank makes on its share of the work, so that every rank can raise the same error."""
     if not dist.is_initialized():
-        return list(value)
+        return list(dict.fromkeys(value))
     out: list[list[str] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)  # NCCL: through the current device, which the trainer has set
     return list(dict.fromkeys(item for items in out for item in items or []))

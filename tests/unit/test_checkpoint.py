@@ -325,3 +325,11 @@ def test_block_checksums_match_zlib_over_any_range_and_stop_at_the_end_of_a_shor
         assert _crc_range(path, offset, length) == f"{zlib.crc32(data[offset : offset + length]):08x}"
     (tmp_path / "empty").write_bytes(b"")
     assert _crc_range(tmp_path / "empty", 0, 64) == f"{zlib.crc32(b''):08x}"
+
+
+def test_findings_are_said_once_in_one_process_as_across_ranks():
+    """A compatibility finding made twice (the optimizer and the schedule both saved by another optimizer)
+    gives its advice once, without a process group as with one."""
+    from titanrush.distributed import all_ranks
+
+    assert all_ranks(["set optimizer", "resize", "set optimizer"]) == ["set optimizer", "resize"]

@@ -44,19 +44,21 @@ def test_a_runnable_config_passes_and_writes_no_run_folder(tmp_path, capsys):
         (["--checkpoint.load_path", "{tmp}/missing"], "does not exist; check checkpoint.load_path"),
         (["--checkpoint.load_path", "{tmp}/file.txt"], "is a file, not a folder; check checkpoint.load_path"),
         (["--checkpoint.load_path", "{tmp}/step-5"], "is incomplete"),
+        (["--checkpoint.load_path", "{tmp}/run"], "its checkpoints are in {tmp}/run/checkpoint: name that"),
         (
             ["--checkpoint.enable", "--checkpoint.folder", "{tmp}/file.txt/ck"],
             "so no checkpoint could be saved",
         ),
         (["--job.dump_folder", "{tmp}/file.txt"], "choose another job.dump_folder"),
     ],
-    ids=["data_path", "shards_index", "load_path", "load_path_file", "load_incomplete", "ck_folder", "dump"],
+    ids=["data", "shards", "load_path", "load_file", "load_incomplete", "load_run", "ck_folder", "dump"],
 )
 def test_what_the_run_would_refuse_at_start_is_refused_by_check(tmp_path, capsys, extra, named):
     (tmp_path / "file.txt").write_text("a file where a folder is needed")
     (tmp_path / "step-5").mkdir()
+    (tmp_path / "run" / "checkpoint" / "step-2").mkdir(parents=True)
     err = refused(tmp_path, capsys, "--data.dataset", "synthetic", *[a.format(tmp=tmp_path) for a in extra])
-    assert named in err, err
+    assert named.format(tmp=tmp_path) in err, err
 
 
 def test_an_existing_run_folder_without_overwrite_is_refused(tmp_path, capsys):
