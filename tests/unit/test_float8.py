@@ -64,14 +64,29 @@ def losses(run_dir: Path) -> list[float]:
     return [json.loads(x)["loss"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def float8(recipe: str) -> tuple[str, ...]:
+    return ("--float8.enable", "--float8.emulate", "--float8.min_size", "0", "--float8.recipe", recipe)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """`(name, *overrides) -> losses` of a run in this process, each trained once for the module."""
+    tmp, done = tmp_path_factory.mktemp("float8"), {}
+
+    def run(name: str, *extra: str) -> list[float]:
+        if name not in done:
+            trainer = Trainer(config.load(None, args(tmp, name, *extra)))
+            trainer.train()
+            trainer.close()
+            done[name] = losses(tmp / name)
+        return done[name]
+
+    return run
+
+
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
-def test_emulated_float8_training_tracks_bf16(tmp_path, recipe):
-    f8 = ("--float8.enable", "--float8.emulate", "--float8.min_size", "0", "--float8.recipe", recipe)
-    for name, extra in (("bf16", ()), (recipe, f8)):
-        trainer = Trainer(config.load(None, args(tmp_path, name, *extra)))
-        trainer.train()
-        trainer.close()
-    ref, f8 = losses(tmp_path / "bf16"), losses(tmp_path / recipe)
+def test_emulated_float8_training_tracks_bf16(one_process, recipe):
+    ref, f8 = one_process("bf16"), one_process(recipe, *float8(recipe))
     assert f8[0] == pytest.approx(ref[0], rel=1e-2)  # same weights, float8 rounding only
     assert f8[-1] < f8[0] - 0.5  # and it trains
 
@@ -81,23 +96,14 @@ def test_float8_needs_bf16(tmp_path):
         Trainer(config.load(None, args(tmp_path, "x", "--training.precision", "fp32", "--float8.enable")))
 
 
-def test_fsdp2_float8_all_gather_matches_one_process(tmp_path):
+def test_fsdp2_float8_all_gather_matches_one_process(tmp_path, one_process):
     """FSDP's float8 all-gather with precomputed scales (gloo, 2 ranks) trains like one process."""
-    f8 = (
-        "--float8.enable",
-        "--float8.emulate",
-        "--float8.min_size",
-        "0",
-        "--training.global_batch_size",
-        "4",
-    )
-    one = args(tmp_path, "one", *f8)
-    two = args(tmp_path, "two", *f8, "--training.local_batch_size", "2")
-    subprocess.run([sys.executable, "-m", "titanrush.train", *one], cwd=ROOT, check=True, capture_output=True)
+    two = args(tmp_path, "two", *float8("tensorwise"), "--training.local_batch_size", "2",
+               "--training.global_batch_size", "4")  # fmt: skip
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "-m", "titanrush.train", *two]  # fmt: skip
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
-    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    a, b = one_process("tensorwise", *float8("tensorwise")), losses(tmp_path / "two")
     assert b == pytest.approx(a, rel=2e-3)  # bf16 compute: reduction order moves the last bits
