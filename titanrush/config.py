@@ -503,22 +503,37 @@ def _type_name(tp: Any) -> str:
 # Coercion
 
 
+def _shown(value: Any, limit: int = 60) -> str:
+    """repr(value) for a message, cut to `limit` characters (a 5000-digit number stays one short line)."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past Python's limit on the digits of a printed int (a TOML hex literal)
+        return f"an integer of {value.bit_length()} bits"
+    return text if len(text) <= limit else f"{text[: limit - 10]}... ({len(text)} characters)"
+
+
+def _max_digits() -> int:
+    """The most digits Python reads into an int (`sys.set_int_max_str_digits`; 4300 by default)."""
+    return getattr(sys, "get_int_max_str_digits", lambda: 4300)()
+
+
 def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
     """Convert a TOML or command-line value to the field's type, or raise ConfigError."""
     origin = typing.get_origin(tp)
+    shown = _shown(value)
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
             hint = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
             near = f" (did you mean {hint[0]!r}?)" if hint else ""
-            raise ConfigError(f"{key} = {value!r} is not one of {', '.join(map(str, choices))}{near}")
+            raise ConfigError(f"{key} = {shown} is not one of {', '.join(map(str, choices))}{near}")
         return value
     if origin is list:
         (item_tp,) = typing.get_args(tp)
         if from_cli and isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]
         if not isinstance(value, list):
-            raise ConfigError(f"{key} must be a list of {item_tp.__name__}, got {value!r}")
+            raise ConfigError(f"{key} must be a list of {item_tp.__name__}, got {shown}")
         return [_coerce(key, item_tp, v, from_cli) for v in value]
     if origin in (typing.Union, types.UnionType):
         raise AssertionError(f"unsupported config type {tp}")
@@ -531,34 +546,43 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
                 return False
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{key} must be true or false, got {value!r}")
+        raise ConfigError(f"{key} must be true or false, got {shown}")
     if tp is int:
         if isinstance(value, bool):
-            raise ConfigError(f"{key} must be an integer, got {value!r}")
+            raise ConfigError(f"{key} must be an integer, got {shown}")
+        too_long = ConfigError(f"{key} must be an integer of at most {_max_digits()} digits, got {shown}")
         if isinstance(value, int):
+            try:
+                str(value)  # (messages print it: a TOML hex literal can be past the limit of a printed int)
+            except ValueError:
+                raise too_long from None
             return value
         if from_cli and isinstance(value, str):
             try:
                 return int(value)
             except ValueError:
-                pass
-        raise ConfigError(f"{key} must be an integer, got {value!r}")
+                if re.fullmatch(r"\s*[+-]?\d+\s*", value):  # digits past Python's int-reading limit
+                    raise too_long from None
+        raise ConfigError(f"{key} must be an integer, got {shown}")
     if tp is float:
         number: float | None = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an integer past a float's range (~1.8e308)
+                number = math.inf
         elif from_cli and isinstance(value, str):
             with contextlib.suppress(ValueError):
                 number = float(value)
         if number is None:
-            raise ConfigError(f"{key} must be a number, got {value!r}")
+            raise ConfigError(f"{key} must be a number, got {shown}")
         if not math.isfinite(number):  # (TOML and float() both accept inf and nan)
-            raise ConfigError(f"{key} must be a finite number, got {value!r}")
+            raise ConfigError(f"{key} must be a finite number, got {shown}")
         return number
     if tp is str:
         if isinstance(value, str):
             return value
-        raise ConfigError(f"{key} must be a string, got {value!r}")
+        raise ConfigError(f"{key} must be a string, got {shown}")
     raise AssertionError(f"unsupported config type {tp}")
 
 
@@ -609,17 +633,30 @@ Origins = dict[tuple[str, str | None], Path]
 
 def _read_toml(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, dict[str, Any]], Origins]:
     """`read_toml`, and where each key comes from (the last file of the chain that sets it)."""
-    if path.is_dir():
-        raise ConfigError(f"config file {str(path)!r} is a folder; pass a TOML file to --config")
-    if not path.is_file():
-        raise ConfigError(f"config file {str(path)!r} not found; pass an existing file to --config")
-    resolved = path.resolve()
+    try:
+        if path.is_dir():
+            raise ConfigError(f"config file {str(path)!r} is a folder; pass a TOML file to --config")
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} not found; pass an existing file to --config")
+        resolved = path.resolve()
+        raw = path.read_bytes()
+    except OSError as e:  # permissions, an I/O error, a name too long ...
+        raise ConfigError(
+            f"config file {str(path)!r} cannot be read ({e.strerror or e}); pass a readable TOML file to "
+            "--config"
+        ) from None
     if resolved in seen:
         raise ConfigError(f"config file {str(path)!r} extends itself (through {seen[-1].name})")
     try:
-        data = tomllib.loads(path.read_text())
+        text = raw.decode()
+        data = tomllib.loads(text)
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+    except ValueError:  # tomllib's int() past Python's limit on the digits of an integer
+        raise ConfigError(
+            f"{_longest_number(path, text)}: an integer of more than {_max_digits()} digits, which Python "
+            "does not read; write a smaller value"
+        ) from None
     base: dict[str, dict[str, Any]] = {}
     origins: Origins = {}
     parent = data.pop("extends", None)
@@ -636,6 +673,13 @@ def _read_toml(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, dict[str, 
         origins[(section, None)] = path
         origins.update({(section, key): path for key in values})
     return base, origins
+
+
+def _longest_number(path: Path, text: str) -> str:
+    """`path:line` of the line with the longest run of digits (the integer tomllib could not read)."""
+    runs = [(max(map(len, re.findall(r"[0-9A-Fa-f_]+", line)), default=0), n)
+            for n, line in enumerate(text.splitlines(), 1)]  # fmt: skip
+    return f"{path}:{max(runs)[1]}" if runs else str(path)
 
 
 def _where(path: Path, section: str, key: str | None) -> str:

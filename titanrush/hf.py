@@ -9,6 +9,7 @@ import writes a model-only checkpoint whose `model_args` a run takes with `model
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -25,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 
 from titanrush import hf_mapping
 from titanrush.checkpoint_compat import RUNTIME_ARGS, model_arg_differences
-from titanrush.checkpoint_folder import summarize
+from titanrush.checkpoint_folder import check_writable, one_line, os_error, summarize
 from titanrush.checkpoint_integrity import read_record, verify
 from titanrush.config import ConfigError
 from titanrush.hf_mapping import first_few
@@ -86,6 +87,7 @@ def _info_args(info_file: Path) -> tuple[ModelArgs, dict[str, Any]]:
     A Llama 4 checkpoint (its arguments name `n_experts`) gives Llama4Args.
     """
     info = _read_json(info_file)
+    hf_mapping.check_finite(info, str(info_file))
     try:
         saved = info["model_args"]
         if "n_experts" in saved:
@@ -96,22 +98,26 @@ def _info_args(info_file: Path) -> tuple[ModelArgs, dict[str, Any]]:
         raise ConfigError(f"{info_file} lacks model_args or holds unknown ones ({e})") from e
 
 
-def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
+def args_from_hf_config(cfg: dict[str, Any], source: str | Path = "config.json") -> ModelArgs:
     """ModelArgs of a Hugging Face `config.json`: a Llama (`LlamaForCausalLM`), or Llama4Args of a Llama 4
-    (`Llama4ForCausalLM`, or the text model of `Llama4ForConditionalGeneration`); ConfigError otherwise."""
+    (`Llama4ForCausalLM`, or the text model of `Llama4ForConditionalGeneration`); ConfigError otherwise
+    (source: the file, for messages)."""
+    hf_mapping.check_finite(cfg, str(source))
     kinds = {cfg.get("model_type"), *cfg.get("architectures", [])}
     if kinds & {"llama4", "llama4_text", "Llama4ForCausalLM", "Llama4ForConditionalGeneration"}:
         try:
             return llama4_hf.args_from_hf_config(cfg)
-        except (KeyError, TypeError) as e:
-            raise ConfigError(f"config.json of a Llama 4 lacks or mistypes {e}") from None
+        except ConfigError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as e:
+            raise ConfigError(f"{source} of a Llama 4 lacks or mistypes {type(e).__name__}: {e}") from None
     try:
-        return hf_mapping.args_from_hf_config(cfg)
+        return hf_mapping.args_from_hf_config(cfg, str(source))
     except ConfigError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a value of the wrong type
+    except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as e:  # a mistyped value
         raise ConfigError(
-            f"config.json of a Llama lacks or mistypes a value ({type(e).__name__}: {e})"
+            f"{source} of a Llama lacks or mistypes a value ({type(e).__name__}: {e})"
         ) from None
 
 
@@ -172,9 +178,9 @@ def model_args_at(path: str | Path) -> ModelArgs:
     """
     p = Path(path).expanduser()
     if p.is_file():
-        return _info_args(p)[0] if p.name == INFO_FILE else args_from_hf_config(_read_json(p))
+        return _info_args(p)[0] if p.name == INFO_FILE else args_from_hf_config(_read_json(p), p)
     if p.is_dir() and (p / "config.json").exists() and not (p / INFO_FILE).exists():
-        return args_from_hf_config(_read_json(p / "config.json"))
+        return args_from_hf_config(_read_json(p / "config.json"), p / "config.json")
     if p.is_dir() and not (p / INFO_FILE).exists() and not any(p.glob("step-*")):
         raise ConfigError(f"{p} holds neither a titanrush checkpoint ({INFO_FILE}) nor an HF config.json")
     return _info_args(_step_folder(p) / INFO_FILE)[0]
@@ -261,20 +267,45 @@ def _cast(sd: dict[str, torch.Tensor], dtype: torch.dtype, tied: bool) -> dict[s
 
 def _write_folder(out: Path, files: dict[str, Callable[[Path], object]]) -> None:
     """Write each file under a temporary name, then rename them all: a failure leaves nothing behind."""
-    created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    made = _missing_folders(out)
     tmp = {name: out / f".{name}.tmp-{os.getpid()}" for name in files}
     try:
+        out.mkdir(parents=True, exist_ok=True)
         for name, write in files.items():
             write(tmp[name])
-    except BaseException:
+    except BaseException as e:
         for p in tmp.values():
-            p.unlink(missing_ok=True)
-        if created:
-            shutil.rmtree(out, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                p.unlink(missing_ok=True)
+        _remove_empty(made)
+        if isinstance(e, OSError):
+            raise _write_error(out, e) from None
         raise
     for name in files:
         os.replace(tmp[name], out / name)
+
+
+def _missing_folders(out: Path) -> list[Path]:
+    """out and those of its parents that do not exist, innermost first (what a write would make)."""
+    return [p for p in [out, *out.parents] if not p.exists()]
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove the folders a failed write made (innermost first), where they are still empty."""
+    for p in folders:
+        with contextlib.suppress(OSError):
+            if p.is_dir() and not any(p.iterdir()):
+                p.rmdir()
+
+
+def _write_error(out: Path, exc: BaseException) -> ConfigError:
+    """The one-line error of a write that failed (a full disk, a folder that cannot be written)."""
+    err = os_error(exc)
+    why = err.strerror if err is not None and err.strerror else one_line(exc)
+    return ConfigError(
+        f"cannot write {out} ({why}); nothing was left there: free some space, make the folder writable "
+        "or choose another output path"
+    )
 
 
 def _text(content: str) -> Callable[[Path], object]:
@@ -302,7 +333,7 @@ def export_hf(
         tokenizer: `data.tokenizer`'s syntax; "auto" takes the one the checkpoint was trained with
             (`training_tokenizer`); None writes no tokenizer (and no BOS/EOS ids).
     """
-    _refuse_existing(Path(out_dir), folder=True)
+    _check_output(Path(out_dir), folder=True)
     spec = training_tokenizer(checkpoint_dir) if tokenizer == "auto" else tokenizer
     sd, args, info = read_checkpoint(checkpoint_dir)
     files: dict[str, Callable[[Path], object]] = {}
@@ -341,29 +372,43 @@ def export_hf(
     return out
 
 
-def _refuse_existing(out: Path, folder: bool) -> None:
-    """An export writes a new file, or a folder into a new or empty one: never over what is there."""
-    if folder and out.is_dir():
-        if any(out.iterdir()):
-            raise ConfigError(f"{out} is a folder that is not empty: export into a new or empty folder")
-    elif out.exists():
-        raise ConfigError(f"{out} exists: export to a new path (or delete it first)")
+def _check_output(out: Path, folder: bool, verb: str = "export") -> None:
+    """A conversion writes a new file, or a folder into a new or empty one, where it can write: never over
+    what is there (checked before any weight is read)."""
+    try:
+        if folder and out.is_dir():
+            if any(out.iterdir()):
+                raise ConfigError(f"{out} is a folder that is not empty: {verb} into a new or empty folder")
+        elif out.exists():
+            raise ConfigError(f"{out} exists: {verb} to a new path (or delete it first)")
+        problem = check_writable(out if folder else out.parent)
+    except OSError as e:  # (a folder that cannot be listed)
+        problem = f"{out} cannot be read ({e.strerror or e})"
+    if problem:
+        raise ConfigError(f"cannot write {out}: {problem}; choose an output path in a writable folder")
 
 
 def export_pt(checkpoint_dir: str | Path, out_path: str | Path, dtype: torch.dtype = torch.float32) -> Path:
     """Save {"model": state dict, "model_args": dict, "step": N} as one `.pt` file (torch.load-able)."""
-    _refuse_existing(Path(out_path), folder=False)
+    _check_output(Path(out_path), folder=False)
     sd, args, info = read_checkpoint(checkpoint_dir)
     blob = {"model": _cast(sd, dtype, args.tie_embeddings), "model_args": dataclasses.asdict(args),
             "step": info.get("step"), "flavor": info.get("flavor")}  # fmt: skip
     out = Path(out_path)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    made = _missing_folders(out.parent)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
-        torch.save(blob, tmp)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:  # (a file object: a failed write is an OSError, not torch's RuntimeError)
+            torch.save(blob, f)
         os.replace(tmp, out)
+    except OSError as e:
+        raise _write_error(out, e) from None
     finally:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if not out.exists():
+            _remove_empty(made)
     return out
 
 
@@ -381,9 +426,8 @@ def import_hf(hf_dir: str | Path, out_checkpoint_dir: str | Path) -> Path:
     src, out = Path(hf_dir), Path(out_checkpoint_dir)
     if not (src / "config.json").exists():
         raise ConfigError(f"{src / 'config.json'} not found; pass an HF model folder (config.json + weights)")
-    if out.exists() and any(out.iterdir()):
-        raise ConfigError(f"{out} exists and is not empty; remove it or choose another output folder")
-    args = args_from_hf_config(_read_json(src / "config.json"))
+    _check_output(out, folder=True, verb="import")
+    args = args_from_hf_config(_read_json(src / "config.json"), src / "config.json")
     moe_flavor = flavor_of(args) if isinstance(args, Llama4Args) else None
     if moe_flavor == CUSTOM:
         raise ConfigError(
@@ -405,6 +449,7 @@ def import_hf(hf_dir: str | Path, out_checkpoint_dir: str | Path) -> Path:
     info = {"step": 0, "flavor": moe_flavor or CUSTOM, "architecture": moe_flavor or flavor_of(args),
             "model_args": dataclasses.asdict(args), "model_only": True, "dtype": "float32",
             "source": str(src.resolve())}  # fmt: skip
+    made = _missing_folders(out.parent)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
@@ -416,8 +461,12 @@ def import_hf(hf_dir: str | Path, out_checkpoint_dir: str | Path) -> Path:
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
+    except (OSError, dcp.CheckpointException) as e:  # (DCP's exception is a BaseException)
+        raise _write_error(out, e) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not out.exists():
+            _remove_empty(made)
     return out
 
 

@@ -9,6 +9,7 @@ files.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -122,8 +123,33 @@ def hf_config(
     return cfg
 
 
-def args_from_hf_config(cfg: dict[str, Any]) -> ModelArgs:
-    """ModelArgs of an HF Llama `config.json` (the inverse of `hf_config`); ConfigError for anything else."""
+def nonfinite(value: Any, name: str = "") -> list[tuple[str, float]]:
+    """(dotted name, value) of every NaN or infinite number in a JSON value (Python's json reads `NaN`,
+    `Infinity` and `1e999`)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [(name, value)]
+    if isinstance(value, dict):
+        return [hit for k, v in value.items() for hit in nonfinite(v, f"{name}.{k}" if name else str(k))]
+    if isinstance(value, list):
+        return [hit for i, v in enumerate(value) for hit in nonfinite(v, f"{name}[{i}]")]
+    return []
+
+
+def check_finite(cfg: dict[str, Any], source: str = "config.json") -> None:
+    """Refuse a JSON config holding NaN or an infinity (as `rms_norm_eps` or `rope_theta`, it would make
+    every activation NaN); source names the file in the message."""
+    bad = nonfinite(cfg)
+    if bad:
+        more = f" (and {', '.join(k for k, _ in bad[1:])})" if bad[1:] else ""
+        raise ConfigError(
+            f"{source} has {bad[0][0]} = {bad[0][1]}{more}: a finite number is needed; fix the file"
+        )
+
+
+def args_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> ModelArgs:
+    """ModelArgs of an HF Llama `config.json` (the inverse of `hf_config`); ConfigError for anything else
+    (source: the file, for messages)."""
+    check_finite(cfg, source)
     if cfg.get("model_type") != "llama" and "LlamaForCausalLM" not in cfg.get("architectures", []):
         kind = f"{cfg.get('model_type')!r} ({cfg.get('architectures')})"
         raise ConfigError(f"config.json describes a {kind} model; only Llama (LlamaForCausalLM) converts")

@@ -264,3 +264,74 @@ def test_config_reference_doc_is_current():
     cmd = [sys.executable, "scripts/gen_config_doc.py", "--check"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+def train_errors(argv: list[str], capsys: pytest.CaptureFixture, tmp_path: Path) -> str:
+    """Run `titanrush train` in this process on bad input: exit 2, one short line, nothing written."""
+    from titanrush.train import main
+
+    assert main(["--job.dump_folder", str(tmp_path / "runs"), *argv]) == 2
+    out, err = capsys.readouterr()
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("titanrush: config error: "), err
+    assert not (tmp_path / "runs").exists()
+    return err
+
+
+BIG_FLOAT = "1" + "0" * 400  # an integer past a float's range (~1.8e308)
+HUGE_INT = "1" + "0" * 5000  # more digits than Python reads into an int (4300)
+
+
+@pytest.mark.parametrize(
+    "toml, fragment",
+    [
+        (f"[optimizer]\nlr = {BIG_FLOAT}\n", "c.toml:2: optimizer.lr must be a finite number, got 1000"),
+        (f"[training]\nsteps = {HUGE_INT}\n", "c.toml:2: an integer of more than 4300 digits"),
+        # hexadecimal: tomllib reads it, but neither a float nor a printed message can hold it
+        (
+            f"[training]\nsteps = 1\n\n[optimizer]\nlr = 0x{'f' * 5000}\n",
+            "c.toml:5: optimizer.lr must be a finite",
+        ),
+        (
+            f"[training]\nseed = 0x{'f' * 5000}\n",
+            "c.toml:2: training.seed must be an integer of at most 4300 digits",
+        ),
+    ],
+)
+def test_numbers_python_cannot_hold_in_toml_are_config_errors(tmp_path, capsys, toml, fragment):
+    path = write(tmp_path / "c.toml", toml)
+    err = train_errors(["--config", str(path)], capsys, tmp_path)
+    assert f"{tmp_path}/{fragment}" in err and len(err) < 300, err  # (the value shown cut short)
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (["--optimizer.lr", BIG_FLOAT], "optimizer.lr must be a finite number, got '1000"),
+        (["--training.steps", HUGE_INT], "training.steps must be an integer of at most 4300 digits"),
+        (["--training.steps", "1__0"], "training.steps must be an integer, got '1__0'"),
+    ],
+)
+def test_numbers_python_cannot_hold_on_the_command_line_are_config_errors(tmp_path, capsys, args, fragment):
+    err = train_errors(args, capsys, tmp_path)
+    assert fragment in err and len(err) < 300, err  # (the value shown cut short)
+
+
+def test_an_unreadable_config_file_is_a_config_error(tmp_path, capsys, monkeypatch):
+    assert "is a folder; pass a TOML file to --config" in train_errors(
+        ["--config", str(tmp_path)], capsys, tmp_path
+    )
+    long_name = str(tmp_path / ("x" * 5000))  # ENAMETOOLONG from the file system, not a missing file
+    err = train_errors(["--config", long_name], capsys, tmp_path)
+    assert "cannot be read (File name too long); pass a readable TOML file to --config" in err
+    if Path("/proc/self/mem").exists():  # a file whose read fails (EIO)
+        err = train_errors(["--config", "/proc/self/mem"], capsys, tmp_path)
+        assert "config file '/proc/self/mem' cannot be read" in err
+    path = write(tmp_path / "c.toml", "[training]\nsteps = 3\n")
+
+    def denied(self: Path) -> bytes:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", denied)  # (root reads any file: the refusal, simulated)
+    err = train_errors(["--config", str(path)], capsys, tmp_path)
+    assert f"config file '{path}' cannot be read (Permission denied)" in err

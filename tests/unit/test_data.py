@@ -482,6 +482,71 @@ def test_prepare_output(
     assert prepare_main(args + ["--overwrite"]) == 0
 
 
+def prepare_errors(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    """`titanrush prepare` on bad input: exit 2, one line with one `error:` prefix, no traceback."""
+    assert prepare_main(["--workers", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("titanrush prepare: error: ") and err.count("error:") == 1, err
+    return err
+
+
+def test_prepare_refuses_an_output_it_cannot_write(
+    tmp_path: Path, corpus_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """A file where the folder or its parent should be: one line before any tokenizing, nothing written
+    (root may write anywhere, so the unwritable parent here is a file)."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep me\n")
+    for output, overwrite in [(a_file / "shards", []), (a_file / "deeper" / "shards", []),
+                              (a_file, []), (a_file, ["--overwrite"])]:  # fmt: skip
+        err = prepare_errors(["--input", str(corpus_dir), "--output", str(output), *overwrite], capsys)
+        assert f"{a_file} is a file" in err and "choose" in err, err
+        assert "pass --overwrite" not in err  # (it would be refused too)
+    assert a_file.read_text() == "keep me\n" and [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+
+
+def test_prepare_suggests_overwrite_only_where_it_works(
+    tmp_path: Path, corpus_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine\n")
+    args = ["--input", str(corpus_dir / "doc0.txt"), "--output"]
+    for flags in ([], ["--overwrite"]):
+        err = prepare_errors([*args, str(other), *flags], capsys)
+        assert "not shards that --overwrite may replace" in err and "choose a new or empty folder" in err
+    assert [p.name for p in other.iterdir()] == ["keep.txt"]
+    shards = tmp_path / "shards"
+    assert prepare_main(["--workers", "1", *args, str(shards)]) == 0
+    capsys.readouterr()
+    err = prepare_errors([*args, str(shards)], capsys)
+    assert "already holds shards; choose a new folder or pass --overwrite" in err
+    assert prepare_main(["--workers", "1", *args, str(shards), "--overwrite"]) == 0
+
+
+def test_a_failed_shard_write_leaves_nothing_and_keeps_the_old_shards(
+    tmp_path: Path, corpus_dir: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from titanrush.data import prepare
+
+    args = ["--input", str(corpus_dir / "doc0.txt"), "--output"]
+    shards = tmp_path / "shards"
+    assert prepare_main(["--workers", "1", *args, str(shards)]) == 0
+    before = {p.name: p.read_bytes() for p in shards.iterdir()}
+    capsys.readouterr()
+
+    def full_disk(self: object, tokens: np.ndarray, lens: np.ndarray) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(prepare._ShardWriter, "_write", full_disk)
+    for output, flags in [(tmp_path / "new" / "deeper", []), (shards, ["--overwrite"])]:
+        err = prepare_errors([*args, str(output), *flags], capsys)
+        assert f"cannot write --output {output} (No space left on device); nothing was written" in err
+    assert {p.name: p.read_bytes() for p in shards.iterdir()} == before  # the old shards, untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["shards"]  # no new folder, no temporary
+
+
 def test_shards_match_files_dataset(tmp_path: Path, shards: Path, corpus_dir: Path, tok: Tokenizer) -> None:
     for split, n in [("train", 12), ("validation", 2)]:
         from_files = take(

@@ -573,3 +573,115 @@ def test_export_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path):
     assert not (tmp_path / "hf").exists()
     out = hf.export_hf(ckpt, tmp_path / "hf", tokenizer=None)
     assert "eos_token_id" not in json.loads((out / "generation_config.json").read_text())
+
+
+def one_error_line(capsys: pytest.CaptureFixture) -> str:
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("titanrush convert: error: "), err
+    return err
+
+
+def test_outputs_that_cannot_be_written_are_refused_before_any_work(tmp_path, capsys):
+    """Under a file (root may write anywhere, so that is the unwritable parent here), or over a file: one
+    line, exit 2, nothing written, the file untouched."""
+    ckpt = save_checkpoint(make_model(model_args("debug")), tmp_path / "ck")
+    hf_dir = hf.export_hf(ckpt, tmp_path / "hf", dtype=torch.float32, tokenizer=None)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep me\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    cases = [
+        (
+            ["--to-hf", str(ckpt), str(a_file / "out")],
+            f"{a_file} is a file, so {a_file / 'out'} cannot be made",
+        ),
+        (["--to-pt", str(ckpt), str(a_file / "m.pt")], f"cannot write {a_file / 'm.pt'}: {a_file} is a file"),
+        (["--to-pt", str(ckpt), str(a_file / "x" / "m.pt")], f"{a_file} is a file, so {a_file / 'x'} cannot"),
+        (["--from-hf", str(hf_dir), str(a_file / "imp")], f"{a_file} is a file, so {a_file / 'imp'} cannot"),
+        (["--from-hf", str(hf_dir), str(a_file)], f"{a_file} exists: import to a new path"),
+        (["--to-hf", str(ckpt), str(a_file)], f"{a_file} exists: export to a new path"),
+    ]
+    for argv, message in cases:
+        assert convert.main(argv) == 2, argv
+        err = one_error_line(capsys)
+        assert message in err, err
+        assert "choose an output path in a writable folder" in err or "to a new path" in err, err
+    assert a_file.read_text() == "keep me\n" and sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("mode", ["to-hf", "to-pt", "from-hf"])
+def test_a_failed_write_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch, mode):
+    from torch.distributed.checkpoint import filesystem
+
+    ckpt = save_checkpoint(make_model(model_args("debug")), tmp_path / "ck")
+    hf_dir = hf.export_hf(ckpt, tmp_path / "hf", dtype=torch.float32, tokenizer=None)
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    if mode == "to-hf":
+        monkeypatch.setattr(hf, "save_safetensors", full_disk)
+    elif mode == "to-pt":
+        monkeypatch.setattr(torch, "save", full_disk)
+    else:
+        monkeypatch.setattr(filesystem, "_write_item", full_disk)  # inside DCP, which wraps the error
+    out = tmp_path / "new" / "deeper" / ("m.pt" if mode == "to-pt" else "out")
+    assert convert.main([f"--{mode}", str(hf_dir if mode == "from-hf" else ckpt), str(out)]) == 2
+    err = one_error_line(capsys)
+    assert f"cannot write {out} (No space left on device); nothing was left there" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # not even the folders made for it
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"rms_norm_eps": math.nan}, "rms_norm_eps = nan"),
+        ({"rope_theta": math.inf}, "rope_theta = inf"),
+        ({"rope_theta": 1e999}, "rope_theta = inf"),  # (json writes Infinity; 1e999 reads as it too)
+        ({"rope_scaling": {"rope_type": "llama3", "factor": -math.inf, "low_freq_factor": 1.0,
+                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
+         "rope_scaling.factor = -inf"),
+    ],
+)  # fmt: skip
+def test_non_finite_numbers_in_an_hf_config_are_refused(tmp_path, capsys, change, named):
+    from titanrush.tools import generate
+
+    ckpt = save_checkpoint(make_model(model_args("debug")), tmp_path / "ck")
+    hf_dir = hf.export_hf(ckpt, tmp_path / "hf", dtype=torch.float32, tokenizer="default")
+    cfg_file = hf_dir / "config.json"
+    cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), **change}))
+    message = f"{cfg_file} has {named}"
+    assert convert.main(["--from-hf", str(hf_dir), str(tmp_path / "imp")]) == 2
+    err = one_error_line(capsys)
+    assert message in err and "a finite number is needed; fix the file" in err, err
+    assert not (tmp_path / "imp").exists()
+    assert generate.main(["--checkpoint", str(hf_dir), "--prompt", "x", "--max-new-tokens", "1"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+    with pytest.raises(ConfigError, match=message):  # model.from_checkpoint reads it so too
+        hf.model_args_at(hf_dir)
+
+
+def test_non_finite_numbers_in_a_llama4_config_are_refused():
+    from titanrush.models.llama4 import model_args as llama4_args
+
+    cfg = hf.hf_config(llama4_args("llama4_debug"), torch.float32)
+    hf.args_from_hf_config(cfg)  # as written: accepted
+    with pytest.raises(ConfigError, match=r"x/config.json has rms_norm_eps = nan: a finite number is needed"):
+        hf.args_from_hf_config({**cfg, "rms_norm_eps": math.nan}, "x/config.json")
+    with pytest.raises(ConfigError, match=r"rope_theta = inf"):
+        hf.args_from_hf_config({**cfg, "rope_theta": math.inf})
+
+
+def test_non_finite_numbers_in_a_checkpoints_titanrush_json_are_refused(tmp_path, capsys):
+    step = save_checkpoint(make_model(model_args("debug")), tmp_path / "ck")
+    info_file = step / "titanrush.json"
+    info = json.loads(info_file.read_text())
+    info["model_args"]["norm_eps"] = math.nan
+    info_file.write_text(json.dumps(info))
+    message = f"{info_file} has model_args.norm_eps = nan: a finite number is needed"
+    with pytest.raises(ConfigError, match=message):
+        hf.model_args_at(step)
+    assert convert.main(["--to-pt", str(step), str(tmp_path / "m.pt")]) == 2
+    assert message in one_error_line(capsys) and not (tmp_path / "m.pt").exists()

@@ -184,6 +184,31 @@ def test_ladder_sequencing_on_a_fake_gpu(tmp_path, monkeypatch, capsys):
     assert [e.step for e in acc.Scalars("ladder/tps")] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 11]
 
 
+def test_a_second_rush_into_the_same_output_is_refused_before_any_run(tmp_path, monkeypatch, capsys):
+    ran: list[list[str]] = []
+
+    def counting(cmd: list[str], **kw: Any) -> dict[str, Any]:
+        ran.append(cmd)
+        return fake_run_training(cmd, **kw)
+
+    monkeypatch.setattr(rush_runner, "probe_device", lambda: dict(FAKE_GPU))
+    monkeypatch.setattr(rush_runner, "run_training", counting)
+    out = tmp_path / "rush"
+    argv = ["ladder", "--steps", "10", "--warmup", "3", "--output", str(out)]
+    assert rush.main(argv) == 0
+    runs, first = len(ran), {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    for kind in (argv, ["dist", "--ngpu", "2", "--output", str(out)], ["moe", "--output", str(out)]):
+        assert rush.main(kind) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"titanrush rush: --output {out} already holds results.jsonl of an earlier run, which this one "
+            "would replace: choose another --output (or move that folder away first)"
+        )
+    assert len(ran) == runs  # nothing ran
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == first
+    assert rush.main([*argv, "--dry-run"]) == 0 and len(ran) == runs  # a dry run writes nothing
+
+
 # ----------------------------------------------------------------------------------------------
 # Plans
 
@@ -281,6 +306,7 @@ def test_bad_override_is_a_config_error(capsys):
         (["--timeout", "nan"], "--timeout"),
         (["--max-batch", "0"], "--max-batch"),
         (["--max-doublings", "-1"], "--max-doublings"),
+        (["--warmup", "-1"], "titanrush rush: --warmup must be >= 0"),
         (["--output", DEBUG], "is a file"),
     ],
 )

@@ -309,6 +309,55 @@ def test_fake_oom_is_recorded_and_the_sweep_goes_on(fake_cpu, monkeypatch, tmp_p
     assert "[2/2] dp_replicate=1 dp_shard=2 tp=1 pp=1 cp=1 ... ok 2,500 tok/s/GPU, MFU 40.0%" in printed
 
 
+def test_a_second_sweep_into_the_same_output_is_refused_before_any_run(
+    fake_cpu, monkeypatch, tmp_path, capsys
+):
+    ran: list[list[str]] = []
+
+    def counting_child(cmd, env, log_path, timeout_s):
+        ran.append(cmd)
+        return fake_child(cmd, env, log_path, timeout_s)
+
+    def argv(output: Path) -> list[str]:
+        return ["--config", DEBUG, "--ngpu", "2", "--grid", "tp=1", "--steps", "3", "--warmup", "1",
+                "--output", str(output), *TINY]  # fmt: skip
+
+    monkeypatch.setattr(rush_runner, "run_child", counting_child)
+    out = tmp_path / "sweep"
+    assert sweep.main(argv(out)) == 0 and len(ran) == 1
+    first = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert sweep.main(argv(out)) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        f"titanrush sweep: --output {out} already holds results.jsonl, runs/ and logs/ of an earlier run, "
+        "which this one would replace: choose another --output (or move that folder away first)"
+    )
+    assert len(ran) == 1  # nothing ran
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == first
+    assert sweep.main([*argv(out), "--dry-run"]) == 0  # a dry run writes nothing: it may look at the folder
+    assert sweep.main(argv(tmp_path / "again")) == 0 and len(ran) == 2
+
+
+@pytest.mark.parametrize("warmup", ["-1", "-10"])
+def test_a_negative_warmup_is_refused(fake_cpu, tmp_path, capsys, warmup):
+    argv = [
+        "--config",
+        DEBUG,
+        "--ngpu",
+        "1",
+        "--steps",
+        "3",
+        "--warmup",
+        warmup,
+        "--output",
+        str(tmp_path / "s"),
+    ]
+    assert sweep.main(argv) == 2
+    assert capsys.readouterr().err.strip() == "titanrush sweep: --warmup must be >= 0"
+    assert not (tmp_path / "s").exists()
+
+
 # ----------------------------------------------------------------------------------------------
 # A real sweep: 2 gloo processes under torchrun, FSDP2 and TP2 on the debug model
 

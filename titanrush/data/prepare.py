@@ -17,6 +17,7 @@ temporary folder that replaces --output only at the end: bad input leaves nothin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import json
@@ -33,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from titanrush.checkpoint_folder import check_writable
 from titanrush.config import ConfigError
 from titanrush.data.corpus import INDEX_FILE, SHARD_FORMAT, SHARD_VERSION, frame, token_dtype
 from titanrush.data.sources import SPLITS, find_files, jsonl_chunks, read_documents, split_of
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite,
         )
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"titanrush prepare: error: {e}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - start
     splits = index["splits"]
@@ -102,42 +104,71 @@ def prepare(
     """
     if workers < 1 or shard_tokens < 1:
         raise ConfigError(f"--workers ({workers}) and --shard-tokens ({shard_tokens}) must be >= 1")
+    out = Path(output).expanduser()
+    _check_output(out, overwrite)
     tokenizer = build_tokenizer(tokenizer_spec)
     root, files = find_files(input, key="--input")
-    out = Path(output).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        if not overwrite:
-            raise ConfigError(
-                f"--output {out} exists and is not empty; choose a new folder or pass --overwrite"
-            )
-        if not (out / INDEX_FILE).is_file():
-            raise ConfigError(
-                f"--output {out} is not a shard folder (no {INDEX_FILE}); refusing to overwrite it"
-            )
     items: list[WorkItem] = []
     for path in files:
         ranges = jsonl_chunks(path, jsonl_chunk_bytes) if path.suffix == ".jsonl" else [(0, None)]
         items += [(tokenizer_spec, str(root), str(path), text_field, lo, hi) for lo, hi in ranges]
 
     created = [p for p in [out.parent, *out.parent.parents] if not p.exists()]
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    old = out.parent / f".{out.name}.old-{os.getpid()}"
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
         index = _write_shards(tmp, items, files, tokenizer, workers, shard_tokens, progress)
         index.update(input=input, text_field=text_field)
         (tmp / INDEX_FILE).write_text(json.dumps(index, indent=1) + "\n")
-        if out.exists():
-            shutil.rmtree(out)
+        if out.exists():  # (--overwrite) moved aside, not deleted, until the new folder is in place
+            os.replace(out, old)
         os.replace(tmp, out)
-    except BaseException:
+    except BaseException as e:
+        if old.exists() and not out.exists():  # the old shards back in place
+            with contextlib.suppress(OSError):
+                os.replace(old, out)
         shutil.rmtree(tmp, ignore_errors=True)
         for p in created:  # folders made for the output, innermost first
             if p.exists() and not any(p.iterdir()):
                 p.rmdir()
+        if isinstance(e, OSError):  # (reading the input raises ConfigError: this is a write)
+            raise ConfigError(
+                f"cannot write --output {out} ({e.strerror or e}); nothing was written: free some space, "
+                "make the folder writable or choose another --output"
+            ) from None
         raise
+    shutil.rmtree(old, ignore_errors=True)
     return index
+
+
+def _check_output(out: Path, overwrite: bool) -> None:
+    """Refuse an --output that prepare cannot write or must not replace, before any work.
+
+    A new or empty folder is written; an existing shard folder (one with index.json) only with
+    `overwrite`; anything else never (a file, a folder of other files, a folder that cannot be written).
+    """
+    try:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--output {out} is a file, not a folder: choose a new folder for the shards")
+        if out.is_dir() and any(out.iterdir()):
+            if not (out / INDEX_FILE).is_file():
+                raise ConfigError(
+                    f"--output {out} is a folder of other files (no {INDEX_FILE}, so not shards that "
+                    "--overwrite may replace): choose a new or empty folder"
+                )
+            if not overwrite:
+                raise ConfigError(
+                    f"--output {out} already holds shards; choose a new folder or pass --overwrite to "
+                    "replace them"
+                )
+        problem = check_writable(out.parent)  # (the shards are written beside it, then renamed)
+    except OSError as e:  # a folder that cannot be listed
+        problem = f"{out} cannot be read ({e.strerror or e})"
+    if problem:
+        raise ConfigError(f"cannot write --output {out}: {problem}; choose an --output in a writable folder")
 
 
 def _write_shards(

@@ -12,7 +12,8 @@ torch.compile, the batch size doubled until it no longer fits, activation checkp
 then full) at the batch (or 2x sequence) that did not fit, and float8. `dist` compares DDP, FSDP
 ZeRO-2/ZeRO-3 and HSDP at 1, 2, 4 ... N GPUs, then the 8B with the sweep's best mesh. Every run is its
 own child process; the output folder gets results.jsonl, report.md, PNG charts and TensorBoard events
-(tb/). Overrides (`--section.key value`) apply to every run; the rungs' own settings win over them.
+(tb/), and one that holds an earlier rush's results is refused. Overrides (`--section.key value`) apply
+to every run; the rungs' own settings win over them.
 Base: the 1B flavor on synthetic data, seq 2048, batch 1 (dist: batch 4, bf16, fused AdamW, SDPA,
 compile on GPU; moe: the same on llama4_1Bx8E and the embedded corpus); what a --config file sets wins
 over the base.
@@ -385,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
     ladder = kind == "ladder"
     checks = [
         (args.steps < 2, "--steps must be >= 2"),
+        (args.warmup < 0, "--warmup must be >= 0"),
         (kind == "dist" and args.ngpu < 1, "--ngpu must be >= 1"),
         (ladder and args.max_batch < 1, "--max-batch must be >= 1"),
         (ladder and (args.max_doublings or 0) < 0, "--max-doublings must be >= 0"),
@@ -392,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     bad = [message for failed, message in checks if failed] + runner.option_problems(
         args.timeout, args.output
     )
+    if not args.dry_run and (problem := runner.earlier_results(args.output)):
+        bad.append(problem)  # (a dry run writes nothing)
     sweep_mesh = None
     if kind == "dist" and args.sweep_results is not None:
         try:

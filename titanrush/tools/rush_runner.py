@@ -294,6 +294,23 @@ def option_problems(timeout: float, output: Path) -> list[str]:
     return [message for failed, message in checks if failed]
 
 
+# What a sweep or rush writes into --output first (after its first run): an earlier one's results.
+RESULTS = ("results.jsonl", "runs", "logs")
+
+
+def earlier_results(output: Path) -> str:
+    """Why --output cannot take a new sweep or rush ('' if it can): it holds an earlier one's results,
+    which the new one would replace (results.jsonl is rewritten whole, runs/<name> reused)."""
+    found = [name + "/" * (output / name).is_dir() for name in RESULTS if (output / name).exists()]
+    if not found:
+        return ""
+    what = f"{', '.join(found[:-1])} and {found[-1]}" if len(found) > 1 else found[0]
+    return (
+        f"--output {output} already holds {what} of an earlier run, which this one would replace: choose "
+        "another --output (or move that folder away first)"
+    )
+
+
 # The machine
 
 

@@ -12,8 +12,9 @@ does not name keeps the config's value. Every combination is checked by the trai
 (`titanrush.plan.build_plan`) at world size N; the invalid ones are listed with its reason, never dropped.
 `--dry-run` prints the valid shapes, one per line, and runs nothing. Otherwise each shape trains for
 --steps steps (`NGPU=N ./run_train.sh`, one after another) and the output folder gets results.jsonl,
-results.md (sorted by tokens/s), sweep.png and TensorBoard hparams (tb/). `titanrush rush dist
---sweep-results <output>/results.jsonl` takes the fastest shape from it.
+results.md (sorted by tokens/s), sweep.png and TensorBoard hparams (tb/); an output folder that holds an
+earlier sweep's results is refused. `titanrush rush dist --sweep-results <output>/results.jsonl` takes the
+fastest shape from it.
 
 Each valid shape gets the memory estimator's verdict against one GPU memory (`titanrush estimate`'s rule:
 --gpu-mem, else the GPU here, else 80 GiB, said so); --skip-unfit skips the shapes it says will not fit.
@@ -329,8 +330,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0)
     if args.ngpu < 1 or args.steps < 2:
         return _fail("--ngpu must be >= 1 and --steps >= 2")
+    if args.warmup < 0:
+        return _fail("--warmup must be >= 0")
     if problems := runner.option_problems(args.timeout, args.output):
         return _fail("; ".join(problems))
+    if not args.dry_run and (problem := runner.earlier_results(args.output)):
+        return _fail(problem)  # (before any run: a dry run writes nothing)
     if args.assume_cuda and not args.dry_run:
         return _fail("--assume-cuda only plans (a run needs real GPUs): use it with --dry-run")
     try:
