@@ -26,6 +26,7 @@ import re
 import socket
 from pathlib import Path
 
+from titanrush.checkpoint_folder import check_writable
 from titanrush.config import ConfigError
 from titanrush.distributed import from_rank0
 
@@ -68,12 +69,6 @@ class RunLock:
             self.fd = None
 
 
-def _existing_parent(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
 def check(path: Path, *, overwrite: bool, rank: int) -> RunLock:
     """Refuse a folder the run cannot use, before anything is written (every rank calls this); lock it
     when it exists.
@@ -103,16 +98,8 @@ def problem(path: Path, *, overwrite: bool) -> str:
         return f"run folder {path} is a file; choose another job.name or job.dump_folder"
     if path.exists() and not overwrite:
         return f"run folder {path} exists and job.overwrite = false; choose another job.name"
-    return _unwritable(path, path if path.is_dir() else _existing_parent(path))
-
-
-def _unwritable(path: Path, folder: Path) -> str:
-    if folder.is_dir() and os.access(folder, os.W_OK | os.X_OK):
-        return ""
-    return (
-        f"cannot write the run folder {path} ({folder} is not a writable folder); choose another "
-        "job.dump_folder"
-    )
+    error = check_writable(path)
+    return error and f"cannot write the run folder {path} ({error}); choose another job.dump_folder"
 
 
 def create(path: Path, config_text: str, *, rank: int, lock: RunLock, resumed_step: int = 0) -> int:

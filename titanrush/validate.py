@@ -244,7 +244,8 @@ def _check_model_keys(m: Model) -> None:
 
 
 def check_model_args(args: ModelArgs) -> None:
-    """The resolved shape can be built: heads divide the width, K/V heads the heads, RoPE's pairs fit."""
+    """The resolved shape can be built: heads divide the width, K/V heads the heads, RoPE's pairs fit, the
+    norm's epsilon and RoPE's base are usable numbers."""
     if args.dim % args.n_heads:
         raise ConfigError(
             f"model.dim ({args.dim}) must be divisible by model.n_heads ({args.n_heads}): the heads split it"
@@ -259,6 +260,10 @@ def check_model_args(args: ModelArgs) -> None:
             f"the head dimension model.dim / model.n_heads = {args.head_dim} must be even (RoPE rotates "
             "pairs)"
         )
+    if not 0 < args.norm_eps < 1:  # (NaN fails too: a model.from_checkpoint's config may hold anything)
+        raise ConfigError(f"the model's norm_eps must be in (0, 1), got {args.norm_eps} (model.norm_eps)")
+    if not 0 < args.rope_theta < math.inf:
+        raise ConfigError(f"the model's rope_theta must be a finite number > 0, got {args.rope_theta}")
     if args.rope_scaling and not (
         args.rope_scale_factor > 0
         and 0 < args.rope_low_freq_factor <= args.rope_high_freq_factor

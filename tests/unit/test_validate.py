@@ -149,3 +149,17 @@ def test_async_tp_is_refused_on_torch_versions_it_was_not_run_on(monkeypatch, ve
     else:
         with pytest.raises(ConfigError, match=f"was run on torch 2.11 only, not {re.escape(version)}"):
             validate.check_machine(cfg)
+
+
+@pytest.mark.parametrize(
+    "field, value", [("norm_eps", float("nan")), ("norm_eps", 0.0), ("norm_eps", -1e-5),
+                     ("rope_theta", float("inf")), ("rope_theta", 0.0)],
+)  # fmt: skip
+def test_model_numbers_from_anywhere_are_checked_once_resolved(field, value):
+    """A model.from_checkpoint's config.json may hold what the config's ranges never see."""
+    from titanrush.models.llama import model_args
+    from titanrush.validate import check_model_args
+
+    check_model_args(model_args("debug"))
+    with pytest.raises(ConfigError, match=f"the model's {field} must be"):
+        check_model_args(dataclasses.replace(model_args("debug"), **{field: value}))
