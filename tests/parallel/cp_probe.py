@@ -31,8 +31,9 @@ from titanrush.plan import build_plan
 from titanrush.trainer import Trainer
 
 
-def main() -> None:
-    out, overrides = Path(sys.argv[1]), sys.argv[2:]
+def main(argv: list[str]) -> None:
+    """The probe with `argv` = [OUT, --section.key value, ...] (also a case of `cases_probe.py`)."""
+    out, overrides = Path(argv[0]), argv[1:]
     ranks = distributed.ranks_from_env()
     cfg = config.load(None, overrides)
     plan = build_plan(cfg, ranks.world_size, machine=False)  # (cp > 1 is refused without CUDA otherwise)
@@ -91,4 +92,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -5,6 +5,10 @@ Every run trains the debug model shrunk to a few CPU-seconds a step: seq_len 64,
 sequences whatever the mesh (local batch = 4 / dp), fp32, deterministic algorithms, a metrics row per
 step. The data layer gives the same global batch for any dp degree, so a parallel run and the single
 process see the same tokens and must agree up to floating-point reassociation.
+
+A test module's runs are folded into one launch per number of processes (`Cases`, `cases_probe.py`): the
+runs themselves are unchanged, but the start-up of the processes (most of a short run's time on CPU) is
+paid once per launch.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,8 +98,8 @@ def train_args(dump: Path, name: str, dp: int, *overrides: str) -> list[str]:
     ]  # fmt: skip
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
+def read_metrics(run_dir: Path, rank: int = 0) -> list[dict]:
+    path = run_dir / ("metrics.jsonl" if rank == 0 else f"metrics_rank{rank}.jsonl")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
@@ -135,3 +141,147 @@ def failure(cmd: list[str], log: str) -> str:
 def max_rel_dev(rows: list[dict], ref: list[dict], key: str) -> float:
     """The largest relative deviation of `key` over the steps."""
     return max(abs(r[key] - q[key]) / abs(q[key]) for r, q in zip(rows, ref, strict=True))
+
+
+PROBE = ROOT / "tests" / "parallel" / "cases_probe.py"
+
+
+def run_cases(nproc: int, cases: list[tuple[str, str, list[str]]], tmp: Path) -> dict[str, str | None]:
+    """Run `cases` ([name, kind, args], see `cases_probe.py`) in order in `nproc` processes, as few launches
+    as it takes: a case that fails ends its launch, and the cases after it run in the next one.
+
+    Returns:
+        Each case's outcome: None where it ran through, else the failure (the launch's error lines).
+    """
+    outcome: dict[str, str | None] = {}
+    pending = list(cases)
+    while pending:
+        n = len(outcome)
+        spec, done = tmp / f"cases{n}.json", tmp / f"cases{n}.done"
+        spec.write_text(json.dumps({"cases": pending, "done": str(done)}))
+        res = spawn([str(PROBE), str(spec)], nproc, timeout=300 + 120 * len(pending))
+        finished = done.read_text().split() if done.exists() else []
+        outcome |= dict.fromkeys(finished)
+        pending = [c for c in pending if c[0] not in outcome]
+        if pending:  # the first case that did not finish failed (or the launch did)
+            status = f"(exit status {res.returncode}; launch of {[c[0] for c in pending]})"
+            name = pending.pop(0)[0]
+            outcome[name] = failure([*res.args, status], from_case(res.stdout, name))
+        elif res.returncode != 0:  # every case ran through, but the processes did not end cleanly
+            raise AssertionError(failure(res.args, res.stdout))
+    return outcome
+
+
+def from_case(log: str, name: str) -> str:
+    """`spawn`'s output of every rank from where case `name` of `cases_probe.py` started."""
+    marker, out = f"=== case {name}\n", []
+    for part in log.split("--- rank ")[1:]:
+        head, _, body = part.partition("\n")
+        out.append(f"--- rank {head}\n{body[body.find(marker) :] if marker in body else body}")
+    return "".join(out)
+
+
+@dataclass
+class Case:
+    """One run of a launch of `cases_probe.py`: its processes, the kind of run and its arguments."""
+
+    nproc: int
+    args: list[str]
+    kind: str = "train"
+    needs: tuple[str, ...] = ()  # cases that must have run before this one (a checkpoint they save)
+
+
+class Reference:
+    """Single-process runs of the shrunk debug config, one per set of overrides, each trained once per
+    session (several per launch where a module asks for them together: `prefetch`)."""
+
+    def __init__(self, dump: Path) -> None:
+        self.dump, self.rows, self.count = dump, {}, 0
+
+    def __call__(self, *overrides: str) -> list[dict]:
+        self.prefetch([overrides])
+        return self.rows[overrides]
+
+    def prefetch(self, sets: Iterable[tuple[str, ...]], extra: list[tuple[str, str, list[str]]] = ()) -> dict:
+        """Train the missing references of `sets` in one launch, then the single-process cases `extra`
+        after them; return the outcome of `extra` (`run_cases`)."""
+        refs: dict[str, tuple[str, ...]] = {}
+        for overrides in dict.fromkeys(tuple(x) for x in sets):
+            if overrides not in self.rows:
+                refs[f"ref{self.count}"], self.count = overrides, self.count + 1
+        cases = [(name, "train", train_args(self.dump, name, 1, *over)) for name, over in refs.items()]
+        if not cases and not extra:
+            return {}
+        tmp = Path(tempfile.mkdtemp(prefix="launch", dir=self.dump))
+        outcome = run_cases(1, [*cases, *extra], tmp)
+        for name, overrides in refs.items():
+            assert outcome[name] is None, outcome[name]
+            rows = read_metrics(self.dump / name)
+            assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), rows
+            self.rows[overrides] = rows
+        return {name: outcome[name] for name, _, _ in extra}
+
+
+class Cases:
+    """A test module's runs, folded into one launch per number of processes, which runs when a test first
+    asks for one of its cases (in the order they were added). Single-process cases run in the launch of
+    the references that `refs` names (first), through the session's `reference`."""
+
+    def __init__(self, dump: Path, reference: Reference | None = None, refs: Iterable[tuple[str, ...]] = ()):
+        self.dump, self.reference, self.refs = dump, reference, [tuple(r) for r in refs]
+        self.cases: dict[str, Case] = {}
+        self.outcome: dict[str, str | None] = {}
+        self.started: set[int] = set()
+
+    def add(
+        self, name: str, nproc: int, *overrides: str, dp: int | None = None, needs: Iterable[str] = ()
+    ) -> str:
+        """A trainer run as `run_train` would launch it (`dp` defaults to `nproc`); returns its name."""
+        args = train_args(self.dump, name, nproc if dp is None else dp, *overrides)
+        self.cases[name] = Case(nproc, args, needs=tuple(needs))
+        return name
+
+    def add_probe(self, name: str, nproc: int, kind: str, args: list[str]) -> str:
+        """A probe run (`kind` "cp" or "ep": `cp_probe.py`, `ep_probe.py`) with its own arguments."""
+        self.cases[name] = Case(nproc, args, kind=kind)
+        return name
+
+    def run(self, name: str) -> None:
+        """Make sure that `name` has run (with every case of its launch); fail with its error if it failed."""
+        self.launch(self.cases[name].nproc)
+        assert self.outcome[name] is None, self.outcome[name]
+
+    def ref(self, *overrides: str) -> list[dict]:
+        """The session's reference run with these overrides (trained with this module's single-process
+        cases where it is one of `refs`)."""
+        self.launch(1)
+        return self.reference(*overrides)
+
+    def launch(self, nproc: int) -> None:
+        """Run the cases of `nproc` processes, once, after those of other launches that they need."""
+        if nproc in self.started:
+            return
+        self.started.add(nproc)
+        group = {k: c for k, c in self.cases.items() if c.nproc == nproc}
+        for need in {n for c in group.values() for n in c.needs if n not in group}:
+            self.launch(self.cases[need].nproc)
+        cases = [(k, c.kind, c.args) for k, c in group.items()]
+        try:
+            if nproc == 1 and self.reference is not None:
+                self.outcome |= self.reference.prefetch(self.refs, extra=cases)
+            elif cases:
+                tmp = Path(tempfile.mkdtemp(prefix=f"launch{nproc}_", dir=self.dump))
+                self.outcome |= run_cases(nproc, cases, tmp)
+        except AssertionError as e:  # (a reference failed, or the processes did not end cleanly)
+            self.outcome |= {k: str(e) for k in group if k not in self.outcome}
+
+    def rows(self, name: str, rank: int = 0) -> list[dict]:
+        """The metrics rows that `name` logged (rank 0's, or another rank's with metrics.all_ranks)."""
+        self.run(name)
+        return read_metrics(self.dump / name, rank)
+
+    def train(self, name: str) -> list[dict]:
+        """Like `run_train`: the rows of rank 0, which must be those of every step."""
+        rows = self.rows(name)
+        assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), rows
+        return rows

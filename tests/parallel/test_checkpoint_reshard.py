@@ -4,27 +4,17 @@ FSDP2 (2 ranks) saves at step 3 of 6; the run then resumes from that checkpoint 
 as PP2, each time with the same global batch: the resumed run must train on the batches the original
 would have seen next, so its losses at steps 4-6 match the uninterrupted FSDP2 run's (to the parity
 suite's tolerance: the meshes differ only in the order of floating-point sums).
+
+The runs of 2 processes share one launch (`harness.Cases`): the save first, then the resumes.
 """
 
 from __future__ import annotations
 
 import pytest
-from harness import STEPS, launch
+from harness import STEPS, Cases
 from test_parity import RTOL
 
 pytestmark = pytest.mark.parallel
-
-
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("reshard")
-    rows = launch(dump, "fsdp2", 2, "--checkpoint.enable", "--checkpoint.interval", "3", dp=2)
-    saves = {r["step"]: r for r in rows if "ckpt_save_s" in r}  # the checkpoints' timings: rows of their own
-    assert sorted(saves) == [3, 6]
-    assert all(0 < r["ckpt_blocking_s"] <= r["ckpt_save_s"] for r in saves.values())
-    train = {r["step"]: r for r in rows if "loss" in r}
-    assert list(train) == list(range(1, STEPS + 1))
-    return dump, train
 
 
 TARGETS = {
@@ -34,12 +24,32 @@ TARGETS = {
 }
 
 
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Cases:
+    cases = Cases(tmp_path_factory.mktemp("reshard"))
+    cases.add("fsdp2", 2, "--checkpoint.enable", "--checkpoint.interval", "3", dp=2)
+    ckpt = str(cases.dump / "fsdp2" / "checkpoint" / "step-3")
+    for target, (nproc, dp, overrides) in TARGETS.items():
+        load = ("--checkpoint.load_path", ckpt)
+        cases.add(f"resume_{target}", nproc, *load, *overrides, dp=dp, needs=["fsdp2"])
+    return cases
+
+
+@pytest.fixture(scope="module")
+def saved(runs):
+    rows = runs.rows("fsdp2")
+    saves = {r["step"]: r for r in rows if "ckpt_save_s" in r}  # the checkpoints' timings: rows of their own
+    assert sorted(saves) == [3, 6]
+    assert all(0 < r["ckpt_blocking_s"] <= r["ckpt_save_s"] for r in saves.values())
+    train = {r["step"]: r for r in rows if "loss" in r}
+    assert list(train) == list(range(1, STEPS + 1))
+    return train
+
+
 @pytest.mark.parametrize("target", list(TARGETS))
-def test_fsdp2_checkpoint_resumes_on_another_mesh(saved, target):
-    dump, ref = saved
-    nproc, dp, overrides = TARGETS[target]
-    ckpt = dump / "fsdp2" / "checkpoint" / "step-3"
-    rows = launch(dump, f"resume_{target}", nproc, "--checkpoint.load_path", str(ckpt), *overrides, dp=dp)
+def test_fsdp2_checkpoint_resumes_on_another_mesh(runs, saved, target):
+    ref = saved  # the uninterrupted run's rows by step
+    rows = runs.rows(f"resume_{target}")
     load, rows = rows[0], rows[1:]
     assert load["step"] == 3 and load["ckpt_load_s"] > 0  # the load time, resharding included
     assert [r["step"] for r in rows] == list(range(4, STEPS + 1))  # continued at step 4

@@ -12,15 +12,16 @@ rank's load) shows as O(1e-2) or more from the first steps on.
 The checkpoint test saves at EP2 and resumes at EP1 and EP4: the experts (DTensors sharded over ep and
 FSDP) and the routing bias (a buffer) reload under the new split, and steps 4-6 match the run that was
 never interrupted.
+
+The module's runs share one launch per number of processes (`harness.Cases`); each test reads its run's rows.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-from harness import STEPS, launch, run_train, spawn
+from harness import STEPS, Cases
 from test_parity import RTOL, assert_parity
 
 pytestmark = pytest.mark.parallel
@@ -59,66 +60,71 @@ MESHES = {
 }
 
 
+ROUTER_LOSSES = {
+    # name: (mesh, data-parallel degree, losses)
+    "ep2_aux_z": ([P + "ep", "2"], 2, ("--moe.aux_loss_coeff", "0.01", "--moe.z_loss_coeff", "0.001")),
+    # each tp rank's z-loss covers its sequence shard: weighed 1/tp, the sum over tp is the mean
+    "tp2_z": ([P + "tp", "2"], 1, ("--moe.z_loss_coeff", "0.001")),
+}
+RESUME = {"ep1_one_process": (1, 1, []), "ep4": (4, 4, [P + "ep", "4"]), "tp2": (2, 1, [P + "tp", "2"])}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, reference) -> Cases:
+    """Every run of this module: one launch of 2 processes, one of 4, and one of 1 (with the references)."""
+    dump = tmp_path_factory.mktemp("moe")
+    refs = [MOE, (*MOE, *FROZEN), *((*MOE, *losses) for _, _, losses in ROUTER_LOSSES.values())]
+    cases = Cases(dump, reference, refs=refs)
+    cases.add("saved_ep2", 2, *MOE, P + "ep", "2", "--checkpoint.enable", "--checkpoint.interval", "3")
+    for name, (nproc, dp, overrides) in MESHES.items():
+        cases.add(name, nproc, *MOE, *overrides, dp=dp)
+    for name, (mesh, dp, losses) in ROUTER_LOSSES.items():
+        cases.add(name, 2, *MOE, *losses, *mesh, dp=dp)
+    ckpt = str(dump / "saved_ep2" / "checkpoint" / "step-3")
+    for target, (nproc, dp, over) in RESUME.items():
+        load = ("--checkpoint.load_path", ckpt)
+        cases.add(f"resume_{target}", nproc, *MOE, *load, *over, dp=dp, needs=["saved_ep2"])
+    cases.add_probe("ep_probe", 2, "ep", [str(dump / "ep_probe.json")])
+    return cases
+
+
 @pytest.mark.parametrize("name", list(MESHES))
-def test_moe_mesh_matches_single_process(name, tmp_path, reference):
-    nproc, dp, overrides = MESHES[name]
-    rows = run_train(tmp_path, name, nproc, *MOE, *overrides, dp=dp)
-    ref = reference(*MOE, *(FROZEN if "pp2" in name else []))
+def test_moe_mesh_matches_single_process(name, runs):
+    rows = runs.train(name)
+    ref = runs.ref(*MOE, *(FROZEN if "pp2" in name else []))
     assert_parity(rows, ref, name=f"moe_{name}")
     if "pp2" not in name:  # (with pipelining, rank 0 holds the first stage's layers only)
         assert [r["moe_imbalance"] for r in rows] == [r["moe_imbalance"] for r in ref]
 
 
-@pytest.mark.parametrize(
-    "name, mesh, dp, losses",
-    [
-        ("ep2_aux_z", [P + "ep", "2"], 2, ("--moe.aux_loss_coeff", "0.01", "--moe.z_loss_coeff", "0.001")),
-        # each tp rank's z-loss covers its sequence shard: weighed 1/tp, the sum over tp is the mean
-        ("tp2_z", [P + "tp", "2"], 1, ("--moe.z_loss_coeff", "0.001")),
-    ],
-)
-def test_moe_router_losses_match_single_process(tmp_path, reference, name, mesh, dp, losses):
+@pytest.mark.parametrize("name", list(ROUTER_LOSSES))
+def test_moe_router_losses_match_single_process(runs, name):
     """The sequence-wise balance loss and the z-loss per rank average to the single process's."""
-    rows = run_train(tmp_path, name, 2, *MOE, *losses, *mesh, dp=dp)
-    ref = reference(*MOE, *losses)
+    losses = ROUTER_LOSSES[name][2]
+    rows = runs.train(name)
+    ref = runs.ref(*MOE, *losses)
     assert_parity(rows, ref, name=f"moe_{name}")
-    plain = reference(*MOE)
+    plain = runs.ref(*MOE)
     assert any(abs(r["grad_norm"] - q["grad_norm"]) > 1e-4 * q["grad_norm"] for r, q in zip(ref, plain))
 
 
-@pytest.fixture(scope="module")
-def saved_ep2(tmp_path_factory):
-    dump = tmp_path_factory.mktemp("moe_reshard")
-    rows = launch(
-        dump, "ep2", 2, *MOE, P + "ep", "2", "--checkpoint.enable", "--checkpoint.interval", "3", dp=2
-    )
-    train = {r["step"]: r for r in rows if "loss" in r}
-    assert list(train) == list(range(1, STEPS + 1))
-    return dump, train
-
-
-@pytest.mark.parametrize("target", ["ep1_one_process", "ep4", "tp2"])
-def test_ep2_checkpoint_resumes_at_another_ep_degree(saved_ep2, target):
-    dump, ref = saved_ep2
-    nproc, dp, over = {"ep1_one_process": (1, 1, []), "ep4": (4, 4, [P + "ep", "4"]),
-                       "tp2": (2, 1, [P + "tp", "2"])}[target]  # fmt: skip
-    ckpt = dump / "ep2" / "checkpoint" / "step-3"
-    rows = launch(dump, f"resume_{target}", nproc, *MOE, "--checkpoint.load_path", str(ckpt), *over, dp=dp)
-    rows = [r for r in rows if "loss" in r]
+@pytest.mark.parametrize("target", list(RESUME))
+def test_ep2_checkpoint_resumes_at_another_ep_degree(runs, target):
+    ref = {r["step"]: r for r in runs.rows("saved_ep2") if "loss" in r}
+    assert list(ref) == list(range(1, STEPS + 1))
+    rows = [r for r in runs.rows(f"resume_{target}") if "loss" in r]
     assert [r["step"] for r in rows] == list(range(4, STEPS + 1))
     for r in rows:
         for key in ("loss", "grad_norm", "moe_imbalance"):
             assert abs(r[key] - ref[r["step"]][key]) <= RTOL * abs(ref[r["step"]][key]), (target, r, key)
 
 
-def test_the_exchange_stays_eager_when_compiled_and_a_rank_receives_no_rows(tmp_path):
+def test_the_exchange_stays_eager_when_compiled_and_a_rank_receives_no_rows(runs):
     """Compiled, the MoE layer under EP2 gives the eager layer's outputs and gradients, also at steps where
     rank 0's experts receive no rows, and no compiled graph holds a collective (traced, the exchange was
     specialized per rank on its row counts; on two GPUs that hung)."""
-    out = tmp_path / "ep_probe.json"
-    res = spawn([str(Path(__file__).parent / "ep_probe.py"), str(out)], 2, timeout=300)
-    assert res.returncode == 0, res.stdout
-    for rank, r in enumerate(json.loads(out.read_text())):
+    runs.run("ep_probe")
+    for rank, r in enumerate(json.loads((runs.dump / "ep_probe.json").read_text())):
         assert r["graphs_seen"], f"rank {rank}: nothing was compiled"
         assert r["collectives"] == [], f"rank {rank}: collectives in compiled graphs: {r['collectives']}"
         assert r["out"] <= 1e-5 and r["grad"] <= 1e-5, (rank, r)

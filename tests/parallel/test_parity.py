@@ -10,12 +10,14 @@ a mis-sharded weight, a wrong RoPE slice: each is off by 1e-3 or more from the f
 
 Activation checkpointing recomputes the same ops on the same inputs: bitwise equal here (still checked
 to RTOL). Compile fuses element-wise ops differently: measured 8e-8.
+
+The module's runs share one launch per number of processes (`harness.Cases`); each test reads its run's rows.
 """
 
 from __future__ import annotations
 
 import pytest
-from harness import max_rel_dev, run_train
+from harness import Cases, max_rel_dev
 
 pytestmark = pytest.mark.parallel
 
@@ -52,10 +54,8 @@ MESHES = {
 
 
 @pytest.mark.parametrize("name", list(MESHES))
-def test_mesh_matches_single_process(name, tmp_path, reference):
-    nproc, dp, overrides = MESHES[name]
-    rows = run_train(tmp_path, name, nproc, *overrides, dp=dp)
-    assert_parity(rows, reference(), name=name)
+def test_mesh_matches_single_process(name, runs):
+    assert_parity(runs.train(name), runs.ref(), name=name)
 
 
 AC = {
@@ -66,9 +66,8 @@ AC = {
 
 
 @pytest.mark.parametrize("name", list(AC))
-def test_activation_checkpointing_changes_nothing(name, tmp_path, reference):
-    rows = run_train(tmp_path, name, 1, *AC[name])
-    assert_parity(rows, reference(), name=f"ac_{name}")
+def test_activation_checkpointing_changes_nothing(name, runs):
+    assert_parity(runs.train(f"ac_{name}"), runs.ref(), name=f"ac_{name}")
 
 
 COMPILED = {
@@ -80,16 +79,31 @@ COMPILED = {
 
 
 @pytest.mark.parametrize("name", list(COMPILED))
-def test_compile_changes_nothing_beyond_rounding(name, tmp_path, reference):
-    nproc, dp, overrides = COMPILED[name]
-    rows = run_train(tmp_path, f"compile_{name}", nproc, "--compile.enable", *overrides, dp=dp)
-    assert_parity(rows, reference(), name=f"compile_{name}")
+def test_compile_changes_nothing_beyond_rounding(name, runs):
+    assert_parity(runs.train(f"compile_{name}"), runs.ref(), name=f"compile_{name}")
 
 
-def test_fsdp_bf16_mixed_precision_trains_like_single_process_bf16(tmp_path, reference):
+BF16 = ("--training.precision", "bf16")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, reference) -> Cases:
+    """Every run of this module: one launch of 2 processes, one of 4, and one of 1 (with the references)."""
+    cases = Cases(tmp_path_factory.mktemp("parity"), reference, refs=[(), BF16])
+    for name, (nproc, dp, overrides) in MESHES.items():
+        cases.add(name, nproc, *overrides, dp=dp)
+    for name, overrides in AC.items():
+        cases.add(f"ac_{name}", 1, *overrides)
+    for name, (nproc, dp, overrides) in COMPILED.items():
+        cases.add(f"compile_{name}", nproc, "--compile.enable", *overrides, dp=dp)
+    cases.add("fsdp_bf16", 2, *BF16)
+    return cases
+
+
+def test_fsdp_bf16_mixed_precision_trains_like_single_process_bf16(runs):
     """bf16 compute, fp32 master weights and reductions. One process autocasts, FSDP casts the gathered
     parameters: the roundings differ, so only closeness at bf16's resolution is expected."""
-    ref = reference("--training.precision", "bf16")
-    rows = run_train(tmp_path, "fsdp_bf16", 2, "--training.precision", "bf16")
+    ref = runs.ref(*BF16)
+    rows = runs.train("fsdp_bf16")
     assert max_rel_dev(rows, ref, "loss") < 2e-2, ([r["loss"] for r in rows], [r["loss"] for r in ref])
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0

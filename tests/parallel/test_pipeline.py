@@ -8,6 +8,8 @@ gradients are taken (per micro-batch, per stage), so the tolerance is the parity
 Context parallel's ring attention needs CUDA: its parity (CP x PP against one GPU) is a GPU test
 (tests/gpu/test_context_parallel_gpu.py); here `cp_probe.py` checks, through the trainer's own step on
 gloo, that every stage's attention rotates each token by its true position.
+
+The module's runs share one launch per number of processes (`harness.Cases`); each test reads its run's rows.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json
 import math
 
 import pytest
-from harness import ROOT, STEPS, failure, launch, max_rel_dev, run_train, spawn
+from harness import STEPS, Cases, max_rel_dev
 from test_parity import RTOL, assert_parity
 
 pytestmark = pytest.mark.parallel
@@ -37,50 +39,65 @@ PP = {
 }  # fmt: skip
 
 
+VAL = ("--validation.freq", "3", "--validation.steps", "2")
+BF16 = ("--training.precision", "bf16")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, reference) -> Cases:
+    """Every run of this module: one launch of 2 processes, one of 4, and one of 1 (with the references)."""
+    dump = tmp_path_factory.mktemp("pipeline")
+    cases = Cases(dump, reference, refs=[(), BF16])
+    for name, (nproc, dp, overrides) in PP.items():
+        cases.add(name, nproc, *overrides, "--metrics.all_ranks", dp=dp)
+    split = ("--parallelism.pp_layers_per_stage", "1,3", "--parallelism.pp_microbatches", "4")
+    cases.add("pp2_split", 2, "--parallelism.pp", "2", *split, dp=1)
+    cases.add("val1", 1, *VAL)
+    cases.add("val_pp2", 2, "--parallelism.pp", "2", *VAL, dp=1)
+    cases.add("pp_bf16", 2, *BF16, "--parallelism.pp", "2", dp=1)
+    for name, (nproc, overrides) in CP.items():  # (last: context parallel's rotate method is a global)
+        args = ["--job.dump_folder", str(dump), "--job.name", name, "--training.seq_len", "64",
+                "--training.local_batch_size", "4", "--training.precision", "fp32",
+                "--no-metrics.tensorboard", *overrides]  # fmt: skip
+        cases.add_probe(name, nproc, "cp", [str(dump / f"{name}_reports"), *args])
+    return cases
+
+
 @pytest.mark.parametrize("name", list(PP))
-def test_pipeline_matches_single_process_on_every_rank(name, tmp_path, reference):
-    nproc, dp, overrides = PP[name]
-    rows = run_train(tmp_path, name, nproc, *overrides, "--metrics.all_ranks", dp=dp)
-    ref = reference()
-    assert_parity(rows, ref)
+def test_pipeline_matches_single_process_on_every_rank(name, runs):
+    nproc = PP[name][0]
+    ref = runs.ref()
+    assert_parity(runs.train(name), ref)
     # Every rank, the first stage's included, logs the true loss and the true global grad norm.
     for rank in range(1, nproc):
-        path = tmp_path / name / f"metrics_rank{rank}.jsonl"
-        other = [json.loads(x) for x in path.read_text().splitlines()]
+        other = runs.rows(name, rank)
         assert [r["step"] for r in other] == list(range(1, STEPS + 1))
         assert_parity(other, ref, RTOL)
 
 
-def test_explicit_layer_split_and_microbatches(tmp_path, reference):
-    rows = run_train(
-        tmp_path, "pp2_split", 2, "--parallelism.pp", "2", "--parallelism.pp_layers_per_stage", "1,3",
-        "--parallelism.pp_microbatches", "4", dp=1,
-    )  # fmt: skip
-    assert_parity(rows, reference())
+def test_explicit_layer_split_and_microbatches(runs):
+    assert_parity(runs.train("pp2_split"), runs.ref())
 
 
-def test_pipeline_validation_matches_single_process(tmp_path):
+def test_pipeline_validation_matches_single_process(runs):
     """Forward-only pipeline passes over the held-out split give the single process's validation loss."""
 
-    val = ("--validation.freq", "3", "--validation.steps", "2")
-    one = [r for r in launch(tmp_path, "val1", 1, *val) if "val_loss" in r]
-    pp = [r for r in launch(tmp_path, "val_pp2", 2, "--parallelism.pp", "2", *val, dp=1) if "val_loss" in r]
+    one = [r for r in runs.rows("val1") if "val_loss" in r]
+    pp = [r for r in runs.rows("val_pp2") if "val_loss" in r]
     assert [r["step"] for r in pp] == [r["step"] for r in one] == [3, 6]
     for a, b in zip(pp, one):
         assert abs(a["val_loss"] - b["val_loss"]) <= RTOL * b["val_loss"]
 
 
-def test_pipeline_without_fsdp_trains_in_bf16(tmp_path):
+def test_pipeline_without_fsdp_trains_in_bf16(runs):
     """precision = bf16 without FSDP is autocast, which the pipeline schedule's forward must run under.
 
     (Found on 4 H200s: PP2 x TP2 ran its matmuls in fp32 at 3.5% MFU.) A bf16 pipeline run must be
     much closer to the one-process bf16 run than the one-process fp32 run is.
     """
 
-    bf16 = ("--training.precision", "bf16")
-    one_bf16 = launch(tmp_path, "one_bf16", 1, *bf16)
-    one_fp32 = launch(tmp_path, "one_fp32", 1)
-    pp_bf16 = launch(tmp_path, "pp_bf16", 2, *bf16, "--parallelism.pp", "2", dp=1)
+    one_bf16, one_fp32 = runs.ref(*BF16), runs.ref()  # (the session's references: the same runs)
+    pp_bf16 = runs.rows("pp_bf16")
     # The first step's gradient norm is the sharp witness: later steps drift apart in bf16 whatever the
     # mesh, and the loss's rounding averages out over the batch.
     precision_gap = max_rel_dev(one_fp32[:1], one_bf16[:1], "grad_norm")
@@ -100,18 +117,13 @@ CP = {
 
 
 @pytest.mark.parametrize("name", list(CP))
-def test_context_parallel_shards_every_stage_table_with_the_batch(name, tmp_path):
+def test_context_parallel_shards_every_stage_table_with_the_batch(name, runs):
     """Two steps of the trainer's forward/backward under CP (x PP), and with PP a validation pass: every
     attention call of every stage on every rank rotated with the table's rows at its tokens' positions,
     the tables were whole again after each step, and every rank has the same finite loss and gradient
     norm (`cp_probe.py`)."""
-    nproc, overrides = CP[name]
-    out = tmp_path / "reports"
-    args = ["--job.dump_folder", str(tmp_path), "--job.name", name, "--training.seq_len", "64",
-            "--training.local_batch_size", "4", "--training.precision", "fp32", "--no-metrics.tensorboard",
-            *overrides]  # fmt: skip
-    res = spawn([str(ROOT / "tests" / "parallel" / "cp_probe.py"), str(out), *args], nproc)
-    assert res.returncode == 0, failure(res.args, res.stdout)
+    runs.run(name)
+    nproc, out = CP[name][0], runs.dump / f"{name}_reports"
     reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
     assert all(all(n > 0 for n in r["calls"]) for r in reports)  # every rank's stages attended, each step
     for key in ("losses", "grad_norms"):
