@@ -444,6 +444,7 @@ def test_damaged_checkpoints_and_existing_outputs_are_refused(tmp_path, capsys):
         trainer.train()
     finally:
         trainer.close()
+    capsys.readouterr()  # (the run's log lines)
     good = tmp_path / "run" / "checkpoint" / "step-2"
     flipped, cut = tmp_path / "flipped", tmp_path / "cut"
     shutil.copytree(good, flipped)
