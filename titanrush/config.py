@@ -631,20 +631,28 @@ def read_toml(path: str | Path) -> dict[str, dict[str, Any]]:
 Origins = dict[tuple[str, str | None], Path]
 
 
-def _read_toml(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, dict[str, Any]], Origins]:
-    """`read_toml`, and where each key comes from (the last file of the chain that sets it)."""
+def _read_toml(
+    path: Path, seen: tuple[Path, ...], extended_at: str = ""
+) -> tuple[dict[str, dict[str, Any]], Origins]:
+    """`read_toml`, and where each key comes from (the last file of the chain that sets it).
+    `extended_at`: the `file:line` whose `extends` names `path` ('' for --config)."""
+    named = (
+        f"{extended_at}: extends names {str(path)!r}, which" if extended_at else f"config file {str(path)!r}"
+    )
+    fix = (
+        "name a TOML file (relative to that file's folder)" if extended_at else "pass a TOML file to --config"
+    )
     try:
         if path.is_dir():
-            raise ConfigError(f"config file {str(path)!r} is a folder; pass a TOML file to --config")
+            raise ConfigError(f"{named} is a folder; {fix}")
+        if not path.exists():
+            raise ConfigError(f"{named} is not found; {fix}")
         if not path.is_file():
-            raise ConfigError(f"config file {str(path)!r} not found; pass an existing file to --config")
+            raise ConfigError(f"{named} is not a regular file (a pipe or a device); {fix}")
         resolved = path.resolve()
         raw = path.read_bytes()
     except OSError as e:  # permissions, an I/O error, a name too long ...
-        raise ConfigError(
-            f"config file {str(path)!r} cannot be read ({e.strerror or e}); pass a readable TOML file to "
-            "--config"
-        ) from None
+        raise ConfigError(f"{named} cannot be read ({e.strerror or e}); {fix}") from None
     if resolved in seen:
         raise ConfigError(f"config file {str(path)!r} extends itself (through {seen[-1].name})")
     try:
@@ -661,10 +669,13 @@ def _read_toml(path: Path, seen: tuple[Path, ...]) -> tuple[dict[str, dict[str, 
     origins: Origins = {}
     parent = data.pop("extends", None)
     if parent is not None:
-        if not isinstance(parent, str):
-            where = _where(path, "extends", None)
-            raise ConfigError(f"{where}: extends must be a file name string, got {parent!r}")
-        base, origins = _read_toml(path.parent / parent, seen + (resolved,))
+        where = _where(path, "extends", None)
+        if not isinstance(parent, str) or not parent.strip():
+            raise ConfigError(
+                f"{where}: extends must name the TOML file this one builds on, got {_shown(parent)}; name "
+                "one or remove the key"
+            )
+        base, origins = _read_toml(path.parent / parent, seen + (resolved,), where)
     for section, values in data.items():
         if not isinstance(values, dict):
             where = _where(path, section, None)

@@ -144,16 +144,20 @@ def test_toml_errors(tmp_path):
         ({"a.toml": "extends = 'base.toml'\n[training]\nsteps = 4\n",
           "base.toml": "[optimizer]\nlr = 0.1\n\n[training]\nsteps = 2\nprecision = 'fp16'\n"},
          "base.toml:6: training.precision = 'fp16' is not one of fp32, bf16"),
-        ({"a.toml": "extends = 3\n"}, "a.toml:1: extends must be a file name string"),
+        ({"a.toml": "extends = 3\n"}, "a.toml:1: extends must name the TOML file this one builds on, got 3"),
+        ({"a.toml": "extends = ''\n"}, "a.toml:1: extends must name the TOML file this one builds on"),
+        # a file it extends that is missing or not a file: named with the line that names it
+        ({"a.toml": "\nextends = 'base.toml'\n"}, "a.toml:2: extends names '{tmp}/base.toml', which is not"),
+        ({"a.toml": "extends = 'sub'\n", "sub": None}, "a.toml:1: extends names '{tmp}/sub', which is a fo"),
         ({"a.toml": "training = 3\n"}, "a.toml:1: top-level key 'training' must be a [section] table"),
     ],
 )  # fmt: skip
 def test_toml_key_and_type_errors_name_the_file_and_line(tmp_path, files, fragment):
     for name, text in files.items():
-        write(tmp_path / name, text)
+        write(tmp_path / name, text) if text is not None else (tmp_path / name).mkdir()
     with pytest.raises(ConfigError) as e:
         config.load(str(tmp_path / "a.toml"))
-    assert str(e.value).startswith(f"{tmp_path}/{fragment}"), str(e.value)
+    assert str(e.value).startswith(f"{tmp_path}/{fragment.format(tmp=tmp_path)}"), str(e.value)
 
 
 def test_toml_line():
@@ -323,7 +327,10 @@ def test_an_unreadable_config_file_is_a_config_error(tmp_path, capsys, monkeypat
     )
     long_name = str(tmp_path / ("x" * 5000))  # ENAMETOOLONG from the file system, not a missing file
     err = train_errors(["--config", long_name], capsys, tmp_path)
-    assert "cannot be read (File name too long); pass a readable TOML file to --config" in err
+    assert "cannot be read (File name too long); pass a TOML file to --config" in err
+    os.mkfifo(tmp_path / "pipe")  # (reading it would wait for a writer)
+    err = train_errors(["--config", str(tmp_path / "pipe")], capsys, tmp_path)
+    assert "is not a regular file (a pipe or a device); pass a TOML file to --config" in err
     if Path("/proc/self/mem").exists():  # a file whose read fails (EIO)
         err = train_errors(["--config", "/proc/self/mem"], capsys, tmp_path)
         assert "config file '/proc/self/mem' cannot be read" in err

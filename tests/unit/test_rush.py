@@ -308,6 +308,8 @@ def test_bad_override_is_a_config_error(capsys):
         (["--max-doublings", "-1"], "--max-doublings"),
         (["--warmup", "-1"], "titanrush rush: --warmup must be >= 0"),
         (["--output", DEBUG], "is a file"),
+        (["--config"], "argument --config: expected one argument"),  # (not the built-in config)
+        (["--steps"], "argument --steps: expected one argument"),
     ],
 )
 def test_bad_options_exit_2_before_any_run(flags, message, capsys):

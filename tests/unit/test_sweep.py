@@ -442,3 +442,10 @@ def test_dry_run_holds_every_shape_against_the_one_gpu_memory_rule(monkeypatch, 
     est = estimate(cfg, 4, gib, trace=False)
     verdict = "fits" if est.fits else "does not fit"
     assert f"tp=1 pp=1 cp=1: {est.total_gib:.1f} of {gib:g} GiB: {verdict}" in verdicts[0]
+
+
+@pytest.mark.parametrize("flag", ["--config", "--output", "--steps"])
+def test_an_option_without_its_value_is_named_not_replaced_by_a_default(tmp_path, capsys, flag):
+    assert sweep.main(["--ngpu", "1", "--output", str(tmp_path / "out"), flag]) == 2
+    assert f"argument {flag}: expected one argument" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

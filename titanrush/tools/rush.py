@@ -382,7 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"titanrush rush: {given}; choose ladder, dist or moe (usage above)", file=sys.stderr)
         return 2
     kind = argv[0]
-    args, overrides = parse(argv)
+    try:
+        args, overrides = parse(argv)
+    except SystemExit as e:  # argparse has said what is wrong (or printed --help)
+        return int(e.code or 0)
     ladder = kind == "ladder"
     checks = [
         (args.steps < 2, "--steps must be >= 2"),

@@ -501,7 +501,8 @@ def parse_with_overrides(
     for arg in rest:
         key = arg.split("=", 1)[0]
         if key in flags:
-            own += [arg, next(rest, "")] if flags[key] and "=" not in arg else [arg]
+            value = next(rest, None) if flags[key] and "=" not in arg else None
+            own += [arg] if value is None else [arg, value]  # (a missing value: argparse names it)
         else:
             overrides.append(arg)
     return ap.parse_args(own), overrides
