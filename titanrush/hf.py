@@ -435,6 +435,16 @@ def import_hf(hf_dir: str | Path, out_checkpoint_dir: str | Path) -> Path:
             f"({', '.join(LLAMA4_FLAVORS)}; vocabulary and tied embeddings may differ): titanrush trains "
             "Llama 4 at those shapes only"
         )
+    if (src / "tokenizer.json").exists():  # copied beside the weights for a run to read: it must load
+        from titanrush.data import build_tokenizer
+
+        try:
+            words = build_tokenizer(str(src / "tokenizer.json")).n_words
+        except ConfigError as e:
+            raise ConfigError(f"{e}; or import the weights alone from a folder without it") from None
+        if words > args.vocab_size:
+            raise ConfigError(f"{src / 'tokenizer.json'} has {words} ids, the model's vocabulary only "
+                              f"{args.vocab_size}: {src} holds another model's tokenizer")  # fmt: skip
     sd = _cast(from_hf_state_dict(load_hf_weights(src), args), torch.float32, args.tie_embeddings)
     if moe_flavor and (src / BIAS_FILE).exists():  # the routing biases of a titanrush export
         biases = load_safetensors(src / BIAS_FILE)

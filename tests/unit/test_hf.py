@@ -686,3 +686,21 @@ def test_non_finite_numbers_in_a_checkpoints_titanrush_json_are_refused(tmp_path
         hf.model_args_at(step)
     assert convert.main(["--to-pt", str(step), str(tmp_path / "m.pt")]) == 2
     assert message in one_error_line(capsys) and not (tmp_path / "m.pt").exists()
+
+
+def test_an_hf_folder_whose_tokenizer_a_run_cannot_read_is_refused_on_import(tmp_path, capsys):
+    """The import copies tokenizer.json for the run that trains from it: a broken one is named now."""
+    ckpt = save_checkpoint(make_model(model_args("debug")), tmp_path / "ck")
+    hf_dir = hf.export_hf(ckpt, tmp_path / "hf", dtype=torch.float32)
+    assert convert.main(["--from-hf", str(hf_dir), str(tmp_path / "good")]) == 0  # as exported: loads
+    capsys.readouterr()
+    (hf_dir / "tokenizer.json").write_text('{"model": {"type": "BPE"')
+    assert convert.main(["--from-hf", str(hf_dir), str(tmp_path / "imp")]) == 2
+    err = capsys.readouterr().err
+    assert "is not a Hugging Face tokenizer.json" in err and "import the weights alone" in err, err
+    assert "Traceback" not in err and not (tmp_path / "imp").exists()
+    small = hf.export_hf(save_checkpoint(make_model(model_args("debug", vocab_size=300)), tmp_path / "ck300"),
+                         tmp_path / "hf300", dtype=torch.float32, tokenizer=None)  # fmt: skip
+    (small / "tokenizer.json").write_bytes((tmp_path / "good" / "tokenizer.json").read_bytes())
+    assert convert.main(["--from-hf", str(small), str(tmp_path / "imp")]) == 2
+    assert "the model's vocabulary only 300" in capsys.readouterr().err
