@@ -123,6 +123,13 @@ def test_cli_errors_exit_2(tmp_path, model, capsys):
         assert generate_cmd.main(["--checkpoint", str(ckpt), "--prompt", "x", *bad]) == 2, bad
         err = capsys.readouterr().err
         assert bad[0] in err and "Traceback" not in err, err
+    assert (
+        generate_cmd.main(["--checkpoint", str(ckpt), "--prompt", "x", "--top-p", "2", "--temperature", "-1"])
+        == 2
+    )
+    err = capsys.readouterr().err  # each wrong value named, with what it must be; the right ones not
+    assert "--temperature must be finite and >= 0, got -1.0; --top-p must be in (0, 1], got 2.0" in err, err
+    assert "--max-new-tokens" not in err.splitlines()[-1] and "--seed" not in err.splitlines()[-1]
 
 
 def test_hf_folder_loads_like_the_checkpoint(tmp_path, model):

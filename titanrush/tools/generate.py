@@ -97,12 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         ns = parser.parse_args(sys.argv[1:] if argv is None else argv)
-        if ns.max_new_tokens < 1 or not 0 <= ns.temperature < math.inf or not 0 < ns.top_p <= 1:
-            parser.error(
-                "--max-new-tokens must be >= 1, --temperature a finite number >= 0 and --top-p in (0, 1]"
-            )
-        if not 0 <= ns.seed < 2**63:
-            parser.error("--seed must be in [0, 2**63)")
+        rules = [
+            (ns.max_new_tokens >= 1, f"--max-new-tokens must be >= 1, got {ns.max_new_tokens}"),
+            (0 <= ns.temperature < math.inf, f"--temperature must be finite and >= 0, got {ns.temperature}"),
+            (0 < ns.top_p <= 1, f"--top-p must be in (0, 1], got {ns.top_p}"),
+            (0 <= ns.seed < 2**63, f"--seed must be in [0, 2**63), got {ns.seed}"),
+        ]
+        wrong = [text for ok, text in rules if not ok]
+        if wrong:
+            parser.error("; ".join(wrong))
     except SystemExit as e:  # --help or a usage error: argparse has printed it
         return int(e.code or 0)
     try:
