@@ -14,7 +14,7 @@ import torch
 from test_hf import NO_TRANSFORMERS, assert_same_state, make_model, save_checkpoint, trainer_weights
 from test_hf_tokenizer import CORPUS, make_stand_in
 
-from titanrush import config, hf, train
+from titanrush import config, hf, hf_convert, train
 from titanrush.config import ConfigError
 from titanrush.models.llama import FLAVORS, ModelArgs
 from titanrush.models.llama.flavors import shape_of
@@ -55,7 +55,7 @@ def hf_folder(args: ModelArgs, folder: Path, tokenizer: str | None = None, seed:
     """An HF Llama folder of a random model with these arguments (written through titanrush's export)."""
     model = make_model(args, seed=seed)
     ckpt = save_checkpoint(model, folder / "src" / "checkpoint")
-    return hf.export_hf(ckpt, folder / "hf", dtype=torch.float32, tokenizer=tokenizer)
+    return hf_convert.export_hf(ckpt, folder / "hf", dtype=torch.float32, tokenizer=tokenizer)
 
 
 # Llama 3.1's layout (llama3 RoPE scaling, GQA, untied) and SmolLM's (tied, 3 query heads per K/V head,
@@ -70,7 +70,7 @@ SMOL_LIKE = ModelArgs(dim=96, n_layers=2, n_heads=3, n_kv_heads=1, vocab_size=81
 @pytest.mark.parametrize("source", [LLAMA31_LIKE, SMOL_LIKE], ids=["llama31_like", "smol_like"])
 def test_from_checkpoint_takes_every_shape_field(tmp_path, source):
     out = hf_folder(source, tmp_path, tokenizer="default")
-    imported = hf.import_hf(out, tmp_path / "imported")
+    imported = hf_convert.import_hf(out, tmp_path / "imported")
     for path in (out, out / "config.json", imported, imported / "titanrush.json"):
         args = args_of("--model.flavor", "custom", "--model.from_checkpoint", str(path))
         assert shape(args) == shape(source), path
@@ -175,7 +175,7 @@ def test_continued_pretraining_of_a_converted_llama_in_one_command(tmp_path, cap
     else:
         tokenizer, source_args = "default", LLAMA31_LIKE
     model = make_model(source_args, seed=5)
-    source = hf.export_hf(
+    source = hf_convert.export_hf(
         save_checkpoint(model, tmp_path / "src"), tmp_path / "hf_model", torch.float32, str(tokenizer)
     )
     assert convert.main(["--from-hf", str(source), str(tmp_path / "ckpt")]) == 0

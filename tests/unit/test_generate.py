@@ -10,7 +10,7 @@ import pytest
 import torch
 from test_hf import NO_TRANSFORMERS, make_model, save_checkpoint
 
-from titanrush import cli, hf
+from titanrush import cli, hf_convert
 from titanrush.data.tokenizer import build_tokenizer
 from titanrush.models.llama import Llama, model_args
 from titanrush.models.llama.generate import KVCache, forward_cached, generate, sample
@@ -134,7 +134,7 @@ def test_cli_errors_exit_2(tmp_path, model, capsys):
 
 def test_hf_folder_loads_like_the_checkpoint(tmp_path, model):
     ckpt = checkpoint_of(model, tmp_path)
-    out = hf.export_hf(ckpt, tmp_path / "hf", dtype=torch.float32)
+    out = hf_convert.export_hf(ckpt, tmp_path / "hf", dtype=torch.float32)
     from_hf = generate_cmd.load_model(out, torch.device("cpu"), torch.float32, 64)
     from_ckpt = generate_cmd.load_model(ckpt, torch.device("cpu"), torch.float32, 64)
     prompt = [3, 1, 4, 1, 5]
@@ -154,7 +154,7 @@ def test_hf_folder_loads_like_the_checkpoint(tmp_path, model):
 def test_greedy_tokens_match_transformers_generate(tmp_path, tied):
     transformers = pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
     ours = make_model(dataclasses.replace(ARGS, tie_embeddings=tied), seed=4)
-    out = hf.export_hf(checkpoint_of(ours, tmp_path), tmp_path / "hf", dtype=torch.float32)
+    out = hf_convert.export_hf(checkpoint_of(ours, tmp_path), tmp_path / "hf", dtype=torch.float32)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(str(out)).float().eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(out))
     tok = build_tokenizer("default")

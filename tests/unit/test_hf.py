@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titanrush import hf
+from titanrush import hf, hf_convert
 from titanrush.config import ConfigError
 from titanrush.data.tokenizer import build_tokenizer
 from titanrush.models.llama import FLAVORS, Llama, ModelArgs, model_args
@@ -250,7 +250,7 @@ def test_export_hf_and_import_hf_through_files(tmp_path, tied, drop):
     model = make_model(args)
     save_checkpoint(model, tmp_path / "run" / "checkpoint", step=2)
     ckpt = save_checkpoint(model, tmp_path / "run" / "checkpoint", step=5, drop_tied_output=drop)
-    out = hf.export_hf(ckpt, tmp_path / "hf", dtype=torch.float32)
+    out = hf_convert.export_hf(ckpt, tmp_path / "hf", dtype=torch.float32)
     assert sorted(p.name for p in out.iterdir()) == sorted(
         ["config.json", "generation_config.json", "model.safetensors", *TOKENIZER_FILES]
     )
@@ -266,7 +266,7 @@ def test_export_hf_and_import_hf_through_files(tmp_path, tied, drop):
         hf.load_safetensors(out / "model.safetensors"), hf.to_hf_state_dict(model.state_dict(), args)
     )
 
-    imported = hf.import_hf(out, tmp_path / "imported")
+    imported = hf_convert.import_hf(out, tmp_path / "imported")
     info = json.loads((imported / "titanrush.json").read_text())
     assert info["model_only"] and info["step"] == 0 and info["dtype"] == "float32"
     # A run takes the shape from model_args (model.flavor = custom); the matching flavor is only named.
@@ -289,7 +289,7 @@ def test_export_hf_and_import_hf_through_files(tmp_path, tied, drop):
 def test_bf16_export_and_sharded_hf_import(tmp_path):
     args = model_args("debug")
     model = make_model(args)
-    out = hf.export_hf(save_checkpoint(model, tmp_path / "ck"), tmp_path / "hf")  # default dtype: bf16
+    out = hf_convert.export_hf(save_checkpoint(model, tmp_path / "ck"), tmp_path / "hf")  # default: bf16
     cfg = json.loads((out / "config.json").read_text())
     weights = hf.load_safetensors(out / "model.safetensors")
     assert cfg["torch_dtype"] == "bfloat16" and all(v.dtype == torch.bfloat16 for v in weights.values())
@@ -305,13 +305,13 @@ def test_bf16_export_and_sharded_hf_import(tmp_path):
         hf.save_safetensors({k: weights[k] for k in keys}, shard / file, {"format": "pt"})
     index = {"metadata": {}, "weight_map": {k: f for f, keys in parts.items() for k in keys}}
     (shard / "model.safetensors.index.json").write_text(json.dumps(index))
-    sd, _, _ = hf.read_checkpoint(hf.import_hf(shard, tmp_path / "imported"))
+    sd, _, _ = hf.read_checkpoint(hf_convert.import_hf(shard, tmp_path / "imported"))
     assert_same_state(sd, {k: v.bfloat16().float() for k, v in model.state_dict().items()})
 
 
 def test_export_pt_is_a_loadable_state_dict(tmp_path):
     model = make_model(model_args("debug", tie_embeddings=True))
-    out = hf.export_pt(save_checkpoint(model, tmp_path / "ck"), tmp_path / "out" / "model.pt")
+    out = hf_convert.export_pt(save_checkpoint(model, tmp_path / "ck"), tmp_path / "out" / "model.pt")
     blob = torch.load(out, weights_only=True)
     assert blob["step"] == 5 and blob["flavor"] == "debug"
     fresh = Llama(ModelArgs(**blob["model_args"]))
@@ -348,11 +348,11 @@ def test_cli_round_trip(tmp_path, capsys):
 def test_errors_name_the_problem_and_write_nothing(tmp_path, capsys):
     missing = tmp_path / "nope"
     with pytest.raises(ConfigError, match="does not exist"):
-        hf.export_hf(missing, tmp_path / "out")
+        hf_convert.export_hf(missing, tmp_path / "out")
     assert not (tmp_path / "out").exists()
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="holds no titanrush.json"):
-        hf.export_pt(tmp_path / "empty", tmp_path / "x.pt")
+        hf_convert.export_pt(tmp_path / "empty", tmp_path / "x.pt")
     (tmp_path / "half" / "step-3").mkdir(parents=True)
     (tmp_path / "half" / "step-3" / "titanrush.json").write_text("{}")
     with pytest.raises(ConfigError, match="no DCP .metadata"):
@@ -361,44 +361,44 @@ def test_errors_name_the_problem_and_write_nothing(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
     model = make_model(model_args("debug"))
-    out = hf.export_hf(save_checkpoint(model, tmp_path / "ck"), tmp_path / "hf", dtype=torch.float32)
+    out = hf_convert.export_hf(save_checkpoint(model, tmp_path / "ck"), tmp_path / "hf", dtype=torch.float32)
     cfg = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(
         json.dumps({**cfg, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
     )
     with pytest.raises(ConfigError, match="only Llama"):
-        hf.import_hf(out, tmp_path / "imp")
+        hf_convert.import_hf(out, tmp_path / "imp")
     (out / "config.json").write_text(
         json.dumps({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
     )
     with pytest.raises(ConfigError, match="yarn"):
-        hf.import_hf(out, tmp_path / "imp")
+        hf_convert.import_hf(out, tmp_path / "imp")
     (out / "config.json").write_text(json.dumps({**cfg, "intermediate_size": 768}))
     with pytest.raises(
         ConfigError, match=r"do not match config.json: .*w1.weight \(704, 256\) \(expected \(768, 256\)"
     ):
-        hf.import_hf(out, tmp_path / "imp")
+        hf_convert.import_hf(out, tmp_path / "imp")
     (out / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": 3}))
     with pytest.raises(ConfigError, match=r"no place for: model.layers.3"):
-        hf.import_hf(out, tmp_path / "imp")
+        hf_convert.import_hf(out, tmp_path / "imp")
     for key, value in (("hidden_size", "abc"), ("num_attention_heads", 0), ("vocab_size", 2.5)):
         (out / "config.json").write_text(json.dumps({**cfg, key: value}))
         with pytest.raises(ConfigError, match=f"config.json has {key} = {value!r}: a whole number >= 1"):
-            hf.import_hf(out, tmp_path / "imp")
+            hf_convert.import_hf(out, tmp_path / "imp")
     (out / "config.json").write_text(json.dumps({**cfg, "rope_theta": "abc"}))
     with pytest.raises(ConfigError, match=r"config.json of a Llama lacks or mistypes a value \(ValueError"):
-        hf.import_hf(out, tmp_path / "imp")
+        hf_convert.import_hf(out, tmp_path / "imp")
     (out / "config.json").write_text(json.dumps(cfg))
     weights = hf.load_safetensors(out / "model.safetensors")
     del weights["model.layers.3.mlp.up_proj.weight"]
     hf.save_safetensors(weights, out / "model.safetensors", {"format": "pt"})
     with pytest.raises(ConfigError, match=r"lack model.layers.3.mlp.up_proj.weight"):
-        hf.import_hf(out, tmp_path / "imp")
+        hf_convert.import_hf(out, tmp_path / "imp")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "empty", "half", "hf"]  # no output, no temp
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy" / "keep.txt").write_text("x")
     with pytest.raises(ConfigError, match="not empty"):
-        hf.import_hf(out, tmp_path / "busy")
+        hf_convert.import_hf(out, tmp_path / "busy")
 
 
 def trainer_weights(trainer) -> dict[str, torch.Tensor]:
@@ -425,7 +425,7 @@ def test_trainer_written_checkpoints_export(tmp_path):
     sd, _, info = hf.read_checkpoint(ck)  # the newest: step 2, model-only bf16
     assert info["step"] == 2 and info["model_only"] and sd["norm.weight"].dtype == torch.bfloat16
     assert_same_state(sd, {k: v.bfloat16() for k, v in trained.items()})
-    out = hf.export_hf(ck / "step-1", tmp_path / "hf", dtype=torch.float32)  # step 1: full fp32 state
+    out = hf_convert.export_hf(ck / "step-1", tmp_path / "hf", dtype=torch.float32)  # step 1: full fp32 state
     back = hf.from_hf_state_dict(hf.load_safetensors(out / "model.safetensors"), args)
     assert sorted(back) == sorted(trained) and not torch.equal(back["norm.weight"], trained["norm.weight"])
 
@@ -484,8 +484,8 @@ def start_from_import(tmp_path: Path, flags_of) -> None:
     from titanrush.trainer import Trainer
 
     model = make_model(model_args("debug"), seed=7)
-    out = hf.export_hf(save_checkpoint(model, tmp_path / "ck"), tmp_path / "hf", dtype=torch.float32)
-    imported = hf.import_hf(out, tmp_path / "imported")
+    out = hf_convert.export_hf(save_checkpoint(model, tmp_path / "ck"), tmp_path / "hf", dtype=torch.float32)
+    imported = hf_convert.import_hf(out, tmp_path / "imported")
     argv = ["--job.dump_folder", str(tmp_path), "--job.name", "ft", *TRAIN, *flags_of(imported)]
     trainer = Trainer(config.load(None, argv))
     try:
@@ -526,7 +526,7 @@ def test_transformers_llama_gives_titanrush_logits(tmp_path, tied, rope_scaling)
     over = {"rope_scaling": True, "rope_original_max_len": 64} if rope_scaling else {}
     args = model_args("debug", tie_embeddings=tied, **over)
     model = make_model(args, seed=3)
-    out = hf.export_hf(save_checkpoint(model, tmp_path / "ck"), tmp_path / "hf", dtype=torch.float32)
+    out = hf_convert.export_hf(save_checkpoint(model, tmp_path / "ck"), tmp_path / "hf", dtype=torch.float32)
     theirs = transformers.LlamaForCausalLM.from_pretrained(str(out)).float().eval()
     tokens = torch.randint(0, args.vocab_size, (2, 96), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -534,7 +534,7 @@ def test_transformers_llama_gives_titanrush_logits(tmp_path, tied, rope_scaling)
         torch.testing.assert_close(theirs(input_ids=tokens).logits, want, atol=1e-4, rtol=1e-4)
     # And back: a folder written by transformers itself imports to the same model.
     theirs.save_pretrained(str(tmp_path / "saved"))
-    sd, back_args, _ = hf.read_checkpoint(hf.import_hf(tmp_path / "saved", tmp_path / "imported"))
+    sd, back_args, _ = hf.read_checkpoint(hf_convert.import_hf(tmp_path / "saved", tmp_path / "imported"))
     assert back_args == args
     assert_same_state(sd, model.state_dict())
 
@@ -545,7 +545,7 @@ def test_model_args_at_reads_every_kind_of_folder(tmp_path):
     save_checkpoint(make_model(args), run, step=3)
     step = save_checkpoint(make_model(args), run, step=7)
     (step.parent.parent / "config.toml").write_text('[data]\ntokenizer = "/somewhere/tokenizer.model"\n')
-    out = hf.export_hf(step, tmp_path / "hf", dtype=torch.float32, tokenizer="default")
+    out = hf_convert.export_hf(step, tmp_path / "hf", dtype=torch.float32, tokenizer="default")
     for path in (step, run, step / "titanrush.json", out, out / "config.json"):
         assert hf.model_args_at(path) == args, path
     with pytest.raises(ConfigError, match="holds neither a titanrush checkpoint"):
@@ -557,22 +557,22 @@ def test_model_args_at_reads_every_kind_of_folder(tmp_path):
     # carries its own tokenizer.json.
     assert hf.training_tokenizer(step) == hf.training_tokenizer(run) == "/somewhere/tokenizer.model"
     assert hf.training_tokenizer(out) == str((out / "tokenizer.json").resolve())
-    imported = hf.import_hf(out, tmp_path / "imported")
+    imported = hf_convert.import_hf(out, tmp_path / "imported")
     assert hf.training_tokenizer(imported) == str((imported / "tokenizer.json").resolve())
-    assert hf.training_tokenizer(hf.export_hf(step, tmp_path / "bare", tokenizer=None)) == "default"
+    assert hf.training_tokenizer(hf_convert.export_hf(step, tmp_path / "bare", tokenizer=None)) == "default"
     with pytest.raises(
         ConfigError, match=r"tokenizer file '/somewhere/tokenizer.model' not found.*--tokenizer"
     ):
-        hf.export_hf(step, tmp_path / "hf2")  # the run's tokenizer is gone: say so, and how to choose one
+        hf_convert.export_hf(step, tmp_path / "hf2")  # the run's tokenizer is gone: say so, and how to pick
     assert not (tmp_path / "hf2").exists()
 
 
 def test_export_refuses_a_tokenizer_larger_than_the_vocabulary(tmp_path):
     ckpt = save_checkpoint(make_model(model_args("debug", vocab_size=4096)), tmp_path / "ck")
     with pytest.raises(ConfigError, match=r"has 8192 ids, the model's vocabulary only 4096"):
-        hf.export_hf(ckpt, tmp_path / "hf")
+        hf_convert.export_hf(ckpt, tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
-    out = hf.export_hf(ckpt, tmp_path / "hf", tokenizer=None)
+    out = hf_convert.export_hf(ckpt, tmp_path / "hf", tokenizer=None)
     assert "eos_token_id" not in json.loads((out / "generation_config.json").read_text())
 
 
@@ -587,7 +587,7 @@ def test_outputs_that_cannot_be_written_are_refused_before_any_work(tmp_path, ca
     """Under a file (root may write anywhere, so that is the unwritable parent here), or over a file: one
     line, exit 2, nothing written, the file untouched."""
     ckpt = save_checkpoint(make_model(model_args("debug")), tmp_path / "ck")
-    hf_dir = hf.export_hf(ckpt, tmp_path / "hf", dtype=torch.float32, tokenizer=None)
+    hf_dir = hf_convert.export_hf(ckpt, tmp_path / "hf", dtype=torch.float32, tokenizer=None)
     a_file = tmp_path / "notes.txt"
     a_file.write_text("keep me\n")
     before = sorted(p.name for p in tmp_path.iterdir())
@@ -615,14 +615,14 @@ def test_a_failed_write_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeyp
     from torch.distributed.checkpoint import filesystem
 
     ckpt = save_checkpoint(make_model(model_args("debug")), tmp_path / "ck")
-    hf_dir = hf.export_hf(ckpt, tmp_path / "hf", dtype=torch.float32, tokenizer=None)
+    hf_dir = hf_convert.export_hf(ckpt, tmp_path / "hf", dtype=torch.float32, tokenizer=None)
     before = sorted(p.name for p in tmp_path.iterdir())
 
     def full_disk(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
     if mode == "to-hf":
-        monkeypatch.setattr(hf, "save_safetensors", full_disk)
+        monkeypatch.setattr(hf_convert, "save_safetensors", full_disk)
     elif mode == "to-pt":
         monkeypatch.setattr(torch, "save", full_disk)
     else:
@@ -649,7 +649,7 @@ def test_non_finite_numbers_in_an_hf_config_are_refused(tmp_path, capsys, change
     from titanrush.tools import generate
 
     ckpt = save_checkpoint(make_model(model_args("debug")), tmp_path / "ck")
-    hf_dir = hf.export_hf(ckpt, tmp_path / "hf", dtype=torch.float32, tokenizer="default")
+    hf_dir = hf_convert.export_hf(ckpt, tmp_path / "hf", dtype=torch.float32, tokenizer="default")
     cfg_file = hf_dir / "config.json"
     cfg_file.write_text(json.dumps({**json.loads(cfg_file.read_text()), **change}))
     message = f"{cfg_file} has {named}"
@@ -691,7 +691,7 @@ def test_non_finite_numbers_in_a_checkpoints_titanrush_json_are_refused(tmp_path
 def test_an_hf_folder_whose_tokenizer_a_run_cannot_read_is_refused_on_import(tmp_path, capsys):
     """The import copies tokenizer.json for the run that trains from it: a broken one is named now."""
     ckpt = save_checkpoint(make_model(model_args("debug")), tmp_path / "ck")
-    hf_dir = hf.export_hf(ckpt, tmp_path / "hf", dtype=torch.float32)
+    hf_dir = hf_convert.export_hf(ckpt, tmp_path / "hf", dtype=torch.float32)
     assert convert.main(["--from-hf", str(hf_dir), str(tmp_path / "good")]) == 0  # as exported: loads
     capsys.readouterr()
     (hf_dir / "tokenizer.json").write_text('{"model": {"type": "BPE"')
@@ -699,8 +699,8 @@ def test_an_hf_folder_whose_tokenizer_a_run_cannot_read_is_refused_on_import(tmp
     err = capsys.readouterr().err
     assert "is not a Hugging Face tokenizer.json" in err and "import the weights alone" in err, err
     assert "Traceback" not in err and not (tmp_path / "imp").exists()
-    small = hf.export_hf(save_checkpoint(make_model(model_args("debug", vocab_size=300)), tmp_path / "ck300"),
-                         tmp_path / "hf300", dtype=torch.float32, tokenizer=None)  # fmt: skip
+    small_ck = save_checkpoint(make_model(model_args("debug", vocab_size=300)), tmp_path / "ck300")
+    small = hf_convert.export_hf(small_ck, tmp_path / "hf300", dtype=torch.float32, tokenizer=None)
     (small / "tokenizer.json").write_bytes((tmp_path / "good" / "tokenizer.json").read_bytes())
     assert convert.main(["--from-hf", str(small), str(tmp_path / "imp")]) == 2
     assert "the model's vocabulary only 300" in capsys.readouterr().err

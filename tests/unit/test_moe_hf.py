@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from titanrush import hf_convert
 from titanrush.config import ConfigError
 from titanrush.models.llama4 import Llama4, Llama4Args, model_args
 from titanrush.models.llama4.hf import args_from_hf_config, from_hf_state_dict, hf_config, to_hf_state_dict
@@ -157,7 +158,7 @@ def test_a_llama4_shape_that_is_no_flavor_is_refused_on_import_and_generate_refu
     )
     (tmp_path / "config.json").write_text(json.dumps(interchange.hf_config(model.args)))
     with pytest.raises(ConfigError, match="none of titanrush's Llama 4 flavors"):
-        interchange.import_hf(tmp_path, tmp_path / "imported")
+        hf_convert.import_hf(tmp_path, tmp_path / "imported")
     assert not (tmp_path / "imported").exists()
     with pytest.raises(ConfigError, match="generate takes dense Llamas only"):
         generate.load_model(tmp_path, torch.device("cpu"), torch.float32, 64)
@@ -177,7 +178,7 @@ def test_an_import_of_another_vocabulary_and_tying_names_them_and_the_run_takes_
     hf_sd = interchange.to_hf_state_dict(model.state_dict(), model.args)
     save_safetensors(hf_sd, tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(interchange.hf_config(model.args)))
-    flags = interchange.import_command(interchange.import_hf(tmp_path, tmp_path / "imported"))
+    flags = interchange.import_command(hf_convert.import_hf(tmp_path, tmp_path / "imported"))
     want = ["--model.flavor", "llama4_debug", "--model.vocab_size", "9000", "--model.tie_embeddings", "tied"]
     assert flags[:6] == want
     _, saved, _ = interchange.read_checkpoint(tmp_path / "imported")

@@ -13,7 +13,7 @@ import argparse
 import shlex
 import sys
 
-from titanrush import hf
+from titanrush import hf, hf_convert
 from titanrush.config import ConfigError
 
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.to_hf:
             tokenizer = "auto" if ns.tokenizer is None else None if ns.tokenizer == "none" else ns.tokenizer
-            out = hf.export_hf(*ns.to_hf, dtype=hf.DTYPES[ns.dtype or "bf16"], tokenizer=tokenizer)
+            out = hf_convert.export_hf(*ns.to_hf, dtype=hf.DTYPES[ns.dtype or "bf16"], tokenizer=tokenizer)
             names = sorted(p.name for p in out.iterdir() if not p.name.startswith("."))
             print(f"wrote {out}: {', '.join(names)}")
             if hf.BIAS_FILE in names:
@@ -65,10 +65,10 @@ def main(argv: list[str] | None = None) -> int:
                     "changes a choice"
                 )
         elif ns.to_pt:
-            out = hf.export_pt(*ns.to_pt, dtype=hf.DTYPES[ns.dtype or "fp32"])
+            out = hf_convert.export_pt(*ns.to_pt, dtype=hf.DTYPES[ns.dtype or "fp32"])
             print(f"wrote {out}")
         else:
-            out = hf.import_hf(*ns.from_hf)
+            out = hf_convert.import_hf(*ns.from_hf)
             flags = " ".join(shlex.quote(f) for f in hf.import_command(out))
             print(f"wrote {out}; train from it with\n  titanrush train --config FILE {flags}")
     except ConfigError as e:

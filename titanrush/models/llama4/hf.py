@@ -68,7 +68,7 @@ def to_hf_state_dict(sd: dict[str, torch.Tensor], args: Llama4Args) -> dict[str,
 
 def from_hf_state_dict(hf_sd: dict[str, torch.Tensor], args: Llama4Args) -> dict[str, torch.Tensor]:
     """Hugging Face Llama 4 text weights -> titanrush model state dict (shapes checked against `args`);
-    the routing biases start at zero (`titanrush.hf.import_hf` restores an export's)."""
+    the routing biases start at zero (`titanrush.hf_convert.import_hf` restores an export's)."""
     hf_sd = {k.removeprefix("language_model."): v for k, v in hf_sd.items()}
     names = name_map(args)
     missing = [hf for _, hf in names if hf not in hf_sd]
