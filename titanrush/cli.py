@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import importlib
 import sys
+from typing import NoReturn
 
 # command -> (module with main(argv) -> int, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -35,5 +37,18 @@ def main(argv: list[str] | None = None) -> int:
     return module.main(rest)
 
 
+def exit_program(status: int) -> NoReturn:
+    """End a titanrush command run as a program, with its exit status. What the command made goes with the
+    process: gc.freeze() spares the interpreter's final garbage collection over every object of torch, the
+    model and the compiler (2-5 s at the end of each short CPU run; the files are closed by then)."""
+    gc.freeze()
+    sys.exit(status)
+
+
+def run() -> NoReturn:
+    """The `titanrush` console script."""
+    exit_program(main())
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_program(main())

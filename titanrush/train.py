@@ -160,4 +160,6 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from titanrush.cli import exit_program
+
+    exit_program(main())

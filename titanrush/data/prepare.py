@@ -345,4 +345,6 @@ class _Progress:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from titanrush.cli import exit_program
+
+    exit_program(main())

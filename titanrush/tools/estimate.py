@@ -496,4 +496,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from titanrush.cli import exit_program
+
+    exit_program(main())
