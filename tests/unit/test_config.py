@@ -243,6 +243,29 @@ def test_cli_exit_status_2_with_one_line(args, fragment, tmp_path):
     assert not any(tmp_path.iterdir()), "nothing may be written on a config error"
 
 
+def test_the_console_script_passes_each_commands_status_on(tmp_path):
+    """`titanrush` (pyproject's script, `cli.run`) exits with the command's status: 0 for help, 2 and one
+    line for a config error, 2 for an unknown command."""
+    import tomllib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"titanrush": "titanrush.cli:run"}
+    code = "from titanrush.cli import run; run()"  # (argv after -c: the command's)
+
+    def script(*args: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-c", code, *args]
+        return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+
+    res = script("train", "--help")
+    assert res.returncode == 0 and "--training.seq_len" in res.stdout, res.stderr
+    res = script("train", "--training.stepz", "3")
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(lines) == 1 and "did you mean training.steps" in lines[0], res.stderr
+    res = script("trian")
+    assert res.returncode == 2 and "unknown command 'trian'" in res.stderr, res.stderr
+    assert not any(tmp_path.iterdir())
+
+
 def test_help_exits_zero():
     res = run_cli("--help")
     assert res.returncode == 0
