@@ -31,7 +31,11 @@ if [ "$NGPU" = "1" ] && [ "$NNODES" = "1" ]; then
   exec "$PYTHON" -m titanrush.train "$@"
 fi
 
-# Several processes: validate the config once first, so that a typo exits 2 before any launch.
+# Several processes: validate the config once first, so that a typo exits 2 before any launch (and
+# --check itself is that one process: nothing to launch).
+for arg in "$@"; do
+  if [ "$arg" = "--check" ]; then WORLD_SIZE=$((NGPU * NNODES)) exec "$PYTHON" -m titanrush.train "$@"; fi
+done
 WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titanrush.train --check "$@" >/dev/null
 
 # CPU threads per process: this node's cores shared by its NGPU processes (torchrun would set 1, with a
@@ -43,10 +47,11 @@ if [ -z "${OMP_NUM_THREADS:-}" ]; then
   export OMP_NUM_THREADS
 fi
 
+# titanrush.launch is torchrun ending with the workers' exit status (2, 3, 128 + N) and one line.
 if [ "$NNODES" = "1" ]; then
-  exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" -m titanrush.train "$@"
+  exec "$PYTHON" -m titanrush.launch --standalone --nproc_per_node="$NGPU" -m titanrush.train "$@"
 fi
 ENDPOINT=${RDZV_ENDPOINT:-${MASTER_ADDR:?set RDZV_ENDPOINT or MASTER_ADDR}:${MASTER_PORT:-29500}}
-exec "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --node_rank="${NODE_RANK:?set NODE_RANK}" \
+exec "$PYTHON" -m titanrush.launch --nnodes="$NNODES" --node_rank="${NODE_RANK:?set NODE_RANK}" \
   --nproc_per_node="$NGPU" --rdzv_backend=c10d --rdzv_endpoint="$ENDPOINT" --rdzv_id="${RDZV_ID:-titanrush}" \
   -m titanrush.train "$@"

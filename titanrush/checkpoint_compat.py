@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -276,6 +277,7 @@ def check_compatible(
     *,
     own: bool,
     model_only: bool,
+    tensors: bool = True,
 ) -> None:
     """Compare everything this run will load with the checkpoint, reading no tensor (every rank calls
     this; the findings of all ranks are joined, so every rank raises the same error).
@@ -284,6 +286,8 @@ def check_compatible(
         saved, here: the checkpoint's titanrush.json and this run's (`model_args`, `optimizer`, ...).
         states: the states to load (a `dataloader` among them is an `ObjectState`).
         own: the checkpoint is the run's own (the advice differs from one given by load_path).
+        tensors: compare the entries and shapes of `states` with the index (False: only the model
+            arguments and the data position, for `--check`, which builds no model).
 
     Raises:
         ConfigError: "checkpoint ... is incompatible with this run: <what differs>. To load it: <how>".
@@ -295,16 +299,22 @@ def check_compatible(
     if args_differ:
         problems.append("model: " + summarize(diffs, limit=6))
         advice.append(model_arg_hint(saved, here))
-    flat = flat_state(states, metadata)
-    by_state = state_differences(flat, metadata)
-    expected = set(all_ranks(sorted(k for k in flat if k.startswith("model."))))  # every rank's (PP) weights
-    extra = sorted(k for k in metadata.state_dict_metadata if k.startswith("model.") and k not in expected)
-    if extra:
-        by_state.setdefault("model", []).append(f"{summarize(extra)} are there, not in this model")
+    by_state: dict[str, list[str]] = {}
+    if tensors:
+        flat = flat_state(states, metadata)
+        by_state = state_differences(flat, metadata)
+        # every rank's weights (pipeline stages hold different ones)
+        expected = set(all_ranks(sorted(k for k in flat if k.startswith("model."))))
+        stored = metadata.state_dict_metadata
+        extra = sorted(k for k in stored if k.startswith("model.") and k not in expected)
+        if extra:
+            by_state.setdefault("model", []).append(f"{summarize(extra)} are there, not in this model")
     if "dataloader" in states:
         reader = ObjectReader(object_keys(metadata, "dataloader"))
         if reader.keys:
-            dcp.load({"dataloader": reader}, checkpoint_id=str(path), no_dist=True)  # a few small objects
+            with warnings.catch_warnings():  # (the single-process load is what is meant here)
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load({"dataloader": reader}, checkpoint_id=str(path), no_dist=True)  # a few small objects
             text, fix = data_position_problem(reader.values, states["dataloader"].obj.state_dict())
             if text:
                 problems.append(text)

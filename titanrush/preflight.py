@@ -10,10 +10,16 @@ the token cache, which the run then reads.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
 
 from titanrush import run_dir
-from titanrush.checkpoint_folder import check_folder, decide, scan, unwritable_error
+from titanrush.checkpoint_compat import check_compatible, load_failure
+from titanrush.checkpoint_folder import check_folder, decide, elsewhere, scan, unwritable_error
+from titanrush.checkpoint_state import ObjectState
 from titanrush.config import ConfigError, JobConfig
 from titanrush.data import build_dataloader, build_tokenizer
 from titanrush.plan import RunPlan
@@ -32,9 +38,6 @@ def check_files(cfg: JobConfig, plan: RunPlan) -> None:
     choice = decide(done, ck_folder, ck.load_path, ck.load_model_only)
     if choice.get("error"):
         raise ConfigError(choice["error"])
-    if choice.get("path"):
-        path, own = Path(choice["path"]), choice["own"]
-        check_folder(path, own=own, model_only=choice["model_only"], steps=cfg.training.steps)
     loader_args = dict(
         tokenizer=build_tokenizer(cfg.data.tokenizer),
         seq_len=plan.seq_len,
@@ -43,6 +46,31 @@ def check_files(cfg: JobConfig, plan: RunPlan) -> None:
         seed=cfg.training.seed,
         vocab_size=plan.args.vocab_size,
     )
-    build_dataloader(cfg.data, split="train", **loader_args)
+    loader = build_dataloader(cfg.data, split="train", **loader_args)
     if cfg.validation.freq:
         build_dataloader(cfg.data, split="validation", **loader_args)
+    if choice.get("path"):
+        path, own, model_only = Path(choice["path"]), choice["own"], choice["model_only"]
+        saved = check_folder(path, own=own, model_only=model_only, steps=cfg.training.steps)
+        try:
+            metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        except Exception as e:  # noqa: BLE001 - classified as the trainer's load does
+            raise load_failure(path, e, verified=False, saved=saved, hint=elsewhere(path, own)) from None
+        states = {} if model_only else {"dataloader": ObjectState(loader)}
+        info = checkpoint_info(cfg, plan)
+        check_compatible(path, metadata, saved, info, states, own=own, model_only=model_only, tensors=False)
+
+
+def checkpoint_info(cfg: JobConfig, plan: RunPlan) -> dict[str, Any]:
+    """What each checkpoint's titanrush.json says of its run, and what a load compares with this run's.
+    (The RoPE table's length and context parallel's K/V expansion are this run's, not the model's: a model
+    rebuilt from the checkpoint gets the full table and grouped K/V heads; a resume names the schedule
+    settings that changed since the save.)"""
+    args = dataclasses.replace(plan.args, rope_positions=0, expand_kv=False)
+    schedule = {f"lr_scheduler.{k}": v for k, v in dataclasses.asdict(cfg.lr_scheduler).items()}
+    return {
+        "flavor": cfg.model.flavor,
+        "model_args": dataclasses.asdict(args),
+        "optimizer": cfg.optimizer.name,
+        "schedule": {"training.steps": cfg.training.steps} | schedule,
+    }

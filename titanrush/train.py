@@ -110,6 +110,7 @@ def out_of_memory(e: BaseException) -> str | None:
 
 
 def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
+    from titanrush import distributed
     from titanrush.nonfinite import NonFiniteError
     from titanrush.plan import build_plan
     from titanrush.preflight import check_files
@@ -131,8 +132,9 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
                 return 0
             end_with_launcher()  # a worker of a launcher killed from here on ends too
             trainer = Trainer(cfg, plan)
-        except ConfigError as e:
+        except ConfigError as e:  # (found by the trainer, e.g. a checkpoint that does not fit this run)
             print(f"titanrush: config error: {e}", file=sys.stderr)
+            distributed.destroy()  # left up, gloo may abort the process at exit
             return 2
         try:
             try:
@@ -149,6 +151,7 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
         if (what := out_of_memory(e)) is None:
             raise
         print(f"titanrush: error: out of memory on rank {ranks.rank}: {what}. {OOM_FIX}", file=sys.stderr)
+        distributed.destroy()
         return 1
     except KeyboardInterrupt:  # before the loop's handler is in place, or a second Ctrl-C
         say("interrupted: stopped at once, nothing saved (exit status 130)")

@@ -64,6 +64,7 @@ from titanrush.parallel.context_parallel import cp_step_context, set_rotate_meth
 from titanrush.parallel.float8 import precompute_float8_scales
 from titanrush.parallel.grad_clip import clip_grad_norm_
 from titanrush.plan import RunPlan, build_plan, describe_mesh
+from titanrush.preflight import checkpoint_info
 from titanrush.profiling import Profiler
 from titanrush.signals import StopSignals, stop_message
 
@@ -202,18 +203,7 @@ class Trainer:
             optimizers=[self.optimizer],
             lr_scheduler=self.scheduler,
             dataloader=self.train_loader,
-            # (the RoPE table's length and context parallel's K/V expansion are this run's, not the model's:
-            # a model rebuilt from the checkpoint gets the full table and grouped K/V heads); a resume names
-            # the schedule settings that changed since the save
-            info={
-                "flavor": cfg.model.flavor,
-                "model_args": dataclasses.asdict(
-                    dataclasses.replace(plan.args, rope_positions=0, expand_kv=False)
-                ),
-                "optimizer": o.name,
-                "schedule": {"training.steps": cfg.training.steps}
-                | {f"lr_scheduler.{k}": v for k, v in dataclasses.asdict(s).items()},
-            },
+            info=checkpoint_info(cfg, plan),
             rank=self.rank,
         )
         self.step = self.checkpointer.resume(

@@ -85,3 +85,26 @@ def test_an_empty_validation_split_is_refused_before_training(tmp_path, capsys):
 def test_an_empty_folder_name_is_refused(tmp_path, capsys, key):
     err = refused(tmp_path, capsys, "--data.dataset", "synthetic", f"--{key}", " ")
     assert f"{key} is empty" in err
+
+
+def test_a_checkpoint_that_does_not_fit_the_run_is_refused_by_check(tmp_path, capsys):
+    """The run's own checkpoint against a changed model or data stream: --check says what the trainer's
+    load would say (before, only the trainer did, on every rank, after the processes had started)."""
+    small = ["--data.dataset", "synthetic", "--checkpoint.enable", "--training.steps", "2",
+             "--training.seq_len", "64", "--training.local_batch_size", "2"]  # fmt: skip
+    run = [a for a in check(tmp_path, *small) if a != "--check"]
+    assert train.main(run) == 0
+    saved = sorted(p.name for p in (tmp_path / "runs" / "job" / "checkpoint").iterdir())
+    capsys.readouterr()
+    cases = [
+        (["--training.seq_len", "32"], "the data loader state was saved for training.seq_len = 64"),
+        (["--model.tie_embeddings", "tied"], "model: tie_embeddings is false there, true here"),
+    ]
+    for extra, named in cases:
+        assert train.main(["--check", *run, "--training.steps", "4", *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("titanrush: config error: checkpoint ") and "\n" not in err, err
+        assert "is incompatible with this run" in err and named in err, err
+    assert train.main(["--check", *run, "--training.steps", "4"]) == 0
+    assert capsys.readouterr().out.strip() == "config OK"
+    assert sorted(p.name for p in (tmp_path / "runs" / "job" / "checkpoint").iterdir()) == saved

@@ -89,6 +89,19 @@ def test_launcher_refuses_bad_process_counts(tmp_path, env):
     assert not (tmp_path / "bad").exists()
 
 
+def test_check_of_a_several_process_job_runs_once(tmp_path):
+    """`NGPU=2 ./run_train.sh --check`: one check for the job's world size, not one more per rank."""
+    env = {**__import__("os").environ, "NGPU": "2"}
+    cmd = [str(ROOT / "run_train.sh"), "--check", *small(tmp_path, "c")]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 0 and res.stdout == "config OK\n", res.stdout + res.stderr[-2000:]
+    bad = subprocess.run(
+        [*cmd, "--parallelism.tp", "3"], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert bad.returncode == 2 and "do not divide the world size 2" in bad.stderr, bad.stderr[-2000:]
+    assert not (tmp_path / "c").exists()
+
+
 def test_gradient_accumulation_equals_one_larger_batch(tmp_path):
     one = run_inprocess(small(tmp_path, "one", "--training.steps", "4", "--training.local_batch_size", "4"))
     acc = run_inprocess(

@@ -1,0 +1,87 @@
+"""A job of several processes ends like a one-process run: with the workers' own exit status (2 a config
+error, 3 a non-finite stop, 128 + N a signal) and one line, not torchrun's ChildFailedError traceback and
+status 1 (`titanrush.launch`, which run_train.sh starts)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from harness import child_env
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.parallel
+
+# A worker of its own: rank 1 exits with the status given, rank 0 after it with 0; or both wait for a signal.
+WORKER = """
+import os, sys, time
+rank, how = int(os.environ["RANK"]), sys.argv[1]
+if how == "wait":
+    open(sys.argv[2] + f".{rank}", "w").close()
+    time.sleep(60)
+time.sleep(0.5 if rank == 1 else 2)
+sys.exit(int(how) if rank == 1 else 0)
+"""
+
+
+def launch(tmp_path: Path, *args: str) -> subprocess.Popen:
+    (tmp_path / "worker.py").write_text(WORKER)
+    cmd = [sys.executable, "-m", "titanrush.launch", "--standalone", "--nproc_per_node=2",
+           str(tmp_path / "worker.py"), *args]  # fmt: skip
+    return subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+
+
+def ended(proc: subprocess.Popen) -> tuple[int, str]:
+    out, err = proc.communicate(timeout=120)
+    assert "Traceback" not in out + err and "ChildFailedError" not in err, out + err
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("status", [2, 3])
+def test_the_launcher_ends_with_the_failed_workers_status_and_one_line(tmp_path, status):
+    code, err = ended(launch(tmp_path, str(status)))
+    assert code == status, err
+    lines = [x for x in err.splitlines() if x.startswith("titanrush:")]
+    assert len(lines) == 1 and f"exit status {status}" in lines[0] and "rank 1 ended first" in lines[0], err
+
+
+def test_a_signal_to_the_launcher_ends_it_with_128_plus_n(tmp_path):
+    proc = launch(tmp_path, "wait", str(tmp_path / "up"))
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / f"up.{r}").exists() for r in (0, 1)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    code, err = ended(proc)
+    assert code == 128 + signal.SIGTERM, err
+    assert "titanrush: the launcher got SIGTERM and stopped its workers" in err, err
+
+
+def test_two_process_runs_end_with_the_trainers_status(tmp_path):
+    """`NGPU=2 ./run_train.sh`: a non-finite stop is status 3, and a resume that only the trainer can
+    refuse (another optimizer's state; --check does not build the optimizer) is status 2, with the
+    trainer's line once per rank and the launcher's, and no abort of a process group left up."""
+    env = {k: v for k, v in child_env().items() if k != "OMP_NUM_THREADS"}
+    env["NGPU"] = "2"
+    base = ["./run_train.sh", "--job.dump_folder", str(tmp_path), "--job.name", "r", "--training.steps", "4",
+            "--training.seq_len", "64", "--training.local_batch_size", "2", "--data.dataset", "synthetic",
+            "--no-metrics.tensorboard", "--checkpoint.enable", "--checkpoint.interval", "1"]  # fmt: skip
+    blowup = ["--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0"]
+    res = subprocess.run(base + blowup, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 3 and "Traceback" not in out, out
+    assert "titanrush: stopped: step 2: non-finite" in out and "exit status 3 (a non-finite" in out, out
+    assert sorted(p.name for p in (tmp_path / "r" / "checkpoint").iterdir()) == ["step-1"]
+
+    res = subprocess.run(base + ["--optimizer.name", "adamw8bit"], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    out = res.stdout + res.stderr
+    assert res.returncode == 2, out
+    assert "Traceback" not in out and "terminate called" not in out, out
+    assert "titanrush: config error: checkpoint" in out and "optimizer" in out, out
+    assert "exit status 2 (a config error)" in out, out
+    assert sorted(p.name for p in (tmp_path / "r" / "checkpoint").iterdir()) == ["step-1"]
