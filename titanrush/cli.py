@@ -37,6 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     return module.main(rest)
 
 
+def in_flags(message: str, flags: dict[str, str]) -> str:
+    """A message of the training config's checks in a tool's own words: each config key the tool sets
+    from a flag (`data.tokenizer` -> `--tokenizer`) named as that flag."""
+    for key, flag in flags.items():
+        message = message.replace(f"{key} = ", f"{flag} ").replace(key, flag)
+    return message
+
+
 def exit_program(status: int) -> NoReturn:
     """End a titanrush command run as a program, with its exit status. What the command made goes with the
     process: gc.freeze() spares the interpreter's final garbage collection over every object of torch, the

@@ -12,6 +12,7 @@ import dataclasses
 import difflib
 import inspect
 import math
+import os
 import re
 import shutil
 import sys
@@ -580,9 +581,15 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
             raise ConfigError(f"{key} must be a finite number, got {shown}")
         return number
     if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"{key} must be a string, got {shown}")
+        if not isinstance(value, str):
+            raise ConfigError(f"{key} must be a string, got {shown}")
+        try:
+            value.encode()  # (a command line's bytes that are not UTF-8 arrive as lone surrogates)
+        except UnicodeEncodeError:
+            raise ConfigError(
+                f"{key} = {ascii(value)} holds bytes that are not UTF-8 text; write it in UTF-8"
+            ) from None
+        return value
     raise AssertionError(f"unsupported config type {tp}")
 
 
@@ -656,7 +663,7 @@ def _read_toml(
     if resolved in seen:
         raise ConfigError(f"config file {str(path)!r} extends itself (through {seen[-1].name})")
     try:
-        text = raw.decode()
+        text = raw.decode("utf-8-sig")  # (a byte-order mark, as some Windows editors write, is dropped)
         data = tomllib.loads(text)
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
@@ -786,7 +793,15 @@ def load(config_path: str | None = None, overrides: list[str] | None = None) -> 
                     _set(cfg, section, key, value, from_cli=False)
     for section, key, value in parse_overrides(overrides or []):
         _set(cfg, section, key, value, from_cli=True)
+    for section, key in HOME_PATHS:  # `~/runs`: the home folder (a shell expands it, not in TOML or quotes)
+        setattr(getattr(cfg, section), key, os.path.expanduser(getattr(getattr(cfg, section), key)))
     return cfg
+
+
+# Keys naming a file or folder where a leading `~` means the home folder (data.path, data.tokenizer and
+# data.cache_dir are expanded where they are read: each item of a list, a tokenizer name that is no path).
+HOME_PATHS = (("job", "dump_folder"), ("checkpoint", "folder"), ("checkpoint", "load_path"),
+              ("model", "from_checkpoint"))  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -47,7 +47,13 @@ class RunLock:
         """Lock `folder` (it exists); return "" or the reason it is refused."""
         if self.fd is not None:
             return ""
-        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
+        except OSError as e:
+            return (
+                lock_file_problem(folder)
+                or f"cannot lock the run folder {folder} ({e}); choose another job.name"
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -91,6 +97,14 @@ def check(path: Path, *, overwrite: bool, rank: int) -> RunLock:
     return lock
 
 
+def lock_file_problem(folder: Path) -> str:
+    """Why the run folder's lock file cannot be one ('' where it can): something else under its name."""
+    lock = folder / LOCK_FILE
+    if lock.is_symlink() or (lock.exists() and not lock.is_file()):
+        return f"{lock} is not a file (a folder, a link, a pipe ...); remove it, or choose another job.name"
+    return ""
+
+
 def problem(path: Path, *, overwrite: bool) -> str:
     """Why the run cannot use the folder ('' if it can), lock aside: a file, an existing folder without
     job.overwrite, or a folder (or nearest existing parent) that cannot be written."""
@@ -98,6 +112,8 @@ def problem(path: Path, *, overwrite: bool) -> str:
         return f"run folder {path} is a file; choose another job.name or job.dump_folder"
     if path.exists() and not overwrite:
         return f"run folder {path} exists and job.overwrite = false; choose another job.name"
+    if error := lock_file_problem(path):
+        return error
     error = check_writable(path)
     return error and f"cannot write the run folder {path} ({error}); choose another job.dump_folder"
 
@@ -120,9 +136,11 @@ def create(path: Path, config_text: str, *, rank: int, lock: RunLock, resumed_st
             if not outcome:
                 previous = previous_attempt(path)
                 config = path / CONFIG_FILE
+                fresh = path / (CONFIG_FILE + ".tmp")
+                fresh.write_text(config_text, encoding="utf-8")  # (written whole before the old one moves)
                 if config.exists():  # an earlier attempt's: kept beside this one's
                     os.replace(config, path / f"config.attempt-{previous}.toml")
-                config.write_text(config_text)
+                os.replace(fresh, config)
                 outcome = previous + 1
         except OSError as e:
             outcome = f"cannot write the run folder {path} ({e}); choose another job.dump_folder"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import math
+import os
 import sys
 from typing import Any
 
@@ -31,6 +32,11 @@ from titanrush.parallel.parallel_dims import ParallelDims
 # Tokens in one micro-batch of one rank: far above any GPU's memory for a Llama (the 405B at 128k
 # positions x 1,024 sequences), low enough that a typo fails here and not as a host MemoryError.
 MAX_MICROBATCH_TOKENS = 2**27
+
+# The model's shape: one weight matrix of 2^40 elements is 2 TiB in bf16, a thousand times the largest
+# Llama's; the deepest Llamas have about 128 blocks. Beyond these a typo, not a model (a value in the
+# quintillions would otherwise overflow torch's size arithmetic, or take hours to build on meta).
+MAX_WEIGHT_ELEMENTS, MAX_LAYERS = 2**40, 2**14
 
 # The torch versions (major.minor) experimental.async_tp was run on, on the GPU machine.
 ASYNC_TP_TORCH = ("2.11",)
@@ -112,6 +118,27 @@ def _range_text(low: float | None, high: float | None, low_in: bool, high_in: bo
     return f"in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
 
 
+# Keys that name files or folders, and the limits of the file systems in use (Linux, macOS): a name of a
+# folder or file of at most NAME_MAX bytes, a whole path of fewer than PATH_MAX.
+PATH_KEYS = ("job.dump_folder", "job.name", "checkpoint.folder", "checkpoint.load_path",
+             "model.from_checkpoint", "data.path", "data.tokenizer", "data.cache_dir")  # fmt: skip
+NAME_MAX, PATH_MAX = 255, 4096
+
+
+def path_problem(path: str) -> str:
+    """Why no file system takes `path` ('' when its length is fine)."""
+    size = len(os.fsencode(path))
+    if size >= PATH_MAX:
+        return f"a path of {size:,} bytes, past the {PATH_MAX - 1:,} a file system takes; use a shorter one"
+    for part in path.split(os.sep):
+        if len(os.fsencode(part)) > NAME_MAX:
+            return (
+                f"the name {part[:24]!r}... has {len(os.fsencode(part))} bytes, past the {NAME_MAX} a file "
+                "system takes for one folder or file name; use a shorter one"
+            )
+    return ""
+
+
 def check_values(cfg: JobConfig) -> None:
     """Each key's range, and the rules between keys that need neither a model nor devices."""
     for key, (low, high, low_in, high_in) in RANGES.items():
@@ -129,6 +156,9 @@ def check_values(cfg: JobConfig) -> None:
         raise ConfigError("job.dump_folder is empty: set the folder that holds run folders (e.g. ./outputs)")
     if not cfg.checkpoint.folder.strip():
         raise ConfigError("checkpoint.folder is empty: name a folder under the run folder (e.g. checkpoint)")
+    for key in PATH_KEYS:
+        if problem := path_problem(_value(cfg, key)):
+            raise ConfigError(f"{key}: {problem}")
     if t.global_batch_size == 0 or t.global_batch_size < -1:
         raise ConfigError(f"training.global_batch_size must be -1 or > 0, got {t.global_batch_size}")
     if p.dp_shard == 0:
@@ -246,6 +276,16 @@ def _check_model_keys(m: Model) -> None:
 def check_model_args(args: ModelArgs) -> None:
     """The resolved shape can be built: heads divide the width, K/V heads the heads, RoPE's pairs fit, the
     norm's epsilon and RoPE's base are usable numbers."""
+    matrices = {"model.vocab_size x dim": args.vocab_size * args.dim, "model.dim x dim": args.dim * args.dim,
+                "the feed-forward size x model.dim": args.ffn_hidden * args.dim}  # fmt: skip
+    for what, size in matrices.items():
+        if size > MAX_WEIGHT_ELEMENTS:
+            raise ConfigError(
+                f"a weight of {what} = {size:,} elements is beyond any machine (at most "
+                f"{MAX_WEIGHT_ELEMENTS:,}); check the model's dimensions"
+            )
+    if args.n_layers > MAX_LAYERS:
+        raise ConfigError(f"model.n_layers = {args.n_layers:,} is beyond any model (at most {MAX_LAYERS:,})")
     if args.dim % args.n_heads:
         raise ConfigError(
             f"model.dim ({args.dim}) must be divisible by model.n_heads ({args.n_heads}): the heads split it"

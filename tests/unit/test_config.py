@@ -98,11 +98,25 @@ def test_extends_cycle_is_an_error(tmp_path):
         (["--no-training.steps"], "only applies to true/false keys"),
         (["--training.seq_len"], "needs a value"),
         (["steps=3"], "overrides look like --section.key value"),
+        (["--job.name", "ab\udcffc"], r"job\.name = 'ab\\udcffc' holds bytes that are not UTF-8 text"),
     ],
 )
 def test_cli_errors(args, pattern):
     with pytest.raises(ConfigError, match=pattern):
         config.load(None, args)
+
+
+def test_home_folder_and_byte_order_mark(tmp_path, monkeypatch):
+    """`~` in the keys naming run folders and checkpoints means the home folder (as data.path's does); a
+    TOML file that a Windows editor began with a byte-order mark reads as the same file without it."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf" + b'[job]\ndump_folder = "~/runs"\n[training]\nsteps = 3\n')
+    cfg = config.load(str(path), ["--checkpoint.load_path", "~/ck/step-2", "--model.from_checkpoint", "~/m"])
+    assert cfg.job.dump_folder == str(tmp_path / "home" / "runs") and cfg.training.steps == 3
+    assert cfg.checkpoint.load_path == str(tmp_path / "home" / "ck" / "step-2")
+    assert cfg.model.from_checkpoint == str(tmp_path / "home" / "m")
+    assert config.load(None, ["--checkpoint.folder", "ck"]).checkpoint.folder == "ck"
 
 
 def test_toml_non_finite_floats_are_refused(tmp_path):

@@ -506,6 +506,24 @@ def test_prepare_refuses_an_output_it_cannot_write(
     assert a_file.read_text() == "keep me\n" and [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
+def test_prepare_names_its_own_flags_in_errors(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The checks it shares with training name --tokenizer / --text-field, not data.tokenizer / ..."""
+    (tmp_path / "a.jsonl").write_text('{"body": "hello world"}\n')
+    out = ["--output", str(tmp_path / "out")]
+    cases = [
+        (["--input", str(tmp_path / "a.jsonl")], "no string field 'text'; set --text-field to the field"),
+        (
+            ["--input", str(tmp_path / "a.jsonl"), "--tokenizer", str(tmp_path / "none")],
+            "pass --tokenizer 'def",
+        ),
+        (["--input", str(tmp_path / "a.jsonl"), "--tokenizer", ""], "--tokenizer is empty; pass 'default'"),
+    ]
+    for argv, named in cases:
+        err = prepare_errors([*argv, *out], capsys)
+        assert named in err and "data." not in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_prepare_suggests_overwrite_only_where_it_works(
     tmp_path: Path, corpus_dir: Path, capsys: pytest.CaptureFixture
 ) -> None:

@@ -50,13 +50,28 @@ def test_a_runnable_config_passes_and_writes_no_run_folder(tmp_path, capsys):
             "so no checkpoint could be saved",
         ),
         (["--job.dump_folder", "{tmp}/file.txt"], "choose another job.dump_folder"),
+        (["--job.dump_folder", "{tmp}/used"], "{tmp}/used/job/.lock is not a file (a folder, a link, a pipe"),
+        (["--data.tokenizer", "{tmp}/fifo"], "is not a regular file (a pipe or a device); pass a file"),
     ],
-    ids=["data", "shards", "load_path", "load_file", "load_incomplete", "load_run", "ck_folder", "dump"],
+    ids=[
+        "data",
+        "shards",
+        "load_path",
+        "load_file",
+        "load_incomplete",
+        "load_run",
+        "ck_folder",
+        "dump",
+        "lock_folder",
+        "tokenizer_fifo",
+    ],  # fmt: skip
 )
 def test_what_the_run_would_refuse_at_start_is_refused_by_check(tmp_path, capsys, extra, named):
     (tmp_path / "file.txt").write_text("a file where a folder is needed")
     (tmp_path / "step-5").mkdir()
     (tmp_path / "run" / "checkpoint" / "step-2").mkdir(parents=True)
+    (tmp_path / "used" / "job" / ".lock").mkdir(parents=True)  # (a folder where the lock file goes)
+    os.mkfifo(tmp_path / "fifo")  # (reading it would wait forever for a writer)
     err = refused(tmp_path, capsys, "--data.dataset", "synthetic", *[a.format(tmp=tmp_path) for a in extra])
     assert named.format(tmp=tmp_path) in err, err
 

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from titanrush.checkpoint_folder import check_writable
+from titanrush.cli import in_flags
 from titanrush.config import ConfigError
 from titanrush.data.corpus import INDEX_FILE, SHARD_FORMAT, SHARD_VERSION, frame, token_dtype
 from titanrush.data.sources import SPLITS, find_files, jsonl_chunks, read_documents, split_of
@@ -44,6 +45,10 @@ WorkItem = tuple[str, str, str, str, int, int | None]  # tokenizer spec, root, f
 TokenizedItem = tuple[
     int, dict[str, tuple[np.ndarray, np.ndarray]]
 ]  # bytes read, split -> tokens, doc lengths
+
+
+# The training config's keys that this tool's flags set (named so in its errors).
+FLAGS = {"data.tokenizer": "--tokenizer", "data.text_field": "--text-field", "data.path": "--input"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             overwrite=args.overwrite,
         )
     except ConfigError as e:
-        print(f"titanrush prepare: error: {e}", file=sys.stderr)
+        print(f"titanrush prepare: error: {in_flags(str(e), FLAGS)}", file=sys.stderr)
         return 2
     elapsed = time.perf_counter() - start
     splits = index["splits"]

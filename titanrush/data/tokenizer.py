@@ -306,6 +306,8 @@ def _special_tokens_of(path: Path, backend: Any) -> tuple[str, str]:
 def tokenizer_path(spec: str) -> Path:
     """The file that `data.tokenizer` names: the shipped rank file, the file itself, or a folder's
     `tokenizer.json`."""
+    if not spec.strip():
+        raise ConfigError("data.tokenizer is empty; pass 'default' or the path of a tokenizer file")
     path = DEFAULT_PATH if spec == "default" else Path(spec).expanduser()
     if path.is_dir():
         if not (path / "tokenizer.json").exists():
@@ -314,6 +316,10 @@ def tokenizer_path(spec: str) -> Path:
                 "itself (a tokenizer.json or a tiktoken rank file)"
             )
         path = path / "tokenizer.json"
+    if path.exists() and not path.is_file():  # (reading a pipe would wait for a writer forever)
+        raise ConfigError(
+            f"data.tokenizer = {spec!r} is not a regular file (a pipe or a device); pass a file"
+        )
     return path
 
 
