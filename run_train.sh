@@ -26,6 +26,18 @@ for var in NGPU NNODES; do
   fi
 done
 
+if [ "$NNODES" != "1" ]; then  # (before any check or launch, like the counts above)
+  if [ -z "${NODE_RANK:-}" ] || { [ -z "${RDZV_ENDPOINT:-}" ] && [ -z "${MASTER_ADDR:-}" ]; }; then
+    echo "run_train.sh: error: NNODES=$NNODES needs NODE_RANK (this node's index, 0 to $((NNODES - 1))) and" \
+      "RDZV_ENDPOINT (host:port of node 0) or MASTER_ADDR [MASTER_PORT]" >&2
+    exit 2
+  fi
+  if ! [[ "$NODE_RANK" =~ ^[0-9]+$ ]] || [ "$NODE_RANK" -ge "$NNODES" ]; then
+    echo "run_train.sh: error: NODE_RANK=$NODE_RANK must be a whole number from 0 to $((NNODES - 1))" >&2
+    exit 2
+  fi
+fi
+
 if [ "$NGPU" = "1" ] && [ "$NNODES" = "1" ]; then
   # One process: no launcher needed, and config errors exit with status 2 directly.
   exec "$PYTHON" -m titanrush.train "$@"
@@ -51,7 +63,7 @@ fi
 if [ "$NNODES" = "1" ]; then
   exec "$PYTHON" -m titanrush.launch --standalone --nproc_per_node="$NGPU" -m titanrush.train "$@"
 fi
-ENDPOINT=${RDZV_ENDPOINT:-${MASTER_ADDR:?set RDZV_ENDPOINT or MASTER_ADDR}:${MASTER_PORT:-29500}}
-exec "$PYTHON" -m titanrush.launch --nnodes="$NNODES" --node_rank="${NODE_RANK:?set NODE_RANK}" \
+ENDPOINT=${RDZV_ENDPOINT:-$MASTER_ADDR:${MASTER_PORT:-29500}}
+exec "$PYTHON" -m titanrush.launch --nnodes="$NNODES" --node_rank="$NODE_RANK" \
   --nproc_per_node="$NGPU" --rdzv_backend=c10d --rdzv_endpoint="$ENDPOINT" --rdzv_id="${RDZV_ID:-titanrush}" \
   -m titanrush.train "$@"

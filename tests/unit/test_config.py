@@ -258,7 +258,7 @@ def test_cli_exit_status_2_with_one_line(args, fragment, tmp_path):
 
 
 def test_the_console_script_passes_each_commands_status_on(tmp_path):
-    """`titanrush` (pyproject's script, `cli.run`) exits with the command's status: 0 for help, 2 and one
+    """`titanrush` (pyproject's script, `cli.run`, and `python -m titanrush`) exits with the command's status: 0 for help, 2 and one
     line for a config error, 2 for an unknown command."""
     import tomllib
 
@@ -277,6 +277,11 @@ def test_the_console_script_passes_each_commands_status_on(tmp_path):
     assert res.returncode == 2 and len(lines) == 1 and "did you mean training.steps" in lines[0], res.stderr
     res = script("trian")
     assert res.returncode == 2 and "unknown command 'trian'" in res.stderr, res.stderr
+    # `python -m titanrush` is the same script
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "titanrush", "train", "--training.stepz", "3"]
+    res = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 2 and "did you mean training.steps" in res.stderr, res.stderr
     assert not any(tmp_path.iterdir())
 
 

@@ -89,6 +89,25 @@ def test_launcher_refuses_bad_process_counts(tmp_path, env):
     assert not (tmp_path / "bad").exists()
 
 
+@pytest.mark.parametrize(
+    "env, said",
+    [({}, "NNODES=2 needs NODE_RANK (this node's index, 0 to 1) and RDZV_ENDPOINT"),
+     ({"NODE_RANK": "0"}, "NNODES=2 needs NODE_RANK"),
+     ({"NODE_RANK": "2", "MASTER_ADDR": "node0"}, "NODE_RANK=2 must be a whole number from 0 to 1"),
+     ({"NODE_RANK": "x", "RDZV_ENDPOINT": "node0:29500"}, "NODE_RANK=x must be a whole number from 0 to 1")],
+)  # fmt: skip
+def test_launcher_refuses_a_multi_node_job_without_its_rendezvous(tmp_path, env, said):
+    """NNODES > 1 without where to meet: one line naming the variables, exit 2, before any check or launch."""
+    unset = ("NODE_RANK", "MASTER_ADDR", "RDZV_ENDPOINT")
+    base = {k: v for k, v in __import__("os").environ.items() if k not in unset}
+    res = subprocess.run(
+        [str(ROOT / "run_train.sh"), *small(tmp_path, "bad")],
+        capture_output=True, text=True, timeout=120, env={**base, "NNODES": "2", **env},
+    )  # fmt: skip
+    assert res.returncode == 2 and res.stderr.startswith("run_train.sh: error: ") and said in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad").exists(), res.stderr
+
+
 def test_check_of_a_several_process_job_runs_once(tmp_path):
     """`NGPU=2 ./run_train.sh --check`: one check for the job's world size, not one more per rank."""
     env = {**__import__("os").environ, "NGPU": "2"}
