@@ -258,8 +258,8 @@ def test_cli_exit_status_2_with_one_line(args, fragment, tmp_path):
 
 
 def test_the_console_script_passes_each_commands_status_on(tmp_path):
-    """`titanrush` (pyproject's script, `cli.run`, and `python -m titanrush`) exits with the command's status: 0 for help, 2 and one
-    line for a config error, 2 for an unknown command."""
+    """`titanrush` (pyproject's script, `cli.run`, and `python -m titanrush`) exits with the command's
+    status: 0 for help, 2 and one line for a config error, 2 for an unknown command."""
     import tomllib
 
     scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
