@@ -26,7 +26,8 @@ def render() -> str:
         "Every key can be set in a TOML file (`[section]` then `key = value`) or on the command line",
         "(`--section.key value`, `--section.key=value`, `--flag` / `--no-flag` for booleans, comma-separated",
         "lists). Precedence: defaults < TOML < command line. A TOML file may begin with",
-        '`extends = "base.toml"` to inherit another file (path relative to the extending file).',
+        '`extends = "base.toml"` to inherit another file (path relative to the extending file). A TOML',
+        "file is UTF-8 (a byte-order mark is allowed). A path that begins with `~` starts in the home folder.",
         "",
     ]
     for name, cls in config.sections().items():
