@@ -40,14 +40,15 @@ else:  # pragma: no cover - only where tomllib is missing
 
 __all__ = [
     "BIAS_FILE", "DTYPES", "INFO_FILE", "TOKENIZER_FILES", "args_from_hf_config", "cast_state_dict",
-    "flavor_of", "from_hf_state_dict", "hf_config", "import_command", "load_hf_weights", "load_safetensors",
-    "model_args_at", "read_checkpoint", "read_json", "save_safetensors", "to_hf_state_dict",
-    "training_tokenizer",
+    "flavor_of", "from_hf_state_dict", "hf_config", "hf_folder", "import_command", "is_hf_folder",
+    "load_hf_weights", "load_safetensors", "model_args_at", "read_checkpoint", "read_json",
+    "save_safetensors", "to_hf_state_dict", "training_tokenizer", "weights_folder", "wrong_path",
 ]  # fmt: skip
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
           "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
 INFO_FILE = "titanrush.json"
+_STEP = re.compile(r"step-\d+")  # a checkpoint's folder name
 BIAS_FILE = "titanrush_expert_bias.safetensors"  # Llama 4's routing biases, beside an export's weights
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 # Conversion runs in one process without a process group on purpose; DCP warns about exactly that.
@@ -55,27 +56,122 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 def read_json(path: Path) -> dict[str, Any]:
+    """The JSON object in path (a config.json, a titanrush.json); ConfigError naming the file otherwise."""
     try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{path} is unreadable or not valid JSON ({e})") from e
+        data = json.loads(path.read_bytes().decode("utf-8-sig"))  # (a byte-order mark allowed)
+    except OSError as e:
+        raise ConfigError(f"{path} cannot be read ({e.strerror or e})") from None
+    except ValueError as e:  # (UnicodeDecodeError included)
+        raise ConfigError(f"{path} is truncated or not valid JSON ({e}); fix or replace the file") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path} does not hold a JSON object")
     return data
 
 
-def _step_folder(checkpoint_dir: str | Path) -> Path:
+def _step_folder(checkpoint_dir: str | Path, want: str = "checkpoint") -> Path:
     """The checkpoint that checkpoint_dir names: a folder with titanrush.json (a `step-<N>` folder or an
-    import), or a checkpoint folder, whose newest step with a titanrush.json is taken."""
+    import), or a checkpoint folder, whose newest step with a titanrush.json is taken; else the error of
+    `wrong_path` (want: what the caller also accepts, for its message)."""
     path = Path(checkpoint_dir).expanduser()
-    if not path.is_dir():
-        raise ConfigError(f"checkpoint folder {path} does not exist; pass a .../checkpoint/step-<N> folder")
-    if (path / INFO_FILE).exists():
+    if path.is_dir() and (path / INFO_FILE).exists():
         return path
-    steps = [p for p in path.glob("step-*") if re.fullmatch(r"step-\d+", p.name) and (p / INFO_FILE).exists()]
+    steps = _steps(path)
     if not steps:
-        raise ConfigError(f"{path} holds no {INFO_FILE}: pass a .../checkpoint/step-<N> folder")
-    return max(steps, key=lambda p: int(p.name[5:]))
+        raise wrong_path(path, want)
+    return steps[-1]
+
+
+def _steps(folder: Path) -> list[Path]:
+    """folder's `step-<N>` folders that hold a titanrush.json, oldest first."""
+    try:
+        found = [p for p in folder.glob("step-*") if _STEP.fullmatch(p.name) and (p / INFO_FILE).exists()]
+    except OSError:  # (a folder that cannot be listed)
+        return []
+    return sorted(found, key=lambda p: int(p.name[5:]))
+
+
+def is_hf_folder(path: Path) -> bool:
+    """Whether path is a Hugging Face model folder: a config.json and no titanrush.json."""
+    return path.is_dir() and (path / "config.json").exists() and not (path / INFO_FILE).exists()
+
+
+def wrong_path(path: Path, want: str) -> ConfigError:
+    """The one-line error for a path that is not what a command reads: what it is, and what to pass instead.
+
+    Args:
+        path: what was given.
+        want: "checkpoint" (a titanrush checkpoint), "hf" (a Hugging Face model folder) or "either".
+    """
+    ckpt = "a titanrush checkpoint (a .../checkpoint/step-<N> folder)"
+    wanted = {"checkpoint": ckpt, "hf": "a Hugging Face model folder (config.json + weights)",
+              "either": f"{ckpt} or a Hugging Face model folder"}[want]  # fmt: skip
+    if not path.exists():
+        return ConfigError(f"{path} does not exist; pass {wanted}")
+    if not path.is_dir():
+        parent = path.parent
+        holds_it = (parent / INFO_FILE).exists() if want != "hf" else False
+        if holds_it or (want != "checkpoint" and is_hf_folder(parent)):
+            return ConfigError(f"{path} is a file, not a folder: pass the folder that holds it, {parent}")
+        if path.suffix in (".pt", ".pth"):
+            if want != "hf":
+                wanted = "the checkpoint it was exported from (a .../checkpoint/step-<N> folder)" + (
+                    " or a Hugging Face model folder" if want == "either" else ""
+                )
+            return ConfigError(f"{path} is a .pt file, which only torch.load reads: pass {wanted}")
+        return ConfigError(f"{path} is a file, not a folder: pass {wanted}")
+    if want == "checkpoint" and is_hf_folder(path):
+        return ConfigError(
+            f"{path} is a Hugging Face model folder, not a titanrush checkpoint: import it first "
+            f"(titanrush convert --from-hf {path} OUT_DIR) and pass OUT_DIR"
+        )
+    try:
+        runs = [(d, steps) for d in sorted(path.iterdir()) if d.is_dir() and (steps := _steps(d))]
+    except OSError as e:
+        return ConfigError(f"{path} cannot be read ({e.strerror or e}); pass {wanted}")
+    inside = _steps(path)
+    if want == "hf" and ((path / INFO_FILE).exists() or inside or runs):
+        what, newest = (
+            ("run folder", runs[0][1][-1]) if runs else ("checkpoint", inside[-1] if inside else path)
+        )
+        return ConfigError(
+            f"{path} is a titanrush {what}, not a Hugging Face folder: export it first "
+            f"(titanrush convert --to-hf {newest} OUT_DIR) and pass OUT_DIR"
+        )
+    if runs:
+        folder, steps = runs[0]
+        return ConfigError(
+            f"{path} is a run folder; its checkpoints are in {folder}: pass {steps[-1]} (the newest) or "
+            "another step-<N> there"
+        )
+    if want != "hf" and any(_STEP.fullmatch(p.name) for p in path.glob("step-*")):
+        return ConfigError(
+            f"{path} holds step-<N> folders but none with {INFO_FILE} (saves that did not finish?): pass a "
+            "complete .../checkpoint/step-<N> folder"
+        )
+    if want == "either":
+        return ConfigError(
+            f"{path} holds neither a titanrush checkpoint ({INFO_FILE}) nor an HF config.json: pass {wanted}"
+        )
+    return ConfigError(f"{path} holds no {'config.json' if want == 'hf' else INFO_FILE}: pass {wanted}")
+
+
+def weights_folder(path: str | Path) -> tuple[Path, bool]:
+    """(the folder path names, whether it is a Hugging Face folder) for a command that reads a whole model:
+    a titanrush checkpoint (a step folder, a checkpoint folder's newest step, an import) or an HF folder.
+
+    Raises:
+        ConfigError: anything else (a file, a run folder, ...), saying what to pass instead.
+    """
+    p = Path(path).expanduser()
+    return (p, True) if is_hf_folder(p) else (_step_folder(p, "either"), False)
+
+
+def hf_folder(path: str | Path) -> Path:
+    """path, a Hugging Face model folder (one that holds a config.json); ConfigError otherwise."""
+    p = Path(path).expanduser()
+    if p.is_dir() and (p / "config.json").exists():
+        return p
+    raise wrong_path(p, "hf")
 
 
 def _info_args(info_file: Path) -> tuple[ModelArgs, dict[str, Any]]:
@@ -174,13 +270,13 @@ def model_args_at(path: str | Path) -> ModelArgs:
         ConfigError: nothing readable there, or not a Llama.
     """
     p = Path(path).expanduser()
-    if p.is_file():
-        return _info_args(p)[0] if p.name == INFO_FILE else args_from_hf_config(read_json(p), p)
-    if p.is_dir() and (p / "config.json").exists() and not (p / INFO_FILE).exists():
+    if p.is_file() and p.name == INFO_FILE:
+        return _info_args(p)[0]
+    if p.is_file() and p.suffix == ".json":
+        return args_from_hf_config(read_json(p), p)
+    if is_hf_folder(p):
         return args_from_hf_config(read_json(p / "config.json"), p / "config.json")
-    if p.is_dir() and not (p / INFO_FILE).exists() and not any(p.glob("step-*")):
-        raise ConfigError(f"{p} holds neither a titanrush checkpoint ({INFO_FILE}) nor an HF config.json")
-    return _info_args(_step_folder(p) / INFO_FILE)[0]
+    return _info_args(_step_folder(p, "either") / INFO_FILE)[0]
 
 
 def training_tokenizer(checkpoint_dir: str | Path) -> str:

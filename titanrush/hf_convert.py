@@ -30,6 +30,7 @@ from titanrush.hf import (
     flavor_of,
     from_hf_state_dict,
     hf_config,
+    hf_folder,
     read_checkpoint,
     read_json,
     to_hf_state_dict,
@@ -41,7 +42,7 @@ from titanrush.models.llama4 import FLAVORS as LLAMA4_FLAVORS
 from titanrush.models.llama4 import Llama4Args
 from titanrush.safetensors_io import load_hf_weights, load_safetensors, save_safetensors
 
-__all__ = ["export_hf", "export_pt", "import_hf"]
+__all__ = ["export_hf", "export_pt", "import_hf", "pt_file"]
 
 
 def _write_folder(out: Path, files: dict[str, Callable[[Path], object]]) -> None:
@@ -168,12 +169,16 @@ def _check_output(out: Path, folder: bool, verb: str = "export") -> None:
 
 
 def export_pt(checkpoint_dir: str | Path, out_path: str | Path, dtype: torch.dtype = torch.float32) -> Path:
-    """Save {"model": state dict, "model_args": dict, "step": N} as one `.pt` file (torch.load-able)."""
-    _check_output(Path(out_path), folder=False)
+    """Save {"model": state dict, "model_args": dict, "step": N} as one `.pt` file (torch.load-able).
+
+    out_path is the file; where it is an existing folder or ends with a path separator, the file is
+    `model.pt` in that folder (made if need be), as `cp` puts a file into a folder. Returns the file.
+    """
+    out = pt_file(out_path)
+    _check_output(out, folder=False)
     sd, args, info = read_checkpoint(checkpoint_dir)
     blob = {"model": cast_state_dict(sd, dtype, args.tie_embeddings), "model_args": dataclasses.asdict(args),
             "step": info.get("step"), "flavor": info.get("flavor")}  # fmt: skip
-    out = Path(out_path)
     made = _missing_folders(out.parent)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
@@ -191,6 +196,17 @@ def export_pt(checkpoint_dir: str | Path, out_path: str | Path, dtype: torch.dty
     return out
 
 
+def pt_file(out_path: str | Path) -> Path:
+    """The file `export_pt` writes for out_path: itself, or `model.pt` in it where it is a folder (an
+    existing one, or a path that ends with a separator); never inside a checkpoint folder."""
+    out = Path(out_path)
+    if not (out.is_dir() or str(out_path).endswith(("/", os.sep))):
+        return out
+    if (out / INFO_FILE).exists() or (out / ".metadata").exists():
+        raise ConfigError(f"{out} is a checkpoint folder: write the .pt file outside it (e.g. {out.parent})")
+    return out / "model.pt"
+
+
 def import_hf(hf_dir: str | Path, out_checkpoint_dir: str | Path) -> Path:
     """Write an HF Llama folder as a model-only float32 DCP checkpoint + titanrush.json (+ its tokenizer).
 
@@ -202,9 +218,7 @@ def import_hf(hf_dir: str | Path, out_checkpoint_dir: str | Path) -> Path:
     The HF folder's tokenizer files, where it has them, are copied beside the weights
     (`data.tokenizer = <out>/tokenizer.json`).
     """
-    src, out = Path(hf_dir), Path(out_checkpoint_dir)
-    if not (src / "config.json").exists():
-        raise ConfigError(f"{src / 'config.json'} not found; pass an HF model folder (config.json + weights)")
+    src, out = hf_folder(hf_dir), Path(out_checkpoint_dir)
     _check_output(out, folder=True, verb="import")
     args = args_from_hf_config(read_json(src / "config.json"), src / "config.json")
     moe_flavor = flavor_of(args) if isinstance(args, Llama4Args) else None

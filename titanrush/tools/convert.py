@@ -4,7 +4,10 @@
     titanrush convert --to-pt CKPT_DIR OUT.pt [--dtype fp32|bf16|fp16]
     titanrush convert --from-hf HF_DIR OUT_CKPT_DIR
 
-Exit status: 0 on success, 2 on bad input (a missing folder, a non-Llama config, missing tensors).
+CKPT_DIR is a `.../checkpoint/step-<N>` folder (or its checkpoint folder: the newest step); OUT.pt that is
+an existing folder or ends with `/` gets `model.pt` in it. Exit status: 0 on success, 2 on bad input (a
+missing folder, a file or a run folder where a checkpoint folder goes, a non-Llama config, a weight file
+that is truncated or corrupt, missing tensors), with one line that names the file and the fix.
 """
 
 from __future__ import annotations
@@ -26,7 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--to-hf", nargs=2, metavar=("CKPT_DIR", "OUT_DIR"), help="export an HF Llama folder")
-    mode.add_argument("--to-pt", nargs=2, metavar=("CKPT_DIR", "OUT_PT"), help="export one .pt state dict")
+    mode.add_argument(
+        "--to-pt",
+        nargs=2,
+        metavar=("CKPT_DIR", "OUT_PT"),
+        help="export one .pt state dict (OUT_PT an existing folder or ending with /: OUT_PT/model.pt)",
+    )
     mode.add_argument("--from-hf", nargs=2, metavar=("HF_DIR", "OUT_CKPT_DIR"), help="import an HF Llama")
     p.add_argument(
         "--dtype", choices=sorted(hf.DTYPES), help="export dtype (default: bf16 for HF, fp32 for .pt)"

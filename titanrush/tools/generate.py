@@ -51,15 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _dense(path: str | Path) -> ModelArgs:
-    """The model arguments at path (a titanrush checkpoint or a Hugging Face folder), refused for Llama 4."""
-    args = hf.model_args_at(path)
+def _dense(folder: Path, is_hf: bool) -> ModelArgs:
+    """The model arguments of a titanrush checkpoint or Hugging Face folder, refused for Llama 4."""
+    args = hf.model_args_at(folder)
     if isinstance(args, Llama4Args):
-        folder = Path(path).expanduser()
-        is_hf = (folder / "config.json").exists() and not (folder / hf.INFO_FILE).exists()
         how = "" if is_hf else "export it (`titanrush convert --to-hf`) and "
         raise ConfigError(
-            f"{path} holds a Llama 4 (mixture-of-experts) model; generate takes dense Llamas only: {how}"
+            f"{folder} holds a Llama 4 (mixture-of-experts) model; generate takes dense Llamas only: {how}"
             "generate with transformers' Llama4ForCausalLM"
         )
     return args
@@ -70,9 +68,9 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype, max_l
 
     max_len: the longest sequence it will see (the RoPE table's length).
     """
-    folder = Path(path).expanduser()
-    args = _dense(folder)  # (before any weight is read)
-    if (folder / "config.json").exists() and not (folder / hf.INFO_FILE).exists():  # a Hugging Face folder
+    folder, is_hf = hf.weights_folder(path)
+    args = _dense(folder, is_hf)  # (before any weight is read)
+    if is_hf:
         sd = hf.from_hf_state_dict(hf.load_hf_weights(folder), args)
     else:
         sd, args, _ = hf.read_checkpoint(folder)
@@ -122,10 +120,11 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--device {ns.device}: no CUDA GPU here; use --device cpu")
         on_gpu = torch.bfloat16 if device.type == "cuda" else torch.float32
         dtype = hf.DTYPES[ns.dtype] if ns.dtype != "auto" else on_gpu
-        spec = ns.tokenizer or hf.training_tokenizer(ns.checkpoint)
+        folder, is_hf = hf.weights_folder(ns.checkpoint)  # (what the path is, before anything is read)
+        spec = ns.tokenizer or hf.training_tokenizer(folder)
         tok = build_tokenizer(spec)
         prompts = [tok.encode(p, bos=not ns.no_bos, eos=False) for p in ns.prompt]
-        args = _dense(ns.checkpoint)
+        args = _dense(folder, is_hf)
         if tok.n_words > args.vocab_size:
             raise ConfigError(
                 f"tokenizer {spec!r} has {tok.n_words} ids, the model only {args.vocab_size}: pass the one "
@@ -139,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if any(not p for p in prompts):
             raise ConfigError("an empty --prompt with --no-bos has no token to start from")
-        model = load_model(ns.checkpoint, device, dtype, longest)
+        model = load_model(folder, device, dtype, longest)
     except ConfigError as e:
         print(f"titanrush generate: error: {e}", file=sys.stderr)
         return 2
