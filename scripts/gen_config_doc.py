@@ -27,7 +27,8 @@ def render() -> str:
         "(`--section.key value`, `--section.key=value`, `--flag` / `--no-flag` for booleans, comma-separated",
         "lists). Precedence: defaults < TOML < command line. A TOML file may begin with",
         '`extends = "base.toml"` to inherit another file (path relative to the extending file). A TOML',
-        "file is UTF-8 (a byte-order mark is allowed). A path that begins with `~` starts in the home folder.",
+        "file is UTF-8 (a byte-order mark is allowed). A path that begins with `~` starts in the home",
+        "folder.",
         "",
     ]
     for name, cls in config.sections().items():

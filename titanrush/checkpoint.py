@@ -203,7 +203,13 @@ class CheckpointManager:
         self.train_state.loading = True
         try:
             self.train_state.load_rng = self._rng_entry(metadata)
-            compat.check_compatible(path, metadata, saved, self.info, states, own=own, model_only=model_only)
+            try:  # (reads the data loader's saved objects)
+                compat.check_compatible(
+                    path, metadata, saved, self.info, states, own=own, model_only=model_only
+                )
+            except CheckpointException as e:  # DCP's read failed: classified, never pasted
+                hint = elsewhere(path, own)
+                raise compat.load_failure(path, e, verified=verified, saved=saved, hint=hint) from None
             before = compat.capture_settings(self.optimizers)
             try:
                 dcp.load(states, checkpoint_id=str(path), no_dist=not dist.is_initialized())

@@ -5,6 +5,11 @@ A `step-<N>` folder is complete when it holds DCP's `.metadata`, `titanrush.json
 saved with one (`titanrush.json` names it), the integrity record with every file it lists. Checkpoints
 saved before integrity records, and those `titanrush convert` writes, have none: they are complete with
 `.metadata` and `titanrush.json`, and load unverified.
+
+Before a load (`check_folder`), a checkpoint whose small files are damaged is *corrupt*: the record or
+titanrush.json unreadable or of another shape (`read_record`, `read_info` check it where they read it),
+the record's sizes or the small files' checksums differing, or, without a record, `.metadata` cut short
+or a data file shorter than `.metadata` says.
 """
 
 from __future__ import annotations
@@ -14,18 +19,24 @@ import errno
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import tempfile
+import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
-from titanrush.checkpoint_integrity import RECORD_FILE, read_record, verify
+from titanrush.checkpoint_integrity import RECORD_FILE, read_record, verify, whole
 from titanrush.config import ConfigError
 from titanrush.distributed import all_ranks
+from titanrush.models.llama import ModelArgs
+from titanrush.models.llama4 import Llama4Args
 
 logger = logging.getLogger("titanrush")
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -51,24 +62,111 @@ class StepFolder:
 
 
 def read_info(path: Path) -> dict[str, Any] | None:
-    """The folder's titanrush.json, None where it has none.
+    """The folder's titanrush.json, None where it has none. Its shape is checked here (the fields a load
+    reads, where present, of the types they are saved with), so what reads it need not.
 
     Raises:
-        ValueError: titanrush.json exists but is not readable JSON.
+        ValueError: titanrush.json exists but cannot be read, is not JSON or not of this shape; the message
+            starts with the file's name and says what is wrong.
     """
     try:
-        info = json.loads((path / INFO_FILE).read_text())
+        text = (path / INFO_FILE).read_bytes()
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{INFO_FILE} cannot be read ({type(e).__name__})") from e
-    if not isinstance(info, dict):
-        raise ValueError(f"{INFO_FILE} is not a JSON object")
+    except OSError as e:
+        raise ValueError(f"{INFO_FILE} cannot be read ({e.strerror or e})") from e
+    if not text.strip():
+        raise ValueError(f"{INFO_FILE} is empty ({len(text)} bytes)")
+    try:
+        info = json.loads(text)
+    except ValueError as e:  # (JSONDecodeError and UnicodeDecodeError)
+        raise ValueError(f"{INFO_FILE} is not valid JSON ({e})") from e
+    if problem := info_problem(info):
+        raise ValueError(f"{INFO_FILE} {problem}")
     return info
 
 
+# titanrush.json's fields that loading reads, and their types (each may be absent: older saves, imports).
+_INFO_TYPES: dict[str, tuple[type, ...]] = {
+    "step": (int,), "model_only": (bool,), "world_size": (int,), "integrity": (str,), "optimizer": (str,),
+    "flavor": (str,), "dtype": (str,), "torch": (str,), "model_args": (dict,), "schedule": (dict, type(None)),
+}  # fmt: skip
+
+
+_KIND = {dict: "an object", list: "a list", str: "a string", bool: "true or false", type(None): "null",
+         int: "a whole number", float: "a number"}  # fmt: skip
+
+
+def _fits(value: Any, types: tuple[Any, ...]) -> bool:
+    """Whether a JSON value is of one of `types` (true and false are no int; an int is a float)."""
+    if isinstance(value, bool):
+        return bool in types
+    if isinstance(value, int) and float in types:
+        return True
+    return any(isinstance(value, t) and t is not bool for t in types)
+
+
+def _wrong(key: str, value: Any, types: tuple[Any, ...]) -> str:
+    """'has <key> <value> (<its kind>), not <the kind it must be>', or '' where it is of one of types."""
+    if _fits(value, types):
+        return ""
+    return f"has {key} {json.dumps(value)[:60]} ({_KIND.get(type(value), 'a number')}), not {_KIND[types[0]]}"
+
+
+def info_problem(info: Any) -> str:
+    """What makes `info` not a titanrush.json as a save writes one ('' if nothing): the fields that
+    loading reads, where present, of the types they are saved with, the model arguments those of
+    `ModelArgs` (`Llama4Args`); fields it does not know are not checked."""
+    if not isinstance(info, dict):
+        return f"is not a JSON object (it holds {_KIND.get(type(info), 'a number')})"
+    for key, types in _INFO_TYPES.items():
+        if key in info and (wrong := _wrong(key, info[key], types)):
+            return wrong
+    if info.get("step", 0) < 0:
+        return f"has step {info['step']}, below 0"
+    if info.get("world_size", 1) < 1:
+        return f"has world_size {info['world_size']}, below 1"
+    args = info.get("model_args") or {}
+    hints = typing.get_type_hints(Llama4Args if "n_experts" in args else ModelArgs)
+    for key, value in args.items():
+        types = (typing.get_args(hints[key]) or (hints[key],)) if key in hints else ()
+        if types and all(t in _KIND for t in types) and (wrong := _wrong(f"model_args.{key}", value, types)):
+            return wrong  # (a field of another type than JSON's, or one this code does not know: unchecked)
+    return ""
+
+
+def data_problems(path: Path) -> list[str]:
+    """For a checkpoint without an integrity record: `.metadata` unreadable for damage (cut short, not a
+    pickle), and data files missing or shorter than `.metadata` places data in them; [] where nothing is
+    seen (`.metadata` unreadable for another reason, another torch's, is for the load to name)."""
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except (EOFError, pickle.UnpicklingError) as e:
+        return [f".metadata cannot be read ({one_line(e)})"]
+    except Exception:  # noqa: BLE001 - not damage that can be named here: the load names it
+        return []
+    if not isinstance(metadata, Metadata):
+        return [f".metadata does not hold DCP's index (it unpickles to a {type(metadata).__name__})"]
+    ends: dict[str, int] = {}
+    for item in (getattr(metadata, "storage_data", None) or {}).values():
+        name, offset, length = (getattr(item, k, None) for k in ("relative_path", "offset", "length"))
+        if isinstance(name, str) and whole(offset) and whole(length):
+            ends[name] = max(ends.get(name, 0), offset + length)
+    problems = []
+    for name, end in sorted(ends.items()):
+        try:
+            size = (path / name).stat().st_size
+        except FileNotFoundError:
+            problems.append(f"{name} is missing (.metadata places data in it)")
+            continue
+        if size < end:
+            problems.append(f"{name} has {size:,} bytes, .metadata places data up to byte {end:,}")
+    return problems
+
+
 def inspect(path: Path) -> StepFolder:
-    """What a step folder is and lacks (looks at names and the record's file list; reads no data)."""
+    """What a step folder is and lacks (looks at names and the record's file list; reads no data). A
+    titanrush.json or integrity record that cannot be read counts as present: loading calls it corrupt."""
     m = STEP_DIR.match(path.name)
     step = int(m.group(1)) if m else -1
     if not (path / ".metadata").is_file():
@@ -76,18 +174,17 @@ def inspect(path: Path) -> StepFolder:
     try:
         info = read_info(path)
     except ValueError:
-        info = {}  # unreadable: complete as far as names go; loading calls it corrupt
+        info = {}
     if info is None:
         return StepFolder(step, path, False, INFO_FILE)
     model_only = bool(info.get("model_only"))
     if info.get("integrity"):
-        record = path / RECORD_FILE
-        if not record.is_file():
+        if not (path / RECORD_FILE).is_file():
             return StepFolder(step, path, model_only, f"{RECORD_FILE} (the integrity record)")
         try:
-            files = json.loads(record.read_text()).get("files", {})
-        except (OSError, ValueError, AttributeError):
-            files = {}  # unreadable record: loading calls it corrupt
+            files = (read_record(path) or {}).get("files", {})
+        except ValueError:
+            files = {}
         gone = sorted(name for name in files if not (path / name).is_file())
         if gone:
             return StepFolder(step, path, model_only, ", ".join(gone[:3]) + (" ..." if len(gone) > 3 else ""))
@@ -378,16 +475,22 @@ def check_folder(path: Path, *, own: bool, model_only: bool, steps: int | None) 
             f"checkpoint {path} is incomplete: it lacks {state.missing} (a save that did not finish, or "
             f"a partial copy); {elsewhere(path, own)}"
         )
+    # The small files before anything reads them: the record's sizes and the one-block files' checksums
+    # (verify_files checks every block after), or without a record the data files' lengths.
     try:
-        saved = read_info(path) or {}
-    except ValueError as e:
-        raise ConfigError(f"checkpoint {path} is corrupt: {e}; {elsewhere(path, own)}") from None
+        record = read_record(path)
+        problems = verify(path, record, quick=True) if record is not None else data_problems(path)
+        saved = {} if problems else read_info(path) or {}
+    except ValueError as e:  # the record or titanrush.json, unreadable or not of its shape
+        problems, saved = [str(e)], {}
+    if problems:
+        raise ConfigError(f"checkpoint {path} is corrupt: {summarize(problems)}; {elsewhere(path, own)}")
     if saved.get("model_only") and not model_only:
         raise ConfigError(
             f"checkpoint {path} holds only model weights; add --checkpoint.load_model_only to start a "
             "new run from them"
         )
-    if steps is not None and not model_only and int(saved.get("step", -1)) > steps:
+    if steps is not None and not model_only and saved.get("step", -1) > steps:
         within = [s for s in scan(path.parent) if s.complete and not s.model_only and s.step <= steps]
         other = (
             f"; to stop at {within[-1].path.name} instead, start a new run from it: --job.name <new name> "

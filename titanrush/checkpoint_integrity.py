@@ -13,13 +13,15 @@ the manager to write beside `titanrush.json` before the folder is renamed. No ex
 rank reads another rank's files.
 
 Verifying: every rank stats every file (sizes) and checksums every `world_size`-th block; the manager
-gathers the findings so that every rank raises the same error.
+gathers the findings so that every rank raises the same error. `read_record` is the one reader of the
+record and checks its shape (a record edited by hand is refused as such, never a KeyError in `verify`).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 import zlib
@@ -105,32 +107,101 @@ def write_record(folder: Path, files: dict[str, dict]) -> None:
 
 
 def read_record(folder: Path) -> dict[str, Any] | None:
-    """The folder's record, None where it has none.
+    """The folder's record, None where it has none. Its shape is checked here, so what reads it need not.
 
     Raises:
-        ValueError: The record exists but cannot be read (the caller calls the checkpoint corrupt).
+        ValueError: The record exists but cannot be read, is not JSON, or is not a record of this shape;
+            the message starts with the file's name and says what is wrong (the caller calls the
+            checkpoint corrupt).
     """
     try:
-        record = json.loads((folder / RECORD_FILE).read_text())
+        text = (folder / RECORD_FILE).read_bytes()
     except FileNotFoundError:
         return None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{RECORD_FILE} cannot be read ({type(e).__name__})") from e
-    if not isinstance(record, dict) or record.get("algorithm") != ALGORITHM or "files" not in record:
-        raise ValueError(f"{RECORD_FILE} is not a titanrush integrity record")
+    except OSError as e:
+        raise ValueError(f"{RECORD_FILE} cannot be read ({e.strerror or e})") from e
+    if not text.strip():
+        raise ValueError(f"{RECORD_FILE} is empty ({len(text)} bytes)")
+    try:
+        record = json.loads(text)
+    except ValueError as e:  # (JSONDecodeError and UnicodeDecodeError)
+        raise ValueError(f"{RECORD_FILE} is not valid JSON ({e})") from e
+    if problem := record_problem(record):
+        raise ValueError(f"{RECORD_FILE} {problem}")
     return record
 
 
-def verify(folder: Path, record: dict[str, Any], *, rank: int = 0, world_size: int = 1) -> list[str]:
-    """This rank's findings: every file's presence and size, and every `world_size`-th block's CRC-32.
+def whole(value: Any) -> bool:
+    """Whether a JSON value is a whole number (JSON's true and false are not)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _plain_name(name: str) -> bool:
+    """A file name of the folder itself (no path, so that a record never points outside its folder)."""
+    return bool(name) and name not in (".", "..", RECORD_FILE) and "/" not in name and "\\" not in name
+
+
+def record_problem(record: Any) -> str:
+    """What makes `record` not an integrity record as `write_record` writes one ('' if nothing): the
+    fields and types that `verify` relies on, and one checksum per block of each file."""
+    if not isinstance(record, dict):
+        return f"is not a JSON object (it holds a {type(record).__name__})"
+    lacks = [k for k in ("algorithm", "files") if k not in record]
+    if lacks:
+        return f"is not a titanrush integrity record (it lacks {' and '.join(map(repr, lacks))})"
+    if record["algorithm"] != ALGORITHM:
+        return f"names the algorithm {json.dumps(record['algorithm'])}, not {ALGORITHM!r}"
+    block = record.get("block_bytes", BLOCK_BYTES)
+    if not whole(block) or block <= 0:
+        return f"has block_bytes {json.dumps(block)}, not a positive whole number"
+    files = record["files"]
+    if not isinstance(files, dict):
+        return f"has files {json.dumps(files)[:60]}, not an object of the files' sizes and checksums"
+    if not files:
+        return "lists no files"
+    for name, entry in files.items():
+        if not _plain_name(name):
+            return f"lists {name!r}, which is not a file name of the checkpoint folder"
+        if not isinstance(entry, dict):
+            return f"has {json.dumps(entry)[:60]} for {name}, not its size and checksums"
+        if lacks := [k for k in ("size", ALGORITHM) if k not in entry]:
+            return f"lacks the {' and '.join(lacks)} of {name}"
+        size, crcs = entry["size"], entry[ALGORITHM]
+        if not whole(size) or size < 0:
+            return f"gives {name} the size {json.dumps(size)}, not a number of bytes"
+        n = _n_blocks(size, block)
+        if not isinstance(crcs, list) or len(crcs) != n:
+            listed = isinstance(crcs, list)
+            got = f"{len(crcs)} {ALGORITHM} checksum(s)" if listed else f"{ALGORITHM} {json.dumps(crcs)[:40]}"
+            want = n if listed else f"a list of {n} checksum(s)"
+            return f"has {got} for {name}, not {want} (one per block of its {size:,} bytes)"
+        if not all(isinstance(c, str) and re.fullmatch(r"[0-9a-f]{8}", c) for c in crcs):
+            return f"has a {ALGORITHM} checksum for {name} that is not 8 hex digits"
+    return ""
+
+
+def verify(
+    folder: Path, record: dict[str, Any], *, rank: int = 0, world_size: int = 1, quick: bool = False
+) -> list[str]:
+    """This rank's findings: every file's presence and size, every `world_size`-th block's CRC-32, and
+    DCP files in the folder that the record does not list. `record` is one that `read_record` returned.
+
+    Args:
+        quick: Sizes, and of the checksums only those of the one-block files (the small ones:
+            `.metadata`, `titanrush.json`), every rank all of them: the check before anything reads them.
 
     Returns:
         One line per problem (missing file, wrong size, block checksum mismatch); empty when all match.
     """
-    block = int(record.get("block_bytes", BLOCK_BYTES))
-    problems: list[str] = []
+    block = record.get("block_bytes", BLOCK_BYTES)
+    files = record["files"]
+    problems = [
+        f"{p.name} is not in {RECORD_FILE}"
+        for p in sorted(folder.iterdir())
+        if (p.name == ".metadata" or p.name.endswith(".distcp")) and p.name not in files
+    ]
     jobs = []
-    for name, entry in sorted(record["files"].items()):
+    for name, entry in sorted(files.items()):
         try:
             size = (folder / name).stat().st_size
         except FileNotFoundError:
@@ -139,7 +210,8 @@ def verify(folder: Path, record: dict[str, Any], *, rank: int = 0, world_size: i
         if size != entry["size"]:
             problems.append(f"{name} has {size:,} bytes, the record says {entry['size']:,}")
             continue
-        jobs += [(name, i, size, crc) for i, crc in enumerate(entry[ALGORITHM])]
+        if not quick or len(entry[ALGORITHM]) == 1:
+            jobs += [(name, i, size, crc) for i, crc in enumerate(entry[ALGORITHM])]
 
     def check(job: tuple[str, int, int, str]) -> str:
         name, i, size, want = job
@@ -148,7 +220,7 @@ def verify(folder: Path, record: dict[str, Any], *, rank: int = 0, world_size: i
         return "" if got == want else f"{name} bytes {start:,}-{end:,} differ (crc32 {got}, recorded {want})"
 
     with ThreadPoolExecutor(max_workers=hash_threads()) as pool:
-        problems += [p for p in pool.map(check, jobs[rank::world_size]) if p]
+        problems += [p for p in pool.map(check, jobs if quick else jobs[rank::world_size]) if p]
     return problems
 
 

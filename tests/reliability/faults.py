@@ -14,6 +14,11 @@ BASE = [
     "--lr_scheduler.warmup_steps", "2", "--training.gc_freq", "0",
 ]  # fmt: skip
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "2"]
+# A model of one small layer (its checkpoints are ~5 MB), for tests that copy a checkpoint per case.
+TINY = [
+    "--model.flavor", "custom", "--model.dim", "32", "--model.n_layers", "1", "--model.n_heads", "2",
+    "--model.n_kv_heads", "1", "--model.vocab_size", "8192", "--model.tie_embeddings", "tied",
+]  # fmt: skip
 
 
 def run_args(dump: Path, name: str, steps: int, *extra: str) -> list[str]:

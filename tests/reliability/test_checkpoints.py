@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from faults import CKPT, assert_one_line, build, run_args, snapshot, train
+from faults import CKPT, TINY, assert_one_line, build, run_args, snapshot, train
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from titanrush import checkpoint_integrity as integrity
@@ -113,6 +113,157 @@ def test_flipped_bytes_are_corrupt_named_and_nothing_is_read_or_touched(copy, ta
         ConfigError, match=rf"resume from {ck}/step-2 with --checkpoint.load_path {ck}/step-2"
     ):
         build(run_args(copy.parent, "other", 8, "--checkpoint.load_path", str(ck / "step-4.bad")))
+
+
+REC, INFO, SHARD = integrity.RECORD_FILE, "titanrush.json", "__0_0.distcp"
+
+
+def _edit(name: str, change, *, record: bool = False):
+    """A damage that rewrites the step folder's JSON file `name` as change(its data) returns it; with
+    `record`, the integrity record is made anew after it (the file as recorded: only its shape is wrong)."""
+
+    def damage(step: Path) -> None:
+        (step / name).write_text(json.dumps(change(json.loads((step / name).read_text()))))
+        if record:
+            integrity.record_folder(step)
+
+    return damage
+
+
+def _files(change):
+    """An edit of the record's files ({name: entry}) as an edit of the record."""
+    return _edit(REC, lambda rec: {**rec, "files": change(rec["files"])})
+
+
+def _shard(change):
+    """An edit of the shard's entry in the record."""
+    return _files(lambda files: {**files, SHARD: change(files[SHARD])})
+
+
+def _cut(name: str, keep: float = 0.5):
+    def damage(step: Path) -> None:
+        data = (step / name).read_bytes()
+        (step / name).write_bytes(data[: int(len(data) * keep)])
+
+    return damage
+
+
+def _garbage(name: str, *, same_size: bool = False, record: bool = False):
+    def damage(step: Path) -> None:
+        size = (step / name).stat().st_size if same_size else 20
+        (step / name).write_bytes((b"\x00\xffnot json " * size)[:size])
+        if record:
+            integrity.record_folder(step)
+
+    return damage
+
+
+def _unrecorded(damage):
+    """The damage done to a checkpoint without an integrity record (as `titanrush convert` writes)."""
+
+    def without(step: Path) -> None:
+        (step / REC).unlink()
+        _edit(INFO, lambda info: {k: v for k, v in info.items() if k != "integrity"})(step)
+        damage(step)
+
+    return without
+
+
+# {case: (the damage done to step-4, what the refusal says of the file)}
+DAMAGE = {
+    "record-truncated": (_cut(REC), "integrity.json is not valid JSON ("),
+    "record-empty": (_cut(REC, 0), "integrity.json is empty (0 bytes)"),
+    "record-garbage": (_garbage(REC), "integrity.json is not valid JSON"),
+    "record-a-list": (_edit(REC, lambda rec: [rec]), "integrity.json is not a JSON object (it holds a list)"),
+    "record-without-files": (
+        _edit(REC, lambda rec: {k: v for k, v in rec.items() if k != "files"}),
+        "integrity.json is not a titanrush integrity record (it lacks 'files')",
+    ),
+    "record-files-a-list": (_files(list), "integrity.json has files ["),
+    "record-entry-without-size": (
+        _shard(lambda e: {"crc32": e["crc32"]}),
+        "integrity.json lacks the size of ",
+    ),
+    "record-size-a-string": (
+        _shard(lambda e: {**e, "size": str(e["size"])}),
+        f'integrity.json gives {SHARD} the size "',
+    ),
+    "record-checksum-missing": (
+        _shard(lambda e: {**e, "crc32": e["crc32"][:-1]}),
+        f"crc32 checksum(s) for {SHARD}, not",
+    ),
+    "record-names-a-path": (
+        _files(lambda files: {**files, "../../config.toml": files[INFO]}),
+        "integrity.json lists '../../config.toml', which is not a file name of the checkpoint folder",
+    ),
+    "record-without-the-shard": (
+        _files(lambda files: {k: v for k, v in files.items() if k != SHARD}),
+        f"{SHARD} is not in integrity.json",
+    ),
+    "info-truncated": (_cut(INFO), "titanrush.json has "),
+    "info-garbage-recorded": (_garbage(INFO, record=True), "titanrush.json is not valid JSON"),
+    "info-a-list-recorded": (
+        _edit(INFO, lambda info: [info], record=True),
+        "titanrush.json is not a JSON object (it holds a list)",
+    ),
+    "info-step-a-string-recorded": (
+        _edit(INFO, lambda info: {**info, "step": "four"}, record=True),
+        'titanrush.json has step "four" (a string), not a whole number',
+    ),
+    "info-model-only-a-string-recorded": (
+        _edit(INFO, lambda info: {**info, "model_only": "no"}, record=True),
+        'titanrush.json has model_only "no" (a string), not true or false',
+    ),
+    "info-dim-a-string-recorded": (
+        _edit(INFO, lambda info: {**info, "model_args": {**info["model_args"], "dim": "256"}}, record=True),
+        'titanrush.json has model_args.dim "256" (a string), not a whole number',
+    ),
+    "metadata-truncated": (_cut(".metadata"), ".metadata has "),
+    "metadata-garbage": (_garbage(".metadata", same_size=True), ".metadata bytes 0-"),
+    "metadata-truncated-unrecorded": (_unrecorded(_cut(".metadata")), ".metadata cannot be read (Unpickling"),
+    "metadata-empty-unrecorded": (_unrecorded(_cut(".metadata", 0)), ".metadata cannot be read (EOFError"),
+    "shard-truncated": (_cut(SHARD), f"{SHARD} has "),
+    "shard-empty": (_cut(SHARD, 0), f"{SHARD} has 0 bytes, the record says "),
+    "shard-truncated-unrecorded": (_unrecorded(_cut(SHARD)), ".metadata places data up to byte"),
+    "shard-empty-unrecorded": (_unrecorded(_cut(SHARD, 0)), f"{SHARD} has 0 bytes, .metadata places data"),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """As `saved` (full checkpoints at steps 2 and 4 of 8), of the TINY model: a fast copy per case."""
+    dump = tmp_path_factory.mktemp("tiny")
+    train(run_args(dump, "src", 8, *CKPT, *TINY), stop_at=4)
+    return dump / "src"
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_damaged_files_are_refused_as_corrupt_in_one_line_touching_nothing(
+    tiny, tmp_path, case, capsys, no_tensor_read
+):
+    """Each small file edited by hand (cut short, not JSON, JSON of another shape) and each data file cut
+    short: a resume and `--check` refuse the checkpoint with exit status 2 and one line that names the
+    file and what to do, before any tensor is read and without changing a file of the run."""
+    run = shutil.copytree(tiny, tmp_path / "src")
+    damage, said = DAMAGE[case]
+    step = run / "checkpoint" / "step-4"
+    damage(step)
+    before = _files_of(run)
+    capsys.readouterr()  # (what set-up logged, where an earlier test set the console up)
+    for check in ([], ["--check"]):
+        assert main(run_args(tmp_path, "src", 8, *CKPT, *TINY, *check)) == 2, check
+        err = capsys.readouterr().err.strip()
+        assert_one_line(err)
+        assert err.startswith(f"titanrush: config error: checkpoint {step} is corrupt: "), err
+        assert said in err, err
+        advice = "resume from step-2, the newest earlier complete checkpoint, by moving this one aside"
+        assert err.endswith(f"; {advice} (mv {step} {step}.bad) or deleting it"), err
+        assert _files_of(run) == before  # nothing moved, deleted or rewritten in the run folder
+
+
+def _files_of(run: Path) -> dict[str, tuple[int, int]]:
+    """snapshot(run) but the run's lock file, which each launch takes (and rewrites) and releases."""
+    return {k: v for k, v in snapshot(run).items() if k != ".lock"}
 
 
 # --------------------------------------------------------------------------------------------------
