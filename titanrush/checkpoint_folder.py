@@ -469,6 +469,11 @@ def check_folder(path: Path, *, own: bool, model_only: bool, steps: int | None) 
     if not path.is_dir():
         what = "is a file, not a folder" if path.exists() else "does not exist"
         raise ConfigError(f"checkpoint folder {path} {what}; check checkpoint.load_path")
+    if (path / "config.json").exists() and not (path / INFO_FILE).exists():
+        raise ConfigError(
+            f"{path} is a Hugging Face model folder, not a titanrush checkpoint: import it first (titanrush "
+            f"convert --from-hf {path} OUT_DIR) and start from OUT_DIR (titanrush convert prints the flags)"
+        )
     state = inspect(path)
     if not state.complete:
         raise ConfigError(

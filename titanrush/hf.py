@@ -22,7 +22,7 @@ import torch.distributed.checkpoint as dcp
 
 from titanrush import hf_mapping
 from titanrush.checkpoint_compat import RUNTIME_ARGS, model_arg_differences
-from titanrush.checkpoint_folder import summarize
+from titanrush.checkpoint_folder import data_problems, read_info, summarize
 from titanrush.checkpoint_integrity import read_record, verify
 from titanrush.config import ConfigError
 from titanrush.hf_mapping import first_few
@@ -179,7 +179,12 @@ def _info_args(info_file: Path) -> tuple[ModelArgs, dict[str, Any]]:
 
     A Llama 4 checkpoint (its arguments name `n_experts`) gives Llama4Args.
     """
-    info = read_json(info_file)
+    try:
+        info = read_info(info_file.parent)  # (its shape checked, as a resume checks it)
+    except ValueError as e:
+        raise ConfigError(f"checkpoint {info_file.parent} is corrupt: {e}; use another step") from None
+    if info is None:
+        raise ConfigError(f"{info_file} does not exist; pass a titanrush checkpoint (a step-<N> folder)")
     hf_mapping.check_finite(info, str(info_file))
     try:
         saved = info["model_args"]
@@ -345,7 +350,7 @@ def _verify(path: Path) -> None:
         record = read_record(path)
     except ValueError as e:
         raise ConfigError(f"checkpoint {path} is corrupt: {e}; use another step") from None
-    problems = verify(path, record) if record is not None else []
+    problems = verify(path, record) if record is not None else data_problems(path)
     if problems:
         raise ConfigError(f"checkpoint {path} is corrupt: {summarize(problems)}; use another step")
 

@@ -453,7 +453,7 @@ def test_damaged_checkpoints_and_existing_outputs_are_refused(tmp_path, capsys):
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2 : len(raw) // 2 + 4] = bytes(4 * [0x7F])  # (a weight's bytes: DCP reads them fine)
     data.write_bytes(bytes(raw))
-    (cut / "integrity.json").unlink()  # a folder with no record: DCP's own failure must be caught
+    (cut / "integrity.json").unlink()  # a folder with no record: the shard's length against .metadata
     with open(next(cut.glob("*.distcp")), "r+b") as f:
         f.truncate(1000)
     cases = [
@@ -463,7 +463,7 @@ def test_damaged_checkpoints_and_existing_outputs_are_refused(tmp_path, capsys):
             ["--checkpoint", str(flipped), "--prompt", "x", "--max-new-tokens", "1"],
             "is corrupt",
         ),
-        (convert.main, ["--to-hf", str(cut), str(tmp_path / "b")], "truncated, missing or unreadable"),
+        (convert.main, ["--to-hf", str(cut), str(tmp_path / "b")], "__0_0.distcp has 1,000 bytes"),
         (convert.main, ["--to-pt", str(good), str(tmp_path / "run" / "config.toml")], "exists"),
         (convert.main, ["--to-hf", str(good), str(good)], "not empty"),
     ]

@@ -199,3 +199,37 @@ def test_to_pt_into_a_folder_writes_model_pt_there(tmp_path, made, capsys):
     assert convert.main(["--to-pt", str(made["step"]), str(written.parent)]) == 2
     assert f"{written} exists: export to a new path" in one_error_line(capsys, "convert")
     assert written.read_bytes() == b"keep me"
+
+
+def _dim_a_string(step: Path) -> None:
+    info = json.loads((step / "titanrush.json").read_text())
+    info["model_args"]["dim"] = str(info["model_args"]["dim"])
+    (step / "titanrush.json").write_text(json.dumps(info))
+
+
+def _shard_cut(step: Path) -> None:
+    shard = next(step.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [(_dim_a_string, 'titanrush.json has model_args.dim "64" (a string), not a whole number'),
+     (_shard_cut, "has 1,000 bytes, .metadata places data up to byte")],
+    ids=["dim_a_string", "shard_cut"],
+)  # fmt: skip
+def test_a_damaged_checkpoint_without_a_record_is_corrupt_for_the_tools(
+    tmp_path, made, capsys, damage, message
+):
+    """Without an integrity record (a copy that lost it, an import), the tools check titanrush.json's shape
+    and the shards' lengths as a resume does."""
+    step = shutil.copytree(made["step"], tmp_path / "step-3")
+    (step / "integrity.json").unlink(missing_ok=True)
+    damage(step)
+    before = snapshot(step)
+    for tool, argv in [("generate", ["--checkpoint", str(step), "--prompt", "x", "--max-new-tokens", "1"]),
+                       ("convert", ["--to-pt", str(step), str(tmp_path / "m.pt")])]:  # fmt: skip
+        assert (convert if tool == "convert" else generate).main(argv) == 2
+        err = one_error_line(capsys, tool)
+        assert f"checkpoint {step} is corrupt: " in err and message in err, err
+    assert snapshot(step) == before and not (tmp_path / "m.pt").exists()

@@ -52,6 +52,11 @@ def test_a_runnable_config_passes_and_writes_no_run_folder(tmp_path, capsys):
         (["--job.dump_folder", "{tmp}/file.txt"], "choose another job.dump_folder"),
         (["--job.dump_folder", "{tmp}/used"], "{tmp}/used/job/.lock is not a file (a folder, a link, a pipe"),
         (["--data.tokenizer", "{tmp}/fifo"], "is not a regular file (a pipe or a device); pass a file"),
+        (
+            ["--checkpoint.load_path", "{tmp}/hf"],
+            "{tmp}/hf is a Hugging Face model folder, not a titanrush"
+            " checkpoint: import it first (titanrush convert --from-hf {tmp}/hf OUT_DIR)",
+        ),
     ],
     ids=[
         "data",
@@ -64,6 +69,7 @@ def test_a_runnable_config_passes_and_writes_no_run_folder(tmp_path, capsys):
         "dump",
         "lock_folder",
         "tokenizer_fifo",
+        "load_hf",
     ],  # fmt: skip
 )
 def test_what_the_run_would_refuse_at_start_is_refused_by_check(tmp_path, capsys, extra, named):
@@ -72,6 +78,8 @@ def test_what_the_run_would_refuse_at_start_is_refused_by_check(tmp_path, capsys
     (tmp_path / "run" / "checkpoint" / "step-2").mkdir(parents=True)
     (tmp_path / "used" / "job" / ".lock").mkdir(parents=True)  # (a folder where the lock file goes)
     os.mkfifo(tmp_path / "fifo")  # (reading it would wait forever for a writer)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")  # (a Hugging Face folder: import it first)
     err = refused(tmp_path, capsys, "--data.dataset", "synthetic", *[a.format(tmp=tmp_path) for a in extra])
     assert named.format(tmp=tmp_path) in err, err
 
