@@ -32,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from titanrush.checkpoint_integrity import RECORD_FILE, read_record, verify, whole
+from titanrush.checkpoint_integrity import RECORD_FILE, read_checked_json, read_record, verify, whole
 from titanrush.config import ConfigError
 from titanrush.distributed import all_ranks
 from titanrush.models.llama import ModelArgs
@@ -69,21 +69,7 @@ def read_info(path: Path) -> dict[str, Any] | None:
         ValueError: titanrush.json exists but cannot be read, is not JSON or not of this shape; the message
             starts with the file's name and says what is wrong.
     """
-    try:
-        text = (path / INFO_FILE).read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        raise ValueError(f"{INFO_FILE} cannot be read ({e.strerror or e})") from e
-    if not text.strip():
-        raise ValueError(f"{INFO_FILE} is empty ({len(text)} bytes)")
-    try:
-        info = json.loads(text)
-    except ValueError as e:  # (JSONDecodeError and UnicodeDecodeError)
-        raise ValueError(f"{INFO_FILE} is not valid JSON ({e})") from e
-    if problem := info_problem(info):
-        raise ValueError(f"{INFO_FILE} {problem}")
-    return info
+    return read_checked_json(path / INFO_FILE, info_problem)
 
 
 # titanrush.json's fields that loading reads, and their types (each may be absent: older saves, imports).

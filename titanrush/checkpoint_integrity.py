@@ -25,7 +25,7 @@ import re
 import threading
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -114,21 +114,27 @@ def read_record(folder: Path) -> dict[str, Any] | None:
             the message starts with the file's name and says what is wrong (the caller calls the
             checkpoint corrupt).
     """
+    return read_checked_json(folder / RECORD_FILE, record_problem)
+
+
+def read_checked_json(path: Path, problem_of: Callable[[Any], str]) -> Any:
+    """The JSON in path, None where there is no such file; `problem_of(value)` says what is wrong with
+    its shape ('' for nothing). Raises ValueError starting with the file's name otherwise."""
     try:
-        text = (folder / RECORD_FILE).read_bytes()
+        text = path.read_bytes()
     except FileNotFoundError:
         return None
     except OSError as e:
-        raise ValueError(f"{RECORD_FILE} cannot be read ({e.strerror or e})") from e
+        raise ValueError(f"{path.name} cannot be read ({e.strerror or e})") from e
     if not text.strip():
-        raise ValueError(f"{RECORD_FILE} is empty ({len(text)} bytes)")
+        raise ValueError(f"{path.name} is empty ({len(text)} bytes)")
     try:
-        record = json.loads(text)
+        value = json.loads(text)
     except ValueError as e:  # (JSONDecodeError and UnicodeDecodeError)
-        raise ValueError(f"{RECORD_FILE} is not valid JSON ({e})") from e
-    if problem := record_problem(record):
-        raise ValueError(f"{RECORD_FILE} {problem}")
-    return record
+        raise ValueError(f"{path.name} is not valid JSON ({e})") from e
+    if problem := problem_of(value):
+        raise ValueError(f"{path.name} {problem}")
+    return value
 
 
 def whole(value: Any) -> bool:
