@@ -257,8 +257,9 @@ def test_the_launch_environment_gives_the_ranks():
 def test_a_model_too_large_for_the_host_is_one_line_with_the_fix(tmp_path, capsys):
     from titanrush import train
 
-    # a 1e11-token table of width 256 cannot be allocated on any host: the trainer says so, no traceback
-    argv = ["--model.vocab_size", "100000000000", "--job.dump_folder", str(tmp_path), "--training.steps", "1"]
+    # a 4e9-token table of width 256 (4 TB, within the config's bound on one weight) cannot be allocated
+    # on this host: the trainer says so, no traceback
+    argv = ["--model.vocab_size", "4000000000", "--job.dump_folder", str(tmp_path), "--training.steps", "1"]
     assert train.main(argv) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(
