@@ -59,11 +59,11 @@ if [ -z "${OMP_NUM_THREADS:-}" ]; then
   export OMP_NUM_THREADS
 fi
 
-# titanrush.launch is torchrun ending with the workers' exit status (2, 3, 128 + N) and one line.
+# titanrush.run.launch is torchrun ending with the workers' exit status (2, 3, 128 + N) and one line.
 if [ "$NNODES" = "1" ]; then
-  exec "$PYTHON" -m titanrush.launch --standalone --nproc_per_node="$NGPU" -m titanrush.train "$@"
+  exec "$PYTHON" -m titanrush.run.launch --standalone --nproc_per_node="$NGPU" -m titanrush.train "$@"
 fi
 ENDPOINT=${RDZV_ENDPOINT:-$MASTER_ADDR:${MASTER_PORT:-29500}}
-exec "$PYTHON" -m titanrush.launch --nnodes="$NNODES" --node_rank="$NODE_RANK" \
+exec "$PYTHON" -m titanrush.run.launch --nnodes="$NNODES" --node_rank="$NODE_RANK" \
   --nproc_per_node="$NGPU" --rdzv_backend=c10d --rdzv_endpoint="$ENDPOINT" --rdzv_id="${RDZV_ID:-titanrush}" \
   -m titanrush.train "$@"

@@ -695,8 +695,10 @@ def _read_toml(
 
 def _longest_number(path: Path, text: str) -> str:
     """`path:line` of the line with the longest run of digits (the integer tomllib could not read)."""
-    runs = [(max(map(len, re.findall(r"[0-9A-Fa-f_]+", line)), default=0), n)
-            for n, line in enumerate(text.splitlines(), 1)]  # fmt: skip
+    runs = [
+        (max(map(len, re.findall(r"[0-9A-Fa-f_]+", line)), default=0), n)
+        for n, line in enumerate(text.splitlines(), 1)
+    ]
     return f"{path}:{max(runs)[1]}" if runs else str(path)
 
 
@@ -777,8 +779,8 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
 def load(config_path: str | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Build the job config: dataclass defaults, then the TOML file, then command-line overrides.
 
-    Keys and types are checked here; values and their combinations by `titanrush.validate` (which
-    `titanrush.plan.build_plan` runs).
+    Keys and types are checked here; values and their combinations by `titanrush.run.validate` (which
+    `titanrush.run.plan.build_plan` runs).
     """
     cfg = JobConfig()
     if config_path is not None and not str(config_path).strip():
@@ -800,8 +802,12 @@ def load(config_path: str | None = None, overrides: list[str] | None = None) -> 
 
 # Keys naming a file or folder where a leading `~` means the home folder (data.path, data.tokenizer and
 # data.cache_dir are expanded where they are read: each item of a list, a tokenizer name that is no path).
-HOME_PATHS = (("job", "dump_folder"), ("checkpoint", "folder"), ("checkpoint", "load_path"),
-              ("model", "from_checkpoint"))  # fmt: skip
+HOME_PATHS = (
+    ("job", "dump_folder"),
+    ("checkpoint", "folder"),
+    ("checkpoint", "load_path"),
+    ("model", "from_checkpoint"),
+)
 
 
 @contextlib.contextmanager

@@ -187,7 +187,7 @@ def _peak(a: DeviceMemory, b: DeviceMemory | None) -> DeviceMemory:
 class MetricsLogger:
     """One console line, one metrics.jsonl object and TensorBoard scalars per logged step.
 
-    Every row carries the run's `attempt` (see `titanrush.run_dir`); TensorBoard writes under
+    Every row carries the run's `attempt` (see `titanrush.run.run_dir`); TensorBoard writes under
     `tb/attempt-<n>/`. Numbers that are not finite are written as null (JSON has no NaN) and skipped in
     TensorBoard; the console shows them as they are.
     """

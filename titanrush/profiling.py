@@ -173,8 +173,19 @@ def record(name: str) -> Iterator[None]:
 
 # -- The timeline of a trace file: compute, exposed communication, idle ----------------------------------
 
-_COMM = ("nccl", "all_gather", "allgather", "reduce_scatter", "reducescatter", "all_reduce", "allreduce",
-         "all_to_all", "alltoall", "sendrecv", "c10d")  # fmt: skip
+_COMM = (
+    "nccl",
+    "all_gather",
+    "allgather",
+    "reduce_scatter",
+    "reducescatter",
+    "all_reduce",
+    "allreduce",
+    "all_to_all",
+    "alltoall",
+    "sendrecv",
+    "c10d",
+)
 _COPY = ("memcpy", "memset")
 
 
@@ -224,8 +235,13 @@ def _window(trace: dict[str, Any] | list[dict[str, Any]]) -> tuple[list, list, l
         raise ValueError("the trace has no GPU kernels (a CPU run, or not a torch.profiler trace)")
     if launched := _launched(events, kernels):
         return events, kernels, _union(launched), len(launched)
-    steps = [e for e in events if e.get("ph") == "X" and e.get("cat") == "gpu_user_annotation"
-             and str(e.get("name", "")).startswith("ProfilerStep#")]  # fmt: skip
+    steps = [
+        e
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") == "gpu_user_annotation"
+        and str(e.get("name", "")).startswith("ProfilerStep#")
+    ]
     if steps:
         span = _union([_ends(e) for e in steps])
     else:
@@ -240,11 +256,19 @@ def _launched(events: list[dict[str, Any]], kernels: list[dict[str, Any]]) -> li
     lacks either. (The GPU's own `ProfilerStep#N` ranges end where a nested range such as the optimizer's
     `Optimizer.step` begins its kernels, and so leave out a step's last kernels.)"""
 
-    host = [_ends(e) for e in events if e.get("ph") == "X" and e.get("cat") == "user_annotation"
-            and str(e.get("name", "")).startswith("ProfilerStep#")]  # fmt: skip
+    host = [
+        _ends(e)
+        for e in events
+        if e.get("ph") == "X"
+        and e.get("cat") == "user_annotation"
+        and str(e.get("name", "")).startswith("ProfilerStep#")
+    ]
     runtime = ("cuda_runtime", "cuda_driver")
-    calls = {e["args"]["correlation"]: float(e["ts"]) for e in events
-             if e.get("cat") in runtime and "correlation" in e.get("args", {})}  # fmt: skip
+    calls = {
+        e["args"]["correlation"]: float(e["ts"])
+        for e in events
+        if e.get("cat") in runtime and "correlation" in e.get("args", {})
+    }
     out = []
     for lo, hi in sorted(host):
         mine = [_ends(k) for k in kernels if lo <= calls.get(k.get("args", {}).get("correlation"), -1) <= hi]
@@ -375,8 +399,14 @@ def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> li
     return out
 
 
-_MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::_scaled_mm",
-               "aten::_grouped_mm")  # fmt: skip
+_MATMUL_OPS = (
+    "aten::mm",
+    "aten::addmm",
+    "aten::bmm",
+    "aten::matmul",
+    "aten::_scaled_mm",
+    "aten::_grouped_mm",
+)
 
 
 def kernels(trace: dict[str, Any] | list[dict[str, Any]]) -> dict[str, tuple[float, float]]:

@@ -111,10 +111,10 @@ def out_of_memory(e: BaseException) -> str | None:
 
 def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
     from titanrush import distributed
-    from titanrush.nonfinite import NonFiniteError
-    from titanrush.plan import build_plan
-    from titanrush.preflight import check_files
-    from titanrush.signals import end_with_launcher
+    from titanrush.run.nonfinite import NonFiniteError
+    from titanrush.run.plan import build_plan
+    from titanrush.run.preflight import check_files
+    from titanrush.run.signals import end_with_launcher
     from titanrush.trainer import Trainer
 
     say = (

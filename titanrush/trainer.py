@@ -1,7 +1,7 @@
 """The trainer: builds everything from the config in one documented order, then runs the loop.
 
 Build order (each step only sees the values it needs):
- 0. the run plan (`titanrush.plan.build_plan`): every check that needs no allocation, and every
+ 0. the run plan (`titanrush.run.plan.build_plan`): every check that needs no allocation, and every
     decision of the run, so bad input fails before anything is built or written
  1. the device, the process group and the DeviceMesh; the run folder checked (not yet written)
  2. the tokenizer, the model on the meta device -> (pipeline stages ->) parallelize_llama (float8 -> TP ->
@@ -11,9 +11,9 @@ Build order (each step only sees the values it needs):
  4. the run folder written (config.toml) as this run's attempt, metrics (console, metrics.jsonl,
     TensorBoard), the profiler
 
-The loop's safeguards live in small modules: `titanrush.nonfinite` (a non-finite step stops the run or
-is skipped, and is never saved), `titanrush.signals` (SIGTERM/SIGINT stop at a step boundary all ranks
-agree on, after a checkpoint), `titanrush.run_dir` (the folder's lock and attempts).
+The loop's safeguards live in small modules: `titanrush.run.nonfinite` (a non-finite step stops the run or
+is skipped, and is never saved), `titanrush.run.signals` (SIGTERM/SIGINT stop at a step boundary all ranks
+agree on, after a checkpoint), `titanrush.run.run_dir` (the folder's lock and attempts).
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 from titanrush import config as cfgmod
-from titanrush import distributed, run_dir
-from titanrush.checkpoint import CheckpointManager
+from titanrush import distributed
+from titanrush.checkpoint.manager import CheckpointManager
 from titanrush.config import JobConfig
 from titanrush.data import build_dataloader, build_tokenizer
 from titanrush.metrics import (
@@ -57,16 +57,17 @@ from titanrush.models.llama.parallelize import parallelize_llama
 from titanrush.models.llama.pipeline import PipelinedLlama, pipeline_llama
 from titanrush.models.llama4 import Llama4, Llama4Args
 from titanrush.models.llama4.balance import ExpertBalance
-from titanrush.nonfinite import NonFiniteError, NonFiniteGuard, poison
 from titanrush.optim import build_lr_scheduler, build_optimizer
 from titanrush.parallel.activation_offload import ActivationOffloader, bind_near_gpu
 from titanrush.parallel.context_parallel import cp_step_context, set_rotate_method
 from titanrush.parallel.float8 import precompute_float8_scales
 from titanrush.parallel.grad_clip import clip_grad_norm_
-from titanrush.plan import RunPlan, build_plan, describe_mesh
-from titanrush.preflight import checkpoint_info
 from titanrush.profiling import Profiler
-from titanrush.signals import StopSignals, stop_message
+from titanrush.run import run_dir
+from titanrush.run.nonfinite import NonFiniteError, NonFiniteGuard, poison
+from titanrush.run.plan import RunPlan, build_plan, describe_mesh
+from titanrush.run.preflight import checkpoint_info
+from titanrush.run.signals import StopSignals, stop_message
 
 logger = logging.getLogger("titanrush")
 
@@ -158,9 +159,12 @@ class Trainer:
         # DTensors sharded over the vocabulary, reduced over the shards by their own function. It is a sum:
         # the step divides it by its global count of valid tokens.
         self.loss_fn = (
-            vocab_parallel_cross_entropy_sum if plan.vocab_parallel_loss
-            else torch.compile(cross_entropy_sum) if plan.compiled_loss else cross_entropy_sum
-        )  # fmt: skip
+            vocab_parallel_cross_entropy_sum
+            if plan.vocab_parallel_loss
+            else torch.compile(cross_entropy_sum)
+            if plan.compiled_loss
+            else cross_entropy_sum
+        )
         self._norm = torch.ones((), device=self.device)  # the pipeline loss's divisor of the current step
         self.guard = NonFiniteGuard(cfg.training.on_nonfinite, cfg.training.max_skips)
         self.signals = StopSignals()  # (every rank: it may create a process group)
@@ -170,13 +174,22 @@ class Trainer:
         # 3. Optimizer, schedule, data, checkpoints.
         o, s = cfg.optimizer, cfg.lr_scheduler
         self.optimizer = build_optimizer(
-            model.parameters(), name=o.name, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-            weight_decay=o.weight_decay, implementation=o.implementation,
-        )  # fmt: skip
+            model.parameters(),
+            name=o.name,
+            lr=o.lr,
+            betas=(o.beta1, o.beta2),
+            eps=o.eps,
+            weight_decay=o.weight_decay,
+            implementation=o.implementation,
+        )
         self.scheduler = build_lr_scheduler(
-            self.optimizer, warmup_steps=s.warmup_steps, total_steps=cfg.training.steps, decay=s.decay,
-            decay_ratio=s.decay_ratio, min_lr_factor=s.min_lr_factor,
-        )  # fmt: skip
+            self.optimizer,
+            warmup_steps=s.warmup_steps,
+            total_steps=cfg.training.steps,
+            decay=s.decay,
+            decay_ratio=s.decay_ratio,
+            min_lr_factor=s.min_lr_factor,
+        )
         marks.append(("optimizer", time.perf_counter()))
         self.loader_args = dict(
             tokenizer=self.tokenizer,
@@ -224,12 +237,19 @@ class Trainer:
         self.memory = MemoryMonitor(self.device)
         pr = cfg.profiling
         self.profiler = Profiler(
-            self.run_dir, enable=pr.enable, freq=pr.freq, active=pr.active_steps, rank=self.rank,
-            memory_snapshot=pr.memory_snapshot, all_ranks=pr.all_ranks, start_step=self.step,
-        )  # fmt: skip
+            self.run_dir,
+            enable=pr.enable,
+            freq=pr.freq,
+            active=pr.active_steps,
+            rank=self.rank,
+            memory_snapshot=pr.memory_snapshot,
+            all_ranks=pr.all_ranks,
+            start_step=self.step,
+        )
         self._log_checkpoint_records()  # the load time of a resume
-        self.peak = resolve_peak(self.device, configured=cfg.metrics.peak_tflops, precision=plan.precision,
-                                 float8=plan.float8)  # fmt: skip
+        self.peak = resolve_peak(
+            self.device, configured=cfg.metrics.peak_tflops, precision=plan.precision, float8=plan.float8
+        )
         marks.append(("checkpoint, metrics, profiler", time.perf_counter()))
         log_header(
             cfg.model.flavor, plan, describe_mesh(plan), self.n_params, self.flops_per_token, self.run_dir
@@ -461,9 +481,15 @@ class Trainer:
             total, count = self._global_sum(sums).tolist()
         self.model.train()
         loss = total / max(count, 1.0)
-        self.metrics.log(self.step, {"val_loss": loss, "val_ppl": math.exp(min(loss, 50.0)),
-                                     "val_time_s": time.perf_counter() - t0,
-                                     "val_mem_active_gib": mem[0].mem_active_gib})  # fmt: skip
+        self.metrics.log(
+            self.step,
+            {
+                "val_loss": loss,
+                "val_ppl": math.exp(min(loss, 50.0)),
+                "val_time_s": time.perf_counter() - t0,
+                "val_mem_active_gib": mem[0].mem_active_gib,
+            },
+        )
         return loss
 
     def _log_checkpoint_records(self) -> None:

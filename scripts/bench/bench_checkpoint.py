@@ -47,17 +47,40 @@ def launch(name: str, args: list[str], a: argparse.Namespace) -> tuple[dict, lis
 
 def save_args(mode: str, a: argparse.Namespace) -> list[str]:
     """3 steps, a full checkpoint at step 2 in this mode, a model-only bf16 one at step 3."""
-    return ["--config", a.config, *a.extra, "--training.steps", str(SAVE_STEP + 1), "--checkpoint.enable",
-            "--checkpoint.interval", str(SAVE_STEP), "--checkpoint.async_mode", mode, "--checkpoint.folder",
-            str(a.folder / f"save_{mode}"), "--checkpoint.keep_latest_k", "0",
-            "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16"]  # fmt: skip
+    return [
+        "--config",
+        a.config,
+        *a.extra,
+        "--training.steps",
+        str(SAVE_STEP + 1),
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        str(SAVE_STEP),
+        "--checkpoint.async_mode",
+        mode,
+        "--checkpoint.folder",
+        str(a.folder / f"save_{mode}"),
+        "--checkpoint.keep_latest_k",
+        "0",
+        "--checkpoint.last_save_model_only",
+        "--checkpoint.export_dtype",
+        "bfloat16",
+    ]
 
 
 def resume_args(source: Path, a: argparse.Namespace) -> list[str]:
     """The checkpoint at `source` under the resume's mesh, resume_steps more steps, no saves."""
-    return ["--config", a.config, *a.extra, *shlex.split(a.resume_overrides), "--training.steps",
-            str(SAVE_STEP + a.resume_steps), "--no-checkpoint.enable", "--checkpoint.load_path",
-            str(source)]  # fmt: skip
+    return [
+        "--config",
+        a.config,
+        *a.extra,
+        *shlex.split(a.resume_overrides),
+        "--training.steps",
+        str(SAVE_STEP + a.resume_steps),
+        "--no-checkpoint.enable",
+        "--checkpoint.load_path",
+        str(source),
+    ]
 
 
 def main() -> int:
@@ -90,8 +113,13 @@ def main() -> int:
         ckpt = a.folder / f"save_{mode}" / f"step-{SAVE_STEP}"
         if rec is not None and ckpt.is_dir():
             size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / 2**30
-            row.update(mode=mode, blocking_s=rec["ckpt_blocking_s"], save_s=rec["ckpt_save_s"], size_gib=size,
-                       record_s=rec.get("ckpt_integrity_s"))  # fmt: skip
+            row.update(
+                mode=mode,
+                blocking_s=rec["ckpt_blocking_s"],
+                save_s=rec["ckpt_save_s"],
+                size_gib=size,
+                record_s=rec.get("ckpt_integrity_s"),
+            )
             source = ckpt
         elif row["status"] == "ok":
             row["status"] = f"no checkpoint of step {SAVE_STEP} logged"
@@ -102,8 +130,14 @@ def main() -> int:
         steps = [r["step"] for r in metrics if "loss" in r]
         if row["status"] == "ok" and steps[:1] != [SAVE_STEP + 1]:
             row["status"] = f"resumed at steps {steps}, expected {SAVE_STEP + 1}.."
-        rows.append({"mode": f"resume from {source.parent.name}", "load_s": load.get("ckpt_load_s"),
-                     "verify_s": load.get("ckpt_verify_s"), **row})  # fmt: skip
+        rows.append(
+            {
+                "mode": f"resume from {source.parent.name}",
+                "load_s": load.get("ckpt_load_s"),
+                "verify_s": load.get("ckpt_verify_s"),
+                **row,
+            }
+        )
     if not a.keep:
         for mode in modes:
             shutil.rmtree(a.folder / f"save_{mode}", ignore_errors=True)
@@ -115,13 +149,18 @@ def main() -> int:
     for r in rows:  # the integrity record's share: checksums written inside the save, checked inside the load
         if r.get("record_s") is not None and r.get("save_s"):
             r["record_pct"] = 100 * r["record_s"] / r["save_s"]
-    lines = ["| mode | checkpoint GiB | training blocked s | save complete s | of it record s | record % "
-             "| load s | of it verify s | status |", "|---|" + "---:|" * 7 + "---|"]  # fmt: skip
+    lines = [
+        "| mode | checkpoint GiB | training blocked s | save complete s | of it record s | record % "
+        "| load s | of it verify s | status |",
+        "|---|" + "---:|" * 7 + "---|",
+    ]
     keys = ("size_gib", "blocking_s", "save_s", "record_s", "record_pct", "load_s", "verify_s")
     lines += ["| " + " | ".join([r["mode"], *(f(r, k) for k in keys), r["status"]]) + " |" for r in rows]
     resumed = f"resumed with {a.resume_overrides}" if a.resume_steps > 0 else "no resume"
-    header = (f"{env['date']}, {a.ngpu} x {env['device']}, torch {env['torch']}, commit {env['commit']}; "
-              f"{shlex.join([a.config, *a.extra])}; {resumed}")  # fmt: skip
+    header = (
+        f"{env['date']}, {a.ngpu} x {env['device']}, torch {env['torch']}, commit {env['commit']}; "
+        f"{shlex.join([a.config, *a.extra])}; {resumed}"
+    )
     commands = "\n".join(f"- {r['name']}: `{r['command']}`" for r in rows)
     (a.out / "results.md").write_text(f"{header}\n\n" + "\n".join(lines) + f"\n\nCommands:\n\n{commands}\n")
     with open(a.out / "results.jsonl", "w") as fh:

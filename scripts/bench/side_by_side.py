@@ -89,11 +89,29 @@ SETTINGS = ("same", "defaults", "best")
 
 def row_flags(row: Row) -> list[str]:
     """titanrush's flags for the row's work (the settings add activation checkpointing and the rest)."""
-    flags = ["--model.flavor", row.flavor, "--training.seq_len", str(row.seq_len),
-             "--training.local_batch_size", str(row.batch), "--training.precision", "bf16",
-             "--optimizer.lr", "3e-4", "--optimizer.eps", "1e-8", "--optimizer.implementation", "fused",
-             "--lr_scheduler.warmup_steps", "10", "--training.max_norm", "1.0", "--compile.enable",
-             "--data.dataset", "embedded"]  # fmt: skip
+    flags = [
+        "--model.flavor",
+        row.flavor,
+        "--training.seq_len",
+        str(row.seq_len),
+        "--training.local_batch_size",
+        str(row.batch),
+        "--training.precision",
+        "bf16",
+        "--optimizer.lr",
+        "3e-4",
+        "--optimizer.eps",
+        "1e-8",
+        "--optimizer.implementation",
+        "fused",
+        "--lr_scheduler.warmup_steps",
+        "10",
+        "--training.max_norm",
+        "1.0",
+        "--compile.enable",
+        "--data.dataset",
+        "embedded",
+    ]
     if row.flavor != "8B":  # Llama 3.2 ties its embeddings; torchtitan's llama3 never does
         flags += ["--model.tie_embeddings", "untied"]
     for key, degree in (("tp", row.tp), ("cp", row.cp), ("pp", row.pp), ("ep", row.ep)):
@@ -120,33 +138,60 @@ def setting_flags(row: Row) -> dict[str, list[str]]:
     return {"same": same, "defaults": defaults, "best": list(row.best) or defaults}
 
 
-def torchtitan_toml(row: Row, steps: int, assets: Path, corpus: Path, dump: Path, profile_step: int = 0,
-                    warmup: int = 10, log_freq: int = 1) -> str:  # fmt: skip
+def torchtitan_toml(
+    row: Row,
+    steps: int,
+    assets: Path,
+    corpus: Path,
+    dump: Path,
+    profile_step: int = 0,
+    warmup: int = 10,
+    log_freq: int = 1,
+) -> str:
     """torchtitan's job config for the row (JSON values are TOML values here); with `profile_step`, its
     profiler records that step (after one warm-up step, as titanrush's)."""
     ac = {"mode": "selective", "selective_ac_option": "op"} if row.ac else {"mode": "none"}
     cfg = {
         "job": {"dump_folder": str(dump)},
         "metrics": {"log_freq": log_freq, "disable_color_printing": True},
-        "model": {"name": "llama4" if row.flavor.startswith("llama4") else "llama3", "flavor": row.flavor,
-                  "hf_assets_path": str(assets),
-                  "converters": ["quantize.linear.float8"] if row.float8 else []},
+        "model": {
+            "name": "llama4" if row.flavor.startswith("llama4") else "llama3",
+            "flavor": row.flavor,
+            "hf_assets_path": str(assets),
+            "converters": ["quantize.linear.float8"] if row.float8 else [],
+        },
         "optimizer": {"name": "AdamW", "lr": 3e-4, "eps": 1e-8, "implementation": "fused"},
         "lr_scheduler": {"warmup_steps": warmup},
-        "training": {"local_batch_size": row.batch, "seq_len": row.seq_len, "max_norm": 1.0, "steps": steps,
-                     "dataset": "c4_test", "dataset_path": str(corpus), "mixed_precision_param": "bfloat16",
-                     "mixed_precision_reduce": "float32"},
-        "parallelism": {"data_parallel_shard_degree": -1, "tensor_parallel_degree": row.tp,
-                        "context_parallel_degree": row.cp, "pipeline_parallel_degree": row.pp,
-                        "expert_parallel_degree": row.ep, "enable_async_tensor_parallel": row.async_tp,
-                        "pipeline_parallel_schedule": "1F1B", "pipeline_parallel_microbatch_size": 1},
+        "training": {
+            "local_batch_size": row.batch,
+            "seq_len": row.seq_len,
+            "max_norm": 1.0,
+            "steps": steps,
+            "dataset": "c4_test",
+            "dataset_path": str(corpus),
+            "mixed_precision_param": "bfloat16",
+            "mixed_precision_reduce": "float32",
+        },
+        "parallelism": {
+            "data_parallel_shard_degree": -1,
+            "tensor_parallel_degree": row.tp,
+            "context_parallel_degree": row.cp,
+            "pipeline_parallel_degree": row.pp,
+            "expert_parallel_degree": row.ep,
+            "enable_async_tensor_parallel": row.async_tp,
+            "pipeline_parallel_schedule": "1F1B",
+            "pipeline_parallel_microbatch_size": 1,
+        },
         "checkpoint": {"enable": False},
         "activation_checkpoint": ac,
         "compile": {"enable": True, "components": ["model", "loss"]},
-        "quantize.linear.float8": {"enable_fsdp_float8_all_gather": True, "filter_fqns": ["output"],
-                                   "precompute_float8_dynamic_scale_for_fsdp": True},
+        "quantize.linear.float8": {
+            "enable_fsdp_float8_all_gather": True,
+            "filter_fqns": ["output"],
+            "precompute_float8_dynamic_scale_for_fsdp": True,
+        },
         "experimental": {"custom_import": "tt_flavors"},
-    }  # fmt: skip
+    }
     if profile_step:
         prof = {"enable_profiling": True, "profiler_active": 1, "profile_freq": profile_step}
         cfg["profiling"] = {**prof, "profiler_warmup": 1}  # traces: profile_traces/
@@ -189,14 +234,34 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
             toml = work / "configs" / f"torchtitan_{row.name}.toml"
             toml.parent.mkdir(parents=True, exist_ok=True)
             balance = a.balance and row.flavor.startswith("llama4")
-            tt = torchtitan_toml(row, a.steps, work / "tokenizer", work / "corpus", work / "tt" / row.name,
-                                 a.profile_step, 100 if balance else 10, a.log_freq)  # fmt: skip
+            tt = torchtitan_toml(
+                row,
+                a.steps,
+                work / "tokenizer",
+                work / "corpus",
+                work / "tt" / row.name,
+                a.profile_step,
+                100 if balance else 10,
+                a.log_freq,
+            )
             toml.write_text(tt)
             nproc = [f"--nproc_per_node={row.ngpu}", "--local-ranks-filter", "0"]  # rank 0 logs, as ours
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", *nproc,
-                   "-m", "torchtitan.train", "--job.config_file", str(toml)]  # fmt: skip
-            env = {"PYTHONPATH": tt_path, "PYTORCH_ALLOC_CONF": "expandable_segments:True",
-                   "TT_LOAD_BALANCE_COEFF": "1e-2" if balance else "1e-3"}  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                *nproc,
+                "-m",
+                "torchtitan.train",
+                "--job.config_file",
+                str(toml),
+            ]
+            env = {
+                "PYTHONPATH": tt_path,
+                "PYTORCH_ALLOC_CONF": "expandable_segments:True",
+                "TT_LOAD_BALANCE_COEFF": "1e-2" if balance else "1e-3",
+            }
             log = work / "logs" / f"torchtitan_{row.name}.log"
             runs.append(Run("torchtitan", row.name, "-", cmd, env, ROOT, log))
         seen: list[list[str]] = []
@@ -210,22 +275,53 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
                 tag = f"{trainer}_{row.name}_{setting}"
                 extra = BALANCE if a.balance and row.flavor.startswith("llama4") else []
                 extra = extra + (shlex.split(a.flags) if trainer == "titanrush" else [])  # (not the base's)
-                args = [*row_flags(row), *flags, *extra, "--training.steps", str(a.steps), "--job.name",
-                        tag, "--metrics.log_freq", str(a.log_freq), "--metrics.tensorboard", "false",
-                        "--job.dump_folder", str(work / "runs"), *profile]  # fmt: skip
+                args = [
+                    *row_flags(row),
+                    *flags,
+                    *extra,
+                    "--training.steps",
+                    str(a.steps),
+                    "--job.name",
+                    tag,
+                    "--metrics.log_freq",
+                    str(a.log_freq),
+                    "--metrics.tensorboard",
+                    "false",
+                    "--job.dump_folder",
+                    str(work / "runs"),
+                    *profile,
+                ]
                 cmd = [str(checkout / "run_train.sh"), *args]
-                runs.append(Run(trainer, row.name, setting, cmd, {"NGPU": str(row.ngpu)}, checkout,
-                                work / "logs" / f"{tag}.log"))  # fmt: skip
+                runs.append(
+                    Run(
+                        trainer,
+                        row.name,
+                        setting,
+                        cmd,
+                        {"NGPU": str(row.ngpu)},
+                        checkout,
+                        work / "logs" / f"{tag}.log",
+                    )
+                )
     return runs
 
 
 _STEP = {"torchtitan": r"step:\s*(\d+)\s+loss:", "titanrush": r"INFO step\s+(\d+)\s+loss"}
 _FIELDS = {
-    "torchtitan": {"tps": r"tps: ([\d,.]+)", "mem_gib": r"memory:\s*([\d.]+)GiB", "mfu": r"mfu: ([\d.]+)%",
-                   "loss": r"loss:\s*([\d.]+)"},
-    "titanrush": {"tps": r"tps ([\d,.]+)", "mem_gib": r"reserved ([\d.]+)GiB", "mfu": r"mfu ([\d.]+)%",
-                  "loss": r"loss ([\d.]+)", "imbalance": r"experts max/mean ([\d.]+)"},
-}  # fmt: skip
+    "torchtitan": {
+        "tps": r"tps: ([\d,.]+)",
+        "mem_gib": r"memory:\s*([\d.]+)GiB",
+        "mfu": r"mfu: ([\d.]+)%",
+        "loss": r"loss:\s*([\d.]+)",
+    },
+    "titanrush": {
+        "tps": r"tps ([\d,.]+)",
+        "mem_gib": r"reserved ([\d.]+)GiB",
+        "mfu": r"mfu ([\d.]+)%",
+        "loss": r"loss ([\d.]+)",
+        "imbalance": r"experts max/mean ([\d.]+)",
+    },
+}
 
 
 def parse_step(trainer: str, line: str) -> dict | None:
@@ -273,10 +369,19 @@ def summarize(run: Run, result: dict, measure_from: int, profile_step: int = 0) 
     step (every `profile_step`-th), its warm-up step and the step after (the trace's export)."""
     logged = result.get("steps", [])
     since = {s["step"]: before["step"] for before, s in zip([{"step": 0}, *logged], logged)}
-    steady = [s for s in logged if since[s["step"]] >= measure_from - 1
-              and not (profile_step and (s["step"] + 1) % profile_step <= 2)]  # fmt: skip
-    out = {"trainer": run.trainer, "row": run.row, "setting": run.setting, "status": result["status"],
-           "first_step_s": result.get("first_step_s"), "command": run.shell()}  # fmt: skip
+    steady = [
+        s
+        for s in logged
+        if since[s["step"]] >= measure_from - 1 and not (profile_step and (s["step"] + 1) % profile_step <= 2)
+    ]
+    out = {
+        "trainer": run.trainer,
+        "row": run.row,
+        "setting": run.setting,
+        "status": result["status"],
+        "first_step_s": result.get("first_step_s"),
+        "command": run.shell(),
+    }
     for key in ("tps", "mfu", "mem_gib"):
         values = [(s[key], s["step"] - since[s["step"]]) for s in steady if s.get(key) is not None]
         mean = fmean([v for v, _ in values], weights=[n for _, n in values]) if values else None
@@ -311,8 +416,18 @@ def trace_of(run: Run, work: Path) -> Path | None:
 def timeline_table(results: list[dict]) -> str:
     """Rank 0's profiled step per run: ms (share of the step); compute kernels by kind (streams overlap)."""
     keys, kinds = ("compute", "exposed_comm", "copy", "idle"), ("matmul", "attention", "compiled", "other")
-    head = ["row", "setting", "trainer", "step ms", "compute", "exposed comm.", "copies", "idle", "all comm.",
-            "kernels: matmul / attention / Triton / other"]  # fmt: skip
+    head = [
+        "row",
+        "setting",
+        "trainer",
+        "step ms",
+        "compute",
+        "exposed comm.",
+        "copies",
+        "idle",
+        "all comm.",
+        "kernels: matmul / attention / Triton / other",
+    ]
     lines = ["| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * 6 + "---|"]
     for r, t in ((r, r["timeline"]) for r in results if r.get("timeline")):
         cells = [r["row"], r["setting"], r["trainer"], f"{t['step']:.1f}"]
@@ -341,9 +456,17 @@ def table(results: list[dict]) -> str:
 
     for r in results:
         ratio = r["tps"] / ref[r["row"]] if r.get("tps") and ref.get(r["row"]) else None
-        cells = [r["row"], r["setting"], r["trainer"], r["status"], f(r.get("tps"), ",.0f"),
-                 f(ratio, ".3f") + ("x" if ratio else ""), f(r.get("mem_gib"), ".1f"), f(r.get("mfu"), ".1f"),
-                 f(r.get("first_step_s"), ".0f")]  # fmt: skip
+        cells = [
+            r["row"],
+            r["setting"],
+            r["trainer"],
+            r["status"],
+            f(r.get("tps"), ",.0f"),
+            f(ratio, ".3f") + ("x" if ratio else ""),
+            f(r.get("mem_gib"), ".1f"),
+            f(r.get("mfu"), ".1f"),
+            f(r.get("first_step_s"), ".0f"),
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -364,9 +487,14 @@ def environment(base: Path | None) -> dict[str, str]:
         return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
 
     count = torch.cuda.device_count()
-    env = {"date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "gpus": str(count),
-           "device": torch.cuda.get_device_name(0) if count else "cpu",
-           "commit": commit(ROOT, "TITANRUSH_COMMIT"), "torchtitan": "not installed"}  # fmt: skip
+    env = {
+        "date": time.strftime("%Y-%m-%d"),
+        "torch": torch.__version__,
+        "gpus": str(count),
+        "device": torch.cuda.get_device_name(0) if count else "cpu",
+        "commit": commit(ROOT, "TITANRUSH_COMMIT"),
+        "torchtitan": "not installed",
+    }
     with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         env["torchtitan"] = importlib.metadata.version("torchtitan")
     if base:
@@ -463,9 +591,11 @@ def main(argv: list[str] | None = None) -> int:
             fh.write(json.dumps({**s, "env": env}) + "\n")
         print(f"[side-by-side] {run.trainer} {run.row} {run.setting}: {s['status']}", flush=True)
     base = f", base commit {env['base_commit']}" if a.base else ""
-    header = (f"{env['date']}, {env['gpus']} x {env['device']}, torch {env['torch']}, titanrush commit "
-              f"{env['commit']}{base}, torchtitan {env['torchtitan']}; {a.steps} steps, figures over steps "
-              f">= {a.measure_from}")  # fmt: skip
+    header = (
+        f"{env['date']}, {env['gpus']} x {env['device']}, torch {env['torch']}, titanrush commit "
+        f"{env['commit']}{base}, torchtitan {env['torchtitan']}; {a.steps} steps, figures over steps "
+        f">= {a.measure_from}"
+    )
     commands = "\n".join(f"- {r['trainer']} {r['row']} {r['setting']}: `{r['command']}`" for r in results)
     tables = table(results)
     if a.profile_step:

@@ -39,18 +39,30 @@ def predict(args: list[str], ngpu: int, gpu_mem: float | None, moe_imbalance: fl
 
 def measure(name: str, args: list[str], ngpu: int, steps: int, out: Path) -> dict:
     """Train `steps` steps; the largest active and reserved GiB rank 0 logged."""
-    cmd = [str(ROOT / "run_train.sh"), *args, "--training.steps", str(steps), "--metrics.log_freq", "1",
-           "--job.dump_folder", str(out / "runs"), "--job.name", name]  # fmt: skip
+    cmd = [
+        str(ROOT / "run_train.sh"),
+        *args,
+        "--training.steps",
+        str(steps),
+        "--metrics.log_freq",
+        "1",
+        "--job.dump_folder",
+        str(out / "runs"),
+        "--job.name",
+        name,
+    ]
     log = out / f"{name}.log"
     with open(log, "w") as f:
         env = {**os.environ, "NGPU": str(ngpu), "PYTHONUNBUFFERED": "1"}
         rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
     rows = [r for r in read_metrics(out / "runs" / name / "metrics.jsonl") if r.get("mem_active_gib")]
     status = "ok" if rc == 0 else "OOM" if detect_oom(log.read_text(errors="replace")) else f"failed ({rc})"
-    return {"status": status, "meas_alloc": max((r["mem_active_gib"] for r in rows), default=None),
-            "meas_reserved": max((r["mem_reserved_gib"] or 0 for r in rows), default=None),
-            "meas_moe_imbalance": max((r["moe_imbalance"] for r in rows if r.get("moe_imbalance")),
-                                      default=None)}  # fmt: skip
+    return {
+        "status": status,
+        "meas_alloc": max((r["mem_active_gib"] for r in rows), default=None),
+        "meas_reserved": max((r["mem_reserved_gib"] or 0 for r in rows), default=None),
+        "meas_moe_imbalance": max((r["moe_imbalance"] for r in rows if r.get("moe_imbalance")), default=None),
+    }
 
 
 def table(rows: list[dict]) -> str:
@@ -62,8 +74,11 @@ def table(rows: list[dict]) -> str:
     def err(pred: float | None, meas: float | None) -> str:
         return "-" if pred is None or not meas else f"{100 * (pred - meas) / meas:+.1f}%"
 
-    lines = ["| run | GPUs | predicted allocated | measured active | error | predicted reserved | measured "
-             "reserved | error | status |", "|---|---:|---:|---:|---:|---:|---:|---:|---|"]  # fmt: skip
+    lines = [
+        "| run | GPUs | predicted allocated | measured active | error | predicted reserved | measured "
+        "reserved | error | status |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         pa, ma, pr, mr = (r.get(k) for k in ("pred_alloc", "meas_alloc", "pred_reserved", "meas_reserved"))
         cells = [r["name"], str(r["ngpu"]), f(pa), f(ma), err(pa, ma), f(pr), f(mr), err(pr, mr), r["status"]]

@@ -15,7 +15,7 @@ from pathlib import Path
 from torch._inductor.utils import run_and_get_code
 
 from titanrush import config, distributed
-from titanrush.plan import build_plan
+from titanrush.run.plan import build_plan
 from titanrush.trainer import Trainer
 
 CALLS = ("fused_all_gather_matmul", "fused_matmul_reduce_scatter", "all_gather_into_tensor", "reduce_scatter")

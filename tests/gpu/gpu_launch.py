@@ -50,8 +50,14 @@ def torchrun(ngpu: int, argv: list[str], timeout: float) -> subprocess.Completed
     env = dict(
         os.environ, NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", TORCH_SYMM_MEM_DISABLE_MULTICAST="1"
     )
-    launcher = ["-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={ngpu}",
-                "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}"]  # fmt: skip
+    launcher = [
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc_per_node={ngpu}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+    ]
     cmd = [sys.executable, *(launcher if ngpu > 1 else []), *argv]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0, f"{' '.join(cmd)}\n{res.stdout[-2000:]}\n{res.stderr[-8000:]}"

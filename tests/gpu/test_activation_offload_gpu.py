@@ -87,11 +87,29 @@ def test_offload_same_gradients_less_memory():
 
 def test_the_trainer_offloads_on_cuda(tmp_path):
     args = [
-        "--job.dump_folder", str(tmp_path), "--job.name", "off", "--training.steps", "3",
-        "--model.flavor", "1B", "--data.dataset", "synthetic", "--training.precision", "bf16",
-        "--training.seq_len", "1024", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-        "--activation_checkpoint.mode", "selective", "--activation_checkpoint.offload_first", "4",
-    ]  # fmt: skip
+        "--job.dump_folder",
+        str(tmp_path),
+        "--job.name",
+        "off",
+        "--training.steps",
+        "3",
+        "--model.flavor",
+        "1B",
+        "--data.dataset",
+        "synthetic",
+        "--training.precision",
+        "bf16",
+        "--training.seq_len",
+        "1024",
+        "--training.local_batch_size",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--activation_checkpoint.mode",
+        "selective",
+        "--activation_checkpoint.offload_first",
+        "4",
+    ]
     trainer = Trainer(config.load(None, args))
     try:
         losses = trainer.train()

@@ -17,17 +17,29 @@ from pathlib import Path
 import pytest
 from gpu_launch import ROOT, free_port, launch, max_dev
 
-from titanrush import checkpoint_integrity as integrity
+from titanrush.checkpoint import integrity
 
 pytestmark = pytest.mark.multigpu
 
 STEPS = 6
 FP32_RTOL = 1e-4
 ARGS = [
-    "--training.steps", str(STEPS), "--training.seq_len", "256", "--training.local_batch_size", "4",
-    "--training.precision", "fp32", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-    "--no-metrics.tensorboard", "--model.attn_backend", "sdpa",
-]  # fmt: skip
+    "--training.steps",
+    str(STEPS),
+    "--training.seq_len",
+    "256",
+    "--training.local_batch_size",
+    "4",
+    "--training.precision",
+    "fp32",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--no-metrics.tensorboard",
+    "--model.attn_backend",
+    "sdpa",
+]
 STOP_AT = str(Path(__file__).with_name("stop_at.py"))
 
 
@@ -87,9 +99,23 @@ def test_records_of_every_rank_verify_and_a_flipped_bit_stops_every_rank(tmp_pat
     env = dict(
         os.environ, NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", TORCH_SYMM_MEM_DISABLE_MULTICAST="1"
     )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "titanrush.train",
-           "--job.dump_folder", str(tmp_path), "--job.name", "run", *ARGS, *ckpt]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        "-m",
+        "titanrush.train",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--job.name",
+        "run",
+        *ARGS,
+        *ckpt,
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode != 0
     lines = [x for x in res.stderr.splitlines() if x.startswith("titanrush: config error:")]

@@ -29,10 +29,21 @@ def test_gpu_memory_rule_takes_this_gpus_memory():
 def run_train_sh(tmp: Path, ngpu: int, *args: str) -> str:
     """`NGPU=ngpu ./run_train.sh` on the debug model (OMP_NUM_THREADS left to run_train.sh)."""
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    env.update(NGPU=str(ngpu), NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1",
-               TORCH_SYMM_MEM_DISABLE_MULTICAST="1")  # fmt: skip
-    cmd = ["./run_train.sh", "--job.dump_folder", str(tmp), "--training.steps", "3",
-           "--data.dataset", "synthetic", "--training.precision", "bf16", *args]  # fmt: skip
+    env.update(
+        NGPU=str(ngpu), NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", TORCH_SYMM_MEM_DISABLE_MULTICAST="1"
+    )
+    cmd = [
+        "./run_train.sh",
+        "--job.dump_folder",
+        str(tmp),
+        "--training.steps",
+        "3",
+        "--data.dataset",
+        "synthetic",
+        "--training.precision",
+        "bf16",
+        *args,
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-8000:]
@@ -62,8 +73,15 @@ def test_hsdp_and_tp_meshes_print_no_mesh_deprecation(tmp_path):
 def test_a_model_too_large_for_the_gpu_is_one_line_naming_the_fix(tmp_path):
     # a 2e8-token table of width 256 (205 GB in fp32) is materialized on the GPU and does not fit it
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    cmd = ["./run_train.sh", "--job.dump_folder", str(tmp_path), "--training.steps", "1",
-           "--model.vocab_size", "200000000"]  # fmt: skip
+    cmd = [
+        "./run_train.sh",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "1",
+        "--model.vocab_size",
+        "200000000",
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env={**env, "NGPU": "1"}, capture_output=True, text=True, timeout=600)
     err = res.stderr.strip().splitlines()
     assert res.returncode == 1, res.stderr[-4000:]

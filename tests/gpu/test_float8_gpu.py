@@ -23,8 +23,14 @@ def test_float8_loss_close_to_bf16(recipe):
         with torch.device("meta"):
             m = Llama(model_args("debug", dim=1024, n_heads=8, n_kv_heads=8, n_layers=2, multiple_of=256))
         if f8:
-            names = apply_float8(m, recipe=recipe, emulate=False, fsdp_float8_all_gather=False,
-                                 filter_fqns=["output"], min_size=256)  # fmt: skip
+            names = apply_float8(
+                m,
+                recipe=recipe,
+                emulate=False,
+                fsdp_float8_all_gather=False,
+                filter_fqns=["output"],
+                min_size=256,
+            )
             assert "layers.0.attention.wq" in names and "output" not in names
         m.to_empty(device="cuda")
         m.init_weights(seed=0, buffer_device=torch.device("cuda"))

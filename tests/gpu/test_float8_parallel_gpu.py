@@ -45,11 +45,23 @@ CONVERTED = f"float8 (tensorwise): {7 * model_args('debug').n_layers} linear lay
 def train(tmp: Path, name: str, ngpu: int, dp: int, *overrides: str) -> tuple[list[dict], str]:
     """Run the trainer on `ngpu` GPUs (data-parallel degree `dp`); return rank 0's metrics and the log."""
     args = [
-        "--training.steps", str(STEPS), "--training.seq_len", "256", "--training.local_batch_size",
-        str(GLOBAL_BATCH // dp), "--training.global_batch_size", str(GLOBAL_BATCH), "--training.precision",
-        "bf16", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--no-metrics.tensorboard",
+        "--training.steps",
+        str(STEPS),
+        "--training.seq_len",
+        "256",
+        "--training.local_batch_size",
+        str(GLOBAL_BATCH // dp),
+        "--training.global_batch_size",
+        str(GLOBAL_BATCH),
+        "--training.precision",
+        "bf16",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--no-metrics.tensorboard",
         *overrides,
-    ]  # fmt: skip
+    ]
     rows, log = launch(tmp, name, ngpu, args)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     return rows, log
@@ -66,8 +78,10 @@ def refs(tmp_path_factory) -> dict[str, list[dict]]:
     f8, log = train(tmp, "f8", 1, 1, *F8)
     assert CONVERTED in log, log[-3000:]
     bf16, _ = train(tmp, "bf16", 1, 1)
-    print(f"float8 against bf16, one GPU: loss {dev(f8, bf16, 'loss'):.1e} "
-          f"grad_norm {dev(f8, bf16, 'grad_norm'):.1e}")  # fmt: skip
+    print(
+        f"float8 against bf16, one GPU: loss {dev(f8, bf16, 'loss'):.1e} "
+        f"grad_norm {dev(f8, bf16, 'grad_norm'):.1e}"
+    )
     return {"f8": f8, "bf16": bf16}
 
 

@@ -44,8 +44,11 @@ def test_grouped_gemm_matches_the_loop_in_bf16(counts):
     g = torch.randn(int(c.sum()), 768, device="cuda", generator=gen)
     assert grouped_mm_supported(x.bfloat16(), w.bfloat16())
     results = {}
-    for name, grouped, dtype in (("grouped", True, torch.bfloat16), ("loop", False, torch.bfloat16),
-                                 ("fp32", False, torch.float32)):  # fmt: skip
+    for name, grouped, dtype in (
+        ("grouped", True, torch.bfloat16),
+        ("loop", False, torch.bfloat16),
+        ("fp32", False, torch.float32),
+    ):
         xi = x.to(dtype).requires_grad_()
         wi = w.to(dtype).requires_grad_()
         out = grouped_mm(xi, wi, c, grouped=grouped) if grouped else loop_mm(xi, wi, c)
@@ -95,11 +98,25 @@ def test_float8_grouped_gemm_is_float8_and_close(counts):
 
 def train(tmp: Path, name: str, ngpu: int, dp: int, *overrides: str) -> list[dict]:
     args = [
-        "--model.flavor", "llama4_debug", "--training.steps", str(STEPS), "--training.seq_len", "256",
-        "--training.local_batch_size", str(8 // dp), "--training.global_batch_size", "8",
-        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--no-metrics.tensorboard",
-        "--data.dataset", "synthetic", *overrides,
-    ]  # fmt: skip
+        "--model.flavor",
+        "llama4_debug",
+        "--training.steps",
+        str(STEPS),
+        "--training.seq_len",
+        "256",
+        "--training.local_batch_size",
+        str(8 // dp),
+        "--training.global_batch_size",
+        "8",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--no-metrics.tensorboard",
+        "--data.dataset",
+        "synthetic",
+        *overrides,
+    ]
     rows, _ = launch(tmp, name, ngpu, args, timeout=900)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     return rows
@@ -164,11 +181,26 @@ def test_float8_experts_train_like_bf16(compiled, tmp_path, refs):
         pytest.skip(why)
     extra = ["--compile.enable"] if compiled else []
     args = [
-        "--model.flavor", "llama4_debug", "--training.steps", str(STEPS), "--training.seq_len", "256",
-        "--training.local_batch_size", "8", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-        "--no-metrics.tensorboard", "--data.dataset", "synthetic", "--training.precision", "bf16",
-        "--float8.experts", *extra,
-    ]  # fmt: skip
+        "--model.flavor",
+        "llama4_debug",
+        "--training.steps",
+        str(STEPS),
+        "--training.seq_len",
+        "256",
+        "--training.local_batch_size",
+        "8",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--no-metrics.tensorboard",
+        "--data.dataset",
+        "synthetic",
+        "--training.precision",
+        "bf16",
+        "--float8.experts",
+        *extra,
+    ]
     rows, log = launch(tmp_path, "float8_experts", 1, args, timeout=900)
     assert "float8 experts: the routed experts of 4 MoE layers" in log, log[-3000:]
     assert dev(rows, refs["bf16"], "loss") <= FLOAT8_RTOL, [r["loss"] for r in rows]
@@ -181,7 +213,17 @@ def test_float8_experts_ep2_matches_one_gpu_float8(tmp_path, refs):
     against bf16's one-GPU run plus float8's."""
     if (why := _float8_ready()) is not None:
         pytest.skip(why)
-    rows = train(tmp_path, "ep2_float8", 2, 2, "--training.precision", "bf16", "--parallelism.ep", "2",
-                 "--compile.enable", "--float8.experts")  # fmt: skip
+    rows = train(
+        tmp_path,
+        "ep2_float8",
+        2,
+        2,
+        "--training.precision",
+        "bf16",
+        "--parallelism.ep",
+        "2",
+        "--compile.enable",
+        "--float8.experts",
+    )
     assert dev(rows, refs["bf16"], "loss") <= FLOAT8_RTOL + BF16_RTOL, [r["loss"] for r in rows]
     assert rows[-1]["loss"] < rows[0]["loss"]

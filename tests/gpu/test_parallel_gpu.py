@@ -27,10 +27,23 @@ BF16_RTOL = 2e-2
 
 def train(tmp: Path, name: str, ngpu: int, dp: int, *overrides: str) -> list[dict]:
     args = [
-        "--training.steps", str(STEPS), "--training.seq_len", "256", "--training.local_batch_size",
-        str(8 // dp), "--training.global_batch_size", "8", "--lr_scheduler.warmup_steps", "2",
-        "--metrics.log_freq", "1", "--no-metrics.tensorboard", "--data.dataset", "synthetic", *overrides,
-    ]  # fmt: skip
+        "--training.steps",
+        str(STEPS),
+        "--training.seq_len",
+        "256",
+        "--training.local_batch_size",
+        str(8 // dp),
+        "--training.global_batch_size",
+        "8",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--no-metrics.tensorboard",
+        "--data.dataset",
+        "synthetic",
+        *overrides,
+    ]
     rows, _ = launch(tmp, name, ngpu, args, timeout=900)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     return rows
@@ -81,11 +94,30 @@ def test_bf16_meshes_train_like_one_gpu(name, tmp_path, refs):
 def _tp_probe(tmp: Path, name: str, *overrides: str) -> dict:
     """Rank 0's report of `async_tp_probe.py` for a compiled bf16 TP 2 run of STEPS steps."""
     args = [
-        "--training.steps", str(STEPS), "--training.seq_len", "256", "--training.local_batch_size", "8",
-        "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1", "--no-metrics.tensorboard",
-        "--data.dataset", "synthetic", "--training.precision", "bf16", "--parallelism.tp", "2",
-        "--compile.enable", "--job.dump_folder", str(tmp), "--job.name", name, *overrides,
-    ]  # fmt: skip
+        "--training.steps",
+        str(STEPS),
+        "--training.seq_len",
+        "256",
+        "--training.local_batch_size",
+        "8",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--no-metrics.tensorboard",
+        "--data.dataset",
+        "synthetic",
+        "--training.precision",
+        "bf16",
+        "--parallelism.tp",
+        "2",
+        "--compile.enable",
+        "--job.dump_folder",
+        str(tmp),
+        "--job.name",
+        name,
+        *overrides,
+    ]
     torchrun(2, [str(HERE / "async_tp_probe.py"), str(tmp / name / "probe"), *args], timeout=900)
     return json.loads((tmp / name / "probe" / "rank0.json").read_text())
 
@@ -108,6 +140,16 @@ def test_async_tp_fuses_the_collectives_and_trains_alike(tmp_path, refs):
 def test_overlapped_collectives_train_like_one_gpu(tmp_path, refs):
     """compile.overlap_collectives (the default) only reorders: compiled TP 2's losses follow the one-GPU
     run's (`test_async_tp_fuses_the_collectives_and_trains_alike` runs TP 2 with the overlap off)."""
-    rows = train(tmp_path, "tp2_overlap", 2, 1, "--training.precision", "bf16", "--parallelism.tp", "2",
-                 "--compile.enable", "--compile.overlap_collectives")  # fmt: skip
+    rows = train(
+        tmp_path,
+        "tp2_overlap",
+        2,
+        1,
+        "--training.precision",
+        "bf16",
+        "--parallelism.tp",
+        "2",
+        "--compile.enable",
+        "--compile.overlap_collectives",
+    )
     assert dev(rows, refs["bf16"], "loss") <= BF16_RTOL, [r["loss"] for r in rows]

@@ -19,11 +19,30 @@ def test_a_traced_window_holds_exactly_its_steps(tmp_path):
     # kernels it launched that run after it ended (a launch event without its kernel). The model must be
     # large enough for the GPU to be the bottleneck (the debug model's steps never let the CPU run ahead).
     args = [
-        "--job.dump_folder", str(tmp_path), "--job.name", "prof", "--training.steps", "8",
-        "--model.flavor", "1B", "--data.dataset", "synthetic", "--training.precision", "bf16",
-        "--training.seq_len", "2048", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
-        "--profiling.enable", "--profiling.freq", "4", "--profiling.active_steps", "1",
-    ]  # fmt: skip
+        "--job.dump_folder",
+        str(tmp_path),
+        "--job.name",
+        "prof",
+        "--training.steps",
+        "8",
+        "--model.flavor",
+        "1B",
+        "--data.dataset",
+        "synthetic",
+        "--training.precision",
+        "bf16",
+        "--training.seq_len",
+        "2048",
+        "--training.local_batch_size",
+        "4",
+        "--metrics.log_freq",
+        "1",
+        "--profiling.enable",
+        "--profiling.freq",
+        "4",
+        "--profiling.active_steps",
+        "1",
+    ]
     trainer = Trainer(config.load(None, args))
     try:
         trainer.train()
@@ -53,10 +72,27 @@ def test_collectives_of_a_real_tensor_parallel_trace(tmp_path):
     # `collectives` finds both kinds in the profiled step, exposed and concurrent parts never exceed a
     # kernel's time, and the exposed parts add up to at least the timeline's exposed communication (the
     # same window; overlapping collectives count once there).
-    args = ["--training.steps", "6", "--model.flavor", "debug", "--training.seq_len", "512",
-            "--training.local_batch_size", "4", "--training.precision", "bf16", "--parallelism.tp", "2",
-            "--metrics.log_freq", "1", "--profiling.enable", "--profiling.freq", "4",
-            "--profiling.active_steps", "1"]  # fmt: skip
+    args = [
+        "--training.steps",
+        "6",
+        "--model.flavor",
+        "debug",
+        "--training.seq_len",
+        "512",
+        "--training.local_batch_size",
+        "4",
+        "--training.precision",
+        "bf16",
+        "--parallelism.tp",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--profiling.enable",
+        "--profiling.freq",
+        "4",
+        "--profiling.active_steps",
+        "1",
+    ]
     launch(tmp_path, "coll", 2, args)
     trace = read_trace(next((tmp_path / "coll" / "profile").glob("step-4/rank0.trace.json.gz")))
     found = collectives(trace)

@@ -13,11 +13,23 @@ from gpu_launch import ROOT, launch
 from torch.distributed.checkpoint import FileSystemReader
 
 SMALL = [
-    "--config", str(ROOT / "train_configs" / "llama8b_fsdp.toml"), "--model.flavor", "debug",
-    "--training.seq_len", "512", "--training.local_batch_size", "2", "--metrics.log_freq", "1",
-    "--checkpoint.enable", "--checkpoint.interval", "2", "--lr_scheduler.warmup_steps", "1",
+    "--config",
+    str(ROOT / "train_configs" / "llama8b_fsdp.toml"),
+    "--model.flavor",
+    "debug",
+    "--training.seq_len",
+    "512",
+    "--training.local_batch_size",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "2",
+    "--lr_scheduler.warmup_steps",
+    "1",
     "--no-metrics.tensorboard",
-]  # fmt: skip
+]
 
 
 def test_the_8b_config_saves_and_resumes_on_one_gpu(tmp_path):

@@ -19,9 +19,25 @@ LOSS_RTOL = 2e-3
 def val_rows(tmp, name: str, nproc: int, *extra: str) -> list[dict]:
     """Two steps of the debug model, seq 1024, 8 sequences per step, validation (1 batch: the embedded
     corpus's validation split holds 14 windows of 1024 tokens) at step 2."""
-    args = ["--training.steps", "2", "--training.seq_len", "1024", "--training.local_batch_size", "8",
-            "--training.precision", "fp32", "--metrics.log_freq", "1", "--model.attn_backend", "sdpa",
-            "--validation.freq", "2", "--validation.steps", "1", *extra]  # fmt: skip
+    args = [
+        "--training.steps",
+        "2",
+        "--training.seq_len",
+        "1024",
+        "--training.local_batch_size",
+        "8",
+        "--training.precision",
+        "fp32",
+        "--metrics.log_freq",
+        "1",
+        "--model.attn_backend",
+        "sdpa",
+        "--validation.freq",
+        "2",
+        "--validation.steps",
+        "1",
+        *extra,
+    ]
     rows = [r for r in launch(tmp, name, nproc, args)[0] if "val_loss" in r]
     assert [r["step"] for r in rows] == [2], rows
     return rows

@@ -27,7 +27,7 @@ from titanrush import config, distributed
 from titanrush.data.loader import Batch
 from titanrush.models.llama.model import rope_cache
 from titanrush.parallel.grad_clip import clip_grad_norm_
-from titanrush.plan import build_plan
+from titanrush.run.plan import build_plan
 from titanrush.trainer import Trainer
 
 

@@ -28,7 +28,7 @@ from titanrush.models.init import _canonical
 from titanrush.models.llama import Llama
 from titanrush.models.llama.loss import cross_entropy, valid_tokens, vocab_parallel_cross_entropy_sum
 from titanrush.models.llama.parallelize import parallelize_llama
-from titanrush.plan import RunPlan, build_plan
+from titanrush.run.plan import RunPlan, build_plan
 
 P = "--parallelism."
 # name -> config overrides, for a world of 4.

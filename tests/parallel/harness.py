@@ -63,8 +63,12 @@ def spawn(entry: list[str], nproc: int, timeout: float = 600) -> subprocess.Comp
         try:
             for rank, log in enumerate(logs):
                 ranks = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc}
-                env = {**child_env(), **{k: str(v) for k, v in ranks.items()}, "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": port}  # fmt: skip
+                env = {
+                    **child_env(),
+                    **{k: str(v) for k, v in ranks.items()},
+                    "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": port,
+                }
                 procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
             deadline = time.monotonic() + timeout
             while None in (codes := [p.poll() for p in procs]) and time.monotonic() < deadline:
@@ -88,14 +92,30 @@ def spawn(entry: list[str], nproc: int, timeout: float = 600) -> subprocess.Comp
 def train_args(dump: Path, name: str, dp: int, *overrides: str) -> list[str]:
     """The shrunk debug run, with `overrides` last (they win)."""
     return [
-        "--job.dump_folder", str(dump), "--job.name", name,
-        "--training.steps", str(STEPS), "--training.seq_len", "64",
-        "--training.local_batch_size", str(GLOBAL_BATCH // dp),
-        "--training.global_batch_size", str(GLOBAL_BATCH),
-        "--training.deterministic", "--training.precision", "fp32", "--lr_scheduler.warmup_steps", "2",
-        "--metrics.log_freq", "1", "--no-metrics.tensorboard", "--training.gc_freq", "0",
+        "--job.dump_folder",
+        str(dump),
+        "--job.name",
+        name,
+        "--training.steps",
+        str(STEPS),
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        str(GLOBAL_BATCH // dp),
+        "--training.global_batch_size",
+        str(GLOBAL_BATCH),
+        "--training.deterministic",
+        "--training.precision",
+        "fp32",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--no-metrics.tensorboard",
+        "--training.gc_freq",
+        "0",
         *overrides,
-    ]  # fmt: skip
+    ]
 
 
 def read_metrics(run_dir: Path, rank: int = 0) -> list[dict]:

@@ -16,8 +16,17 @@ pytestmark = pytest.mark.parallel
 
 
 def torchrun(script: Path, *args: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", str(script), *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        str(script),
+        *args,
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     return res
@@ -45,9 +54,19 @@ def test_two_process_run_prints_no_banner_and_no_mesh_deprecation(tmp_path):
     "Slicing a flattened dim from root mesh" warning were printed once per rank before."""
     env = {k: v for k, v in child_env().items() if k != "OMP_NUM_THREADS"}  # run_train.sh sets it
     env["NGPU"] = "2"
-    args = ["--job.dump_folder", str(tmp_path), "--training.steps", "2", "--training.seq_len", "64",
-            "--training.local_batch_size", "2", "--data.dataset", "synthetic",
-            "--no-metrics.tensorboard"]  # fmt: skip
+    args = [
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "2",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--data.dataset",
+        "synthetic",
+        "--no-metrics.tensorboard",
+    ]
     cmd = ["./run_train.sh", *args]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = res.stdout + res.stderr

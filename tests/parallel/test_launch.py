@@ -1,6 +1,6 @@
 """A job of several processes ends like a one-process run: with the workers' own exit status (2 a config
 error, 3 a non-finite stop, 128 + N a signal) and one line, not torchrun's ChildFailedError traceback and
-status 1 (`titanrush.launch`, which run_train.sh starts)."""
+status 1 (`titanrush.run.launch`, which run_train.sh starts)."""
 
 from __future__ import annotations
 
@@ -30,10 +30,18 @@ sys.exit(int(how) if rank == 1 else 0)
 
 def launch(tmp_path: Path, *args: str) -> subprocess.Popen:
     (tmp_path / "worker.py").write_text(WORKER)
-    cmd = [sys.executable, "-m", "titanrush.launch", "--standalone", "--nproc_per_node=2",
-           str(tmp_path / "worker.py"), *args]  # fmt: skip
-    return subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "titanrush.run.launch",
+        "--standalone",
+        "--nproc_per_node=2",
+        str(tmp_path / "worker.py"),
+        *args,
+    ]
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def ended(proc: subprocess.Popen) -> tuple[int, str]:
@@ -67,9 +75,25 @@ def test_two_process_runs_end_with_the_trainers_status(tmp_path):
     trainer's line once per rank and the launcher's, and no abort of a process group left up."""
     env = {k: v for k, v in child_env().items() if k != "OMP_NUM_THREADS"}
     env["NGPU"] = "2"
-    base = ["./run_train.sh", "--job.dump_folder", str(tmp_path), "--job.name", "r", "--training.steps", "4",
-            "--training.seq_len", "64", "--training.local_batch_size", "2", "--data.dataset", "synthetic",
-            "--no-metrics.tensorboard", "--checkpoint.enable", "--checkpoint.interval", "1"]  # fmt: skip
+    base = [
+        "./run_train.sh",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--job.name",
+        "r",
+        "--training.steps",
+        "4",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--data.dataset",
+        "synthetic",
+        "--no-metrics.tensorboard",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1",
+    ]
     blowup = ["--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0"]
     res = subprocess.run(base + blowup, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = res.stdout + res.stderr
@@ -77,8 +101,14 @@ def test_two_process_runs_end_with_the_trainers_status(tmp_path):
     assert "titanrush: stopped: step 2: non-finite" in out and "exit status 3 (a non-finite" in out, out
     assert sorted(p.name for p in (tmp_path / "r" / "checkpoint").iterdir()) == ["step-1"]
 
-    res = subprocess.run(base + ["--optimizer.name", "adamw8bit"], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    res = subprocess.run(
+        base + ["--optimizer.name", "adamw8bit"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = res.stdout + res.stderr
     assert res.returncode == 2, out
     assert "Traceback" not in out and "terminate called" not in out, out

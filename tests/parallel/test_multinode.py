@@ -64,7 +64,7 @@ def test_two_torchrun_launchers_form_one_job(tmp_path, reference):
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-        )  # fmt: skip
+        )
         for node in (0, 1)
     ]
     results = wait_all(procs)
@@ -116,8 +116,12 @@ def test_slurm_script_launches_one_job_over_the_allocation(tmp_path, reference):
     )
     res = subprocess.run(
         ["bash", str(ROOT / "scripts" / "slurm_train.sh"), *train_args(tmp_path, "slurm", 2)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
     assert "rendezvous 127.0.0.1:" in res.stdout and "titanrush-4242" in res.stdout
     assert_matches(read_metrics(tmp_path / "slurm"), reference())

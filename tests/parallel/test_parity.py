@@ -39,7 +39,8 @@ MESHES = {
     "ddp2": (2, 2, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1"]),
     "tp2": (2, 1, ["--parallelism.tp", "2"]),
     "tp2_no_sp_no_loss_parallel": (
-        2, 1,
+        2,
+        1,
         ["--parallelism.tp", "2", "--no-parallelism.sequence_parallel", "--no-parallelism.loss_parallel"],
     ),
     "fsdp2_tp2": (4, 2, ["--parallelism.tp", "2"]),
@@ -48,9 +49,11 @@ MESHES = {
     "pp2_tp2": (4, 1, ["--parallelism.pp", "2", "--parallelism.tp", "2"]),
     "fsdp2_reshard_always": (2, 2, ["--parallelism.fsdp_reshard_after_forward", "always"]),
     "fsdp2_reshard_never_cpu_offload": (
-        2, 2, ["--parallelism.fsdp_reshard_after_forward", "never", "--parallelism.fsdp_cpu_offload"],
+        2,
+        2,
+        ["--parallelism.fsdp_reshard_after_forward", "never", "--parallelism.fsdp_cpu_offload"],
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("name", list(MESHES))

@@ -33,10 +33,18 @@ PP = {
     "pp2_fsdp2_gpipe": (4, 2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "GPipe"]),
     "pp2_tp2_1f1b": (4, 1, ["--parallelism.pp", "2", "--parallelism.tp", "2", "--parallelism.dp_shard", "1"]),
     "pp2_fsdp2_interleaved_1f1b": (  # a local batch of 2: one micro-batch per stage pair
-        4, 2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B",
-               "--parallelism.pp_microbatches", "2"],
+        4,
+        2,
+        [
+            "--parallelism.pp",
+            "2",
+            "--parallelism.pp_schedule",
+            "Interleaved1F1B",
+            "--parallelism.pp_microbatches",
+            "2",
+        ],
     ),
-}  # fmt: skip
+}
 
 
 VAL = ("--validation.freq", "3", "--validation.steps", "2")
@@ -56,9 +64,20 @@ def runs(tmp_path_factory, reference) -> Cases:
     cases.add("val_pp2", 2, "--parallelism.pp", "2", *VAL, dp=1)
     cases.add("pp_bf16", 2, *BF16, "--parallelism.pp", "2", dp=1)
     for name, (nproc, overrides) in CP.items():  # (last: context parallel's rotate method is a global)
-        args = ["--job.dump_folder", str(dump), "--job.name", name, "--training.seq_len", "64",
-                "--training.local_batch_size", "4", "--training.precision", "fp32",
-                "--no-metrics.tensorboard", *overrides]  # fmt: skip
+        args = [
+            "--job.dump_folder",
+            str(dump),
+            "--job.name",
+            name,
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "4",
+            "--training.precision",
+            "fp32",
+            "--no-metrics.tensorboard",
+            *overrides,
+        ]
         cases.add_probe(name, nproc, "cp", [str(dump / f"{name}_reports"), *args])
     return cases
 
@@ -108,12 +127,16 @@ def test_pipeline_without_fsdp_trains_in_bf16(runs):
 CP = {
     # name: (processes, overrides)
     "cp2": (2, ["--parallelism.cp", "2"]),
-    "cp2_pp2_1f1b": (4, ["--parallelism.cp", "2", "--parallelism.pp", "2",
-                         "--parallelism.pp_schedule", "1F1B"]),
+    "cp2_pp2_1f1b": (
+        4,
+        ["--parallelism.cp", "2", "--parallelism.pp", "2", "--parallelism.pp_schedule", "1F1B"],
+    ),
     # split backward (input, then weight gradients) and two stages per rank in a V
-    "cp2_pp2_zbv": (4, ["--parallelism.cp", "2", "--parallelism.pp", "2",
-                        "--parallelism.pp_schedule", "ZBVZeroBubble"]),
-}  # fmt: skip
+    "cp2_pp2_zbv": (
+        4,
+        ["--parallelism.cp", "2", "--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble"],
+    ),
+}
 
 
 @pytest.mark.parametrize("name", list(CP))

@@ -38,9 +38,18 @@ def test_an_existing_run_folder_stops_every_rank_and_stays_as_it_was(tmp_path):
     run.mkdir()
     (run / "config.toml").write_text("# an earlier run's\n")
     args = train_args(tmp_path, "taken", 2, "--no-job.overwrite")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc_per_node=2",
-           "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", "-m", "titanrush.train",
-           *args]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc_per_node=2",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        "-m",
+        "titanrush.train",
+        *args,
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
     log = res.stdout + res.stderr
     assert res.returncode != 0, log[-3000:]
@@ -53,13 +62,16 @@ def _prepare(rank: int, port: int, folder: str, out: str) -> None:
     import datetime
     from pathlib import Path
 
-    from titanrush import run_dir
     from titanrush.config import ConfigError
+    from titanrush.run import run_dir
 
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
         timeout=datetime.timedelta(seconds=30),
-    )  # fmt: skip
+    )
     try:
         run_dir.check(Path(folder, "taken"), overwrite=False, rank=rank)
         outcome = "went on"

@@ -9,16 +9,39 @@ from __future__ import annotations
 from pathlib import Path
 
 BASE = [
-    "--training.seq_len", "32", "--training.local_batch_size", "2", "--data.dataset", "synthetic",
-    "--metrics.log_freq", "1", "--no-metrics.tensorboard", "--training.deterministic",
-    "--lr_scheduler.warmup_steps", "2", "--training.gc_freq", "0",
-]  # fmt: skip
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--data.dataset",
+    "synthetic",
+    "--metrics.log_freq",
+    "1",
+    "--no-metrics.tensorboard",
+    "--training.deterministic",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--training.gc_freq",
+    "0",
+]
 CKPT = ["--checkpoint.enable", "--checkpoint.interval", "2"]
 # A model of one small layer (its checkpoints are ~5 MB), for tests that copy a checkpoint per case.
 TINY = [
-    "--model.flavor", "custom", "--model.dim", "32", "--model.n_layers", "1", "--model.n_heads", "2",
-    "--model.n_kv_heads", "1", "--model.vocab_size", "8192", "--model.tie_embeddings", "tied",
-]  # fmt: skip
+    "--model.flavor",
+    "custom",
+    "--model.dim",
+    "32",
+    "--model.n_layers",
+    "1",
+    "--model.n_heads",
+    "2",
+    "--model.n_kv_heads",
+    "1",
+    "--model.vocab_size",
+    "8192",
+    "--model.tie_embeddings",
+    "tied",
+]
 
 
 def run_args(dump: Path, name: str, steps: int, *extra: str) -> list[str]:

@@ -70,10 +70,24 @@ def install_masking(set_attribute: Callable[[Any, str, Any], None] = setattr) ->
 def small_args(dump: Path, name: str, *extra: str) -> list[str]:
     """A debug run of a few CPU-seconds: seq 32, batch 2, a metrics row per step, no TensorBoard."""
     return [
-        "--job.dump_folder", str(dump), "--job.name", name, "--training.seq_len", "32",
-        "--training.local_batch_size", "2", "--training.deterministic", "--lr_scheduler.warmup_steps", "2",
-        "--metrics.log_freq", "1", "--no-metrics.tensorboard", "--training.gc_freq", "0", *extra,
-    ]  # fmt: skip
+        "--job.dump_folder",
+        str(dump),
+        "--job.name",
+        name,
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+        "--training.deterministic",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--metrics.log_freq",
+        "1",
+        "--no-metrics.tensorboard",
+        "--training.gc_freq",
+        "0",
+        *extra,
+    ]
 
 
 def read_rows(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
@@ -87,8 +101,16 @@ def read_rows(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
 
 def launcher(nproc: int, entry: list[str]) -> list[str]:
     """The command that runs `entry` (after `python`) under `nproc` processes of torchrun (gloo, CPU)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", f"--nproc_per_node={nproc}",
-            "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}", *entry]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        f"--nproc_per_node={nproc}",
+        "--rdzv_backend=c10d",
+        f"--rdzv_endpoint=127.0.0.1:{free_port()}",
+        *entry,
+    ]
 
 
 def run_masked(dump: Path, name: str, nproc: int, *args: str) -> list[dict]:
@@ -105,9 +127,14 @@ class Child:
     def __init__(self, cmd: list[str]) -> None:
         self.cmd = cmd
         self.proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cmd,
+            cwd=ROOT,
+            env=child_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
             start_new_session=True,
-        )  # fmt: skip
+        )
         self.log: list[str] = []
 
     def wait_for(self, text: str, timeout: float = 300) -> None:

@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from faults import CKPT, TINY, assert_one_line, build, run_args, snapshot, train
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from titanrush import checkpoint_integrity as integrity
+from titanrush.checkpoint import integrity
 from titanrush.config import ConfigError
 from titanrush.optim import lr_factor
 from titanrush.train import main
@@ -63,7 +63,7 @@ def said():
 def no_tensor_read(monkeypatch):
     """Fail the test if DCP loads any tensor (the checks must come first; reading the small objects of the
     data loader's state, which the checks compare, is allowed)."""
-    from titanrush.checkpoint_compat import ObjectReader
+    from titanrush.checkpoint.compat import ObjectReader
 
     real = dcp.load
 
@@ -291,14 +291,20 @@ def test_untied_checkpoint_into_a_tied_model_is_incompatible_before_any_tensor_l
 @pytest.mark.parametrize(
     "change, expected",
     [
-        (["--training.seed", "7"], "data loader state was saved for training.seed = 42, this run has "
-         "training.seed = 7: resuming the data position is impossible"),
-        (["--training.local_batch_size", "3"], "data loader state was saved for dp=1 with local batch 2 "
-         "after 8 windows, this run has dp=1 with local batch 3 (3 windows a micro-batch): 8 is not a "
-         "multiple of 3"),
+        (
+            ["--training.seed", "7"],
+            "data loader state was saved for training.seed = 42, this run has "
+            "training.seed = 7: resuming the data position is impossible",
+        ),
+        (
+            ["--training.local_batch_size", "3"],
+            "data loader state was saved for dp=1 with local batch 2 "
+            "after 8 windows, this run has dp=1 with local batch 3 (3 windows a micro-batch): 8 is not a "
+            "multiple of 3",
+        ),
     ],
     ids=["seed", "batch_layout"],
-)  # fmt: skip
+)
 def test_healthy_checkpoint_under_other_settings_is_incompatible_not_corrupt(copy, change, expected):
     ck = copy / "checkpoint" / "step-4"
     with pytest.raises(ConfigError) as e:
@@ -309,8 +315,17 @@ def test_healthy_checkpoint_under_other_settings_is_incompatible_not_corrupt(cop
     assert "corrupt" not in msg
     assert msg.endswith("take only its weights into a new run: add --checkpoint.load_model_only")
     # What the message offers works: the weights alone load.
-    trainer = build(run_args(copy.parent, "weights", 8, "--checkpoint.load_path", str(ck), *change,
-                             "--checkpoint.load_model_only"))  # fmt: skip
+    trainer = build(
+        run_args(
+            copy.parent,
+            "weights",
+            8,
+            "--checkpoint.load_path",
+            str(ck),
+            *change,
+            "--checkpoint.load_model_only",
+        )
+    )
     assert trainer.step == 0
     trainer.close()
 
@@ -348,8 +363,11 @@ def test_checkpoint_without_a_record_loads_unverified_with_a_warning(copy, said)
 
 def test_a_batch_layout_that_divides_the_data_position_resumes_it_exactly(copy):
     ck = copy / "checkpoint" / "step-4"  # 4 steps x 2 sequences = 8 windows read
-    trainer = build(run_args(copy.parent, "wide", 8, "--checkpoint.load_path", str(ck),
-                             "--training.local_batch_size", "4"))  # fmt: skip
+    trainer = build(
+        run_args(
+            copy.parent, "wide", 8, "--checkpoint.load_path", str(ck), "--training.local_batch_size", "4"
+        )
+    )
     assert trainer.step == 4 and trainer.train_loader.state_dict()["windows"] == 8
     trainer.close()
 
@@ -474,13 +492,13 @@ def test_full_disk_during_a_save_stops_with_one_line_and_exit_1_leaving_earlier_
 def test_torch_write_failure_without_errno_on_a_full_disk_is_named_full(tmp_path, monkeypatch):
     # torch.save to a path on a full disk raises "[enforce fail at inline_container.cc:672] unexpected pos"
     # with no errno: the free space tells.
-    from titanrush import checkpoint_folder
+    from titanrush import files
 
     err = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 768 vs 662")
-    monkeypatch.setattr(checkpoint_folder, "free_bytes", lambda path: 0)
-    assert checkpoint_folder.is_disk_full(err, tmp_path)
-    monkeypatch.setattr(checkpoint_folder, "free_bytes", lambda path: 100 * 2**30)
-    assert not checkpoint_folder.is_disk_full(err, tmp_path)
+    monkeypatch.setattr(files, "free_bytes", lambda path: 0)
+    assert files.is_disk_full(err, tmp_path)
+    monkeypatch.setattr(files, "free_bytes", lambda path: 100 * 2**30)
+    assert not files.is_disk_full(err, tmp_path)
 
 
 def test_unwritable_checkpoint_folder_is_refused_at_start(tmp_path, capsys):
@@ -529,8 +547,14 @@ def test_a_real_full_disk_warns_at_start_and_stops_the_save_cleanly(tmp_path):
         f"{train_cmd}; echo status=$?; ls {mnt}/ck"  # resumes at 2: warned at start, step 4 does not fit
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    res = subprocess.run(["unshare", "--mount", "--map-root-user", "sh", "-c", script], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    res = subprocess.run(
+        ["unshare", "--mount", "--map-root-user", "sh", "-c", script],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = res.stdout + res.stderr
     assert "the next save (step 3) will not fit" in out, out[-3000:]
     assert "status=1" in out, out[-3000:]
@@ -580,8 +604,9 @@ def test_training_steps_below_the_resumed_step_is_refused_with_exit_2(copy, caps
 
 def test_changed_learning_rate_and_weight_decay_on_resume_are_applied_and_said(copy, said):
     lr, wd = 1e-3, 0.05  # the saved run: optimizer.lr 3e-3, weight_decay 0.1 (the defaults)
-    trainer = build(run_args(copy.parent, "src", 8, *CKPT, "--optimizer.lr", str(lr),
-                             "--optimizer.weight_decay", str(wd)))  # fmt: skip
+    trainer = build(
+        run_args(copy.parent, "src", 8, *CKPT, "--optimizer.lr", str(lr), "--optimizer.weight_decay", str(wd))
+    )
     line = said.find("resumed with this run's settings")
     assert "optimizer.lr 0.003 -> 0.001" in line and "optimizer.weight_decay 0.1 -> 0.05" in line
     group = trainer.optimizer.param_groups[0]
@@ -600,7 +625,7 @@ def test_changed_learning_rate_and_weight_decay_on_resume_are_applied_and_said(c
 RNG_WORKER = r"""
 import os, sys, torch, torch.distributed as dist
 from pathlib import Path
-from titanrush.checkpoint import CheckpointManager
+from titanrush.checkpoint.manager import CheckpointManager
 
 class Plain:  # a schedule / data loader stand-in: plain state
     def state_dict(self): return {"value": 1}
@@ -633,8 +658,15 @@ def test_each_rank_gets_its_own_rng_state_back(tmp_path):
     script = tmp_path / "rng_worker.py"
     script.write_text(RNG_WORKER)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", str(script),
-           str(tmp_path / "ck")]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--standalone",
+        str(script),
+        str(tmp_path / "ck"),
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     result = next(x for x in res.stdout.splitlines() if x.startswith("RESULT"))

@@ -31,7 +31,8 @@ from loop_helpers import (
     small_args,
 )
 
-from titanrush import config, run_dir, train
+from titanrush import config, train
+from titanrush.run import run_dir
 from titanrush.trainer import Trainer
 
 RTOL = 1e-5  # the parallel parity suite's tolerance (tests/parallel/test_parity.py says why)
@@ -58,9 +59,21 @@ def test_a_blown_up_step_stops_the_run_before_any_checkpoint_of_it(tmp_path, cap
     """A learning rate of 1e30 makes step 2's gradients NaN. The run used to go on to the next logged
     step, saving checkpoints of NaN weights on the way, and end in a FloatingPointError traceback with a
     bare NaN in metrics.jsonl."""
-    args = small_args(tmp_path, "blowup", "--training.steps", "6", "--metrics.log_freq", "5",
-                      "--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0", "--checkpoint.enable",
-                      "--checkpoint.interval", "1")  # fmt: skip
+    args = small_args(
+        tmp_path,
+        "blowup",
+        "--training.steps",
+        "6",
+        "--metrics.log_freq",
+        "5",
+        "--optimizer.lr",
+        "1e30",
+        "--lr_scheduler.warmup_steps",
+        "0",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1",
+    )
     status, err = in_process(capsys, args)
     assert status == 3, err[-3000:]
     lines = [x for x in err.splitlines() if x.startswith("titanrush: stopped")]
@@ -76,10 +89,18 @@ def test_a_blown_up_step_stops_the_run_before_any_checkpoint_of_it(tmp_path, cap
 def test_skip_mode_keeps_the_weights_and_stops_after_max_skips_in_a_row(tmp_path):
     """on_nonfinite = skip: a NaN step leaves weights and optimizer state as they were and training goes
     on; more than max_skips non-finite steps in a row stop the run."""
-    from titanrush.nonfinite import NonFiniteError
+    from titanrush.run.nonfinite import NonFiniteError
 
-    args = small_args(tmp_path, "skip", "--training.steps", "8", "--training.on_nonfinite", "skip",
-                      "--training.max_skips", "1")  # fmt: skip
+    args = small_args(
+        tmp_path,
+        "skip",
+        "--training.steps",
+        "8",
+        "--training.on_nonfinite",
+        "skip",
+        "--training.max_skips",
+        "1",
+    )
     trainer = Trainer(config.load(None, args))
     bad_steps = {3, 5, 6}
     trainer.model.output.register_forward_hook(
@@ -105,8 +126,8 @@ def test_skip_mode_keeps_the_weights_and_stops_after_max_skips_in_a_row(tmp_path
 
 def test_a_non_finite_loss_poisons_the_gradient_norm_even_when_its_gradient_is_finite():
     """The loss's part of the check rides on the global gradient norm (no collective of its own)."""
-    from titanrush.nonfinite import poison
     from titanrush.parallel.grad_clip import clip_grad_norm_
+    from titanrush.run.nonfinite import poison
 
     w = torch.nn.Parameter(torch.ones(3))
     loss = (w * 2).sum() + torch.tensor(float("inf"))  # infinite, with a finite gradient
@@ -126,8 +147,11 @@ def first_run(tmp_path_factory) -> Path:
     """A finished run with a checkpoint and a multi-line description, for the refusals below."""
     dump = tmp_path_factory.mktemp("runs")
     logging.getLogger("titanrush").handlers.clear()
-    status = train.main(small_args(dump, "first", "--training.steps", "1", "--checkpoint.enable",
-                                   "--job.description", DESCRIPTION))  # fmt: skip
+    status = train.main(
+        small_args(
+            dump, "first", "--training.steps", "1", "--checkpoint.enable", "--job.description", DESCRIPTION
+        )
+    )
     assert status == 0
     return dump / "first"
 
@@ -190,8 +214,9 @@ def test_a_second_run_cannot_take_a_locked_run_folder(tmp_path, capsys):
 
 
 def test_sigterm_finishes_the_step_saves_and_a_rerun_resumes_as_a_new_attempt(tmp_path):
-    args = small_args(tmp_path, "term", "--training.steps", "1000", "--checkpoint.enable",
-                      "--checkpoint.interval", "500")  # fmt: skip
+    args = small_args(
+        tmp_path, "term", "--training.steps", "1000", "--checkpoint.enable", "--checkpoint.interval", "500"
+    )
     child = Child([sys.executable, "-m", "titanrush.train", *args])
     child.wait_for("step      2  loss")
     child.proc.send_signal(signal.SIGTERM)
@@ -205,8 +230,15 @@ def test_sigterm_finishes_the_step_saves_and_a_rerun_resumes_as_a_new_attempt(tm
     assert (run / "checkpoint" / f"step-{step}").is_dir()
     assert read_rows(run)[-1] == {"step": step, "attempt": 1, "stop": "SIGTERM"}
     # The same command, to one step further: attempt 2 resumes the series after that step.
-    more = small_args(tmp_path, "term", "--training.steps", str(step + 1), "--checkpoint.enable",
-                      "--checkpoint.interval", "500")  # fmt: skip
+    more = small_args(
+        tmp_path,
+        "term",
+        "--training.steps",
+        str(step + 1),
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "500",
+    )
     assert train.main(more) == 0
     rows = read_rows(run)
     assert [r["step"] for r in rows if r.get("attempt") == 2 and "loss" in r] == [step + 1]
@@ -217,8 +249,16 @@ def test_sigterm_finishes_the_step_saves_and_a_rerun_resumes_as_a_new_attempt(tm
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     """SIGINT reaches only rank 1 (rank 0 never sees it): both stop after the same step, and the
     checkpoint of that step is complete."""
-    args = small_args(tmp_path, "int", "--training.steps", "1000", "--checkpoint.enable",
-                      "--checkpoint.interval", "500", "--metrics.all_ranks")  # fmt: skip
+    args = small_args(
+        tmp_path,
+        "int",
+        "--training.steps",
+        "1000",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "500",
+        "--metrics.all_ranks",
+    )
     child = Child(launcher(2, ["-m", "titanrush.train", *args]))
     child.wait_for("step      2  loss")
     workers = sorted(children(child.proc.pid))
@@ -238,8 +278,16 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
 def test_workers_end_when_their_launcher_is_killed(tmp_path):
     """kill -9 of torchrun: its workers (in sessions of their own) get SIGTERM from the kernel and stop;
     with checkpoint.save_on_signal = false they save nothing, and the run folder's lock is free again."""
-    args = small_args(tmp_path, "orphans", "--training.steps", "1000", "--checkpoint.enable",
-                      "--checkpoint.interval", "500", "--no-checkpoint.save_on_signal")  # fmt: skip
+    args = small_args(
+        tmp_path,
+        "orphans",
+        "--training.steps",
+        "1000",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "500",
+        "--no-checkpoint.save_on_signal",
+    )
     child = Child(launcher(2, ["-m", "titanrush.train", *args]))
     child.wait_for("step      2  loss")
     workers = children(child.proc.pid)
@@ -264,9 +312,22 @@ def test_workers_end_when_their_launcher_is_killed(tmp_path):
 # The loss: normalized by the global count of valid tokens
 
 
-MASKED = ("--training.steps", "3", "--training.seq_len", "64", "--training.global_batch_size", "8",
-          "--training.deterministic", "--lr_scheduler.warmup_steps", "2", "--metrics.log_freq", "1",
-          "--no-metrics.tensorboard", "--training.gc_freq", "0")  # fmt: skip
+MASKED = (
+    "--training.steps",
+    "3",
+    "--training.seq_len",
+    "64",
+    "--training.global_batch_size",
+    "8",
+    "--training.deterministic",
+    "--lr_scheduler.warmup_steps",
+    "2",
+    "--metrics.log_freq",
+    "1",
+    "--no-metrics.tensorboard",
+    "--training.gc_freq",
+    "0",
+)
 
 
 def assert_parity(rows: list[dict], ref: list[dict]) -> None:
@@ -288,8 +349,9 @@ def test_the_mask_is_uneven_across_micro_batches():
     """The premise of the parity tests: averaging per-micro-batch means would weigh tokens unequally."""
     from titanrush.data import build_dataloader, build_tokenizer
 
-    loader = build_dataloader(config.Data(), tokenizer=build_tokenizer("default"), seq_len=64,
-                              local_batch_size=2, vocab_size=8192)  # fmt: skip
+    loader = build_dataloader(
+        config.Data(), tokenizer=build_tokenizer("default"), seq_len=64, local_batch_size=2, vocab_size=8192
+    )
     batches = [mask_labels(b) for b, _ in zip(loader, range(4))]
     counts = [int((b.labels != -100).sum()) for b in batches]
     assert len(set(counts)) > 1 and max(counts) > 1.5 * min(counts), counts
@@ -300,8 +362,10 @@ def test_the_mask_is_uneven_across_micro_batches():
 def test_masked_tokens_with_accumulation_match_one_process(mesh, tmp_path, masked_reference):
     """2 ranks (FSDP over 2, or a 2-stage 1F1B pipeline), gradient accumulation, masked labels: the loss
     and gradient norm of every step equal those of one process on the same global batch."""
-    extra = {"fsdp2": ["--training.local_batch_size", "2"],
-             "pp2": ["--training.local_batch_size", "4", "--parallelism.pp", "2"]}[mesh]  # fmt: skip
+    extra = {
+        "fsdp2": ["--training.local_batch_size", "2"],
+        "pp2": ["--training.local_batch_size", "4", "--parallelism.pp", "2"],
+    }[mesh]
     rows = run_masked(tmp_path, mesh, 2, *MASKED, *extra)
     assert_parity(rows, masked_reference)
 
@@ -314,8 +378,16 @@ def test_the_loss_is_the_mean_over_valid_tokens_on_both_loss_paths(tmp_path, mon
     from titanrush.models.llama import Llama, model_args
 
     install_masking(monkeypatch.setattr)
-    common = ("--training.steps", "2", "--training.global_batch_size", "4", "--validation.freq", "2",
-              "--validation.steps", "2")  # fmt: skip
+    common = (
+        "--training.steps",
+        "2",
+        "--training.global_batch_size",
+        "4",
+        "--validation.freq",
+        "2",
+        "--validation.steps",
+        "2",
+    )
     runs = {}
     for loss in ("plain", "chunked"):
         args = small_args(
@@ -329,8 +401,13 @@ def test_the_loss_is_the_mean_over_valid_tokens_on_both_loss_paths(tmp_path, mon
         runs[loss] = read_rows(tmp_path / loss)
     model = Llama(model_args("debug", rope_positions=32))
     model.init_weights(seed=42)
-    loader = build_dataloader(config.Data(), tokenizer=build_tokenizer("default"), seq_len=32,
-                              local_batch_size=4, vocab_size=model.args.vocab_size)  # fmt: skip
+    loader = build_dataloader(
+        config.Data(),
+        tokenizer=build_tokenizer("default"),
+        seq_len=32,
+        local_batch_size=4,
+        vocab_size=model.args.vocab_size,
+    )
     batch = mask_labels(next(iter(loader)))
     with torch.no_grad():
         expect = torch.nn.functional.cross_entropy(

@@ -105,7 +105,7 @@ def test_ac_with_offload_leaves_eager_blocks_unwrapped_and_compiled_ones_keeping
 
 
 def test_offload_config_errors():
-    from titanrush.plan import build_plan
+    from titanrush.run.plan import build_plan
 
     with pytest.raises(ConfigError, match="offload_first must be >= 0"):
         build_plan(config.load(None, ["--activation_checkpoint.offload_first", "-1"]), 1)

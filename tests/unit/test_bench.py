@@ -80,8 +80,10 @@ def test_a_logged_line_counts_for_the_steps_since_the_line_before_it():
     """Logging every 10 steps: the line at step 10 stands for steps 2-10 (compile warm-up), left out when
     measuring from 11; lines count for their number of steps (step 1's: one)."""
     run = sbs.Run("torchtitan", "1b", "-", ["x"], {}, sbs.ROOT, sbs.ROOT / "log")
-    steps = [{"step": s, "tps": t, "mfu": t / 10, "mem_gib": m, "loss": 1.0}
-             for s, t, m in ((1, 5.0, 1.0), (10, 20.0, 9.0), (20, 100.0, 3.0), (30, 70.0, 2.0))]  # fmt: skip
+    steps = [
+        {"step": s, "tps": t, "mfu": t / 10, "mem_gib": m, "loss": 1.0}
+        for s, t, m in ((1, 5.0, 1.0), (10, 20.0, 9.0), (20, 100.0, 3.0), (30, 70.0, 2.0))
+    ]
     out = sbs.summarize(run, {"status": "ok", "steps": steps}, 11)
     assert out["tps"] == pytest.approx(85.0) and out["mfu"] == pytest.approx(8.5)
     assert out["mem_gib"] == 3.0 and len(out["loss_curve"]) == 4
@@ -108,8 +110,16 @@ def test_flags_go_to_each_titanrush_run_only(tmp_path):
     base = tmp_path / "base"
     base.mkdir()
     (base / "run_train.sh").touch()
-    argv = ["--out", str(tmp_path), "--rows", "8b_tp2_fsdp2", "--flags=--experimental.async_tp", "--base",
-            str(base), "--balance"]  # fmt: skip
+    argv = [
+        "--out",
+        str(tmp_path),
+        "--rows",
+        "8b_tp2_fsdp2",
+        "--flags=--experimental.async_tp",
+        "--base",
+        str(base),
+        "--balance",
+    ]
     a = sbs.parse_args(argv)
     runs = sbs.plan([sbs.ROWS["8b_tp2_fsdp2"]], a.settings, a, tmp_path)
     assert {r.trainer for r in runs} == {"torchtitan", "titanrush", "base"}
@@ -213,7 +223,7 @@ def test_runs_go_one_at_a_time_and_the_table_compares_with_torchtitan(tmp_path, 
                 {},
                 tmp_path,
                 work / f"{trainer}-{setting}.log",
-            )  # fmt: skip
+            )
             for trainer, setting in (("torchtitan", "-"), ("titanrush", "same"), ("base", "same"))
         ]
 
@@ -257,11 +267,25 @@ def test_profile_step_profiles_that_step_in_both_trainers_and_tables_their_timel
     assert prof["enable_profiling"] and prof["profile_freq"] == 12 and prof["profiler_active"] == 1
     assert prof["profile_freq"] >= prof["profiler_active"] + prof["profiler_warmup"]  # torchtitan's rule
     assert prof["profiler_warmup"] == 1  # as titanrush's schedule: both pay the same warm-up steps
-    a = sbs.parse_args(["--out", str(tmp_path), "--rows", "8b_fsdp4", "--settings", "same",
-                        "--steps", "20", "--profile-step", "12"])  # fmt: skip
+    a = sbs.parse_args(
+        [
+            "--out",
+            str(tmp_path),
+            "--rows",
+            "8b_fsdp4",
+            "--settings",
+            "same",
+            "--steps",
+            "20",
+            "--profile-step",
+            "12",
+        ]
+    )
     runs = sbs.plan([row, sbs.ROWS["8b_cp2_fsdp2"]], a.settings, a, tmp_path)
-    dumps = [tomllib.loads((tmp_path / "configs" / f"torchtitan_{r}.toml").read_text())["job"]["dump_folder"]
-             for r in ("8b_fsdp4", "8b_cp2_fsdp2")]  # fmt: skip
+    dumps = [
+        tomllib.loads((tmp_path / "configs" / f"torchtitan_{r}.toml").read_text())["job"]["dump_folder"]
+        for r in ("8b_fsdp4", "8b_cp2_fsdp2")
+    ]
     assert dumps[0] != dumps[1]  # each row's torchtitan traces in a folder of its own
     ours = next(r for r in runs if r.trainer == "titanrush")
     flags = ours.cmd[1:]
@@ -272,10 +296,12 @@ def test_profile_step_profiles_that_step_in_both_trainers_and_tables_their_timel
     with pytest.raises(SystemExit):  # warm-up, profiled and export steps would leave nothing to measure
         sbs.parse_args(["--out", str(tmp_path), "--steps", "9", "--profile-step", "3"])
 
-    events = {"traceEvents": [
-        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 30},
-        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather", "ts": 20, "dur": 20},
-    ]}  # fmt: skip
+    events = {
+        "traceEvents": [
+            {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 30},
+            {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather", "ts": 20, "dur": 20},
+        ]
+    }
     ours_trace = tmp_path / "runs" / ours.log.stem / "profile" / "step-12" / "rank0.trace.json.gz"
     theirs_trace = Path(dumps[0]) / "profile_traces" / "iteration_12" / "rank0_trace.json"
     for path, opener in ((ours_trace, gzip.open), (theirs_trace, open)):
@@ -298,13 +324,35 @@ def test_kernel_tables_set_each_titanrush_run_beside_its_rows_torchtitan_run():
     torchtitan profile gets none."""
     tt = {"aten::mm 8x4 @ 4x16": (2, 10.0), "rope_complex": (1, 3.0)}
     ours = {"aten::mm 8x4 @ 4x16": (2, 9.5), "rope_real": (1, 1.0)}
-    rs = {"ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL": {"calls": 130, "ms": 43.5, "exposed": 5.0,
-                                                           "concurrent": 10.0}}  # fmt: skip
-    results = json.loads(json.dumps([
-        {"row": "8b_fsdp4", "setting": "-", "trainer": "torchtitan", "kernels": tt, "collectives": rs},
-        {"row": "8b_fsdp4", "setting": "same", "trainer": "titanrush", "kernels": ours, "collectives": {}},
-        {"row": "1b", "setting": "same", "trainer": "titanrush", "kernels": ours},
-    ]))  # fmt: skip
+    rs = {
+        "ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL": {
+            "calls": 130,
+            "ms": 43.5,
+            "exposed": 5.0,
+            "concurrent": 10.0,
+        }
+    }
+    results = json.loads(
+        json.dumps(
+            [
+                {
+                    "row": "8b_fsdp4",
+                    "setting": "-",
+                    "trainer": "torchtitan",
+                    "kernels": tt,
+                    "collectives": rs,
+                },
+                {
+                    "row": "8b_fsdp4",
+                    "setting": "same",
+                    "trainer": "titanrush",
+                    "kernels": ours,
+                    "collectives": {},
+                },
+                {"row": "1b", "setting": "same", "trainer": "titanrush", "kernels": ours},
+            ]
+        )
+    )
     text = sbs.kernel_tables(results)
     assert text.count("| kernel | torchtitan ms |") == 1 and "8b_fsdp4, same:" in text and "1b" not in text
     lines = [line for line in text.splitlines() if line.startswith("| `")]

@@ -22,10 +22,23 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def args(tmp: Path, name: str, steps: int, *extra: str) -> list[str]:
     return [
-        "--job.dump_folder", str(tmp), "--job.name", name, "--training.steps", str(steps),
-        "--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
-        "--training.deterministic", "--lr_scheduler.warmup_steps", "2", *extra,
-    ]  # fmt: skip
+        "--job.dump_folder",
+        str(tmp),
+        "--job.name",
+        name,
+        "--training.steps",
+        str(steps),
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "4",
+        "--metrics.log_freq",
+        "1",
+        "--training.deterministic",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        *extra,
+    ]
 
 
 def train(argv: list[str], stop_at: int | None = None) -> None:
@@ -64,11 +77,16 @@ def test_resumed_run_repeats_the_uninterrupted_losses_bitwise(tmp_path, mode):
     "save_with",
     [
         ("--activation_checkpoint.mode", "full"),
-        ("--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "op",
-         "--compile.enable"),
+        (
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.selective",
+            "op",
+            "--compile.enable",
+        ),
     ],
     ids=["full_ac", "op_ac_compiled"],
-)  # fmt: skip
+)
 def test_a_checkpoint_written_under_activation_checkpointing_loads_into_a_plain_run(tmp_path, save_with):
     """The recomputing wrapper (and compile's) leave the saved names alone: the checkpoint holds the
     model's own names, and a run without either resumes from it."""
@@ -102,8 +120,13 @@ def test_saves_and_resumes_log_their_timings(tmp_path, mode):
     ckpt = tmp_path / "src" / "checkpoint" / "step-2"
     train(args(tmp_path, "dst", 3, "--checkpoint.load_path", str(ckpt)))
     rows = rows_of(tmp_path / "dst")
-    load = {"step": 2, "attempt": 1, "ckpt_load_s": rows[0]["ckpt_load_s"], "ckpt_load_path": str(ckpt),
-            "ckpt_verify_s": rows[0]["ckpt_verify_s"]}  # fmt: skip
+    load = {
+        "step": 2,
+        "attempt": 1,
+        "ckpt_load_s": rows[0]["ckpt_load_s"],
+        "ckpt_load_path": str(ckpt),
+        "ckpt_verify_s": rows[0]["ckpt_verify_s"],
+    }
     assert rows[0] == load
     assert 0 < rows[0]["ckpt_verify_s"] < rows[0]["ckpt_load_s"] < 60
     assert [r["step"] for r in rows[1:]] == [3] and "loss" in rows[1]
@@ -168,8 +191,19 @@ def test_missing_load_path_is_a_clear_error(tmp_path):
 
 
 def test_weights_only_start_from_a_model_only_export(tmp_path):
-    train(args(tmp_path, "src", 8, "--checkpoint.enable", "--checkpoint.interval", "100",
-               "--checkpoint.last_save_model_only", "--checkpoint.export_dtype", "bfloat16"))  # fmt: skip
+    train(
+        args(
+            tmp_path,
+            "src",
+            8,
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "100",
+            "--checkpoint.last_save_model_only",
+            "--checkpoint.export_dtype",
+            "bfloat16",
+        )
+    )
     final = tmp_path / "src" / "checkpoint" / "step-8"
     info = json.loads((final / "titanrush.json").read_text())
     assert info["model_only"] is True and info["dtype"] == "bfloat16"
@@ -177,8 +211,12 @@ def test_weights_only_start_from_a_model_only_export(tmp_path):
     assert [r["step"] for r in rows if r.get("ckpt_mode") == "model_only"] == [8]
     with pytest.raises(ConfigError, match="holds only model weights"):
         Trainer(config.load(None, args(tmp_path, "x", 2, "--checkpoint.load_path", str(final))))
-    trainer = Trainer(config.load(None, args(tmp_path, "dst", 2, "--checkpoint.load_path", str(final),
-                                             "--checkpoint.load_model_only")))  # fmt: skip
+    trainer = Trainer(
+        config.load(
+            None,
+            args(tmp_path, "dst", 2, "--checkpoint.load_path", str(final), "--checkpoint.load_model_only"),
+        )
+    )
     assert trainer.step == 0  # a new run: step, optimizer and data start fresh
     trainer.train()
     trainer.close()
@@ -219,7 +257,7 @@ def test_async_pinned_on_a_torch_whose_stager_closes_itself_uses_a_fresh_one_per
     # 8B's second async_pinned save on the GPU machine). Where that is so, each save gets its own.
     import torch.distributed.checkpoint as dcp
 
-    from titanrush import checkpoint as ck
+    from titanrush.checkpoint import manager as ck
 
     stagers = []
     real = dcp.async_save
@@ -230,14 +268,34 @@ def test_async_pinned_on_a_torch_whose_stager_closes_itself_uses_a_fresh_one_per
 
     monkeypatch.setattr(dcp, "async_save", spy)
     monkeypatch.setattr(ck, "stager_reusable", lambda: False)
-    train(args(tmp_path, "a", 6, "--checkpoint.enable", "--checkpoint.interval", "2",
-                "--checkpoint.async_mode", "async_pinned"))  # fmt: skip
+    train(
+        args(
+            tmp_path,
+            "a",
+            6,
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "2",
+            "--checkpoint.async_mode",
+            "async_pinned",
+        )
+    )
     assert len(stagers) == 3 and len({id(s) for s in stagers}) == 3 and None not in stagers
     assert sorted(p.name for p in (tmp_path / "a" / "checkpoint").iterdir()) == ["step-2", "step-4", "step-6"]
     monkeypatch.setattr(ck, "stager_reusable", lambda: True)
     stagers.clear()
-    train(args(tmp_path, "b", 4, "--checkpoint.enable", "--checkpoint.interval", "2",
-                "--checkpoint.async_mode", "async_pinned"))  # fmt: skip
+    train(
+        args(
+            tmp_path,
+            "b",
+            4,
+            "--checkpoint.enable",
+            "--checkpoint.interval",
+            "2",
+            "--checkpoint.async_mode",
+            "async_pinned",
+        )
+    )
     assert len(stagers) == 2 and stagers[0] is stagers[1]
 
 
@@ -246,7 +304,7 @@ def test_stager_reusable_matches_what_this_torchs_stager_does():
     import torch
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-    from titanrush.checkpoint import stager_reusable
+    from titanrush.checkpoint.manager import stager_reusable
 
     stager = DefaultStager(StagingOptions(False, False, False, False))
     state = {"w": torch.ones(4), "meta": {"step": 1, "kind": dict}}  # a class, as DTensor specs hold
@@ -283,7 +341,7 @@ def test_every_model_argument_but_the_run_time_choices_is_compared():
     (checkpoint_compat.RUNTIME_ARGS): a checkpoint of another model must never load silently."""
     import dataclasses
 
-    from titanrush.checkpoint_compat import RUNTIME_ARGS, model_arg_differences
+    from titanrush.checkpoint.compat import RUNTIME_ARGS, model_arg_differences
     from titanrush.models.llama import FLAVORS
     from titanrush.models.llama4.flavors import FLAVORS as LLAMA4_FLAVORS
 
@@ -316,7 +374,7 @@ def test_block_checksums_match_zlib_over_any_range_and_stop_at_the_end_of_a_shor
     a range past the end of the file stops at the end (a shorter file is reported by the size check)."""
     import zlib
 
-    from titanrush.checkpoint_integrity import _crc_range
+    from titanrush.checkpoint.integrity import _crc_range
 
     data = os.urandom(3 * 4096 + 123)
     path = tmp_path / "shard"

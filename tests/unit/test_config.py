@@ -143,21 +143,33 @@ def test_toml_errors(tmp_path):
     "files, fragment",
     [
         # an unknown key, its line under its table
-        ({"a.toml": "[training]\nsteps = 3\n\n[model]\nflavr = 'debug'\n"},
-         "a.toml:5: unknown config key model.flavr; did you mean model.flavor?"),
+        (
+            {"a.toml": "[training]\nsteps = 3\n\n[model]\nflavr = 'debug'\n"},
+            "a.toml:5: unknown config key model.flavr; did you mean model.flavor?",
+        ),
         # a bad type, quoted key
-        ({"a.toml": "# run\n[training]\nsteps = 3\n'seq_len' = 'long'\n"},
-         "a.toml:4: training.seq_len must be an integer, got 'long'"),
+        (
+            {"a.toml": "# run\n[training]\nsteps = 3\n'seq_len' = 'long'\n"},
+            "a.toml:4: training.seq_len must be an integer, got 'long'",
+        ),
         # an unknown section: its header
-        ({"a.toml": "[optimizer]\nlr = 0.1\n[trainer]\nsteps = 3\n"},
-         "a.toml:3: unknown config section [trainer]; did you mean [training]?"),
+        (
+            {"a.toml": "[optimizer]\nlr = 0.1\n[trainer]\nsteps = 3\n"},
+            "a.toml:3: unknown config section [trainer]; did you mean [training]?",
+        ),
         # a dotted key and an inline table before any header
-        ({"a.toml": "training.steps = 3\nmodel = { flavor = 'debug', vocab_sise = 3 }\n"},
-         "a.toml:2: unknown config key model.vocab_sise"),
+        (
+            {"a.toml": "training.steps = 3\nmodel = { flavor = 'debug', vocab_sise = 3 }\n"},
+            "a.toml:2: unknown config key model.vocab_sise",
+        ),
         # in an extends chain: the file that has the key, not the one passed to --config
-        ({"a.toml": "extends = 'base.toml'\n[training]\nsteps = 4\n",
-          "base.toml": "[optimizer]\nlr = 0.1\n\n[training]\nsteps = 2\nprecision = 'fp16'\n"},
-         "base.toml:6: training.precision = 'fp16' is not one of fp32, bf16"),
+        (
+            {
+                "a.toml": "extends = 'base.toml'\n[training]\nsteps = 4\n",
+                "base.toml": "[optimizer]\nlr = 0.1\n\n[training]\nsteps = 2\nprecision = 'fp16'\n",
+            },
+            "base.toml:6: training.precision = 'fp16' is not one of fp32, bf16",
+        ),
         ({"a.toml": "extends = 3\n"}, "a.toml:1: extends must name the TOML file this one builds on, got 3"),
         ({"a.toml": "extends = ''\n"}, "a.toml:1: extends must name the TOML file this one builds on"),
         # a file it extends that is missing or not a file: named with the line that names it
@@ -165,7 +177,7 @@ def test_toml_errors(tmp_path):
         ({"a.toml": "extends = 'sub'\n", "sub": None}, "a.toml:1: extends names '{tmp}/sub', which is a fo"),
         ({"a.toml": "training = 3\n"}, "a.toml:1: top-level key 'training' must be a [section] table"),
     ],
-)  # fmt: skip
+)
 def test_toml_key_and_type_errors_name_the_file_and_line(tmp_path, files, fragment):
     for name, text in files.items():
         write(tmp_path / name, text) if text is not None else (tmp_path / name).mkdir()
@@ -202,8 +214,14 @@ def test_help_is_wrapped_and_grouped_by_section():
 
 def test_help_follows_the_terminal_width():
     env = {**os.environ, "COLUMNS": "72"}
-    res = subprocess.run([sys.executable, "-m", "titanrush.train", "--help"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    res = subprocess.run(
+        [sys.executable, "-m", "titanrush.train", "--help"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert res.returncode == 0 and "[parallelism]" in res.stdout
     keys = res.stdout[res.stdout.index("Config keys") :]  # (the usage lines above are train.py's own)
     assert all(len(line) <= 72 or len(line.split()) <= 2 for line in keys.splitlines())
@@ -293,9 +311,12 @@ def test_help_exits_zero():
 
 @pytest.mark.parametrize(
     "backend, fragment",
-    [("flash", "needs the flash-attn package"), ("flex", "FlexAttention has no backward on CPU"),
-     ("cudnn", "cuDNN attention is a GPU kernel")],
-)  # fmt: skip
+    [
+        ("flash", "needs the flash-attn package"),
+        ("flex", "FlexAttention has no backward on CPU"),
+        ("cudnn", "cuDNN attention is a GPU kernel"),
+    ],
+)
 def test_attention_backend_that_cannot_run_here_is_a_config_error(backend, fragment, tmp_path):
     import importlib.util
 

@@ -21,7 +21,7 @@ from titanrush.config import ConfigError
 from titanrush.models.llama import model_args
 from titanrush.models.llama.model import rope_cache
 from titanrush.parallel.context_parallel import context_parallel_step, cp_step_context
-from titanrush.plan import build_plan
+from titanrush.run.plan import build_plan
 from titanrush.tools import memory_model, sweep
 
 P = "--parallelism."
@@ -186,9 +186,11 @@ def test_sweep_default_grid_lists_every_valid_4d_shape_of_8_gpus():
     # the rest of the 8 GPUs.
     want = {
         (tp, pp, cp, ngpu // (tp * pp * cp))
-        for tp in (1, 2, 4) for pp in (1, 2, 4) for cp in (1, 2, 4, 8)
+        for tp in (1, 2, 4)
+        for pp in (1, 2, 4)
+        for cp in (1, 2, 4, 8)
         if ngpu % (tp * pp * cp) == 0
-    }  # fmt: skip
+    }
     assert got == want
     assert (2, 2, 2, 1) in got and (1, 2, 2, 2) in got  # TP x PP x CP, and PP x CP x FSDP
     assert not [r for _, r in invalid if "not supported" in r]
@@ -209,8 +211,16 @@ def test_sweep_on_6_gpus_lists_degree_3():
 def test_estimator_evaluates_cp_with_pp():
     """Every pipeline rank of a CP x PP plan evaluates; the sequence split shrinks each rank's
     activations against the same pipeline without CP, and the ring's K/V exchange appears."""
-    over = ["--model.flavor", "8B", "--training.seq_len", "8192", "--training.local_batch_size", "2",
-            "--training.precision", "bf16"]  # fmt: skip
+    over = [
+        "--model.flavor",
+        "8B",
+        "--training.seq_len",
+        "8192",
+        "--training.local_batch_size",
+        "2",
+        "--training.precision",
+        "bf16",
+    ]
     cp_pp = plan_of(8, *over, P + "cp", "2", P + "pp", "2", P + "dp_shard", "2")
     pp = plan_of(4, *over, P + "pp", "2", P + "dp_shard", "2")
     ranks_cp, ranks = memory_model.rank_plans(cp_pp), memory_model.rank_plans(pp)

@@ -14,11 +14,12 @@ import torch
 from test_hf import NO_TRANSFORMERS, assert_same_state, make_model, save_checkpoint, trainer_weights
 from test_hf_tokenizer import CORPUS, make_stand_in
 
-from titanrush import config, hf, hf_convert, train
+from titanrush import config, train
 from titanrush.config import ConfigError
+from titanrush.interop import hf, hf_convert
 from titanrush.models.llama import FLAVORS, ModelArgs
 from titanrush.models.llama.flavors import shape_of
-from titanrush.plan import build_plan
+from titanrush.run.plan import build_plan
 from titanrush.tools import convert, generate
 
 SMALL = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--training.steps", "2"]
@@ -34,18 +35,54 @@ def shape(args: ModelArgs) -> dict[str, object]:
 
 
 def test_custom_shape_from_the_model_keys():
-    args = args_of("--model.flavor", "custom", "--model.dim", "96", "--model.n_layers", "3",
-                   "--model.n_heads", "6", "--model.n_kv_heads", "2", "--model.vocab_size", "8192",
-                   "--model.ffn_hidden", "250", "--model.rope_theta", "10000", "--model.norm_eps", "1e-6",
-                   "--model.max_seq_len", "512", "--model.tie_embeddings", "tied")  # fmt: skip
+    args = args_of(
+        "--model.flavor",
+        "custom",
+        "--model.dim",
+        "96",
+        "--model.n_layers",
+        "3",
+        "--model.n_heads",
+        "6",
+        "--model.n_kv_heads",
+        "2",
+        "--model.vocab_size",
+        "8192",
+        "--model.ffn_hidden",
+        "250",
+        "--model.rope_theta",
+        "10000",
+        "--model.norm_eps",
+        "1e-6",
+        "--model.max_seq_len",
+        "512",
+        "--model.tie_embeddings",
+        "tied",
+    )
     assert (args.dim, args.n_layers, args.n_heads, args.kv_heads, args.vocab_size) == (96, 3, 6, 2, 8192)
     assert args.ffn_hidden == 250  # exactly, as Hugging Face's intermediate_size states it
     assert (args.rope_theta, args.norm_eps, args.max_seq_len, args.tie_embeddings) == (1e4, 1e-6, 512, True)
     assert not args.rope_scaling and args.rope_positions == 32  # the run's sequence, as for any flavor
-    meta = args_of("--model.flavor", "custom", "--model.dim", "96", "--model.n_layers", "3",
-                   "--model.n_heads", "6", "--model.vocab_size", "8192", "--model.multiple_of", "32",
-                   "--model.ffn_dim_multiplier", "1.5", "--model.rope_scaling", "llama3",
-                   "--model.rope_scale_factor", "16")  # fmt: skip
+    meta = args_of(
+        "--model.flavor",
+        "custom",
+        "--model.dim",
+        "96",
+        "--model.n_layers",
+        "3",
+        "--model.n_heads",
+        "6",
+        "--model.vocab_size",
+        "8192",
+        "--model.multiple_of",
+        "32",
+        "--model.ffn_dim_multiplier",
+        "1.5",
+        "--model.rope_scaling",
+        "llama3",
+        "--model.rope_scale_factor",
+        "16",
+    )
     assert meta.ffn_hidden == 32 * math.ceil(int(1.5 * int(8 * 96 / 3)) / 32)  # Meta's sizing
     assert meta.kv_heads == 6 and meta.rope_scaling and meta.rope_scale_factor == 16
     assert meta.rope_low_freq_factor == ModelArgs().rope_low_freq_factor  # the rest: Llama 3.1's defaults
@@ -60,11 +97,29 @@ def hf_folder(args: ModelArgs, folder: Path, tokenizer: str | None = None, seed:
 
 # Llama 3.1's layout (llama3 RoPE scaling, GQA, untied) and SmolLM's (tied, 3 query heads per K/V head,
 # RoPE theta 1e4, a small vocabulary), both shrunk.
-LLAMA31_LIKE = ModelArgs(dim=128, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=8320, multiple_of=64,
-                         ffn_dim_multiplier=1.3, rope_scaling=True, rope_original_max_len=64,
-                         max_seq_len=256)  # fmt: skip
-SMOL_LIKE = ModelArgs(dim=96, n_layers=2, n_heads=3, n_kv_heads=1, vocab_size=8192, multiple_of=256,
-                      rope_theta=10000.0, tie_embeddings=True, max_seq_len=128)  # fmt: skip
+LLAMA31_LIKE = ModelArgs(
+    dim=128,
+    n_layers=2,
+    n_heads=4,
+    n_kv_heads=2,
+    vocab_size=8320,
+    multiple_of=64,
+    ffn_dim_multiplier=1.3,
+    rope_scaling=True,
+    rope_original_max_len=64,
+    max_seq_len=256,
+)
+SMOL_LIKE = ModelArgs(
+    dim=96,
+    n_layers=2,
+    n_heads=3,
+    n_kv_heads=1,
+    vocab_size=8192,
+    multiple_of=256,
+    rope_theta=10000.0,
+    tie_embeddings=True,
+    max_seq_len=128,
+)
 
 
 @pytest.mark.parametrize("source", [LLAMA31_LIKE, SMOL_LIKE], ids=["llama31_like", "smol_like"])
@@ -78,15 +133,42 @@ def test_from_checkpoint_takes_every_shape_field(tmp_path, source):
     recorded = json.loads((imported / "titanrush.json").read_text())["model_args"]
     assert shape_of(args) == {k: recorded[k] for k in shape_of(args)}
     # Keys that are set override the checkpoint's fields, the rest stay.
-    longer = args_of("--model.flavor", "custom", "--model.from_checkpoint", str(out), "--model.max_seq_len",
-                     "4096", "--model.rope_theta", "1e6", "--model.vocab_size", "9000")  # fmt: skip
+    longer = args_of(
+        "--model.flavor",
+        "custom",
+        "--model.from_checkpoint",
+        str(out),
+        "--model.max_seq_len",
+        "4096",
+        "--model.rope_theta",
+        "1e6",
+        "--model.vocab_size",
+        "9000",
+    )
     assert shape(longer) == {**shape(source), "max_seq_len": 4096, "rope_theta": 1e6, "vocab_size": 9000}
 
 
 def test_a_trainer_checkpoint_gives_its_shape(tmp_path):
-    run = train.main(["--job.dump_folder", str(tmp_path), "--job.name", "base", *SMALL, "--checkpoint.enable",
-                      "--model.flavor", "custom", "--model.dim", "64", "--model.n_layers", "2",
-                      "--model.n_heads", "2", "--model.vocab_size", "8192"])  # fmt: skip
+    run = train.main(
+        [
+            "--job.dump_folder",
+            str(tmp_path),
+            "--job.name",
+            "base",
+            *SMALL,
+            "--checkpoint.enable",
+            "--model.flavor",
+            "custom",
+            "--model.dim",
+            "64",
+            "--model.n_layers",
+            "2",
+            "--model.n_heads",
+            "2",
+            "--model.vocab_size",
+            "8192",
+        ]
+    )
     assert run == 0
     info = json.loads((tmp_path / "base" / "checkpoint" / "step-2" / "titanrush.json").read_text())
     assert info["flavor"] == "custom" and info["model_args"]["dim"] == 64
@@ -104,14 +186,24 @@ def test_a_trainer_checkpoint_gives_its_shape(tmp_path):
         (["--model.rope_scaling", "none"], r"model\.rope_scaling applies to model\.flavor = 'custom'"),
         (["--model.from_checkpoint", "x"], r"set model\.flavor = 'custom' \(not 'debug'\)"),
         (["--model.flavor", "Custom"], r"did you mean 'custom'"),
-        (["--model.flavor", "custom", "--model.dim", "64"],
-         r"model\.n_layers, model\.n_heads, model\.vocab_size"),
-        (["--model.flavor", "custom", "--model.from_checkpoint", "/no/such/folder"],
-         r"model\.from_checkpoint = '/no/such/folder': .*does not exist"),
+        (
+            ["--model.flavor", "custom", "--model.dim", "64"],
+            r"model\.n_layers, model\.n_heads, model\.vocab_size",
+        ),
+        (
+            ["--model.flavor", "custom", "--model.from_checkpoint", "/no/such/folder"],
+            r"model\.from_checkpoint = '/no/such/folder': .*does not exist",
+        ),
     ],
-    ids=["dim_on_a_flavor", "rope_on_a_flavor", "from_checkpoint_on_a_flavor", "typo", "missing_keys",
-         "missing_checkpoint"],
-)  # fmt: skip
+    ids=[
+        "dim_on_a_flavor",
+        "rope_on_a_flavor",
+        "from_checkpoint_on_a_flavor",
+        "typo",
+        "missing_keys",
+        "missing_checkpoint",
+    ],
+)
 def test_model_key_rules(argv, pattern):
     with pytest.raises(ConfigError, match=pattern):
         args_of(*argv)
@@ -123,25 +215,63 @@ CUSTOM = ["--model.flavor", "custom", "--model.n_layers", "2", "--model.vocab_si
 @pytest.mark.parametrize(
     "argv, pattern",
     [
-        (["--model.dim", "100", "--model.n_heads", "3"],
-         r"model\.dim \(100\) must be divisible by model\.n_heads"),
-        (["--model.dim", "96", "--model.n_heads", "4", "--model.n_kv_heads", "3"],
-         r"model\.n_heads \(4\) must be a multiple of model\.n_kv_heads \(3\)"),
+        (
+            ["--model.dim", "100", "--model.n_heads", "3"],
+            r"model\.dim \(100\) must be divisible by model\.n_heads",
+        ),
+        (
+            ["--model.dim", "96", "--model.n_heads", "4", "--model.n_kv_heads", "3"],
+            r"model\.n_heads \(4\) must be a multiple of model\.n_kv_heads \(3\)",
+        ),
         (["--model.dim", "36", "--model.n_heads", "4"], r"model\.dim / model\.n_heads = 9 must be even"),
-        (["--model.dim", "64", "--model.n_heads", "2", "--model.ffn_hidden", "128",
-          "--model.multiple_of", "64"],
-         r"model\.ffn_hidden sets the SwiGLU width exactly"),
-        (["--model.dim", "64", "--model.n_heads", "2", "--model.rope_scaling", "none",
-          "--model.rope_scale_factor", "4"],
-         r"model\.rope_scale_factor applies to model\.rope_scaling = 'llama3'"),
-        (["--model.dim", "64", "--model.n_heads", "2", "--model.rope_scaling", "llama3",
-          "--model.rope_low_freq_factor", "4", "--model.rope_high_freq_factor", "2"],
-         r"0 < rope_low_freq_factor \(4.0\) <= rope_high_freq_factor \(2.0\)"),
-        (["--model.dim", "64", "--model.n_heads", "2", "--model.vocab_size", "100"],
-         r"model vocabulary \(100\) does not cover the tokenizer's 8192"),
+        (
+            [
+                "--model.dim",
+                "64",
+                "--model.n_heads",
+                "2",
+                "--model.ffn_hidden",
+                "128",
+                "--model.multiple_of",
+                "64",
+            ],
+            r"model\.ffn_hidden sets the SwiGLU width exactly",
+        ),
+        (
+            [
+                "--model.dim",
+                "64",
+                "--model.n_heads",
+                "2",
+                "--model.rope_scaling",
+                "none",
+                "--model.rope_scale_factor",
+                "4",
+            ],
+            r"model\.rope_scale_factor applies to model\.rope_scaling = 'llama3'",
+        ),
+        (
+            [
+                "--model.dim",
+                "64",
+                "--model.n_heads",
+                "2",
+                "--model.rope_scaling",
+                "llama3",
+                "--model.rope_low_freq_factor",
+                "4",
+                "--model.rope_high_freq_factor",
+                "2",
+            ],
+            r"0 < rope_low_freq_factor \(4.0\) <= rope_high_freq_factor \(2.0\)",
+        ),
+        (
+            ["--model.dim", "64", "--model.n_heads", "2", "--model.vocab_size", "100"],
+            r"model vocabulary \(100\) does not cover the tokenizer's 8192",
+        ),
     ],
     ids=["heads", "kv_heads", "odd_head_dim", "ffn_twice", "rope_none", "rope_factors", "vocab"],
-)  # fmt: skip
+)
 def test_custom_shape_rules(argv, pattern):
     with pytest.raises(ConfigError, match=pattern):
         args_of(*CUSTOM, *argv)
@@ -185,9 +315,21 @@ def test_continued_pretraining_of_a_converted_llama_in_one_command(tmp_path, cap
     (tmp_path / "corpus").mkdir()
     for i, text in enumerate(CORPUS * 2):
         (tmp_path / "corpus" / f"{i}.txt").write_text(text)
-    argv = ["--job.dump_folder", str(tmp_path), "--job.name", "cpt", *SMALL, "--data.dataset", "files",
-            "--data.path", str(tmp_path / "corpus" / "*.txt"), "--data.cache_dir", "", "--checkpoint.enable",
-            *flags]  # fmt: skip
+    argv = [
+        "--job.dump_folder",
+        str(tmp_path),
+        "--job.name",
+        "cpt",
+        *SMALL,
+        "--data.dataset",
+        "files",
+        "--data.path",
+        str(tmp_path / "corpus" / "*.txt"),
+        "--data.cache_dir",
+        "",
+        "--checkpoint.enable",
+        *flags,
+    ]
     from titanrush.trainer import Trainer
 
     trainer = Trainer(config.load(None, argv))

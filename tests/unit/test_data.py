@@ -498,8 +498,12 @@ def test_prepare_refuses_an_output_it_cannot_write(
     (root may write anywhere, so the unwritable parent here is a file)."""
     a_file = tmp_path / "notes.txt"
     a_file.write_text("keep me\n")
-    for output, overwrite in [(a_file / "shards", []), (a_file / "deeper" / "shards", []),
-                              (a_file, []), (a_file, ["--overwrite"])]:  # fmt: skip
+    for output, overwrite in [
+        (a_file / "shards", []),
+        (a_file / "deeper" / "shards", []),
+        (a_file, []),
+        (a_file, ["--overwrite"]),
+    ]:
         err = prepare_errors(["--input", str(corpus_dir), "--output", str(output), *overwrite], capsys)
         assert f"{a_file} is a file" in err and "choose" in err, err
         assert "pass --overwrite" not in err  # (it would be refused too)

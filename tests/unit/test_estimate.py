@@ -14,7 +14,7 @@ import torch
 from titanrush import config
 from titanrush.config import ConfigError
 from titanrush.models.llama import model_args
-from titanrush.plan import RunPlan
+from titanrush.run.plan import RunPlan
 from titanrush.tools import estimate as est_mod
 from titanrush.tools.memory_model import (
     GIB,
@@ -119,13 +119,20 @@ def test_fake_trace_equals_real_cpu_step(kw):
     "kw",
     [
         dict(local_batch=8, seq_len=256),
-        dict(local_batch=16, seq_len=256, precision="bf16", dp_shard=4, ac_mode="selective",
-             loss="chunked", loss_chunk=512),
+        dict(
+            local_batch=16,
+            seq_len=256,
+            precision="bf16",
+            dp_shard=4,
+            ac_mode="selective",
+            loss="chunked",
+            loss_chunk=512,
+        ),
         dict(local_batch=8, seq_len=256, precision="bf16", tp=2, ac_mode="full"),
         dict(local_batch=8, seq_len=256, pp=2, pp_schedule="GPipe", pp_microbatches=4),
         dict(local_batch=2, seq_len=256, precision="bf16", tp=2, cp=2, dp_shard=2, ac_mode="selective"),
     ],
-)  # fmt: skip
+)
 def test_trace_agrees_with_analytic(kw):
     args = model_args("debug", loss_chunk_size=kw.get("loss_chunk", 0), expand_kv=kw.get("cp", 1) > 1)
     s = RunPlan(args=args, **kw)
@@ -158,8 +165,16 @@ def without_cp(s: RunPlan, **over: object) -> RunPlan:
 def test_context_parallel_compiled_ring_attention_keeps_the_received_kv():
     # The 8B at CP2 x FSDP2 (seq 8192, batch 2): 8192 tokens per rank. One K (or V) as ring attention takes
     # it: 8192 tokens x 32 heads (SDPA repeats the 8 KV heads) x 128 x 2 bytes = 64 MiB.
-    cp2 = RunPlan(args=model_args("8B", expand_kv=True), local_batch=2, seq_len=8192, precision="bf16",
-                  dp_shard=2, cp=2, ac_mode="selective", compile=True)  # fmt: skip
+    cp2 = RunPlan(
+        args=model_args("8B", expand_kv=True),
+        local_batch=2,
+        seq_len=8192,
+        precision="bf16",
+        dp_shard=2,
+        cp=2,
+        ac_mode="selective",
+        compile=True,
+    )
     # Compiled op: both ranks' K and V received (4 x 64) and K, V made contiguous (2 x 64) are kept; wk's
     # and wv's outputs (8192 x 1024 x 2 bytes = 16 MiB each) are not needed any more.
     assert _block_extra(cp2, "op", 8192) == (256 + 128 - 32) * MIB
@@ -204,11 +219,23 @@ def test_float8_linears_follow_the_conversion_rule():
         args = model_args("debug", n_kv_heads=2, vocab_size=8200)  # wk 64 x 256; the vocabulary 8200 % 16
         with torch.device("meta"):
             model = Llama(args)
-        names = apply_float8(model, recipe="tensorwise", emulate=True, fsdp_float8_all_gather=False,
-                             filter_fqns=filt, min_size=min_size)  # fmt: skip
+        names = apply_float8(
+            model,
+            recipe="tensorwise",
+            emulate=True,
+            fsdp_float8_all_gather=False,
+            filter_fqns=filt,
+            min_size=min_size,
+        )
         got = {n.rsplit(".", 1)[-1] for n in names if n.startswith("layers.0.") or n == "output"}
-        setup = RunPlan(args=args, local_batch=1, seq_len=8, float8=True, float8_filter=tuple(filt),
-                      float8_min_size=min_size)  # fmt: skip
+        setup = RunPlan(
+            args=args,
+            local_batch=1,
+            seq_len=8,
+            float8=True,
+            float8_filter=tuple(filt),
+            float8_min_size=min_size,
+        )
         assert float8_linears(setup) == got, (filt, min_size)
 
 
@@ -277,8 +304,14 @@ def test_compiled_float8_block_on_cpu_drops_the_bf16_inputs():
         holder = torch.nn.Module()
         holder.block = TransformerBlock(0, args)
         if float8:
-            apply_float8(holder, recipe="tensorwise", emulate=True, fsdp_float8_all_gather=False,
-                         filter_fqns=[], min_size=0)  # fmt: skip
+            apply_float8(
+                holder,
+                recipe="tensorwise",
+                emulate=True,
+                fsdp_float8_all_gather=False,
+                filter_fqns=[],
+                min_size=0,
+            )
         holder.to(torch.bfloat16)  # as under FSDP: bf16 weights, no autocast
         return _compiled_saved_bytes(holder, holder.block, args, b, t, skip_scalars=True)  # float8 scales
 
@@ -293,8 +326,15 @@ def test_compiled_float8_block_on_cpu_drops_the_bf16_inputs():
 
 def test_compiled_loss_keeps_the_bf16_logits_not_fp32_ones():
     # The 8B on FSDP4 (batch 2 x seq 8192 = 16384 tokens, vocabulary 128256): n V = 2,101,346,304.
-    s = RunPlan(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=4,
-              ac_mode="selective", compile=True)  # fmt: skip
+    s = RunPlan(
+        args=model_args("8B"),
+        local_batch=2,
+        seq_len=8192,
+        precision="bf16",
+        dp_shard=4,
+        ac_mode="selective",
+        compile=True,
+    )
     n, nv = 16384, 2_101_346_304
     assert s.compiled_loss
     compiled = loss_bytes(s, n, as_traced=False)
@@ -328,8 +368,9 @@ def test_vocab_parallel_loss_keeps_the_logits_shard_and_14_bytes_a_row(fake_worl
 
     fake_world(1)
     n, vocab = 64, 1000
-    logits = distribute_tensor(torch.randn(2, n // 2, vocab, dtype=torch.bfloat16),
-                               init_device_mesh("cpu", (1,)), [Shard(2)]).requires_grad_()  # fmt: skip
+    logits = distribute_tensor(
+        torch.randn(2, n // 2, vocab, dtype=torch.bfloat16), init_device_mesh("cpu", (1,)), [Shard(2)]
+    ).requires_grad_()
     labels = torch.randint(0, vocab, (2, n // 2))
     saved: list[torch.Tensor] = []
     with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
@@ -346,8 +387,16 @@ def test_vocab_parallel_loss_keeps_the_logits_shard_and_14_bytes_a_row(fake_worl
     assert sum(x.numel() * x.element_size() for x in others) == 14 * n
     loss.backward()
     assert logits.grad.to_local().dtype == torch.bfloat16
-    s = RunPlan(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=2, tp=2,
-              ac_mode="selective", compile=True)  # fmt: skip
+    s = RunPlan(
+        args=model_args("8B"),
+        local_batch=2,
+        seq_len=8192,
+        precision="bf16",
+        dp_shard=2,
+        tp=2,
+        ac_mode="selective",
+        compile=True,
+    )
     assert s.vocab_parallel_loss and not s.compiled_loss
     rows, half = 16384, 128256 // 2
     kept = loss_bytes(s, rows, as_traced=False)["log_softmax"]
@@ -385,8 +434,15 @@ def test_compiled_loss_on_cpu_saves_only_the_logits_it_was_given():
 def test_selective_op_alternate_recomputes_wk_wo_w3():
     # The 8B on FSDP4, compiled, selective op: per block wk's (16384 x 1024), wo's (16384 x 4096) and w3's
     # (16384 x 14336) bf16 outputs are recomputed: 32 + 128 + 448 = 608 MiB, 19 GiB over 32 blocks.
-    s = RunPlan(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=4,
-              ac_mode="selective", compile=True)  # fmt: skip
+    s = RunPlan(
+        args=model_args("8B"),
+        local_batch=2,
+        seq_len=8192,
+        precision="bf16",
+        dp_shard=4,
+        ac_mode="selective",
+        compile=True,
+    )
     alt = dataclasses.replace(s, ac_op_matmuls="alternate")
     saved = lambda x, **kw: sum(block_saved(x, 16384, 2, "op", **kw).values())  # noqa: E731
     assert saved(s) - saved(alt) == 608 * MIB
@@ -407,8 +463,16 @@ def test_selective_op_alternate_recomputes_wk_wo_w3():
 def test_op_all_last_adds_the_alternate_blocks_recomputed_outputs_back():
     # 8B FSDP4 compiled, alternate: each of the last N blocks keeps wk's, wo's and w3's outputs again,
     # 608 MiB per block (see above); N = 32 is the all-matmuls model.
-    s = RunPlan(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=4,
-              ac_mode="selective", compile=True, ac_op_matmuls="alternate")  # fmt: skip
+    s = RunPlan(
+        args=model_args("8B"),
+        local_batch=2,
+        seq_len=8192,
+        precision="bf16",
+        dp_shard=4,
+        ac_mode="selective",
+        compile=True,
+        ac_op_matmuls="alternate",
+    )
     peak = lambda x: analyze(x).peak  # noqa: E731
     assert peak(dataclasses.replace(s, ac_op_all_last=10)) - peak(s) == 10 * 608 * MIB
     assert peak(dataclasses.replace(s, ac_op_all_last=32)) == peak(
@@ -419,9 +483,17 @@ def test_op_all_last_adds_the_alternate_blocks_recomputed_outputs_back():
 def test_op_all_last_on_a_pipeline_stage_trace_agrees():
     # PP2 of the debug model (4 blocks): op_all_last = 1 is block 3, on the last stage only. The fake
     # trace of each stage (blocks renumbered 0-1 there) must see the same saved bytes as the model.
-    s = RunPlan(args=model_args("debug"), local_batch=2, seq_len=64, precision="bf16", pp=2,
-                pp_microbatches=2, ac_mode="selective", ac_op_matmuls="alternate",
-                pp_layers_per_stage=(2, 2))  # fmt: skip
+    s = RunPlan(
+        args=model_args("debug"),
+        local_batch=2,
+        seq_len=64,
+        precision="bf16",
+        pp=2,
+        pp_microbatches=2,
+        ac_mode="selective",
+        ac_op_matmuls="alternate",
+        pp_layers_per_stage=(2, 2),
+    )
     one = dataclasses.replace(s, ac_op_all_last=1)
     first, last = rank_plans(one)
     assert first.layers == [0, 1] and last.layers == [2, 3]
@@ -464,8 +536,18 @@ def test_compiled_alternate_block_on_cpu_keeps_every_other_matmul():
 def test_pipelined_fsdp_keeps_unsharded_fp32_gradients():
     # PP2 x FSDP2 of the 8B, batch 2 (two micro-batches of one sequence), 1F1B, 16 blocks a stage. Rank 0
     # holds the table and 16 blocks: 128256 x 4096 + 16 x 218,112,000 = 4,015,128,576 parameters.
-    s = RunPlan(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=2, pp=2,
-                reshard="never", ac_mode="selective", compile=True, pp_layers_per_stage=(16, 16))  # fmt: skip
+    s = RunPlan(
+        args=model_args("8B"),
+        local_batch=2,
+        seq_len=8192,
+        precision="bf16",
+        dp_shard=2,
+        pp=2,
+        reshard="never",
+        ac_mode="selective",
+        compile=True,
+        pp_layers_per_stage=(16, 16),
+    )
     p0 = 4_015_128_576
     plan = rank_plans(s)[0]
     assert plan.in_flight == 2 and plan.embedding and not plan.head
@@ -538,8 +620,19 @@ def test_max_batch_is_the_largest_that_fits():
 def test_cli_json_keys(capsys):
     assert est_mod.main(["--config", DEBUG, "--json", "--ngpu", "1", "--gpu-mem", "24", "--no-trace"]) == 0
     out = json.loads(capsys.readouterr().out)
-    keys = {"params_gib", "grads_gib", "optimizer_gib", "activations_gib", "total_gib", "fits", "warning",
-            "max_local_batch_size", "master_weights_gib", "fsdp_buffers_gib", "logits_gib"}  # fmt: skip
+    keys = {
+        "params_gib",
+        "grads_gib",
+        "optimizer_gib",
+        "activations_gib",
+        "total_gib",
+        "fits",
+        "warning",
+        "max_local_batch_size",
+        "master_weights_gib",
+        "fsdp_buffers_gib",
+        "logits_gib",
+    }
     assert keys <= set(out) and out["fits"] is True and out["gpu_mem_gib"] == 24.0
 
 
@@ -617,8 +710,16 @@ def test_float8_output_projection_adds_the_eager_cast_of_the_logits_gradient():
     # 8B FSDP4, compiled float8 without AC, ZeRO-2: with filter_fqns = [] the output projection is float8
     # too, and its (eager) backward casts the (16384, 128256) logits' gradient through fp32 temporaries:
     # 8 bytes per element at the output's backward (measured on H200: +15.3 GiB over the bf16 output).
-    s = RunPlan(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=4,
-              reshard="never", compile=True, float8=True)  # fmt: skip
+    s = RunPlan(
+        args=model_args("8B"),
+        local_batch=2,
+        seq_len=8192,
+        precision="bf16",
+        dp_shard=4,
+        reshard="never",
+        compile=True,
+        float8=True,
+    )
     f8_out = dataclasses.replace(s, float8_filter=())
     assert "output" in float8_linears(f8_out) and "output" not in float8_linears(s)
     b, b_out = analyze(s), analyze(f8_out)
@@ -629,8 +730,17 @@ def test_float8_output_projection_adds_the_eager_cast_of_the_logits_gradient():
 
 def test_op_all_last_beyond_the_model_is_a_config_error(capsys):
     ac = "--activation_checkpoint."
-    argv = ["--config", DEBUG, "--no-trace", ac + "mode", "selective", ac + "op_matmuls", "alternate",
-            ac + "op_all_last", "5"]  # fmt: skip
+    argv = [
+        "--config",
+        DEBUG,
+        "--no-trace",
+        ac + "mode",
+        "selective",
+        ac + "op_matmuls",
+        "alternate",
+        ac + "op_all_last",
+        "5",
+    ]
     assert est_mod.main(argv) == 2
     assert "op_all_last = 5: the debug model has 4 blocks; use 0..4" in capsys.readouterr().err
 
@@ -638,8 +748,16 @@ def test_op_all_last_beyond_the_model_is_a_config_error(capsys):
 def test_offloaded_blocks_hold_nothing_at_the_peak():
     # 8B FSDP4 compiled, alternate: offloading every 3rd of the first 24 blocks (0, 3, ..., 21) takes those
     # 8 blocks' saved tensors off the peak; the blocks keep what they keep in host memory instead.
-    s = RunPlan(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=4,
-              ac_mode="selective", compile=True, ac_op_matmuls="alternate")  # fmt: skip
+    s = RunPlan(
+        args=model_args("8B"),
+        local_batch=2,
+        seq_len=8192,
+        precision="bf16",
+        dp_shard=4,
+        ac_mode="selective",
+        compile=True,
+        ac_op_matmuls="alternate",
+    )
     off = dataclasses.replace(s, ac_offload_first=24, ac_offload_every=3)
     per_block = sum(block_saved(s, 2 * 8192, 2, "op").values())
     assert analyze(s).peak_phase == analyze(off).peak_phase
@@ -653,8 +771,17 @@ def test_keep_gathered_last_holds_that_many_blocks_weights_at_the_peak():
     # before any block's backward, where the default already keeps the last block gathered; keeping the
     # last 24 adds 23 blocks' float8 weights (218,112,000 parameters each, the two 4096-wide norms in
     # bf16: 2 x 4096 x 2 bytes more).
-    s = RunPlan(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=4,
-              ac_mode="selective", compile=True, float8=True, float8_all_gather=True)  # fmt: skip
+    s = RunPlan(
+        args=model_args("8B"),
+        local_batch=2,
+        seq_len=8192,
+        precision="bf16",
+        dp_shard=4,
+        ac_mode="selective",
+        compile=True,
+        float8=True,
+        float8_all_gather=True,
+    )
     base, kept = analyze(s), analyze(dataclasses.replace(s, keep_gathered_last=24))
     assert base.peak_phase == kept.peak_phase == "loss backward"
     per_block = (218_112_000 - 2 * 4096) + 2 * (2 * 4096)

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from titanrush import config
 from titanrush.models.llama.parallelize import parallelize_llama
 from titanrush.models.llama4 import Llama4, model_args
-from titanrush.plan import RunPlan, build_plan
+from titanrush.run.plan import RunPlan, build_plan
 from titanrush.tools import estimate as est_mod
 from titanrush.tools import rush_runner, sweep
 from titanrush.tools.memory_model import _units, analyze, block_saved, rank_plans, states
@@ -131,8 +131,20 @@ MESHES = [
     dict(precision="bf16", dp_shard=2, pp=2, pp_microbatches=2),
     dict(precision="bf16", pp=2, pp_microbatches=2),  # autocast: the experts' casts per micro-batch
 ]
-IDS = ["fp32", "autocast", "fsdp4", "fsdp4_ep2", "ep4_full", "fsdp2_op", "autocast_op_alt", "ep2_sel2",
-       "tp2_full", "tp2_fsdp2_ep2_full", "pp2_fsdp2", "pp2_autocast"]  # fmt: skip
+IDS = [
+    "fp32",
+    "autocast",
+    "fsdp4",
+    "fsdp4_ep2",
+    "ep4_full",
+    "fsdp2_op",
+    "autocast_op_alt",
+    "ep2_sel2",
+    "tp2_full",
+    "tp2_fsdp2_ep2_full",
+    "pp2_fsdp2",
+    "pp2_autocast",
+]
 # (3 layers, MoE every 2nd: both end blocks dense, the MoE layer between them peaks in backward)
 VARIANTS = [{}, {"moe_every": 2, "top_k": 2}, {"n_layers": 3, "moe_every": 2, "top_k": 2}]
 VARIANT_IDS = ["every1_top1", "every2_top2", "dense_ends"]
@@ -177,10 +189,13 @@ def test_block_moments_are_where_these_runs_peak():
 @pytest.mark.parametrize("imbalance", [1.5, 2.0])
 @pytest.mark.parametrize(
     "kw",
-    [dict(precision="bf16", dp_shard=4, ep=2), dict(dp_shard=4, ep=4, ac_mode="full"),
-     dict(precision="bf16", dp_shard=4, ep=2, ac_mode="selective", ac_selective="2")],
+    [
+        dict(precision="bf16", dp_shard=4, ep=2),
+        dict(dp_shard=4, ep=4, ac_mode="full"),
+        dict(precision="bf16", dp_shard=4, ep=2, ac_mode="selective", ac_selective="2"),
+    ],
     ids=["fsdp4_ep2", "ep4_full", "ep2_sel2"],
-)  # fmt: skip
+)
 def test_expert_parallel_imbalance_against_a_trace_of_the_busiest_rank(kw, imbalance):
     """The trace's rank receives `imbalance` times the rows it sends (the all-to-all's output, and all the
     experts compute after it): the analytic model's received-rows terms follow, step for step."""
@@ -249,8 +264,15 @@ def test_compiled_moe_block_keeps_what_the_partitioner_keeps(mode):
             block(x, rope_cache(args, t))
     finally:
         torch._dynamo.reset()
-    s = RunPlan(args=args, local_batch=b, seq_len=t, precision="bf16", dp_shard=2, compile=True,
-                ac_mode="selective" if mode == "op" else "none")  # fmt: skip
+    s = RunPlan(
+        args=args,
+        local_batch=b,
+        seq_len=t,
+        precision="bf16",
+        dp_shard=2,
+        compile=True,
+        ac_mode="selective" if mode == "op" else "none",
+    )
     model = sum(block_saved(s, b * t, b, mode, layer=0).values())
     rope = t * args.head_dim // 2 * 2 * 4
     beside = rope + (4 * args.n_experts if mode == "op" else 2 * 4 * b * t)  # bias; the two norms' 1/rms
@@ -261,9 +283,25 @@ def test_compiled_moe_block_keeps_what_the_partitioner_keeps(mode):
 
 
 def test_cli_estimates_a_moe_flavor(capsys):
-    argv = ["--config", DEBUG, "--model.flavor", "llama4_1Bx16E", "--ngpu", "4", "--parallelism.ep", "2",
-            "--training.precision", "bf16", "--training.seq_len", "4096", "--training.local_batch_size", "1",
-            "--gpu-mem", "80", "--no-trace"]  # fmt: skip
+    argv = [
+        "--config",
+        DEBUG,
+        "--model.flavor",
+        "llama4_1Bx16E",
+        "--ngpu",
+        "4",
+        "--parallelism.ep",
+        "2",
+        "--training.precision",
+        "bf16",
+        "--training.seq_len",
+        "4096",
+        "--training.local_batch_size",
+        "1",
+        "--gpu-mem",
+        "80",
+        "--no-trace",
+    ]
     assert est_mod.main(argv) == 0
     text = capsys.readouterr().out
     assert "llama4_1Bx16E (5.40B params)" in text and "dp_shard=4 ep=2" in text and "fits" in text

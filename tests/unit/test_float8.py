@@ -13,7 +13,7 @@ import torch
 from titanrush import config
 from titanrush.config import ConfigError
 from titanrush.models.llama import Llama, model_args
-from titanrush.plan import build_plan
+from titanrush.run.plan import build_plan
 from titanrush.trainer import Trainer
 
 pytest.importorskip("torchao", reason="float8 is torchao's; it is a project dependency (pip install -e .)")
@@ -30,21 +30,38 @@ def meta_model(**over) -> Llama:
 
 def test_filter_size_and_alignment_rules():
     model = meta_model(vocab_size=8200)  # output 8200 x 256: filtered by name anyway
-    names = apply_float8(model, recipe="tensorwise", emulate=True, fsdp_float8_all_gather=False,
-                         filter_fqns=["output"], min_size=0)  # fmt: skip
+    names = apply_float8(
+        model,
+        recipe="tensorwise",
+        emulate=True,
+        fsdp_float8_all_gather=False,
+        filter_fqns=["output"],
+        min_size=0,
+    )
     assert "layers.0.attention.wq" in names and "layers.3.feed_forward.w2" in names
     assert "output" not in names
     assert type(model.output) is torch.nn.Linear
     # The default minimum size keeps the debug model's 256-wide layers in bf16.
-    assert apply_float8(meta_model(), recipe="tensorwise", emulate=True, fsdp_float8_all_gather=False,
-                        filter_fqns=["output"], min_size=1024) == []  # fmt: skip
+    assert (
+        apply_float8(
+            meta_model(),
+            recipe="tensorwise",
+            emulate=True,
+            fsdp_float8_all_gather=False,
+            filter_fqns=["output"],
+            min_size=1024,
+        )
+        == []
+    )
     # An empty filter converts the output projection too; a misaligned one never converts.
-    converted = apply_float8(meta_model(), recipe="rowwise", emulate=True, fsdp_float8_all_gather=False,
-                             filter_fqns=[], min_size=0)  # fmt: skip
+    converted = apply_float8(
+        meta_model(), recipe="rowwise", emulate=True, fsdp_float8_all_gather=False, filter_fqns=[], min_size=0
+    )
     assert "output" in converted
     odd = meta_model(vocab_size=8193)
-    assert "output" not in apply_float8(odd, recipe="tensorwise", emulate=True, fsdp_float8_all_gather=False,
-                                        filter_fqns=[], min_size=0)  # fmt: skip
+    assert "output" not in apply_float8(
+        odd, recipe="tensorwise", emulate=True, fsdp_float8_all_gather=False, filter_fqns=[], min_size=0
+    )
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU: no float8 tensor cores")
@@ -55,9 +72,24 @@ def test_float8_without_float8_hardware_or_emulation_is_a_clear_error():
 
 
 def args(tmp: Path, name: str, *extra: str) -> list[str]:
-    return ["--job.dump_folder", str(tmp), "--job.name", name, "--training.steps", "4",
-            "--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
-            "--training.precision", "bf16", "--training.deterministic", *extra]  # fmt: skip
+    return [
+        "--job.dump_folder",
+        str(tmp),
+        "--job.name",
+        name,
+        "--training.steps",
+        "4",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "4",
+        "--metrics.log_freq",
+        "1",
+        "--training.precision",
+        "bf16",
+        "--training.deterministic",
+        *extra,
+    ]
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -98,11 +130,26 @@ def test_float8_needs_bf16(tmp_path):
 
 def test_fsdp2_float8_all_gather_matches_one_process(tmp_path, one_process):
     """FSDP's float8 all-gather with precomputed scales (gloo, 2 ranks) trains like one process."""
-    two = args(tmp_path, "two", *float8("tensorwise"), "--training.local_batch_size", "2",
-               "--training.global_batch_size", "4")  # fmt: skip
+    two = args(
+        tmp_path,
+        "two",
+        *float8("tensorwise"),
+        "--training.local_batch_size",
+        "2",
+        "--training.global_batch_size",
+        "4",
+    )
     env = {**__import__("os").environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "titanrush.train", *two]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "-m",
+        "titanrush.train",
+        *two,
+    ]
     res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     assert res.returncode == 0, res.stderr[-3000:]
     a, b = one_process("tensorwise", *float8("tensorwise")), losses(tmp_path / "two")

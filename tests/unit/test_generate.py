@@ -10,16 +10,25 @@ import pytest
 import torch
 from test_hf import NO_TRANSFORMERS, make_model, save_checkpoint
 
-from titanrush import cli, hf_convert
+from titanrush import cli
 from titanrush.data.tokenizer import build_tokenizer
+from titanrush.interop import hf_convert
 from titanrush.models.llama import Llama, model_args
 from titanrush.models.llama.generate import KVCache, forward_cached, generate, sample
 from titanrush.models.llama.model import rope_cache
 from titanrush.tools import generate as generate_cmd
 
 # Small enough for quick CPU decoding; grouped K/V heads and llama3 RoPE scaling so both paths are used.
-ARGS = model_args("debug", dim=128, n_layers=3, n_heads=4, n_kv_heads=2, rope_scaling=True,
-                  rope_original_max_len=32, max_seq_len=256)  # fmt: skip
+ARGS = model_args(
+    "debug",
+    dim=128,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=2,
+    rope_scaling=True,
+    rope_original_max_len=32,
+    max_seq_len=256,
+)
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +100,19 @@ def checkpoint_of(model: Llama, root: Path) -> Path:
 
 def test_cli_prints_prompt_and_continuation(tmp_path, model, capsys):
     ckpt = checkpoint_of(model, tmp_path)
-    argv = ["generate", "--checkpoint", str(ckpt), "--prompt", "def main(", "--prompt", "import os",
-            "--max-new-tokens", "12", "--device", "cpu"]  # fmt: skip
+    argv = [
+        "generate",
+        "--checkpoint",
+        str(ckpt),
+        "--prompt",
+        "def main(",
+        "--prompt",
+        "import os",
+        "--max-new-tokens",
+        "12",
+        "--device",
+        "cpu",
+    ]
     assert cli.main(argv) == 0
     out = capsys.readouterr()
     tok = build_tokenizer("default")
@@ -118,8 +138,13 @@ def test_cli_errors_exit_2(tmp_path, model, capsys):
     assert generate_cmd.main(["--checkpoint", str(ckpt), "--prompt", "x", "--top-p", "0"]) == 2
     assert generate_cmd.main(["--checkpoint", str(ckpt), "--prompt", "x", "--device", "gpu0"]) == 2
     capsys.readouterr()
-    for bad in (["--temperature", "nan"], ["--temperature", "inf"], ["--seed", str(2**70)], ["--seed", "-1"],
-                ["--device", "meta"]):  # fmt: skip
+    for bad in (
+        ["--temperature", "nan"],
+        ["--temperature", "inf"],
+        ["--seed", str(2**70)],
+        ["--seed", "-1"],
+        ["--device", "meta"],
+    ):
         assert generate_cmd.main(["--checkpoint", str(ckpt), "--prompt", "x", *bad]) == 2, bad
         err = capsys.readouterr().err
         assert bad[0] in err and "Traceback" not in err, err

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titanrush import hf, hf_convert
 from titanrush.config import ConfigError
 from titanrush.data.tokenizer import build_tokenizer
+from titanrush.interop import hf, hf_convert
 from titanrush.models.llama import FLAVORS, Llama, ModelArgs, model_args
 from titanrush.models.llama.model import apply_rope, rope_cache
 from titanrush.tools import convert
@@ -154,19 +154,45 @@ def test_hf_config_round_trips_every_flavor(name):
 
 # Meta's published config.json of Llama 3.1 8B and Llama 3.2 1B (as on the Hugging Face hub).
 LLAMA31_8B = {
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 128000, "eos_token_id": 128001, "hidden_act": "silu", "hidden_size": 4096,
-    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072,
-    "mlp_bias": False, "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32,
-    "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "architectures": ["LlamaForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
+    "mlp_bias": False,
+    "model_type": "llama",
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "pretraining_tp": 1,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
     "vocab_size": 128256,
-}  # fmt: skip
-LLAMA32_1B = {**LLAMA31_8B, "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-              "head_dim": 64, "rope_scaling": {**LLAMA31_8B["rope_scaling"], "factor": 32.0},
-              "tie_word_embeddings": True}  # fmt: skip
+}
+LLAMA32_1B = {
+    **LLAMA31_8B,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "head_dim": 64,
+    "rope_scaling": {**LLAMA31_8B["rope_scaling"], "factor": 32.0},
+    "tie_word_embeddings": True,
+}
 
 
 # transformers >= 5 writes the RoPE settings, theta included, under rope_parameters.
@@ -195,11 +221,16 @@ def test_any_intermediate_size_is_reproduced(hidden):
 
 def test_safetensors_round_trip(tmp_path):
     tensors = {
-        "w": torch.randn(3, 5), "b": torch.randn(7).bfloat16(), "h": torch.randn(2, 2).half(),
-        "ids": torch.arange(6, dtype=torch.int64).view(2, 3), "mask": torch.tensor([True, False, True]),
-        "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4), "d": torch.randn(3, dtype=torch.float64),
+        "w": torch.randn(3, 5),
+        "b": torch.randn(7).bfloat16(),
+        "h": torch.randn(2, 2).half(),
+        "ids": torch.arange(6, dtype=torch.int64).view(2, 3),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+        "d": torch.randn(3, dtype=torch.float64),
         "strided": torch.randn(4, 6)[:, ::2],
-    }  # fmt: skip
+    }
     path = tmp_path / "x.safetensors"
     hf.save_safetensors(tensors, path, {"format": "pt"})
     raw = path.read_bytes()
@@ -243,8 +274,9 @@ def test_truncated_safetensors_is_a_clear_error(tmp_path):
         hf.load_safetensors(path)
 
 
-@pytest.mark.parametrize("tied, drop", [(False, False), (True, False), (True, True)],
-                         ids=["untied", "tied", "tied_output_absent"])  # fmt: skip
+@pytest.mark.parametrize(
+    "tied, drop", [(False, False), (True, False), (True, True)], ids=["untied", "tied", "tied_output_absent"]
+)
 def test_export_hf_and_import_hf_through_files(tmp_path, tied, drop):
     args = model_args("debug", tie_embeddings=tied)
     model = make_model(args)
@@ -338,8 +370,10 @@ def test_cli_round_trip(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
     assert convert.main(["--to-hf", str(ckpt), str(tmp_path / "bare"), "--tokenizer", "none"]) == 0
     assert sorted(p.name for p in (tmp_path / "bare").iterdir()) == [
-        "config.json", "generation_config.json", "model.safetensors"
-    ]  # fmt: skip
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
     assert "bos_token_id" not in json.loads((tmp_path / "bare" / "config.json").read_text())
     assert convert.main([]) == 2
     assert convert.main(["--help"]) == 0
@@ -412,9 +446,19 @@ def test_trainer_written_checkpoints_export(tmp_path):
     from titanrush import config
     from titanrush.trainer import Trainer
 
-    argv = ["--job.dump_folder", str(tmp_path), "--job.name", "run", *TRAIN, "--checkpoint.enable",
-            "--checkpoint.interval", "1", "--checkpoint.last_save_model_only",
-            "--checkpoint.export_dtype", "bfloat16"]  # fmt: skip
+    argv = [
+        "--job.dump_folder",
+        str(tmp_path),
+        "--job.name",
+        "run",
+        *TRAIN,
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "1",
+        "--checkpoint.last_save_model_only",
+        "--checkpoint.export_dtype",
+        "bfloat16",
+    ]
     trainer = Trainer(config.load(None, argv))
     try:
         trainer.train()
@@ -437,8 +481,16 @@ def test_damaged_checkpoints_and_existing_outputs_are_refused(tmp_path, capsys):
     from titanrush.tools import convert, generate
     from titanrush.trainer import Trainer
 
-    argv = ["--job.dump_folder", str(tmp_path), "--job.name", "run", *TRAIN, "--checkpoint.enable",
-            "--checkpoint.interval", "2"]  # fmt: skip
+    argv = [
+        "--job.dump_folder",
+        str(tmp_path),
+        "--job.name",
+        "run",
+        *TRAIN,
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+    ]
     trainer = Trainer(config.load(None, argv))
     try:
         trainer.train()
@@ -640,11 +692,20 @@ def test_a_failed_write_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeyp
         ({"rms_norm_eps": math.nan}, "rms_norm_eps = nan"),
         ({"rope_theta": math.inf}, "rope_theta = inf"),
         ({"rope_theta": 1e999}, "rope_theta = inf"),  # (json writes Infinity; 1e999 reads as it too)
-        ({"rope_scaling": {"rope_type": "llama3", "factor": -math.inf, "low_freq_factor": 1.0,
-                           "high_freq_factor": 4.0, "original_max_position_embeddings": 64}},
-         "rope_scaling.factor = -inf"),
+        (
+            {
+                "rope_scaling": {
+                    "rope_type": "llama3",
+                    "factor": -math.inf,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "rope_scaling.factor = -inf",
+        ),
     ],
-)  # fmt: skip
+)
 def test_non_finite_numbers_in_an_hf_config_are_refused(tmp_path, capsys, change, named):
     from titanrush.tools import generate
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_hf import make_model, save_checkpoint
 
-from titanrush import hf, hf_convert
+from titanrush.interop import hf, hf_convert
 from titanrush.models.llama import model_args
 from titanrush.tools import convert, generate
 
@@ -110,7 +110,7 @@ CORRUPT = {
             header(b'{"a": {"dtype": "F32", "shape": [1000000, 1000000], "data_offsets": [0, 4]}}'),
         ),
         "tensor a has 4 bytes for shape [1000000, 1000000]",
-    ),  # fmt: skip
+    ),
     "git_lfs_pointer": (
         rewrite("model.safetensors", lambda b: b"version https://git-lfs.github.com/spec/v1\noid sha256:0\n"),
         "is a Git LFS pointer, not the weights: run `git lfs pull`",
@@ -148,30 +148,54 @@ def wrong_paths(made: dict[str, Path]) -> list[tuple[str, list[str], str]]:
     pt_file = f"{pt} is a .pt file, which only torch.load reads: pass the checkpoint it was exported from"
     hf_fix = "Hugging Face model folder (config.json + weights)"
     return [
-        ("generate", ["--checkpoint", str(pt), *gen],
-         f"{pt_file} (a .../checkpoint/step-<N> folder) or a Hugging"),
+        (
+            "generate",
+            ["--checkpoint", str(pt), *gen],
+            f"{pt_file} (a .../checkpoint/step-<N> folder) or a Hugging",
+        ),
         ("generate", ["--checkpoint", str(run), *gen], is_run),
-        ("generate", ["--checkpoint", str(hf_dir / "config.json"), *gen],
-         f"{hf_dir / 'config.json'} is a file, not a folder: pass the folder that holds it, {hf_dir}"),
-        ("generate", ["--checkpoint", str(step / "titanrush.json"), *gen],
-         f"{step / 'titanrush.json'} is a file, not a folder: pass the folder that holds it, {step}"),
+        (
+            "generate",
+            ["--checkpoint", str(hf_dir / "config.json"), *gen],
+            f"{hf_dir / 'config.json'} is a file, not a folder: pass the folder that holds it, {hf_dir}",
+        ),
+        (
+            "generate",
+            ["--checkpoint", str(step / "titanrush.json"), *gen],
+            f"{step / 'titanrush.json'} is a file, not a folder: pass the folder that holds it, {step}",
+        ),
         ("convert", ["--to-hf", str(pt), str(out)], f"{pt_file} (a .../checkpoint/step-<N> folder)"),
         ("convert", ["--to-pt", str(pt), str(out)], pt_file),
         ("convert", ["--to-hf", str(run), str(out)], is_run),
         ("convert", ["--to-pt", str(run), str(out)], is_run),
-        ("convert", ["--to-hf", str(hf_dir), str(out)],
-         f"{hf_dir} is a Hugging Face model folder, not a titanrush checkpoint: import it first"),
-        ("convert", ["--from-hf", str(pt), str(out)],
-         f"{pt} is a .pt file, which only torch.load reads: pass a {hf_fix}"),
-        ("convert", ["--from-hf", str(run), str(out)],
-         f"{run} is a titanrush run folder, not a Hugging Face folder: export it first (titanrush convert "
-         f"--to-hf {step} OUT_DIR)"),
-        ("convert", ["--from-hf", str(step), str(out)],
-         f"{step} is a titanrush checkpoint, not a Hugging Face folder"),
-        ("convert", ["--from-hf", str(made["root"] / "nope"), str(out)],
-         f"nope does not exist; pass a {hf_fix}"),
+        (
+            "convert",
+            ["--to-hf", str(hf_dir), str(out)],
+            f"{hf_dir} is a Hugging Face model folder, not a titanrush checkpoint: import it first",
+        ),
+        (
+            "convert",
+            ["--from-hf", str(pt), str(out)],
+            f"{pt} is a .pt file, which only torch.load reads: pass a {hf_fix}",
+        ),
+        (
+            "convert",
+            ["--from-hf", str(run), str(out)],
+            f"{run} is a titanrush run folder, not a Hugging Face folder: export it first (titanrush convert "
+            f"--to-hf {step} OUT_DIR)",
+        ),
+        (
+            "convert",
+            ["--from-hf", str(step), str(out)],
+            f"{step} is a titanrush checkpoint, not a Hugging Face folder",
+        ),
+        (
+            "convert",
+            ["--from-hf", str(made["root"] / "nope"), str(out)],
+            f"nope does not exist; pass a {hf_fix}",
+        ),
         ("convert", ["--to-pt", str(step), str(step)], f"{step} is a checkpoint folder: write the .pt file"),
-    ]  # fmt: skip
+    ]
 
 
 def test_a_path_of_the_wrong_kind_says_what_to_pass(made, capsys):
@@ -214,10 +238,12 @@ def _shard_cut(step: Path) -> None:
 
 @pytest.mark.parametrize(
     "damage, message",
-    [(_dim_a_string, 'titanrush.json has model_args.dim "64" (a string), not a whole number'),
-     (_shard_cut, "has 1,000 bytes, .metadata places data up to byte")],
+    [
+        (_dim_a_string, 'titanrush.json has model_args.dim "64" (a string), not a whole number'),
+        (_shard_cut, "has 1,000 bytes, .metadata places data up to byte"),
+    ],
     ids=["dim_a_string", "shard_cut"],
-)  # fmt: skip
+)
 def test_a_damaged_checkpoint_without_a_record_is_corrupt_for_the_tools(
     tmp_path, made, capsys, damage, message
 ):
@@ -227,8 +253,10 @@ def test_a_damaged_checkpoint_without_a_record_is_corrupt_for_the_tools(
     (step / "integrity.json").unlink(missing_ok=True)
     damage(step)
     before = snapshot(step)
-    for tool, argv in [("generate", ["--checkpoint", str(step), "--prompt", "x", "--max-new-tokens", "1"]),
-                       ("convert", ["--to-pt", str(step), str(tmp_path / "m.pt")])]:  # fmt: skip
+    for tool, argv in [
+        ("generate", ["--checkpoint", str(step), "--prompt", "x", "--max-new-tokens", "1"]),
+        ("convert", ["--to-pt", str(step), str(tmp_path / "m.pt")]),
+    ]:
         assert (convert if tool == "convert" else generate).main(argv) == 2
         err = one_error_line(capsys, tool)
         assert f"checkpoint {step} is corrupt: " in err and message in err, err

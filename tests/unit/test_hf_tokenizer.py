@@ -105,8 +105,11 @@ def test_tokenizer_json_trains_like_its_rank_file(stand_in):
     theirs, ours = build_tokenizer(str(folder / "tokenizer.json")), build_tokenizer(str(rank_file))
     assert isinstance(theirs, HFTokenizer) and not isinstance(ours, HFTokenizer)
     assert (theirs.n_words, theirs.n_ranks, theirs.bos_id, theirs.eos_id) == (
-        ours.n_words, ours.n_ranks, ours.bos_id, ours.eos_id,
-    )  # fmt: skip
+        ours.n_words,
+        ours.n_ranks,
+        ours.bos_id,
+        ours.eos_id,
+    )
     texts = [*SAMPLES, *CORPUS, "<|end_of_text|> inside a text stays text"]
     for text in texts:
         assert theirs.encode(text, bos=True, eos=True) == ours.encode(text, bos=True, eos=True)
@@ -145,9 +148,10 @@ def test_a_gpt2_style_tokenizer_json(tmp_path):
     model.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
     model.decoder = tokenizers.decoders.ByteLevel()
     trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=350, special_tokens=["<|endoftext|>"],
+        vocab_size=350,
+        special_tokens=["<|endoftext|>"],
         initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
-    )  # fmt: skip
+    )
     model.train_from_iterator(CORPUS, trainer)
     model.save(str(tmp_path / "tokenizer.json"))
     tok = build_tokenizer(str(tmp_path))
@@ -185,11 +189,28 @@ def test_training_with_a_tokenizer_json(stand_in, tmp_path):
         (tmp_path / "corpus" / f"doc{i}.txt").parent.mkdir(exist_ok=True)
         (tmp_path / "corpus" / f"doc{i}.txt").write_text(CORPUS[i % 3] * (i + 1))
     tok = build_tokenizer(str(folder / "tokenizer.json"))
-    argv = ["--job.dump_folder", str(tmp_path), "--job.name", "hf_tok", "--training.steps", "2",
-            "--training.seq_len", "32", "--training.local_batch_size", "2", "--data.dataset", "files",
-            "--data.path", str(tmp_path / "corpus" / "*.txt"), "--data.cache_dir", "",
-            "--data.tokenizer", str(folder / "tokenizer.json"),
-            "--model.vocab_size", str(tok.n_words)]  # fmt: skip
+    argv = [
+        "--job.dump_folder",
+        str(tmp_path),
+        "--job.name",
+        "hf_tok",
+        "--training.steps",
+        "2",
+        "--training.seq_len",
+        "32",
+        "--training.local_batch_size",
+        "2",
+        "--data.dataset",
+        "files",
+        "--data.path",
+        str(tmp_path / "corpus" / "*.txt"),
+        "--data.cache_dir",
+        "",
+        "--data.tokenizer",
+        str(folder / "tokenizer.json"),
+        "--model.vocab_size",
+        str(tok.n_words),
+    ]
     cfg = config.load(None, argv)
     loader = build_dataloader(cfg.data, tokenizer=tok, seq_len=32, local_batch_size=2, vocab_size=tok.n_words)
     batch = next(iter(loader))

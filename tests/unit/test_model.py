@@ -394,7 +394,7 @@ def test_compiled_blocks_run_the_flash_package_between_graphs(monkeypatch):
 
     from titanrush import config
     from titanrush.models.llama.parallelize import parallelize_llama
-    from titanrush.plan import build_plan
+    from titanrush.run.plan import build_plan
 
     calls = []
     fa3 = _fake_flash_attn(True).flash_attn_func
@@ -476,7 +476,7 @@ def test_flash4_runs_as_one_operator_compiled_whole_and_kept_by_selective_checkp
     # package's backward once per block and its forward never again (the recompute skips it).
     from titanrush.models.llama import attention as attn
     from titanrush.models.llama.parallelize import parallelize_llama
-    from titanrush.plan import RunPlan
+    from titanrush.run.plan import RunPlan
 
     calls = {"fwd": 0, "bwd": 0}
     _use_fake_flash4(monkeypatch, calls)
@@ -495,8 +495,13 @@ def test_flash4_runs_as_one_operator_compiled_whole_and_kept_by_selective_checkp
             n = len(model.layers)
             assert calls == {"fwd": n, "bwd": n}, (compiled, calls)
             torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
-            assert_same_grads(g1, {k.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", ""): g
-                                   for k, g in g2.items()})  # fmt: skip
+            assert_same_grads(
+                g1,
+                {
+                    k.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", ""): g
+                    for k, g in g2.items()
+                },
+            )
     finally:
         _clear_flash_caches()
         torch._dynamo.reset()

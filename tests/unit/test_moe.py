@@ -18,7 +18,7 @@ from titanrush.models.llama4.grouped_gemm import ALIGN, KERNEL, grouped_mm, loop
 from titanrush.models.llama4.moe import MoE
 from titanrush.models.llama4.router import Router, add_loss_grad, balance_loss
 from titanrush.parallel.expert_parallel import regroup_index
-from titanrush.plan import build_plan
+from titanrush.run.plan import build_plan
 
 
 @pytest.mark.parametrize("counts", [[3, 0, 7, 6], [0, 0, 16, 0], [4, 4, 4, 4]])
@@ -247,8 +247,8 @@ def test_dense_and_moe_checkpoints_are_named_incompatible_and_not_taken_as_a_sha
     import dataclasses
     import json
 
-    from titanrush import hf
-    from titanrush.checkpoint_compat import model_arg_differences
+    from titanrush.checkpoint.compat import model_arg_differences
+    from titanrush.interop import hf
     from titanrush.models.llama import model_args as dense_args
 
     dense, moe = dataclasses.asdict(dense_args("debug")), dataclasses.asdict(model_args("llama4_debug"))
@@ -382,7 +382,7 @@ def test_moe_config_rules(world, over, match):
 def test_experts_must_divide_over_ep():
     with pytest.raises(ConfigError, match="must divide the llama4_debug model.s 6 experts"):
         args = dataclasses.replace(model_args("llama4_debug"), n_experts=6)
-        from titanrush import validate
+        from titanrush.run import validate
 
         cfg = config.load(None, ["--model.flavor", "llama4_debug", "--parallelism.ep", "4"])
         plan = plan_of(4, "--parallelism.ep", "4")
@@ -396,9 +396,24 @@ def test_llama4_debug_trains_through_the_trainer(tmp_path):
 
     from titanrush.trainer import Trainer
 
-    args = ["--model.flavor", "llama4_debug", "--job.dump_folder", str(tmp_path), "--training.steps", "20",
-            "--training.seq_len", "64", "--training.local_batch_size", "4", "--metrics.log_freq", "1",
-            "--lr_scheduler.warmup_steps", "2", "--moe.bias_update_rate", "0.01"]  # fmt: skip
+    args = [
+        "--model.flavor",
+        "llama4_debug",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--training.steps",
+        "20",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "4",
+        "--metrics.log_freq",
+        "1",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        "--moe.bias_update_rate",
+        "0.01",
+    ]
     trainer = Trainer(config.load(None, args))
     try:  # the held-out loss on the same batches before and after (one training batch is a noisy sample)
         before = trainer.validate()

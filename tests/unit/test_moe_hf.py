@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from titanrush import hf_convert
 from titanrush.config import ConfigError
+from titanrush.interop import hf_convert
 from titanrush.models.llama4 import Llama4, Llama4Args, model_args
 from titanrush.models.llama4.hf import args_from_hf_config, from_hf_state_dict, hf_config, to_hf_state_dict
 
@@ -45,18 +45,46 @@ def test_export_then_import_computes_the_same_function():
 @pytest.mark.parametrize(
     "flavor, published",
     [  # Meta's published Llama 4 text configs (Llama-4-Scout-17B-16E, Llama-4-Maverick-17B-128E)
-        ("llama4_17Bx16E", dict(hidden_size=5120, num_hidden_layers=48, num_attention_heads=40,
-                                num_key_value_heads=8, head_dim=128, intermediate_size=8192,
-                                intermediate_size_mlp=16384, num_local_experts=16, num_experts_per_tok=1,
-                                vocab_size=202048, attention_chunk_size=8192, use_qk_norm=True,
-                                rope_theta=500000.0, interleave_moe_layer_step=1)),
-        ("llama4_17Bx128E", dict(hidden_size=5120, num_hidden_layers=48, num_attention_heads=40,
-                                 num_key_value_heads=8, head_dim=128, intermediate_size=8192,
-                                 intermediate_size_mlp=16384, num_local_experts=128, num_experts_per_tok=1,
-                                 vocab_size=202048, attention_chunk_size=8192, use_qk_norm=False,
-                                 rope_theta=500000.0, interleave_moe_layer_step=2)),
+        (
+            "llama4_17Bx16E",
+            dict(
+                hidden_size=5120,
+                num_hidden_layers=48,
+                num_attention_heads=40,
+                num_key_value_heads=8,
+                head_dim=128,
+                intermediate_size=8192,
+                intermediate_size_mlp=16384,
+                num_local_experts=16,
+                num_experts_per_tok=1,
+                vocab_size=202048,
+                attention_chunk_size=8192,
+                use_qk_norm=True,
+                rope_theta=500000.0,
+                interleave_moe_layer_step=1,
+            ),
+        ),
+        (
+            "llama4_17Bx128E",
+            dict(
+                hidden_size=5120,
+                num_hidden_layers=48,
+                num_attention_heads=40,
+                num_key_value_heads=8,
+                head_dim=128,
+                intermediate_size=8192,
+                intermediate_size_mlp=16384,
+                num_local_experts=128,
+                num_experts_per_tok=1,
+                vocab_size=202048,
+                attention_chunk_size=8192,
+                use_qk_norm=False,
+                rope_theta=500000.0,
+                interleave_moe_layer_step=2,
+            ),
+        ),
     ],
-)  # fmt: skip
+)
 def test_published_shapes_match_metas_configs(flavor, published):
     cfg = hf_config(model_args(flavor))
     assert {k: cfg[k] for k in published} == published
@@ -85,8 +113,8 @@ def test_transformers_llama4_gives_titanrush_logits(tmp_path, top_k, tied):
     """transformers' own Llama4ForCausalLM, loaded from titanrush's export, computes titanrush's logits:
     dense and MoE layers, NoPE layers, chunked attention, QK-norm, top-k sigmoid routing (fp32)."""
     transformers = pytest.importorskip("transformers", reason="transformers is not installed: it is in [dev]")
-    from titanrush import hf as interchange
-    from titanrush.safetensors_io import save_safetensors
+    from titanrush.interop import hf as interchange
+    from titanrush.interop.safetensors_io import save_safetensors
 
     model = _model(top_k=top_k, tie_embeddings=tied, attn_backend="math")
     save_safetensors(
@@ -105,14 +133,28 @@ def test_a_trained_llama4_checkpoint_goes_to_hugging_face_and_back_into_a_run(tm
     import prints trains on from the same weights (its flavor found from the shape). The routing biases,
     which Hugging Face's Llama 4 has no place for, travel in a file of their own, and the export says so."""
     from titanrush import config
-    from titanrush import hf as interchange
+    from titanrush.interop import hf as interchange
     from titanrush.tools import convert
     from titanrush.trainer import Trainer
 
     def train(name: str, steps: int, *extra: str) -> Path:
-        argv = ["--model.flavor", "llama4_debug", "--job.dump_folder", str(tmp_path), "--job.name", name,
-                "--training.steps", str(steps), "--training.seq_len", "64",
-                "--training.local_batch_size", "2", "--metrics.log_freq", "1", *extra]  # fmt: skip
+        argv = [
+            "--model.flavor",
+            "llama4_debug",
+            "--job.dump_folder",
+            str(tmp_path),
+            "--job.name",
+            name,
+            "--training.steps",
+            str(steps),
+            "--training.seq_len",
+            "64",
+            "--training.local_batch_size",
+            "2",
+            "--metrics.log_freq",
+            "1",
+            *extra,
+        ]
         trainer = Trainer(config.load(None, argv))
         try:
             trainer.train()
@@ -148,8 +190,8 @@ def test_a_trained_llama4_checkpoint_goes_to_hugging_face_and_back_into_a_run(tm
 
 
 def test_a_llama4_shape_that_is_no_flavor_is_refused_on_import_and_generate_refuses_llama4(tmp_path):
-    from titanrush import hf as interchange
-    from titanrush.safetensors_io import save_safetensors
+    from titanrush.interop import hf as interchange
+    from titanrush.interop.safetensors_io import save_safetensors
     from titanrush.tools import generate
 
     model = _model(n_experts=4)  # llama4_debug has 8
@@ -168,10 +210,10 @@ def test_an_import_of_another_vocabulary_and_tying_names_them_and_the_run_takes_
     import dataclasses
 
     from titanrush import config
-    from titanrush import hf as interchange
-    from titanrush.checkpoint_compat import model_arg_differences
-    from titanrush.plan import build_plan
-    from titanrush.safetensors_io import save_safetensors
+    from titanrush.checkpoint.compat import model_arg_differences
+    from titanrush.interop import hf as interchange
+    from titanrush.interop.safetensors_io import save_safetensors
+    from titanrush.run.plan import build_plan
 
     model = Llama4(model_args("llama4_debug", vocab_size=9000, tie_embeddings=True))
     model.init_weights(seed=1)

@@ -54,8 +54,15 @@ def test_adamw_implementations_agree(impl):
 
     def run(implementation: str) -> torch.Tensor:
         w = torch.nn.Parameter(ref_w.clone())
-        opt = build_optimizer([w], name="adamw", lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                              implementation=implementation)  # fmt: skip
+        opt = build_optimizer(
+            [w],
+            name="adamw",
+            lr=1e-2,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            weight_decay=0.1,
+            implementation=implementation,
+        )
         for g in grads:
             w.grad = g.clone()
             opt.step()
@@ -79,8 +86,15 @@ def test_low_bit_adamw_tracks_fp32_adamw(name, rtol):
 
     def run(opt_name: str) -> torch.Tensor:
         w = torch.nn.Parameter(ref_w.clone())
-        opt = build_optimizer([w], name=opt_name, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                              implementation="for-loop")  # fmt: skip
+        opt = build_optimizer(
+            [w],
+            name=opt_name,
+            lr=1e-2,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            weight_decay=0.0,
+            implementation="for-loop",
+        )
         for g in grads:
             w.grad = g.clone()
             opt.step()

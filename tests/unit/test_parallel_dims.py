@@ -1,4 +1,4 @@
-"""ParallelDims: degree resolution, the checks of degrees and model fit (titanrush.validate through the
+"""ParallelDims: degree resolution, the checks of degrees and model fit (titanrush.run.validate through the
 plan), and the mesh (on a fake process group)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 from titanrush import config
 from titanrush.config import ConfigError
 from titanrush.parallel.parallel_dims import ParallelDims
-from titanrush.plan import build_plan
+from titanrush.run.plan import build_plan
 
 
 def dims(world: int, *, dp_replicate: int = 1, dp_shard: int = -1, cp: int = 1, tp: int = 1, pp: int = 1):

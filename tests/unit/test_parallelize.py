@@ -22,7 +22,7 @@ from titanrush.models.llama import Llama, model_args
 from titanrush.models.llama.parallelize import parallelize_llama
 from titanrush.parallel.activation_checkpoint import apply_ac
 from titanrush.parallel.compile import OVERLAP_PASSES, apply_compile
-from titanrush.plan import RunPlan, build_plan
+from titanrush.run.plan import RunPlan, build_plan
 
 
 def run_plan(world: int, *args: str) -> RunPlan:
@@ -253,8 +253,11 @@ def test_ac_op_all_last_counts_blocks_of_the_whole_model_on_a_pipeline_stage():
     assert alternate - stage_recomputed(3) == 3  # wk, wo and w3 of block 1
     assert alternate - stage_recomputed(4) == 6
     with pytest.raises(ConfigError, match="op_all_last = 5: the debug model has 4 blocks"):
-        run_plan(1, *("--activation_checkpoint.mode", "selective", "--activation_checkpoint.op_matmuls"),
-                 *("alternate", "--activation_checkpoint.op_all_last", "5"))  # fmt: skip
+        run_plan(
+            1,
+            *("--activation_checkpoint.mode", "selective", "--activation_checkpoint.op_matmuls"),
+            *("alternate", "--activation_checkpoint.op_all_last", "5"),
+        )
 
 
 def test_ac_none_and_bad_values():
@@ -288,9 +291,10 @@ def test_float8_tp_keeps_plain_styles_for_a_part_with_bf16_linears(fake_world, c
     fake_world(2)
     plan = dataclasses.replace(
         run_plan(2, *("--parallelism.tp", "2", "--training.precision", "bf16", "--float8.enable")),
-        args=model_args("debug", dim=256, n_heads=8, n_kv_heads=2, multiple_of=64), float8_emulate=True,
+        args=model_args("debug", dim=256, n_heads=8, n_kv_heads=2, multiple_of=64),
+        float8_emulate=True,
         float8_min_size=128,
-    )  # fmt: skip
+    )
     with torch.device("meta"):
         model = Llama(plan.args)
     # (a test before this one may have run the trainer's logging setup, which stops propagation)
@@ -373,11 +377,16 @@ def test_ac_op_all_but_w3_recomputes_one_matmul_per_block():
         (2, {"tp": 2, "sequence_parallel": False}, ("dp_shard_cp_tp",), ("dp_shard_cp_tp",), 2),
         (4, {"tp": 2, "dp_shard": 2}, ("dp_shard_cp_tp",), ("dp_shard_cp_tp",), 2),
         # HSDP x EP x TP: the experts over the replicas and the non-EP shard ranks x tp, split over ep
-        (16, {"tp": 2, "dp_replicate": 2, "dp_shard": 4, "ep": 2}, ("dp_replicate", "dp_shard_cp_tp"),
-         ("dp_replicate", "efsdp_cp_tp", "ep"), 8),
+        (
+            16,
+            {"tp": 2, "dp_replicate": 2, "dp_shard": 4, "ep": 2},
+            ("dp_replicate", "dp_shard_cp_tp"),
+            ("dp_replicate", "efsdp_cp_tp", "ep"),
+            8,
+        ),
     ],
     ids=["tp2", "tp2_no_sp", "fsdp2_tp2", "hsdp2_ep2_tp2"],
-)  # fmt: skip
+)
 def test_moe_layers_under_tp_are_fsdp_units_over_the_tp_ranks(
     fake_world, world, par, router_mesh, experts_mesh, divide
 ):

@@ -10,7 +10,7 @@ from titanrush.config import ConfigError
 from titanrush.models.llama import Llama, model_args
 from titanrush.models.llama.pipeline import ModelView, prune_to_stage, stage_costs
 from titanrush.parallel.pipeline import balanced_split, stage_ids, stages_per_rank
-from titanrush.plan import build_plan
+from titanrush.run.plan import build_plan
 
 
 def stage_cost(sizes: list[int], embed: float, out: float) -> list[float]:

@@ -14,9 +14,15 @@ from titanrush import train
 
 def check(tmp_path: Path, *extra: str) -> list[str]:
     return [
-        "--check", "--job.dump_folder", str(tmp_path / "runs"), "--job.name", "job",
-        "--data.cache_dir", str(tmp_path / "cache"), *extra,
-    ]  # fmt: skip
+        "--check",
+        "--job.dump_folder",
+        str(tmp_path / "runs"),
+        "--job.name",
+        "job",
+        "--data.cache_dir",
+        str(tmp_path / "cache"),
+        *extra,
+    ]
 
 
 def refused(tmp_path: Path, capsys, *extra: str) -> str:
@@ -70,7 +76,7 @@ def test_a_runnable_config_passes_and_writes_no_run_folder(tmp_path, capsys):
         "lock_folder",
         "tokenizer_fifo",
         "load_hf",
-    ],  # fmt: skip
+    ],
 )
 def test_what_the_run_would_refuse_at_start_is_refused_by_check(tmp_path, capsys, extra, named):
     (tmp_path / "file.txt").write_text("a file where a folder is needed")
@@ -113,8 +119,17 @@ def test_an_empty_folder_name_is_refused(tmp_path, capsys, key):
 def test_a_checkpoint_that_does_not_fit_the_run_is_refused_by_check(tmp_path, capsys):
     """The run's own checkpoint against a changed model or data stream: --check says what the trainer's
     load would say (before, only the trainer did, on every rank, after the processes had started)."""
-    small = ["--data.dataset", "synthetic", "--checkpoint.enable", "--training.steps", "2",
-             "--training.seq_len", "64", "--training.local_batch_size", "2"]  # fmt: skip
+    small = [
+        "--data.dataset",
+        "synthetic",
+        "--checkpoint.enable",
+        "--training.steps",
+        "2",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+    ]
     run = [a for a in check(tmp_path, *small) if a != "--check"]
     assert train.main(run) == 0
     saved = sorted(p.name for p in (tmp_path / "runs" / "job" / "checkpoint").iterdir())

@@ -10,8 +10,9 @@ from titanrush.profiling import Profiler, collective_table, collectives, kernel_
 
 
 def test_sync_only_around_the_recorded_window(tmp_path, monkeypatch):
-    prof = Profiler(tmp_path, enable=True, freq=4, active=1, memory_snapshot=False, rank=0,
-                    all_ranks=False, start_step=0)  # fmt: skip
+    prof = Profiler(
+        tmp_path, enable=True, freq=4, active=1, memory_snapshot=False, rank=0, all_ranks=False, start_step=0
+    )
     synced_after: list[int] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: synced_after.append(prof.step_num))
@@ -56,9 +57,20 @@ def test_timeline_splits_each_step_into_compute_exposed_communication_copies_and
         _x("cpu_op", "aten::mm", 0, 1000),
     ]
     t = timeline({"traceEvents": events})
-    want = {"steps": 2, "step": 0.1, "compute": 0.080, "comm": 0.0275, "exposed_comm": 0.0075,
-            "copy": 0.002, "idle": 0.0105, "kernel_matmul": 0.065, "kernel_compiled": 0.015,
-            "kernel_attention": 0, "kernel_optimizer": 0, "kernel_other": 0}  # fmt: skip
+    want = {
+        "steps": 2,
+        "step": 0.1,
+        "compute": 0.080,
+        "comm": 0.0275,
+        "exposed_comm": 0.0075,
+        "copy": 0.002,
+        "idle": 0.0105,
+        "kernel_matmul": 0.065,
+        "kernel_compiled": 0.015,
+        "kernel_attention": 0,
+        "kernel_optimizer": 0,
+        "kernel_other": 0,
+    }
     assert t == pytest.approx(want)
     assert t["compute"] + t["exposed_comm"] + t["copy"] + t["idle"] == pytest.approx(t["step"])
 
@@ -94,8 +106,10 @@ def test_collectives_say_which_communication_the_step_waits_for_and_which_shares
 
 
 def test_collective_table_sets_two_runs_side_by_side_the_longest_first():
-    a = {"rs": {"calls": 130, "ms": 43.5, "exposed": 5.0, "concurrent": 12.25}, "ag": {"calls": 3, "ms": 2.0,
-         "exposed": 0.0, "concurrent": 0.0}}  # fmt: skip
+    a = {
+        "rs": {"calls": 130, "ms": 43.5, "exposed": 5.0, "concurrent": 12.25},
+        "ag": {"calls": 3, "ms": 2.0, "exposed": 0.0, "concurrent": 0.0},
+    }
     b = {"rs": {"calls": 130, "ms": 71.8, "exposed": 20.0, "concurrent": 30.0}}
     lines = collective_table(a, b, ("torchtitan", "titanrush")).splitlines()
     assert lines[0] == "| collective | torchtitan: calls, ms, exposed, concurrent | titanrush |"
@@ -114,8 +128,14 @@ def test_timeline_without_step_ranges_spans_the_kernels_and_refuses_a_cpu_trace(
 
 
 def _op(name: str, ts: float, dur: float, ext: int, dims: list) -> dict:
-    return {"ph": "X", "cat": "cpu_op", "name": name, "ts": ts, "dur": dur,
-            "args": {"External id": ext, "Input Dims": dims}}  # fmt: skip
+    return {
+        "ph": "X",
+        "cat": "cpu_op",
+        "name": name,
+        "ts": ts,
+        "dur": dur,
+        "args": {"External id": ext, "Input Dims": dims},
+    }
 
 
 def _k(name: str, ts: float, dur: float, ext: int | None = None) -> dict:
@@ -146,9 +166,13 @@ def test_kernels_key_gemms_by_the_launching_ops_shapes_and_the_rest_by_name():
         _k("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<float>(x)", 180, 2),
     ]
     got = kernels({"traceEvents": events})
-    assert set(got) == {"aten::mm 32x64 @ 64x128", "aten::mm 32x64 @ 64x64", "triton_poi_fused_silu",
-                        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop",
-                        "void multi_tensor_apply_kernel<float>"}  # fmt: skip
+    assert set(got) == {
+        "aten::mm 32x64 @ 64x128",
+        "aten::mm 32x64 @ 64x64",
+        "triton_poi_fused_silu",
+        "cudnn_generated_fort_native_sdpa_sm90_flash_fprop",
+        "void multi_tensor_apply_kernel<float>",
+    }
     assert got["aten::mm 32x64 @ 64x128"] == pytest.approx((1.0, 0.035))  # (30 + 40) us over 2 steps
     assert got["aten::mm 32x64 @ 64x64"] == pytest.approx((0.5, 0.005))
     assert got["triton_poi_fused_silu"] == pytest.approx((1.0, 0.005))
@@ -171,8 +195,14 @@ def test_a_steps_window_holds_every_kernel_its_host_range_launched_even_after_a_
     included; a kernel launched before that range (at 130-140 on the GPU) stays out."""
 
     def launch(ts: float, corr: int) -> dict:
-        return {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": ts, "dur": 1,
-                "args": {"correlation": corr}}  # fmt: skip
+        return {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": ts,
+            "dur": 1,
+            "args": {"correlation": corr},
+        }
 
     def kernel(name: str, ts: float, dur: float, corr: int) -> dict:
         return {**_x("kernel", name, ts, dur), "args": {"correlation": corr}}

@@ -18,7 +18,7 @@ from titanrush.models.llama.model import FeedForward
 from titanrush.models.llama4 import Llama4
 from titanrush.models.llama4 import model_args as llama4_args
 from titanrush.models.llama4.moe import MoE
-from titanrush.plan import resolve_model_args
+from titanrush.run.plan import resolve_model_args
 from titanrush.tools import rush, rush_moe, rush_runner
 from titanrush.tools.rush_runner import FAILED, NEEDS_GPU, NOT_AVAILABLE, OK, OOM, SKIPPED, TIMEOUT, Rung
 
@@ -74,16 +74,48 @@ def test_oom_detection_and_classification():
 
 def test_summarize_and_speedups():
     rows = [
-        {"step": 1, "loss": 9.0, "tps": 10.0, "tflops": 1.0, "mfu": None, "step_time": 30.0,
-         "mem_active_gib": 5.0, "mem_reserved_gib": 6.0},
-        {"step": 2, "loss": 8.0, "tps": 90.0, "tflops": 9.0, "mfu": None, "step_time": 1.2,
-         "mem_active_gib": 4.0, "mem_reserved_gib": 7.0},
+        {
+            "step": 1,
+            "loss": 9.0,
+            "tps": 10.0,
+            "tflops": 1.0,
+            "mfu": None,
+            "step_time": 30.0,
+            "mem_active_gib": 5.0,
+            "mem_reserved_gib": 6.0,
+        },
+        {
+            "step": 2,
+            "loss": 8.0,
+            "tps": 90.0,
+            "tflops": 9.0,
+            "mfu": None,
+            "step_time": 1.2,
+            "mem_active_gib": 4.0,
+            "mem_reserved_gib": 7.0,
+        },
         {"step": 2, "val_loss": 8.5},
-        {"step": 3, "loss": 7.0, "tps": 100.0, "tflops": 10.0, "mfu": None, "step_time": 1.0,
-         "mem_active_gib": 4.5, "mem_reserved_gib": 6.5},
-        {"step": 4, "loss": 6.0, "tps": 120.0, "tflops": 12.0, "mfu": None, "step_time": 0.8,
-         "mem_active_gib": 4.5, "mem_reserved_gib": 6.5},
-    ]  # fmt: skip
+        {
+            "step": 3,
+            "loss": 7.0,
+            "tps": 100.0,
+            "tflops": 10.0,
+            "mfu": None,
+            "step_time": 1.0,
+            "mem_active_gib": 4.5,
+            "mem_reserved_gib": 6.5,
+        },
+        {
+            "step": 4,
+            "loss": 6.0,
+            "tps": 120.0,
+            "tflops": 12.0,
+            "mfu": None,
+            "step_time": 0.8,
+            "mem_active_gib": 4.5,
+            "mem_reserved_gib": 6.5,
+        },
+    ]
     s = rush_runner.summarize(rows, warmup=2)
     assert s["steps_measured"] == 2
     assert s["tps"] == pytest.approx(110.0) and s["tflops"] == pytest.approx(11.0)
@@ -115,12 +147,30 @@ def test_read_sweep_best(tmp_path):
 # The ladder's sequencing on a fake H200: OOM at batch 8, float8 refused by the trainer
 
 
-FAKE_GPU = {"cuda": True, "name": "NVIDIA H200", "count": 1, "capability": [9, 0], "mem_gib": 139.8,
-            "torch": "2.11.0", "flash_sdp": True, "cudnn_sdp": True, "flash_attn": True,
-            "torchao": True}  # fmt: skip
-FAKE_TPS = {"fp32": 1000.0, "bf16": 3500.0, "fused-adamw": 3850.0, "sdpa": 6700.0, "flash-attn": 7000.0,
-            "compile": 8000.0, "batch-2": 9000.0, "batch-4": 9500.0, "ac-selective": 8000.0,
-            "ac-full": 5700.0}  # fmt: skip
+FAKE_GPU = {
+    "cuda": True,
+    "name": "NVIDIA H200",
+    "count": 1,
+    "capability": [9, 0],
+    "mem_gib": 139.8,
+    "torch": "2.11.0",
+    "flash_sdp": True,
+    "cudnn_sdp": True,
+    "flash_attn": True,
+    "torchao": True,
+}
+FAKE_TPS = {
+    "fp32": 1000.0,
+    "bf16": 3500.0,
+    "fused-adamw": 3850.0,
+    "sdpa": 6700.0,
+    "flash-attn": 7000.0,
+    "compile": 8000.0,
+    "batch-2": 9000.0,
+    "batch-4": 9500.0,
+    "ac-selective": 8000.0,
+    "ac-full": 5700.0,
+}
 
 
 def fake_run_training(cmd: list[str], **kw: Any) -> dict[str, Any]:
@@ -134,8 +184,16 @@ def fake_run_training(cmd: list[str], **kw: Any) -> dict[str, Any]:
         }
     if batch >= 8 and args["--activation_checkpoint.mode"] == "none":
         return {"status": OOM, "reason": "torch.OutOfMemoryError: CUDA out of memory.", "wall_s": 1.0}
-    return {"status": OK, "reason": "", "tps": FAKE_TPS[name], "mfu": 40.0, "mem_active_gib": 10.0 * batch,
-            "mem_reserved_gib": 11.0 * batch, "first_step_s": 2.0, "wall_s": 1.0}  # fmt: skip
+    return {
+        "status": OK,
+        "reason": "",
+        "tps": FAKE_TPS[name],
+        "mfu": 40.0,
+        "mem_active_gib": 10.0 * batch,
+        "mem_reserved_gib": 11.0 * batch,
+        "first_step_s": 2.0,
+        "wall_s": 1.0,
+    }
 
 
 def test_ladder_sequencing_on_a_fake_gpu(tmp_path, monkeypatch, capsys):
@@ -144,8 +202,20 @@ def test_ladder_sequencing_on_a_fake_gpu(tmp_path, monkeypatch, capsys):
     out = tmp_path / "rush"
     assert rush.main(["ladder", "--steps", "10", "--warmup", "3", "--output", str(out)]) == 0
     rows = {r["name"]: r for r in read_rows(out)}
-    assert list(rows) == ["fp32", "bf16", "fused-adamw", "sdpa", "flash-attn", "compile", "batch-2",
-                          "batch-4", "batch-8", "ac-selective", "ac-full", "float8"]  # fmt: skip
+    assert list(rows) == [
+        "fp32",
+        "bf16",
+        "fused-adamw",
+        "sdpa",
+        "flash-attn",
+        "compile",
+        "batch-2",
+        "batch-4",
+        "batch-8",
+        "ac-selective",
+        "ac-full",
+        "float8",
+    ]
     assert rows["batch-8"]["status"] == OOM and rows["float8"]["status"] == NOT_AVAILABLE
     # Each rung adds to the one before; the side rung (flash-attn) is not built on.
     assert (
@@ -220,8 +290,19 @@ def test_ladder_dry_run_prints_the_plan_and_runs_nothing(tmp_path, capsys):
         == 0
     )
     printed = capsys.readouterr().out
-    for name in ("fp32", "bf16", "fused-adamw", "sdpa", "flash-attn", "compile", "batch-2", "batch-4",
-                 "ac-selective", "ac-full", "float8"):  # fmt: skip
+    for name in (
+        "fp32",
+        "bf16",
+        "fused-adamw",
+        "sdpa",
+        "flash-attn",
+        "compile",
+        "batch-2",
+        "batch-4",
+        "ac-selective",
+        "ac-full",
+        "float8",
+    ):
         assert name in printed
     assert "python -m titanrush.train --config" in printed and "--job.name fp32" in printed
     assert printed.count(NEEDS_GPU) == 4  # sdpa, flash-attn, compile, float8 on this CPU
@@ -317,8 +398,9 @@ def test_bad_options_exit_2_before_any_run(flags, message, capsys):
     assert message in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, code, said", [([], 2, "no command"), (["nope"], 2, "unknown command 'nope'"),
-                                               (["--help"], 0, "")])  # fmt: skip
+@pytest.mark.parametrize(
+    "argv, code, said", [([], 2, "no command"), (["nope"], 2, "unknown command 'nope'"), (["--help"], 0, "")]
+)
 def test_a_missing_or_unknown_command_prints_the_usage_and_names_the_problem(argv, code, said, capsys):
     assert rush.main(argv) == code
     out, err = capsys.readouterr()
@@ -418,8 +500,18 @@ def test_dense_twin_shapes_the_moe_flavors_active_ffn():
     assert twin["model.ffn_hidden"] == str(2 * 2816)  # 1 shared + top-1 routed, 2816 wide each
     dense = resolve_model_args(cfgmod.load(None, rush_runner.to_args(twin)))
     assert type(dense) is ModelArgs and dense.ffn_hidden == 5632
-    for key in ("dim", "n_layers", "n_heads", "kv_heads", "vocab_size", "tie_embeddings", "norm_eps",
-                "rope_theta", "rope_scaling", "max_seq_len"):  # fmt: skip
+    for key in (
+        "dim",
+        "n_layers",
+        "n_heads",
+        "kv_heads",
+        "vocab_size",
+        "tie_embeddings",
+        "norm_eps",
+        "rope_theta",
+        "rope_scaling",
+        "max_seq_len",
+    ):
         assert getattr(dense, key) == getattr(big, key), key
     variants = [
         llama4_args("llama4_debug"),

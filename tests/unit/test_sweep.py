@@ -42,8 +42,13 @@ def fake_cpu(monkeypatch):
 
 def test_parse_grid():
     grid = sweep.parse_grid("batch=1,2 pp=1,2  tp=1,2,4,2 ac=none,selective reshard=never")
-    assert grid == {"tp": [1, 2, 4], "pp": [1, 2], "reshard": ["never"], "ac": ["none", "selective"],
-                    "batch": [1, 2]}  # fmt: skip
+    assert grid == {
+        "tp": [1, 2, 4],
+        "pp": [1, 2],
+        "reshard": ["never"],
+        "ac": ["none", "selective"],
+        "batch": [1, 2],
+    }
     assert list(grid) == ["tp", "pp", "reshard", "ac", "batch"]  # the canonical order, whatever the input's
     assert sweep.default_grid(4) == "tp=1,2,4 pp=1,2,4 cp=1,2,4"
     assert sweep.default_grid(6) == "tp=1,2,3,6 pp=1,2,3,6 cp=1,2,3,6"  # every divisor, not only 2^k
@@ -148,9 +153,13 @@ def test_extras_replicate_and_duplicate_runs():
     dup = reasons["dp_replicate=4 dp_shard=1 tp=1 pp=1 cp=1 reshard=never"]
     assert "same run as dp_replicate=4 dp_shard=1 tp=1 pp=1 cp=1 reshard=always" in dup
     assert sweep.settings_of(valid[-1]) == {
-        "parallelism.dp_replicate": "4", "parallelism.dp_shard": "1", "parallelism.tp": "1",
-        "parallelism.pp": "1", "parallelism.cp": "1", "parallelism.fsdp_reshard_after_forward": "always",
-    }  # fmt: skip
+        "parallelism.dp_replicate": "4",
+        "parallelism.dp_shard": "1",
+        "parallelism.tp": "1",
+        "parallelism.pp": "1",
+        "parallelism.cp": "1",
+        "parallelism.fsdp_reshard_after_forward": "always",
+    }
 
 
 def test_expert_parallel_is_a_dimension_for_llama4_and_refused_for_dense():
@@ -268,8 +277,19 @@ def fake_child(cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: f
         return 1, False
     run_dir = Path(args["--job.dump_folder"]) / args["--job.name"]
     run_dir.mkdir(parents=True, exist_ok=True)
-    rows = [{"step": s, "loss": 9.0, "tps": 1000.0 * s, "tflops": 1.0, "mfu": 40.0, "mem_active_gib": 3.0,
-             "mem_reserved_gib": 4.0, "step_time": 0.5} for s in (1, 2, 3)]  # fmt: skip
+    rows = [
+        {
+            "step": s,
+            "loss": 9.0,
+            "tps": 1000.0 * s,
+            "tflops": 1.0,
+            "mfu": 40.0,
+            "mem_active_gib": 3.0,
+            "mem_reserved_gib": 4.0,
+            "step_time": 0.5,
+        }
+        for s in (1, 2, 3)
+    ]
     (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     log_path.write_text("step 3 loss 9.0\n")
     return 0, False
@@ -278,8 +298,21 @@ def fake_child(cmd: list[str], env: dict[str, str], log_path: Path, timeout_s: f
 def test_fake_oom_is_recorded_and_the_sweep_goes_on(fake_cpu, monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(rush_runner, "run_child", fake_child)
     out = tmp_path / "sweep"
-    argv = ["--config", DEBUG, "--ngpu", "2", "--grid", "tp=2,1,4", "--steps", "3", "--warmup", "1",
-            "--output", str(out), *TINY]  # fmt: skip
+    argv = [
+        "--config",
+        DEBUG,
+        "--ngpu",
+        "2",
+        "--grid",
+        "tp=2,1,4",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--output",
+        str(out),
+        *TINY,
+    ]
     assert sweep.main(argv) == 0
     rows = {r["shape"]: r for r in read_rows(out)}
     ok, oom = (
@@ -296,9 +329,12 @@ def test_fake_oom_is_recorded_and_the_sweep_goes_on(fake_cpu, monkeypatch, tmp_p
     assert bad["status"] == sweep.INVALID and "do not divide the world size 2" in bad["reason"]
     # rush dist takes the fastest OK shape's mesh, without the sweep's own overrides.
     assert rush.read_sweep_best(str(out / "results.jsonl")) == {
-        "parallelism.dp_replicate": "1", "parallelism.dp_shard": "2", "parallelism.tp": "1",
-        "parallelism.pp": "1", "parallelism.cp": "1",
-    }  # fmt: skip
+        "parallelism.dp_replicate": "1",
+        "parallelism.dp_shard": "2",
+        "parallelism.tp": "1",
+        "parallelism.pp": "1",
+        "parallelism.cp": "1",
+    }
     md = (out / "results.md").read_text()
     assert md.index("| 1 | `dp_replicate=1 dp_shard=2 tp=1") < md.index(
         "| - | `dp_replicate=1 dp_shard=1 tp=2"
@@ -319,8 +355,21 @@ def test_a_second_sweep_into_the_same_output_is_refused_before_any_run(
         return fake_child(cmd, env, log_path, timeout_s)
 
     def argv(output: Path) -> list[str]:
-        return ["--config", DEBUG, "--ngpu", "2", "--grid", "tp=1", "--steps", "3", "--warmup", "1",
-                "--output", str(output), *TINY]  # fmt: skip
+        return [
+            "--config",
+            DEBUG,
+            "--ngpu",
+            "2",
+            "--grid",
+            "tp=1",
+            "--steps",
+            "3",
+            "--warmup",
+            "1",
+            "--output",
+            str(output),
+            *TINY,
+        ]
 
     monkeypatch.setattr(rush_runner, "run_child", counting_child)
     out = tmp_path / "sweep"
@@ -365,8 +414,21 @@ def test_a_negative_warmup_is_refused(fake_cpu, tmp_path, capsys, warmup):
 @pytest.mark.parallel
 def test_cpu_sweep_end_to_end(tmp_path):
     out = tmp_path / "sweep"
-    argv = ["--config", DEBUG, "--ngpu", "2", "--grid", "tp=1,2", "--steps", "3", "--warmup", "1",
-            "--output", str(out), *TINY]  # fmt: skip
+    argv = [
+        "--config",
+        DEBUG,
+        "--ngpu",
+        "2",
+        "--grid",
+        "tp=1,2",
+        "--steps",
+        "3",
+        "--warmup",
+        "1",
+        "--output",
+        str(out),
+        *TINY,
+    ]
     assert sweep.main(argv) == 0
     rows = read_rows(out)
     assert [r["shape"] for r in rows] == [
@@ -423,10 +485,13 @@ def test_dry_run_flags_and_skips_what_the_estimator_says_will_not_fit(fake_cpu, 
         # A CPU machine: its host RAM (64 GiB in FAKE_CPU) says nothing about the GPUs: 80 GiB, said so.
         (FAKE_CPU, [], ("assuming 80 GiB per GPU (no CUDA device here; pass --gpu-mem)", 80.0)),
         (FAKE_CPU, ["--gpu-mem", "141"], ("141 GiB per GPU (--gpu-mem)", 141.0)),
-        ({**FAKE_CPU, "cuda": True, "name": "NVIDIA H200", "count": 4, "mem_gib": 139.8}, [],
-         ("139.8 GiB per GPU (this machine's NVIDIA H200", 139.8)),
+        (
+            {**FAKE_CPU, "cuda": True, "name": "NVIDIA H200", "count": 4, "mem_gib": 139.8},
+            [],
+            ("139.8 GiB per GPU (this machine's NVIDIA H200", 139.8),
+        ),
     ],
-)  # fmt: skip
+)
 def test_dry_run_holds_every_shape_against_the_one_gpu_memory_rule(monkeypatch, capsys, device, extra, rule):
     """The 8B on 4 GPUs, with the real estimator: the same figure for every shape, the rule stated."""
     monkeypatch.setattr(rush_runner, "probe_device", lambda: dict(device))

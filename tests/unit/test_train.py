@@ -17,17 +17,36 @@ from titanrush.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
 REQUIRED_KEYS = {
-    "step", "loss", "grad_norm", "lr", "tps", "tflops", "mfu", "mem_active_gib", "mem_reserved_gib",
+    "step",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tps",
+    "tflops",
+    "mfu",
+    "mem_active_gib",
+    "mem_reserved_gib",
     "data_wait_pct",
-}  # fmt: skip
+}
 
 
 def small(tmp_path: Path, name: str, *extra: str) -> list[str]:
     return [
-        "--job.dump_folder", str(tmp_path), "--job.name", name, "--training.seq_len", "64",
-        "--training.local_batch_size", "4", "--metrics.log_freq", "1", "--training.deterministic",
-        "--lr_scheduler.warmup_steps", "2", *extra,
-    ]  # fmt: skip
+        "--job.dump_folder",
+        str(tmp_path),
+        "--job.name",
+        name,
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "4",
+        "--metrics.log_freq",
+        "1",
+        "--training.deterministic",
+        "--lr_scheduler.warmup_steps",
+        "2",
+        *extra,
+    ]
 
 
 def run_inprocess(args: list[str]) -> list[float]:
@@ -45,10 +64,15 @@ def read_metrics(run_dir: Path) -> list[dict]:
 def test_debug_run_learns_and_writes_every_sink(tmp_path):
     """The README's main command, shortened: the loss falls and all three sinks parse."""
     res = subprocess.run(
-        [str(ROOT / "run_train.sh"),
-         *small(tmp_path, "e2e", "--training.steps", "25", "--metrics.log_freq", "5")],
-        capture_output=True, text=True, timeout=600, env={**__import__("os").environ, "NGPU": "1"},
-    )  # fmt: skip
+        [
+            str(ROOT / "run_train.sh"),
+            *small(tmp_path, "e2e", "--training.steps", "25", "--metrics.log_freq", "5"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**__import__("os").environ, "NGPU": "1"},
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     run_dir = tmp_path / "e2e"
     rows = read_metrics(run_dir)
@@ -82,8 +106,11 @@ def test_launcher_refuses_bad_process_counts(tmp_path, env):
     name, value = env.split("=")
     res = subprocess.run(
         [str(ROOT / "run_train.sh"), *small(tmp_path, "bad")],
-        capture_output=True, text=True, timeout=120, env={**__import__("os").environ, name: value},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, name: value},
+    )
     assert res.returncode == 2, res.stderr[-2000:]
     assert res.stderr.strip() == f"run_train.sh: error: {env} must be a whole number >= 1"
     assert not (tmp_path / "bad").exists()
@@ -91,19 +118,27 @@ def test_launcher_refuses_bad_process_counts(tmp_path, env):
 
 @pytest.mark.parametrize(
     "env, said",
-    [({}, "NNODES=2 needs NODE_RANK (this node's index, 0 to 1) and RDZV_ENDPOINT"),
-     ({"NODE_RANK": "0"}, "NNODES=2 needs NODE_RANK"),
-     ({"NODE_RANK": "2", "MASTER_ADDR": "node0"}, "NODE_RANK=2 must be a whole number from 0 to 1"),
-     ({"NODE_RANK": "x", "RDZV_ENDPOINT": "node0:29500"}, "NODE_RANK=x must be a whole number from 0 to 1")],
-)  # fmt: skip
+    [
+        ({}, "NNODES=2 needs NODE_RANK (this node's index, 0 to 1) and RDZV_ENDPOINT"),
+        ({"NODE_RANK": "0"}, "NNODES=2 needs NODE_RANK"),
+        ({"NODE_RANK": "2", "MASTER_ADDR": "node0"}, "NODE_RANK=2 must be a whole number from 0 to 1"),
+        (
+            {"NODE_RANK": "x", "RDZV_ENDPOINT": "node0:29500"},
+            "NODE_RANK=x must be a whole number from 0 to 1",
+        ),
+    ],
+)
 def test_launcher_refuses_a_multi_node_job_without_its_rendezvous(tmp_path, env, said):
     """NNODES > 1 without where to meet: one line naming the variables, exit 2, before any check or launch."""
     unset = ("NODE_RANK", "MASTER_ADDR", "RDZV_ENDPOINT")
     base = {k: v for k, v in __import__("os").environ.items() if k not in unset}
     res = subprocess.run(
         [str(ROOT / "run_train.sh"), *small(tmp_path, "bad")],
-        capture_output=True, text=True, timeout=120, env={**base, "NNODES": "2", **env},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**base, "NNODES": "2", **env},
+    )
     assert res.returncode == 2 and res.stderr.startswith("run_train.sh: error: ") and said in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad").exists(), res.stderr
 
@@ -124,9 +159,17 @@ def test_check_of_a_several_process_job_runs_once(tmp_path):
 def test_gradient_accumulation_equals_one_larger_batch(tmp_path):
     one = run_inprocess(small(tmp_path, "one", "--training.steps", "4", "--training.local_batch_size", "4"))
     acc = run_inprocess(
-        small(tmp_path, "acc", "--training.steps", "4", "--training.local_batch_size", "2",
-              "--training.global_batch_size", "4")
-    )  # fmt: skip
+        small(
+            tmp_path,
+            "acc",
+            "--training.steps",
+            "4",
+            "--training.local_batch_size",
+            "2",
+            "--training.global_batch_size",
+            "4",
+        )
+    )
     assert len(one) == len(acc) == 4
     for a, b in zip(one, acc):
         assert a == pytest.approx(b, rel=1e-5)
@@ -149,8 +192,9 @@ def test_global_batch_not_a_multiple_is_an_error(tmp_path):
 
 
 def test_validation_logs_loss_and_perplexity(tmp_path):
-    run_inprocess(small(tmp_path, "val", "--training.steps", "4", "--validation.freq", "2",
-                        "--validation.steps", "2"))  # fmt: skip
+    run_inprocess(
+        small(tmp_path, "val", "--training.steps", "4", "--validation.freq", "2", "--validation.steps", "2")
+    )
     rows = [r for r in read_metrics(tmp_path / "val") if "val_loss" in r]
     assert [r["step"] for r in rows] == [2, 4]
     for r in rows:
@@ -159,9 +203,19 @@ def test_validation_logs_loss_and_perplexity(tmp_path):
 
 def test_bf16_and_chunked_loss_run(tmp_path):
     losses = run_inprocess(
-        small(tmp_path, "bf16", "--training.steps", "3", "--training.precision", "bf16", "--training.loss",
-              "chunked", "--training.loss_chunk_size", "100")
-    )  # fmt: skip
+        small(
+            tmp_path,
+            "bf16",
+            "--training.steps",
+            "3",
+            "--training.precision",
+            "bf16",
+            "--training.loss",
+            "chunked",
+            "--training.loss_chunk_size",
+            "100",
+        )
+    )
     assert all(math.isfinite(x) for x in losses)
 
 
@@ -169,9 +223,18 @@ def test_profiling_writes_perfetto_traces(tmp_path):
     import gzip
 
     run_inprocess(
-        small(tmp_path, "prof", "--training.steps", "8", "--profiling.enable", "--profiling.freq", "4",
-              "--profiling.active_steps", "2")
-    )  # fmt: skip
+        small(
+            tmp_path,
+            "prof",
+            "--training.steps",
+            "8",
+            "--profiling.enable",
+            "--profiling.freq",
+            "4",
+            "--profiling.active_steps",
+            "2",
+        )
+    )
     traces = sorted((tmp_path / "prof" / "profile").glob("step-*/rank0.trace.json.gz"))
     assert [t.parent.name for t in traces] == ["step-4", "step-8"]
     events = json.loads(gzip.decompress(traces[0].read_bytes()))["traceEvents"]
@@ -315,7 +378,7 @@ def test_launch_builds_the_trainer_with_the_collector_off(monkeypatch, gc_freq, 
 
 def test_rope_table_covers_the_runs_sequence_length_only():
     from titanrush.models.llama import Llama
-    from titanrush.plan import build_plan
+    from titanrush.run.plan import build_plan
 
     args = build_plan(config.load(None, ["--training.seq_len", "96"]), 1).args
     with torch.device("meta"):
@@ -350,10 +413,25 @@ def test_the_8b_config_saves_and_resumes_at_the_debug_size(tmp_path):
     """The main command's settings (compile, selective op AC, bf16, checkpointing), the model shrunk to the
     debug flavor: a run saves a full checkpoint, and a second launch resumes from it and trains on."""
     path = str(ROOT / "train_configs" / "llama8b_fsdp.toml")
-    small = ["--model.flavor", "debug", "--training.seq_len", "64", "--training.local_batch_size", "2",
-             "--job.dump_folder", str(tmp_path), "--job.name", "run", "--metrics.log_freq", "1",
-             "--checkpoint.enable", "--checkpoint.interval", "2",
-             "--lr_scheduler.warmup_steps", "1"]  # fmt: skip
+    small = [
+        "--model.flavor",
+        "debug",
+        "--training.seq_len",
+        "64",
+        "--training.local_batch_size",
+        "2",
+        "--job.dump_folder",
+        str(tmp_path),
+        "--job.name",
+        "run",
+        "--metrics.log_freq",
+        "1",
+        "--checkpoint.enable",
+        "--checkpoint.interval",
+        "2",
+        "--lr_scheduler.warmup_steps",
+        "1",
+    ]
     for steps in (2, 3):
         trainer = Trainer(config.load(path, [*small, "--training.steps", str(steps)]))
         try:

@@ -1,5 +1,5 @@
-"""titanrush.validate through build_plan: every numeric key has a range that is enforced, the rules between
-keys, and the plan's checks against the mesh and the model, each a ConfigError naming the key."""
+"""titanrush.run.validate through build_plan: every numeric key has a range that is enforced, the rules
+between keys, and the plan's checks against the mesh and the model, each a ConfigError naming the key."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import typing
 
 import pytest
 
-from titanrush import config, validate
+from titanrush import config
 from titanrush.config import ConfigError
-from titanrush.plan import build_plan
+from titanrush.run import validate
+from titanrush.run.plan import build_plan
 
 
 def plan(*args: str, world: int = 1):
@@ -110,8 +111,19 @@ def test_value_rules(args, pattern):
         (4, ["--parallelism.tp", "3"], "do not divide the world size 4"),
         (4, ["--parallelism.dp_shard", "3"], r"dp_shard\(3\) x cp\(1\) x tp\(1\) x pp\(1\) = 3"),
         (2, ["--parallelism.tp", "2", "--training.loss", "chunked"], "chunked does not compose with"),
-        (2, ["--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1", "--parallelism.tp", "1",
-             "--parallelism.fsdp_cpu_offload"], "fsdp_cpu_offload needs FSDP"),
+        (
+            2,
+            [
+                "--parallelism.dp_replicate",
+                "2",
+                "--parallelism.dp_shard",
+                "1",
+                "--parallelism.tp",
+                "1",
+                "--parallelism.fsdp_cpu_offload",
+            ],
+            "fsdp_cpu_offload needs FSDP",
+        ),
         (2, ["--parallelism.pp", "2", "--model.tie_embeddings", "tied"], "cannot tie the embedding"),
         (1, ["--activation_checkpoint.offload_first", "9"], "the debug model has 4 blocks"),
         (2, ["--training.global_batch_size", "6", "--training.local_batch_size", "4"], "multiple of"),
@@ -119,10 +131,13 @@ def test_value_rules(args, pattern):
         (1, ["--model.vocab_size", "100"], "does not cover the tokenizer"),
         (1, ["--compile.enable", "--experimental.async_tp"], r"async_tp needs parallelism.tp > 1 \(it fuses"),
         (2, ["--parallelism.tp", "2", "--experimental.async_tp"], r"needs compile.enable = true \("),
-        (2, ["--parallelism.tp", "2", "--no-parallelism.sequence_parallel", "--experimental.async_tp"],
-         "needs parallelism.sequence_parallel = true and compile.enable = true"),
+        (
+            2,
+            ["--parallelism.tp", "2", "--no-parallelism.sequence_parallel", "--experimental.async_tp"],
+            "needs parallelism.sequence_parallel = true and compile.enable = true",
+        ),
     ],
-)  # fmt: skip
+)
 def test_run_rules(world, args, pattern):
     with pytest.raises(ConfigError, match=pattern):
         plan(*args, world=world)
@@ -171,13 +186,19 @@ def test_async_tp_is_refused_on_torch_versions_it_was_not_run_on(monkeypatch, ve
 
 
 @pytest.mark.parametrize(
-    "field, value", [("norm_eps", float("nan")), ("norm_eps", 0.0), ("norm_eps", -1e-5),
-                     ("rope_theta", float("inf")), ("rope_theta", 0.0)],
-)  # fmt: skip
+    "field, value",
+    [
+        ("norm_eps", float("nan")),
+        ("norm_eps", 0.0),
+        ("norm_eps", -1e-5),
+        ("rope_theta", float("inf")),
+        ("rope_theta", 0.0),
+    ],
+)
 def test_model_numbers_from_anywhere_are_checked_once_resolved(field, value):
     """A model.from_checkpoint's config.json may hold what the config's ranges never see."""
     from titanrush.models.llama import model_args
-    from titanrush.validate import check_model_args
+    from titanrush.run.validate import check_model_args
 
     check_model_args(model_args("debug"))
     with pytest.raises(ConfigError, match=f"the model's {field} must be"):

@@ -77,10 +77,17 @@ def hf_tokenizer_spec(ranks: dict[bytes, int], *, add_bos: bool = False) -> dict
         return "".join(enc[b] for b in token)
 
     added = [
-        {"id": len(ranks) + i, "content": s, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": True}
+        {
+            "id": len(ranks) + i,
+            "content": s,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
         for i, s in enumerate(special_tokens())
-    ]  # fmt: skip
+    ]
     split = {"type": "Split", "pattern": {"Regex": LLAMA3_PATTERN}, "behavior": "Isolated", "invert": False}
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False}
     return {
@@ -138,9 +145,12 @@ def tokenizer_files(spec: str, max_len: int) -> tuple[dict[str, str], Tokenizer 
     bos, eos = tok.decode([tok.bos_id]), tok.decode([tok.eos_id])
     names = {"bos_token": bos, "eos_token": eos}
     config: dict[str, Any] = {
-        "tokenizer_class": "PreTrainedTokenizerFast", **names, "clean_up_tokenization_spaces": False,
-        "model_input_names": ["input_ids", "attention_mask"], "model_max_length": max_len,
-    }  # fmt: skip
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **names,
+        "clean_up_tokenization_spaces": False,
+        "model_input_names": ["input_ids", "attention_mask"],
+        "model_max_length": max_len,
+    }
     if isinstance(tok, HFTokenizer):
         files = {"tokenizer.json": tok.path.read_text()}
         for name in ("tokenizer_config.json", "special_tokens_map.json"):

@@ -34,12 +34,12 @@ from typing import Any
 
 import numpy as np
 
-from titanrush.checkpoint_folder import check_writable
 from titanrush.cli import in_flags
 from titanrush.config import ConfigError
 from titanrush.data.corpus import INDEX_FILE, SHARD_FORMAT, SHARD_VERSION, frame, token_dtype
 from titanrush.data.sources import SPLITS, find_files, jsonl_chunks, read_documents, split_of
 from titanrush.data.tokenizer import Tokenizer, build_tokenizer
+from titanrush.files import check_writable
 
 WorkItem = tuple[str, str, str, str, int, int | None]  # tokenizer spec, root, file, text field, byte range
 TokenizedItem = tuple[

@@ -236,7 +236,7 @@ def apply_ac(
         wrap = lambda i, name, b: wrap_block(
             b, selective_op=True, op_matmuls="all" if name in keep_all else op_matmuls
         )
-    else:  # (titanrush.validate: mode is none, full or selective; selective is op or a positive N)
+    else:  # (titanrush.run.validate: mode is none, full or selective; selective is op or a positive N)
         assert mode == "selective" and int(selective) > 0, (mode, selective)
         every = int(selective)
         wrap = lambda i, name, b: wrap_block(b) if (i + 1) % every == 0 else None

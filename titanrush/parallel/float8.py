@@ -50,7 +50,7 @@ def apply_float8(
 ) -> list[str]:
     """Swap eligible nn.Linear layers for torchao's Float8Linear in place; return the converted names.
 
-    torchao must import and the GPU support float8 (or `emulate` be on): `titanrush.validate` checks
+    torchao must import and the GPU support float8 (or `emulate` be on): `titanrush.run.validate` checks
     both before anything is built.
     """
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training

@@ -69,7 +69,7 @@ class ParallelDims:
     moe_tp: bool = False
 
     def __post_init__(self) -> None:
-        # `titanrush.validate.check_degrees` has checked the degrees against the world size.
+        # `titanrush.run.validate.check_degrees` has checked the degrees against the world size.
         if self.dp_shard == -1:
             self.dp_shard = self.world_size // (self.dp_replicate * self.cp * self.tp * self.pp)
         product = self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
@@ -107,8 +107,13 @@ class ParallelDims:
         shard = [("dp_shard", self.dp_shard)]
         if self.ep > 1:  # (check_run has checked that ep divides dp_shard)
             shard = [("efsdp", self.dp_shard // self.ep), ("ep", self.ep)]
-        dims = [("pp", self.pp), ("dp_replicate", self.dp_replicate), *shard, ("cp", self.cp),
-                ("tp", self.tp)]  # fmt: skip
+        dims = [
+            ("pp", self.pp),
+            ("dp_replicate", self.dp_replicate),
+            *shard,
+            ("cp", self.cp),
+            ("tp", self.tp),
+        ]
         names = tuple(n for n, _ in dims)
         root = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
         spans = dict(FLATTENED)
@@ -120,8 +125,10 @@ class ParallelDims:
             if self.ep > 1:
                 spans["efsdp_cp_tp"] = ("efsdp", "cp", "tp")
         if self.ep > 1:  # dp_shard is efsdp x ep: every span over it spans both
-            spans = {n: tuple(x for d in dims_ for x in (("efsdp", "ep") if d == "dp_shard" else (d,)))
-                     for n, dims_ in spans.items()}  # fmt: skip
+            spans = {
+                n: tuple(x for d in dims_ for x in (("efsdp", "ep") if d == "dp_shard" else (d,)))
+                for n, dims_ in spans.items()
+            }
             spans = {"dp_shard": ("efsdp", "ep"), "efsdp_cp": ("efsdp", "cp"), **spans}
         views: dict[str | tuple[str, ...], DeviceMesh] = {
             name: root[span]._flatten(name) for name, span in spans.items()

@@ -29,7 +29,7 @@ MULTI_STAGE = {
 
 def stages_per_rank(schedule: str, requested: int) -> int:
     """Virtual stages each rank holds: 1 for GPipe/1F1B, `requested` (default 2) for the others
-    (`titanrush.validate` has checked `requested` against the schedule)."""
+    (`titanrush.run.validate` has checked `requested` against the schedule)."""
     if schedule in SINGLE_STAGE:
         return 1
     return requested or 2

@@ -16,8 +16,8 @@ import argparse
 import shlex
 import sys
 
-from titanrush import hf, hf_convert
 from titanrush.config import ConfigError
+from titanrush.interop import hf, hf_convert
 
 
 def build_parser() -> argparse.ArgumentParser:

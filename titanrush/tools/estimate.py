@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from titanrush import config as cfgmod
-from titanrush import validate
 from titanrush.config import ConfigError, JobConfig
 from titanrush.launch_env import whole_number
-from titanrush.plan import RunPlan, build_plan, describe_mesh
+from titanrush.run import validate
+from titanrush.run.plan import RunPlan, build_plan, describe_mesh
 from titanrush.tools import memory_model as mm
 from titanrush.tools.memory_moe import DEFAULT_IMBALANCE, shard_degrees
 

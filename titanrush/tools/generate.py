@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from titanrush import hf
 from titanrush.config import ConfigError
 from titanrush.data.tokenizer import build_tokenizer
+from titanrush.interop import hf
 from titanrush.models.llama import Llama, ModelArgs
 from titanrush.models.llama.generate import generate
 from titanrush.models.llama.model import rope_cache
@@ -144,8 +144,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     for text, ids in zip(ns.prompt, prompts):
         t0 = time.perf_counter()
-        new = generate(model, ids, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
-                       top_p=ns.top_p, eos_id=tok.eos_id, seed=ns.seed)  # fmt: skip
+        new = generate(
+            model,
+            ids,
+            max_new_tokens=ns.max_new_tokens,
+            temperature=ns.temperature,
+            top_p=ns.top_p,
+            eos_id=tok.eos_id,
+            seed=ns.seed,
+        )
         seconds = time.perf_counter() - t0
         shown = new[:-1] if new and new[-1] == tok.eos_id else new
         print(text + tok.decode(shown), flush=True)

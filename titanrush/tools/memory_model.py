@@ -24,16 +24,25 @@ from titanrush.models.llama import ModelArgs
 from titanrush.models.llama.loss import LOSS_CHUNK_ELEMENTS
 from titanrush.parallel.activation_offload import offloaded
 from titanrush.parallel.float8 import skip_reason
-from titanrush.plan import RunPlan
+from titanrush.run.plan import RunPlan
 from titanrush.tools import memory_moe as moe
 
 GIB = 1024**3
 LOWBIT = {"adamw8bit": (1.0, 256, 256), "adamw4bit": (0.5, 128, 16)}  # code bytes, block size, qmap size
 LOWBIT_MIN_NUMEL = 4096  # torchao (after bitsandbytes) keeps smaller tensors' states in fp32
 COMPONENTS = (
-    "params", "master_weights", "grads", "optimizer", "activations", "logits", "fsdp_buffers",
-    "ddp_buckets", "float8", "transient", "buffers",
-)  # fmt: skip
+    "params",
+    "master_weights",
+    "grads",
+    "optimizer",
+    "activations",
+    "logits",
+    "fsdp_buffers",
+    "ddp_buckets",
+    "float8",
+    "transient",
+    "buffers",
+)
 
 
 @dataclass
@@ -147,9 +156,16 @@ def float8_linears(s: RunPlan) -> frozenset[str]:
         return frozenset()
     a = s.args
     d, hq, hkv, f = a.dim, a.n_heads * a.head_dim, a.kv_heads * a.head_dim, a.ffn_hidden
-    shapes = {"attention.wq": (hq, d), "attention.wk": (hkv, d), "attention.wv": (hkv, d),
-              "attention.wo": (d, hq), "feed_forward.w1": (f, d), "feed_forward.w3": (f, d),
-              "feed_forward.w2": (d, f), "output": (a.vocab_size, d)}  # fmt: skip
+    shapes = {
+        "attention.wq": (hq, d),
+        "attention.wk": (hkv, d),
+        "attention.wv": (hkv, d),
+        "attention.wo": (d, hq),
+        "feed_forward.w1": (f, d),
+        "feed_forward.w3": (f, d),
+        "feed_forward.w2": (d, f),
+        "output": (a.vocab_size, d),
+    }
     out = set()
     for name, shape in shapes.items():
         fqn = name if name == "output" else f"layers.0.{name}"
@@ -168,8 +184,12 @@ def states(s: RunPlan, plan: RankPlan) -> dict[str, int]:
     # float8 linears cast their fp32 weights to float8 themselves
     tied = s.args.tie_embeddings and plan.embedding and plan.head
     f8 = float8_linears(s)
-    cast = [d0 * d1 for name, (d0, d1), lin in shapes if lin or (tied and name == "tok_embeddings")
-            if _weight_name(name) not in f8]  # fmt: skip
+    cast = [
+        d0 * d1
+        for name, (d0, d1), lin in shapes
+        if lin or (tied and name == "tok_embeddings")
+        if _weight_name(name) not in f8
+    ]
     matmul = sum(cast)
     compute_copies = 2 * matmul if s.autocast else 0
     return {
@@ -264,10 +284,17 @@ def _block_saved(
         return {"block input": r * n_sp * d}
     if mode == "op":  # selective: the outputs of matmuls and attention are kept, the rest recomputed
         out = {
-            "block input": r * n_sp * d, "wq out": c * n * hq * dh, "wk out": c * n * hkv * dh,
-            "wv out": c * n * hkv * dh, "attention out": c * n * hq * dh, "logsumexp": lse,
-            "wo out": c * n * d, "w1 out": c * n * f, "w3 out": c * n * f, "w2 out": c * n * d,
-        }  # fmt: skip
+            "block input": r * n_sp * d,
+            "wq out": c * n * hq * dh,
+            "wk out": c * n * hkv * dh,
+            "wv out": c * n * hkv * dh,
+            "attention out": c * n * hq * dh,
+            "logsumexp": lse,
+            "wo out": c * n * d,
+            "w1 out": c * n * f,
+            "w3 out": c * n * f,
+            "w2 out": c * n * d,
+        }
         if tp > 1 and s.sequence_parallel and not as_traced:
             out["reduce-scatter outs"] = 2 * c * n_sp * d
         if s.ac_op_matmuls == "alternate" and not keep_all:  # the policy counts aten.mm calls: the 2nd,
@@ -291,10 +318,17 @@ def _block_saved(
         # CPU, docs/estimator.md): the eager set less silu, norms fused, and wo's output (under autocast
         # the bf16 output, from which the fp32 residual sum is recomputed).
         out = {
-            "block input": r * n_sp * d, "attention_norm out": c * n * d, "ffn_norm out": c * n * d,
-            "q roped": c * n * hq * dh, "k, v": 2 * c * n * kv * dh, "attention out": c * n * hq * dh,
-            "logsumexp": lse, "wo out": c * n_sp * d, "w1 out, w3 out": 2 * c * n * f, "gate": c * n * f,
-        }  # fmt: skip
+            "block input": r * n_sp * d,
+            "attention_norm out": c * n * d,
+            "ffn_norm out": c * n * d,
+            "q roped": c * n * hq * dh,
+            "k, v": 2 * c * n * kv * dh,
+            "attention out": c * n * hq * dh,
+            "logsumexp": lse,
+            "wo out": c * n_sp * d,
+            "w1 out, w3 out": 2 * c * n * f,
+            "gate": c * n * f,
+        }
         # A float8 linear's backward needs its input only as float8, which the partitioner recomputes (a
         # cast with the forward's scale) from what it keeps anyway, rather than keeping the bf16 input.
         f8 = float8_linears(s)
@@ -313,12 +347,20 @@ def _block_saved(
     # one bf16 copy that wq, wk, wv, or w1, w3, keep); a Llama 4 block lets autocast cast it per matmul.
     att, ffn = (6, 4) if s.moe else (2, 2)
     out = {
-        "attention_norm in": norm, "attention in": (att if s.autocast else r) * n * d,
-        "q roped": c * n * hq * dh, "k roped": c * n * kv * dh, "v": c * n * kv * dh,
-        "attention out": c * n * hq * dh, "logsumexp": lse,
-        "ffn_norm in": norm, "ffn in": (ffn if s.autocast else r) * n * d,
-        "w1 out": c * n * f, "silu out": c * n * f, "w3 out": c * n * f, "gate": c * n * f,
-    }  # fmt: skip
+        "attention_norm in": norm,
+        "attention in": (att if s.autocast else r) * n * d,
+        "q roped": c * n * hq * dh,
+        "k roped": c * n * kv * dh,
+        "v": c * n * kv * dh,
+        "attention out": c * n * hq * dh,
+        "logsumexp": lse,
+        "ffn_norm in": norm,
+        "ffn in": (ffn if s.autocast else r) * n * d,
+        "w1 out": c * n * f,
+        "silu out": c * n * f,
+        "w3 out": c * n * f,
+        "gate": c * n * f,
+    }
     if a.attn_backend == "math":  # the (T, T) scores: fp32 softmax output, its bf16 copy, the mask
         out["scores"] = (4 + (c if c == 2 else 0)) * batch * hq * seq * seq + seq * seq
         del out["logsumexp"]
@@ -415,15 +457,29 @@ def loss_bytes(s: RunPlan, n: int, *, as_traced: bool) -> dict[str, int]:
         # in row chunks (a chunk's upcast and exponentials), and backward writes the gradient in place.
         logits, stats = c * n * vocab, 14 * n
         chunk = 8 * min(n * vocab, LOSS_CHUNK_ELEMENTS)
-        return {"saved": saved, "log_softmax": logits + stats, "forward": logits + stats + chunk,
-                "backward": 2 * logits + stats + chunk, "rows": n, "vocab": vocab, "kept": 0}  # fmt: skip
+        return {
+            "saved": saved,
+            "log_softmax": logits + stats,
+            "forward": logits + stats + chunk,
+            "backward": 2 * logits + stats + chunk,
+            "rows": n,
+            "vocab": vocab,
+            "kept": 0,
+        }
     if s.compiled_loss and not as_traced:
         # Compiled, the fp32 upcast, log-softmax and nll_loss fuse into row reductions: the loss keeps the
         # logits it was given (compute dtype) and two fp32 numbers per row (max, log-sum-exp), and its
         # backward writes the logits' gradient in the compute dtype directly. No (n, V) fp32 tensor.
         logits, stats = c * n * vocab, 8 * n
-        return {"saved": saved, "log_softmax": logits + stats, "forward": logits + stats,
-                "backward": 2 * logits + stats, "rows": n, "vocab": vocab, "kept": 0}  # fmt: skip
+        return {
+            "saved": saved,
+            "log_softmax": logits + stats,
+            "forward": logits + stats,
+            "backward": 2 * logits + stats,
+            "rows": n,
+            "vocab": vocab,
+            "kept": 0,
+        }
     return {
         "saved": saved,
         "log_softmax": 4 * n * vocab,  # kept per micro-batch until its backward
@@ -469,8 +525,15 @@ def _chunked_loss_bytes(
     # dtype under autocast).
     bwd = kept_w + c * n * a.dim + (r * n * a.dim if r != c else 0)
     kept = kept_w + c * n * a.dim
-    return {"saved": saved, "log_softmax": 0, "forward": fwd, "backward": bwd, "rows": rows, "vocab": vocab,
-            "kept": kept}  # fmt: skip
+    return {
+        "saved": saved,
+        "log_softmax": 0,
+        "forward": fwd,
+        "backward": bwd,
+        "rows": rows,
+        "vocab": vocab,
+        "kept": kept,
+    }
 
 
 Param = tuple[int, bool, str]  # an FSDP unit's parameter: (TP-local numel, is a linear weight, name)
@@ -491,8 +554,10 @@ def _units(s: RunPlan, plan: RankPlan) -> tuple[list[list[Param]], list[Param], 
         else:
             key = "head"
         by_unit.setdefault(key, []).append((d0 * d1, linear, name))
-    inner = {i: [by_unit.pop(k) for k in (f"layers.{i}.moe", f"layers.{i}.moe.experts") if k in by_unit]
-             for i in plan.layers}  # fmt: skip
+    inner = {
+        i: [by_unit.pop(k) for k in (f"layers.{i}.moe", f"layers.{i}.moe.experts") if k in by_unit]
+        for i in plan.layers
+    }
     inner = {i: units for i, units in inner.items() if units}
     if not s.fsdp:
         return [], [], inner
@@ -583,11 +648,12 @@ def fsdp_buffers(s: RunPlan, plan: RankPlan, *, later: bool = False) -> dict[str
         "output backward": every_inner or (size(last, "gather", slice(-1, None)) if chain else 0),
         # the layer's units gathered with their gradients (an upper bound: as a dense block's); the block's
         # backward prefetched the previous block's last inner unit
-        "first block backward": (every_inner or size(last, "gather")) + size(last, "reduce")
+        "first block backward": (every_inner or size(last, "gather"))
+        + size(last, "reduce")
         + (0 if never or not chain or prev is None else size(prev, "gather", slice(-1, None))),
         "last block backward": (every_inner or size(first_layer, "gather")) + size(first_layer, "reduce"),
         "embedding backward": every_inner,
-    }  # fmt: skip
+    }
     return {name: x + extra[name] for name, x in out.items()}
 
 
@@ -730,8 +796,14 @@ def analyze_rank(
                 # kept freed (FSDP: its unsharded gradient is in the FSDP buffers)
                 add("output backward" + tag, grads(out_g), activations=everything - loss["kept"])
             else:
-                add("output backward" + tag, grads(out_g), activations=everything, logits=logits_grad,
-                    float8=f8_out, transient=conv * vocab // 4)  # fmt: skip
+                add(
+                    "output backward" + tag,
+                    grads(out_g),
+                    activations=everything,
+                    logits=logits_grad,
+                    float8=f8_out,
+                    transient=conv * vocab // 4,
+                )
         first = dict(activations=a_blocks - saved[-1] + a_emb, float8=f8)
         options = []
         if first_moe is None or pos_e < len(layers) - 1:  # the rank's last block is dense
@@ -741,8 +813,10 @@ def analyze_rank(
         if first_moe is not None:  # the MoE layer's own gradients: those made by the point
             done = head_g + block_grads(range(pos_e + 1, len(layers)))
             alive = dict(activations=a_blocks - sum(saved[pos_e:]) + a_emb, float8=f8)
-            options += [(grads(done + own), {**alive, "transient": bwd_ws[pos_e] + extra + recast[pos_e]})
-                        for extra, own in first_moe]  # fmt: skip
+            options += [
+                (grads(done + own), {**alive, "transient": bwd_ws[pos_e] + extra + recast[pos_e]})
+                for extra, own in first_moe
+            ]
         add_largest("first block backward" + tag, options)
         last = dict(activations=(kk - 1) * sum(saved) + a_emb, float8=f8)
         options = []
@@ -751,15 +825,21 @@ def analyze_rank(
         if last_moe is not None:
             done = g_all - emb_g - block_grads(range(pos_s + 1))
             alive = dict(activations=(kk - 1) * sum(saved) + sum(saved[:pos_s]) + a_emb, float8=f8)
-            options += [(grads(done + own), {**alive, "transient": bwd_ws[pos_s] + extra + recast[pos_s]})
-                        for extra, own in last_moe]  # fmt: skip
+            options += [
+                (grads(done + own), {**alive, "transient": bwd_ws[pos_s] + extra + recast[pos_s]})
+                for extra, own in last_moe
+            ]
         add_largest("last block backward" + tag, options)
         if plan.embedding:  # the table's gradient arrives last, with all the others
             # As traced under FSDP: the table's unsharded gradient (and its fp32 cast) before it is sharded.
             table = 0 if s.autocast else conv * emb_g // 4 * shard
             own = emb_g if table or (pipelined and s.fsdp) else 0  # its fp32 copy is in FSDP's buffers
-            add("embedding backward" + tag, grads(g_all - own), activations=(kk - 1) * sum(saved) + a_emb,
-                transient=table)  # fmt: skip
+            add(
+                "embedding backward" + tag,
+                grads(g_all - own),
+                activations=(kk - 1) * sum(saved) + a_emb,
+                transient=table,
+            )
 
     micro_batch(k)
     if pipelined and s.microbatches > 1:  # (as_traced: every moment as steady, as the trace runs it)
@@ -813,17 +893,30 @@ def _autocast_copies(
     f8 = frozenset() if as_traced else float8_linears(s)
     # each block's cast weights (a MoE block's router and shared expert; not its experts, which the grouped
     # GEMM casts at each call: `memory_moe.moe_saved`)
-    block = [2 * sum(d0 * d1 for name, (d0, d1), lin in shapes
-                     if lin and name.startswith(f"layers.{i}.") and _weight_name(name) not in f8)
-             for i in plan.layers]  # fmt: skip
+    block = [
+        2
+        * sum(
+            d0 * d1
+            for name, (d0, d1), lin in shapes
+            if lin and name.startswith(f"layers.{i}.") and _weight_name(name) not in f8
+        )
+        for i in plan.layers
+    ]
     out = 0 if "output" in f8 else 2 * sum(d0 * d1 for name, (d0, d1), _ in shapes if name == "output")
     if s.args.tie_embeddings and plan.embedding and plan.head and "output" not in f8:
         out += 2 * shapes[0][1][0] * shapes[0][1][1]
     ckpt = [m in ("full", "op") for m in modes] if plan.layers else []
     cached = 0 if s.compile and not as_traced else sum(x for x, c in zip(block, ckpt) if c)
     kept = sum(x for x, c in zip(block, ckpt) if not c)  # saved by autograd
-    order = ["last block forward", "forward end", "loss backward", "output backward", "first block backward",
-             "last block backward", "embedding backward"]  # fmt: skip
+    order = [
+        "last block forward",
+        "forward end",
+        "loss backward",
+        "output backward",
+        "first block backward",
+        "last block backward",
+        "embedding backward",
+    ]
     if as_traced:
         cleared = len(order)
     else:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 
-from titanrush.plan import RunPlan
+from titanrush.run.plan import RunPlan
 
 # The busiest EP rank's received rows over the balanced share that the estimate assumes by default. The
 # trainer logs the per-expert max/mean (`moe_imbalance`), an upper bound of the per-rank figure; with the
@@ -82,8 +82,11 @@ def moe_param_shapes(s: RunPlan, layer: int) -> list[tuple[str, tuple[int, int],
     p = f"layers.{layer}.moe."
     out = [(p + "router.gate", (a.n_experts, d), True)]
     if a.shared_expert:
-        out += [(p + "shared_expert.w1", (h, d), True), (p + "shared_expert.w3", (h, d), True),
-                (p + "shared_expert.w2", (d, h), True)]  # fmt: skip
+        out += [
+            (p + "shared_expert.w1", (h, d), True),
+            (p + "shared_expert.w3", (h, d), True),
+            (p + "shared_expert.w2", (d, h), True),
+        ]
     if expert_rows_dim(s):
         out += [(p + "experts.w13", (e_local, d * 2 * h), False), (p + "experts.w2", (e_local, h * d), False)]
     else:  # sharded on dim 1: w13's dim rows, w2's hidden rows
@@ -134,11 +137,17 @@ def moe_saved(
         return {}
     if mode == "op":  # matmul and grouped-GEMM outputs kept; a MoE block's aten.mm calls run wq, wk, wv,
         # wo, the router, then the shared expert's w1, w3, w2 (the 5th to 8th)
-        out = {"router logits": c * tokens * n_exp, "experts w13 out": 2 * c * recv * h,
-               "experts w2 out": c * recv * d}  # fmt: skip
+        out = {
+            "router logits": c * tokens * n_exp,
+            "experts w13 out": 2 * c * recv * h,
+            "experts w2 out": c * recv * d,
+        }
         if shared:
-            out |= {"shared w1 out": c * tokens * h, "shared w3 out": c * tokens * h,
-                    "shared w2 out": c * tokens * d}  # fmt: skip
+            out |= {
+                "shared w1 out": c * tokens * h,
+                "shared w3 out": c * tokens * h,
+                "shared w2 out": c * tokens * d,
+            }
         recomputed: tuple[int, ...] = ()
         if s.ac_op_matmuls == "alternate" and not keep_all:
             recomputed = (6, 8)
@@ -155,8 +164,12 @@ def moe_saved(
     ep_index = 16 * recv if s.ep > 1 else 0
     indices = 36 * sent  # (N, k) choices, order, token, inverse (int64), the chosen scores (fp32)
     if mode == "compiled":
-        out = {"router logits": c * tokens * n_exp, "routing indices": indices + 4 * e_local + ep_index,
-               "experts in": 2 * c * recv * d, "experts hidden": 3 * c * recv * h}  # fmt: skip
+        out = {
+            "router logits": c * tokens * n_exp,
+            "routing indices": indices + 4 * e_local + ep_index,
+            "experts in": 2 * c * recv * d,
+            "experts hidden": 3 * c * recv * h,
+        }
         if shared:
             out["shared expert"] = 3 * c * tokens * h  # w1, w3 outputs and the gate, as a dense FFN
         return out | _router_losses(s, tokens, batch)

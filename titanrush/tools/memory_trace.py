@@ -40,7 +40,7 @@ from titanrush.models.llama4.moe import GroupedExperts
 from titanrush.optim import build_optimizer
 from titanrush.parallel.activation_checkpoint import apply_ac
 from titanrush.parallel.grad_clip import clip_grad_norm_
-from titanrush.plan import RunPlan
+from titanrush.run.plan import RunPlan
 from titanrush.tools.memory_model import (
     LOWBIT,
     LOWBIT_MIN_NUMEL,
@@ -435,9 +435,14 @@ def trace_rank(
             p.grad = torch.zeros_like(p)
         if s.optimizer == "adamw":
             optimizer: Any = build_optimizer(
-                opt_params, name="adamw", lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                opt_params,
+                name="adamw",
+                lr=1e-4,
+                betas=(0.9, 0.95),
+                eps=1e-8,
+                weight_decay=0.1,
                 implementation=s.optimizer_impl,
-            )  # fmt: skip
+            )
             optimizer.step()  # creates the states
         else:
             optimizer = _LowBitStates(opt_params, s.optimizer)

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from titanrush import config as cfgmod
-from titanrush import validate
 from titanrush.config import ConfigError
+from titanrush.run import validate
 from titanrush.tools import rush_moe
 from titanrush.tools import rush_report as report
 from titanrush.tools import rush_runner as runner
@@ -72,29 +72,43 @@ MOE_BASE = {**DIST_BASE, "model.flavor": "llama4_1Bx8E", "data.dataset": "embedd
 # The single-GPU rungs: (name, what it adds, group, settings). The `batch` entry expands to batch-2,
 # batch-4 ...; the `ac` rungs get the batch (or sequence length) that did not fit.
 LADDER = [
-    ("fp32", "fp32, unfused attention (math), for-loop AdamW", "main",
-     "training.precision=fp32 model.attn_backend=math optimizer.implementation=for-loop compile.enable=false "
-     "activation_checkpoint.mode=none float8.enable=false"),
+    (
+        "fp32",
+        "fp32, unfused attention (math), for-loop AdamW",
+        "main",
+        "training.precision=fp32 model.attn_backend=math optimizer.implementation=for-loop "
+        "compile.enable=false activation_checkpoint.mode=none float8.enable=false",
+    ),
     ("bf16", "bf16 mixed precision", "main", "training.precision=bf16"),
     ("fused-adamw", "fused AdamW", "main", "optimizer.implementation=fused"),
     ("sdpa", "fused attention (SDPA)", "main", "model.attn_backend=sdpa"),
     ("flash-attn", "flash-attn package attention (side rung)", "side", "model.attn_backend=flash"),
     ("compile", "torch.compile per block", "main", "compile.enable=true"),
     ("batch", "", "batch", ""),
-    ("ac-selective", "selective (op) activation checkpointing", "ac",
-     "activation_checkpoint.mode=selective activation_checkpoint.selective=op"),
+    (
+        "ac-selective",
+        "selective (op) activation checkpointing",
+        "ac",
+        "activation_checkpoint.mode=selective activation_checkpoint.selective=op",
+    ),
     ("ac-full", "full activation checkpointing", "ac", "activation_checkpoint.mode=full"),
     ("float8", "float8 linears (tensorwise)", "main", "float8.enable=true float8.recipe=tensorwise"),
-]  # fmt: skip
+]
 # The data-parallel strategies at k GPUs: (name, strategy, settings; {k} and {half} = k // 2 filled in).
 STRATEGIES = [
     ("ddp", "DDP", "parallelism.dp_replicate={k} parallelism.dp_shard=1"),
-    ("zero2", "FSDP ZeRO-2",
-     "parallelism.dp_replicate=1 parallelism.dp_shard={k} parallelism.fsdp_reshard_after_forward=never"),
-    ("zero3", "FSDP ZeRO-3",
-     "parallelism.dp_replicate=1 parallelism.dp_shard={k} parallelism.fsdp_reshard_after_forward=always"),
+    (
+        "zero2",
+        "FSDP ZeRO-2",
+        "parallelism.dp_replicate=1 parallelism.dp_shard={k} parallelism.fsdp_reshard_after_forward=never",
+    ),
+    (
+        "zero3",
+        "FSDP ZeRO-3",
+        "parallelism.dp_replicate=1 parallelism.dp_shard={k} parallelism.fsdp_reshard_after_forward=always",
+    ),
     ("hsdp", "HSDP", "parallelism.dp_replicate=2 parallelism.dp_shard={half}"),
-]  # fmt: skip
+]
 BATCH, SEQ = "training.local_batch_size", "training.seq_len"
 
 

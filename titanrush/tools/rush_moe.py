@@ -23,7 +23,7 @@ from titanrush.metrics import flops_per_token, matmul_params
 from titanrush.models.llama import Llama
 from titanrush.models.llama4 import FLAVORS as LLAMA4_FLAVORS
 from titanrush.models.llama4 import Llama4, Llama4Args
-from titanrush.plan import resolve_model_args
+from titanrush.run.plan import resolve_model_args
 from titanrush.tools import rush_report as report
 from titanrush.tools import rush_runner as runner
 from titanrush.tools.rush_runner import OK, Rung, to_args
@@ -124,12 +124,23 @@ def moe_plan(config: str | None, base: dict[str, str]) -> list[Rung]:
     hidden, exact = twin_hidden(args)
     shared = "1 shared + " if args.shared_expert else ""
     return [
-        Rung("dense", f"dense Llama, FFN hidden {hidden}{'' if exact else ' (closest)'}: "
-             f"{count(dense['params_total'])} parameters, all active", twin, "moe", fields=dense),
-        Rung("moe", f"{flavor}: {shared}top-{args.top_k} of {args.n_experts} experts x {args.expert_hidden}: "
-             f"{count(moe['params_total'])} total, {count(moe['params_active'])} active",
-             {"model.flavor": flavor}, "moe", fields=moe),
-    ]  # fmt: skip
+        Rung(
+            "dense",
+            f"dense Llama, FFN hidden {hidden}{'' if exact else ' (closest)'}: "
+            f"{count(dense['params_total'])} parameters, all active",
+            twin,
+            "moe",
+            fields=dense,
+        ),
+        Rung(
+            "moe",
+            f"{flavor}: {shared}top-{args.top_k} of {args.n_experts} experts x {args.expert_hidden}: "
+            f"{count(moe['params_total'])} total, {count(moe['params_active'])} active",
+            {"model.flavor": flavor},
+            "moe",
+            fields=moe,
+        ),
+    ]
 
 
 def loss_at(row: dict[str, Any], step: int) -> float | None:
@@ -267,7 +278,16 @@ def write_all(
     ]
     md = table(rows)
     charts = [chart(out, rows, env.get("device") or "?")]
-    report.write_report(out / "report.md", title="titanrush rush: dense vs MoE at equal active parameters",
-                        env=env, settings=settings, table=md, summary=summary(rows), rows=rows, charts=charts,
-                        notes=notes, summary_title="What the experts buy")  # fmt: skip
+    report.write_report(
+        out / "report.md",
+        title="titanrush rush: dense vs MoE at equal active parameters",
+        env=env,
+        settings=settings,
+        table=md,
+        summary=summary(rows),
+        rows=rows,
+        charts=charts,
+        notes=notes,
+        summary_title="What the experts buy",
+    )
     report.log_tensorboard(out, rows, tag="moe", table=md)

@@ -197,8 +197,18 @@ def write_all(
             f"- {r['name']}: {r['efficiency']:.0%}" for r in rows if r["ngpu"] > 1 and r.get("efficiency")
         ]
         title = "titanrush rush: data-parallel strategies"
-    write_report(out / "report.md", title=title, env=env, settings=settings, table=table, summary=summary,
-                 rows=rows, charts=charts, notes=notes, summary_title=heading)  # fmt: skip
+    write_report(
+        out / "report.md",
+        title=title,
+        env=env,
+        settings=settings,
+        table=table,
+        summary=summary,
+        rows=rows,
+        charts=charts,
+        notes=notes,
+        summary_title=heading,
+    )
     log_tensorboard(out, rows, tag=kind, table=table)
 
 

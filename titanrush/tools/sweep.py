@@ -9,7 +9,7 @@ borrowed from dp_shard), reshard (always, never, default: FSDP's
 reshard_after_forward), ac (none, selective, full: activation checkpointing) and batch (the local batch
 size). dp_shard takes what the other degrees leave of N unless the grid names it; a degree the grid
 does not name keeps the config's value. Every combination is checked by the trainer's own plan
-(`titanrush.plan.build_plan`) at world size N; the invalid ones are listed with its reason, never dropped.
+(`titanrush.run.plan.build_plan`) at world size N; the invalid ones are listed with its reason, never dropped.
 `--dry-run` prints the valid shapes, one per line, and runs nothing. Otherwise each shape trains for
 --steps steps (`NGPU=N ./run_train.sh`, one after another) and the output folder gets results.jsonl,
 results.md (sorted by tokens/s), sweep.png and TensorBoard hparams (tb/); an output folder that holds an
@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from titanrush import config as cfgmod
-from titanrush import validate
 from titanrush.config import ConfigError
+from titanrush.run import validate
 from titanrush.tools import rush_report, sweep_report
 from titanrush.tools import rush_runner as runner
 from titanrush.tools.estimate import gpu_memory
@@ -156,7 +156,7 @@ def check_shape(
     Returns:
         (the shape with dp_shard resolved where possible, ParallelDims or None, "" or the reason).
     """
-    from titanrush.plan import build_plan
+    from titanrush.run.plan import build_plan
 
     try:
         cfg = cfgmod.load(config, to_args({**base, **settings_of(shape)}))
@@ -351,10 +351,20 @@ def main(argv: list[str] | None = None) -> int:
         gpu_mem_gib, gpu_mem_note = gpu_memory(args.gpu_mem, dev)
     except ConfigError as e:
         return _fail(str(e))
-    ctx = Ctx(config=config, out=args.output.resolve(), steps=args.steps, warmup=warmup, timeout=args.timeout,
-              dry_run=args.dry_run, skip_unfit=args.skip_unfit, device=dev, launcher="torchrun",
-              progress=sweep_report.Progress(0), gpu_mem_gib=gpu_mem_gib,
-              gpu_mem_note=gpu_mem_note)  # fmt: skip
+    ctx = Ctx(
+        config=config,
+        out=args.output.resolve(),
+        steps=args.steps,
+        warmup=warmup,
+        timeout=args.timeout,
+        dry_run=args.dry_run,
+        skip_unfit=args.skip_unfit,
+        device=dev,
+        launcher="torchrun",
+        progress=sweep_report.Progress(0),
+        gpu_mem_gib=gpu_mem_gib,
+        gpu_mem_note=gpu_mem_note,
+    )
     try:
         user = base_settings(config, {}, overrides)
         fixed = {k: v for k, v in runner.forced(ctx, "check").items() if not k.startswith("job.")}
@@ -394,8 +404,10 @@ def main(argv: list[str] | None = None) -> int:
         ctx.out, ctx.rows, rejected, ctx.env, dims=list(DIMS), steps=ctx.steps, warmup=warmup, notes=notes
     )
     skipped = sum(r["status"] == SKIPPED for r in ctx.rows)
-    print(f"titanrush sweep: wrote {ctx.out / 'results.md'}, results.jsonl, sweep.png and tb/"
-          + (f" ({skipped} skipped by the estimator)" if skipped else ""))  # fmt: skip
+    print(
+        f"titanrush sweep: wrote {ctx.out / 'results.md'}, results.jsonl, sweep.png and tb/"
+        + (f" ({skipped} skipped by the estimator)" if skipped else "")
+    )
     return 0
 
 

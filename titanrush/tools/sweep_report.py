@@ -143,9 +143,18 @@ def write_all(
         f"shapes not run (invalid, or the same run as another; why below): {len(invalid)}",
     ]
     refused = [f"`{r['shape']}` invalid: {r['reason']}" for r in invalid]
-    write_report(out / "results.md", title="titanrush sweep: mesh shapes ranked by tokens/s", env=env,
-                 settings=settings, table=table, summary=summary, rows=ranked, charts=[chart],
-                 notes=notes + refused, summary_title="Best shape")  # fmt: skip
+    write_report(
+        out / "results.md",
+        title="titanrush sweep: mesh shapes ranked by tokens/s",
+        env=env,
+        settings=settings,
+        table=table,
+        summary=summary,
+        rows=ranked,
+        charts=[chart],
+        notes=notes + refused,
+        summary_title="Best shape",
+    )
     log_hparams(out, rows, dims, table)
 
 

@@ -21,6 +21,13 @@ llama3_args["3B"] = TransformerModelArgs(dim=3072, n_layers=28, n_heads=24, ffn_
 _COEFF = float(os.environ.get("TT_LOAD_BALANCE_COEFF", "1e-3"))
 for _experts in (8, 16):
     llama4_args[f"llama4_1Bx{_experts}E"] = Llama4Args(
-        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=256, rope_theta=5e5,
-        moe_args=MoEArgs(num_experts=_experts, load_balance_coeff=_COEFF), interleave_moe_layer_step=1,
-    )  # fmt: skip
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        multiple_of=256,
+        rope_theta=5e5,
+        moe_args=MoEArgs(num_experts=_experts, load_balance_coeff=_COEFF),
+        interleave_moe_layer_step=1,
+    )

@@ -106,9 +106,13 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, 
 
 @torch.library.custom_op("titanrush::flash_attn_backward", mutates_args=())
 def flash_attn_backward_op(
-    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
     lse: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA4's backward of `flash_attn_op`: (dq, dk, dv)."""
     _, bwd = _fa4()
     dq, dk, dv = bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=True)[:3]

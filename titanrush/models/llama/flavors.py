@@ -84,10 +84,23 @@ CUSTOM_BASE = ModelArgs(multiple_of=256)
 256, RMSNorm eps 1e-5, RoPE theta 500000, no RoPE scaling, 2048 positions, untied)."""
 
 SHAPE_FIELDS = (
-    "dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size", "multiple_of", "ffn_dim_multiplier",
-    "norm_eps", "rope_theta", "rope_scaling", "rope_scale_factor", "rope_low_freq_factor",
-    "rope_high_freq_factor", "rope_original_max_len", "max_seq_len", "tie_embeddings",
-)  # fmt: skip
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "vocab_size",
+    "multiple_of",
+    "ffn_dim_multiplier",
+    "norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "rope_scale_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
+    "rope_original_max_len",
+    "max_seq_len",
+    "tie_embeddings",
+)
 """The ModelArgs fields that make up a model's shape (the rest say how a run computes it: the
 attention kernel, the loss's chunking, the RoPE table's length)."""
 

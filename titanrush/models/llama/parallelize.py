@@ -46,7 +46,7 @@ from titanrush.parallel.tensor_parallel import (
     apply_tp_plan,
     enable_async_tp,
 )
-from titanrush.plan import RunPlan
+from titanrush.run.plan import RunPlan
 
 logger = logging.getLogger("titanrush")
 
@@ -60,7 +60,7 @@ def parallelize_llama(
 
     Args:
         model: The Llama (or one pipeline stage of it), on the meta device.
-        plan: The run's resolved decisions (`titanrush.plan.build_plan`, which has validated them).
+        plan: The run's resolved decisions (`titanrush.run.plan.build_plan`, which has validated them).
         mesh: The job's mesh, or None for a single process (then only AC and compile apply).
         device: The device the model will compute on (activation offload copies to and from it).
 

@@ -99,12 +99,23 @@ def pipeline_llama(
     assert not model.args.tie_embeddings and model.args.loss_chunk_size == 0
     ids = list(stage_layers)
     parts = [
-        parallelize(prune_to_stage(model, stage_layers[s].start, len(stage_layers[s]), first=s == 0,
-                                   last=s == n_stages - 1))
+        parallelize(
+            prune_to_stage(
+                model, stage_layers[s].start, len(stage_layers[s]), first=s == 0, last=s == n_stages - 1
+            )
+        )
         for s in ids
-    ]  # fmt: skip
-    sched, _ = build_schedule(parts, ids, n_stages, schedule=schedule, microbatches=microbatches,
-                              pp_mesh=pp_mesh, device=device, loss_fn=loss_fn)  # fmt: skip
+    ]
+    sched, _ = build_schedule(
+        parts,
+        ids,
+        n_stages,
+        schedule=schedule,
+        microbatches=microbatches,
+        pp_mesh=pp_mesh,
+        device=device,
+        loss_fn=loss_fn,
+    )
     return PipelinedLlama(
         schedule=sched,
         parts=parts,

@@ -16,16 +16,27 @@ from titanrush.models.llama4.model import Llama4Args
 
 # Llama 4's RoPE: theta 500,000; Scout scales the frequencies for long context (factor 16).
 _SCOUT_ROPE = dict(
-    rope_theta=500000.0, rope_scaling=True, rope_scale_factor=16.0, rope_low_freq_factor=1.0,
-    rope_high_freq_factor=1.0, rope_original_max_len=8192,
-)  # fmt: skip
+    rope_theta=500000.0,
+    rope_scaling=True,
+    rope_scale_factor=16.0,
+    rope_low_freq_factor=1.0,
+    rope_high_freq_factor=1.0,
+    rope_original_max_len=8192,
+)
 _17B = dict(dim=5120, n_layers=48, n_heads=40, n_kv_heads=8, vocab_size=202048, multiple_of=2048)
 # The benchmark sizes: the Llama 3.2 1B's attention and width, with Llama 3's vocabulary (torchtitan's
 # Llama 4 is given the same shapes through its custom import: scripts/bench/torchtitan_compat).
 _1B = dict(
-    dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256, multiple_of=256, max_seq_len=8192,
-    rope_theta=500000.0, moe_hidden=2816,
-)  # fmt: skip
+    dim=2048,
+    n_layers=16,
+    n_heads=32,
+    n_kv_heads=8,
+    vocab_size=128256,
+    multiple_of=256,
+    max_seq_len=8192,
+    rope_theta=500000.0,
+    moe_hidden=2816,
+)
 
 FLAVORS: dict[str, Llama4Args] = {
     "llama4_debug": Llama4Args(

@@ -116,7 +116,7 @@ def pad_groups(
 def float8_grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """`grouped_mm` with float8 operands: rows and weights scaled per row (per output column of each
     expert's weight), bf16 out, gradients through torchao's float8 backward. CUDA, compute capability
-    >= 9.0, K and N multiples of 16 (`titanrush.validate` checks what it can before the run)."""
+    >= 9.0, K and N multiples of 16 (`titanrush.run.validate` checks what it can before the run)."""
     if x.device.type == "meta":  # shape inference (a pipeline's): no kernel to run
         return x.new_empty(x.shape[0], w.shape[-1], dtype=torch.bfloat16)
     from torchao.prototype.moe_training import _to_fp8_rowwise_then_scaled_grouped_mm

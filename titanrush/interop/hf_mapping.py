@@ -3,7 +3,7 @@
 Names map one to one (`layers.<i>.attention.wq` <-> `model.layers.<i>.self_attn.q_proj`, ...). Only the
 query and key projections change: titanrush's RoPE rotates consecutive pairs (x[2i], x[2i+1]) (Meta's
 layout), HF's `rotate_half` rotates (x[i], x[i + D/2]), so each head's output rows are reordered from
-interleaved pairs to halves on the way out and back on the way in. `titanrush.hf` reads and writes the
+interleaved pairs to halves on the way out and back on the way in. `titanrush.interop.hf` reads and writes the
 files.
 """
 
@@ -101,20 +101,37 @@ def hf_config(
     """The `config.json` of the HF LlamaForCausalLM equivalent to args (BOS/EOS ids where known)."""
     rope_scaling = None
     if args.rope_scaling:
-        rope_scaling = {"rope_type": "llama3", "factor": args.rope_scale_factor,
-                        "low_freq_factor": args.rope_low_freq_factor,
-                        "high_freq_factor": args.rope_high_freq_factor,
-                        "original_max_position_embeddings": args.rope_original_max_len}  # fmt: skip
+        rope_scaling = {
+            "rope_type": "llama3",
+            "factor": args.rope_scale_factor,
+            "low_freq_factor": args.rope_low_freq_factor,
+            "high_freq_factor": args.rope_high_freq_factor,
+            "original_max_position_embeddings": args.rope_original_max_len,
+        }
     cfg = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": args.vocab_size,
-        "hidden_size": args.dim, "intermediate_size": args.ffn_hidden, "num_hidden_layers": args.n_layers,
-        "num_attention_heads": args.n_heads, "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim,
-        "hidden_act": "silu", "max_position_embeddings": args.max_seq_len, "rms_norm_eps": args.norm_eps,
-        "rope_theta": args.rope_theta, "rope_scaling": rope_scaling, "attention_bias": False,
-        "tie_word_embeddings": args.tie_embeddings, "attention_dropout": 0.0, "mlp_bias": False,
-        "pretraining_tp": 1, "initializer_range": 0.02, "use_cache": True,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": args.vocab_size,
+        "hidden_size": args.dim,
+        "intermediate_size": args.ffn_hidden,
+        "num_hidden_layers": args.n_layers,
+        "num_attention_heads": args.n_heads,
+        "num_key_value_heads": args.kv_heads,
+        "head_dim": args.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": args.max_seq_len,
+        "rms_norm_eps": args.norm_eps,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": rope_scaling,
+        "attention_bias": False,
+        "tie_word_embeddings": args.tie_embeddings,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "pretraining_tp": 1,
+        "initializer_range": 0.02,
+        "use_cache": True,
         "torch_dtype": str(dtype).replace("torch.", ""),
-    }  # fmt: skip
+    }
     # Without them transformers assumes BOS 1 and EOS 2, which are ordinary tokens of titanrush's BPE.
     if bos_id is not None:
         cfg["bos_token_id"] = bos_id
@@ -173,19 +190,27 @@ def args_from_hf_config(cfg: dict[str, Any], source: str = "config.json") -> Mod
     if rope_type not in ("default", "llama3"):
         raise ConfigError(f"config.json has rope type {rope_type!r}; titanrush supports default and llama3")
     multiple_of, multiplier = ffn_sizing(dim, cfg["intermediate_size"])
-    kw: dict[str, Any] = dict(dim=dim, n_layers=cfg["num_hidden_layers"], n_heads=heads,
-                              n_kv_heads=cfg.get("num_key_value_heads") or heads,
-                              vocab_size=cfg["vocab_size"],
-                              multiple_of=multiple_of, ffn_dim_multiplier=multiplier,
-                              norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                              rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-                              max_seq_len=cfg.get("max_position_embeddings", 2048),
-                              tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))  # fmt: skip
+    kw: dict[str, Any] = dict(
+        dim=dim,
+        n_layers=cfg["num_hidden_layers"],
+        n_heads=heads,
+        n_kv_heads=cfg.get("num_key_value_heads") or heads,
+        vocab_size=cfg["vocab_size"],
+        multiple_of=multiple_of,
+        ffn_dim_multiplier=multiplier,
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        max_seq_len=cfg.get("max_position_embeddings", 2048),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
     if rope_type == "llama3":
-        kw.update(rope_scaling=True, rope_scale_factor=float(rope["factor"]),
-                  rope_low_freq_factor=float(rope["low_freq_factor"]),
-                  rope_high_freq_factor=float(rope["high_freq_factor"]),
-                  rope_original_max_len=int(rope["original_max_position_embeddings"]))  # fmt: skip
+        kw.update(
+            rope_scaling=True,
+            rope_scale_factor=float(rope["factor"]),
+            rope_low_freq_factor=float(rope["low_freq_factor"]),
+            rope_high_freq_factor=float(rope["high_freq_factor"]),
+            rope_original_max_len=int(rope["original_max_position_embeddings"]),
+        )
     return ModelArgs(**kw)
 
 

@@ -1,7 +1,7 @@
 """Every check of a job config, in one module: values, degrees, combinations, and what the machine needs.
 
 `titanrush.config` checks keys and types while it parses; everything about values lives here, and
-`titanrush.plan.build_plan` runs it all before anything is built or written. Each failure is a
+`titanrush.run.plan.build_plan` runs it all before anything is built or written. Each failure is a
 `ConfigError` whose message names the key and the fix.
 
 - `check_values`: each key alone (ranges), and pairs of keys of the config alone.
@@ -120,8 +120,16 @@ def _range_text(low: float | None, high: float | None, low_in: bool, high_in: bo
 
 # Keys that name files or folders, and the limits of the file systems in use (Linux, macOS): a name of a
 # folder or file of at most NAME_MAX bytes, a whole path of fewer than PATH_MAX.
-PATH_KEYS = ("job.dump_folder", "job.name", "checkpoint.folder", "checkpoint.load_path",
-             "model.from_checkpoint", "data.path", "data.tokenizer", "data.cache_dir")  # fmt: skip
+PATH_KEYS = (
+    "job.dump_folder",
+    "job.name",
+    "checkpoint.folder",
+    "checkpoint.load_path",
+    "model.from_checkpoint",
+    "data.path",
+    "data.tokenizer",
+    "data.cache_dir",
+)
 NAME_MAX, PATH_MAX = 255, 4096
 
 
@@ -171,8 +179,11 @@ def check_values(cfg: JobConfig) -> None:
             "local_batch_size and reach a large batch with training.global_batch_size (gradient accumulation)"
         )
     _check_model_keys(cfg.model)
-    moe_set = {"parallelism.ep": p.ep > 1, "moe.aux_loss_coeff": cfg.moe.aux_loss_coeff > 0,
-               "moe.z_loss_coeff": cfg.moe.z_loss_coeff > 0}  # fmt: skip
+    moe_set = {
+        "parallelism.ep": p.ep > 1,
+        "moe.aux_loss_coeff": cfg.moe.aux_loss_coeff > 0,
+        "moe.z_loss_coeff": cfg.moe.z_loss_coeff > 0,
+    }
     key = next((k for k, on in moe_set.items() if on), None)
     if key and cfg.model.flavor not in LLAMA4_FLAVORS:
         raise ConfigError(
@@ -224,10 +235,20 @@ def check_values(cfg: JobConfig) -> None:
 # [model] keys that change the architecture: only a custom shape takes them (a named flavor stays what its
 # name says); model.vocab_size, tie_embeddings and max_seq_len adapt any flavor.
 ARCHITECTURE_KEYS = (
-    "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "multiple_of", "ffn_dim_multiplier",
-    "norm_eps", "rope_theta", "rope_scale_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_hidden",
+    "multiple_of",
+    "ffn_dim_multiplier",
+    "norm_eps",
+    "rope_theta",
+    "rope_scale_factor",
+    "rope_low_freq_factor",
+    "rope_high_freq_factor",
     "rope_original_max_len",
-)  # fmt: skip
+)
 _LLAMA3_ROPE_KEYS = ARCHITECTURE_KEYS[-4:]
 
 
@@ -276,8 +297,11 @@ def _check_model_keys(m: Model) -> None:
 def check_model_args(args: ModelArgs) -> None:
     """The resolved shape can be built: heads divide the width, K/V heads the heads, RoPE's pairs fit, the
     norm's epsilon and RoPE's base are usable numbers."""
-    matrices = {"model.vocab_size x dim": args.vocab_size * args.dim, "model.dim x dim": args.dim * args.dim,
-                "the feed-forward size x model.dim": args.ffn_hidden * args.dim}  # fmt: skip
+    matrices = {
+        "model.vocab_size x dim": args.vocab_size * args.dim,
+        "model.dim x dim": args.dim * args.dim,
+        "the feed-forward size x model.dim": args.ffn_hidden * args.dim,
+    }
     for what, size in matrices.items():
         if size > MAX_WEIGHT_ELEMENTS:
             raise ConfigError(
@@ -504,11 +528,14 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims, args: Llama4Args) -> None:
             ("parallelism.cp > 1", "", dims.cp > 1),
             ("float8.enable", "", cfg.float8.enable),
             ("float8.experts", "", cfg.float8.experts),
-            ("moe.aux_loss_coeff > 0 with sequence parallel", ": the balance loss counts whole sequences, "
-             "which sequence parallel splits over the tp ranks; parallelism.sequence_parallel = false "
-             "keeps them whole",
-             cfg.moe.aux_loss_coeff > 0 and cfg.parallelism.sequence_parallel),
-        ]  # fmt: skip
+            (
+                "moe.aux_loss_coeff > 0 with sequence parallel",
+                ": the balance loss counts whole sequences, "
+                "which sequence parallel splits over the tp ranks; parallelism.sequence_parallel = false "
+                "keeps them whole",
+                cfg.moe.aux_loss_coeff > 0 and cfg.parallelism.sequence_parallel,
+            ),
+        ]
         for what, why, on in refused:
             if on:
                 raise ConfigError(

@@ -1,6 +1,6 @@
 """The run's plan: every decision derived from the config, made once, read by the trainer and the estimator.
 
-`build_plan(cfg, world_size)` validates the config (`titanrush.validate`) and resolves what the config
+`build_plan(cfg, world_size)` validates the config (`titanrush.run.validate`) and resolves what the config
 leaves open or implies: the parallel degrees (`dp_shard = -1`), the model's arguments (flavor plus
 overrides, K/V heads repeated under fp32 context parallel), gradient accumulation, ZeRO-2 for pipelined
 stages, float8's all-gather, the compiled loss, the pipeline's micro-batches, stages per rank and the
@@ -14,9 +14,8 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from titanrush import validate
 from titanrush.config import ConfigError, JobConfig
-from titanrush.hf import model_args_at
+from titanrush.interop.hf import model_args_at
 from titanrush.models.llama import ModelArgs, model_args
 from titanrush.models.llama.flavors import CUSTOM, ffn_sizing, shape_of
 from titanrush.models.llama.pipeline import stage_costs
@@ -26,6 +25,7 @@ from titanrush.models.llama4 import model_args as llama4_args
 from titanrush.models.llama4.grouped_gemm import KERNEL as GROUPED_KERNEL
 from titanrush.parallel.parallel_dims import ParallelDims
 from titanrush.parallel.pipeline import balanced_split, stage_ids, stages_per_rank
+from titanrush.run import validate
 
 
 @dataclass(frozen=True)

@@ -24,9 +24,10 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from torch.distributed.checkpoint.stateful import Stateful
 
-from titanrush.checkpoint_folder import one_line, summarize
+from titanrush.checkpoint.folder import summarize
 from titanrush.config import ConfigError
 from titanrush.distributed import all_ranks
+from titanrush.files import one_line
 from titanrush.models.llama import ModelArgs
 from titanrush.models.llama4 import Llama4Args
 
@@ -34,10 +35,19 @@ from titanrush.models.llama4 import Llama4Args
 # parallel, the loss's chunking, the RoPE table's length and the longest sequence (the table is computed,
 # never saved). Every other field changes the weights or the function and is compared.
 RUNTIME_ARGS = frozenset(
-    {"attn_backend", "expand_kv", "loss_chunk_size", "compile_loss", "rope_positions", "max_seq_len",
-     # Llama 4: the experts' kernel, and the balance losses' weights (scaled by the run's batch layout)
-     "grouped_mm", "aux_loss_weight", "z_loss_weight"}
-)  # fmt: skip
+    {
+        "attn_backend",
+        "expand_kv",
+        "loss_chunk_size",
+        "compile_loss",
+        "rope_positions",
+        "max_seq_len",
+        # Llama 4: the experts' kernel, and the balance losses' weights (scaled by the run's batch layout)
+        "grouped_mm",
+        "aux_loss_weight",
+        "z_loss_weight",
+    }
+)
 # Fields compared through what they determine (n_kv_heads None means n_heads; multiple_of and
 # ffn_dim_multiplier only through the hidden size they give).
 _DERIVED: dict[str, tuple[str, Callable[[ModelArgs], Any]]] = {
@@ -155,8 +165,12 @@ def object_keys(metadata: Metadata, group: str) -> list[str]:
     ]
 
 
-_DATA_KEYS = (("dataset", "data.dataset"), ("split", "the split"), ("seq_len", "training.seq_len"),
-              ("seed", "training.seed"))  # fmt: skip
+_DATA_KEYS = (
+    ("dataset", "data.dataset"),
+    ("split", "the split"),
+    ("seq_len", "training.seq_len"),
+    ("seed", "training.seed"),
+)
 
 
 def data_position_problem(saved: dict[str, Any], here: dict[str, Any]) -> tuple[str, str]:
@@ -191,8 +205,12 @@ def data_position_problem(saved: dict[str, Any], here: dict[str, Any]) -> tuple[
 
 
 # Param-group keys by the config keys that set them (the others, such as `fused`, by their own name).
-_SETTING_NAMES = {"initial_lr": "optimizer.lr", "betas": "optimizer.beta1/beta2", "eps": "optimizer.eps",
-                  "weight_decay": "optimizer.weight_decay"}  # fmt: skip
+_SETTING_NAMES = {
+    "initial_lr": "optimizer.lr",
+    "betas": "optimizer.beta1/beta2",
+    "eps": "optimizer.eps",
+    "weight_decay": "optimizer.weight_decay",
+}
 
 
 def capture_settings(optimizers: list[torch.optim.Optimizer]) -> list[list[dict[str, Any]]]:

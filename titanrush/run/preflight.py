@@ -1,4 +1,4 @@
-"""What `titanrush train --check` verifies beyond the config's values (`titanrush.validate`): that the
+"""What `titanrush train --check` verifies beyond the config's values (`titanrush.run.validate`): that the
 run's inputs exist and its outputs can be written, before any process starts.
 
 `run_train.sh` runs the check once before launching several processes, so that a missing data path or
@@ -16,13 +16,13 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from titanrush import run_dir
-from titanrush.checkpoint_compat import check_compatible, load_failure
-from titanrush.checkpoint_folder import check_folder, decide, elsewhere, scan, unwritable_error
-from titanrush.checkpoint_state import ObjectState
+from titanrush.checkpoint.compat import check_compatible, load_failure
+from titanrush.checkpoint.folder import check_folder, decide, elsewhere, scan, unwritable_error
+from titanrush.checkpoint.state import ObjectState
 from titanrush.config import ConfigError, JobConfig
 from titanrush.data import build_dataloader, build_tokenizer
-from titanrush.plan import RunPlan
+from titanrush.run import run_dir
+from titanrush.run.plan import RunPlan
 
 
 def check_files(cfg: JobConfig, plan: RunPlan) -> None:

@@ -1,8 +1,8 @@
 """Conversions that write: a titanrush checkpoint to a Hugging Face folder (`export_hf`) or one `.pt` file
 (`export_pt`), and a Hugging Face folder to a model-only titanrush checkpoint (`import_hf`).
 
-Reading checkpoints and Hugging Face folders, and picking the mapping, is `titanrush.hf`. Every output is
-written under temporary names and renamed into place: a refused or failed conversion leaves nothing.
+Reading checkpoints and Hugging Face folders, and picking the mapping, is `titanrush.interop.hf`. Every output
+is written under temporary names and renamed into place: a refused or failed conversion leaves nothing.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titanrush.checkpoint_folder import check_writable, one_line, os_error
 from titanrush.config import ConfigError
-from titanrush.hf import (
+from titanrush.files import check_writable, one_line, os_error
+from titanrush.interop.hf import (
     BIAS_FILE,
     INFO_FILE,
     TOKENIZER_FILES,
@@ -36,11 +36,11 @@ from titanrush.hf import (
     to_hf_state_dict,
     training_tokenizer,
 )
-from titanrush.hf_mapping import first_few
+from titanrush.interop.hf_mapping import first_few
+from titanrush.interop.safetensors_io import load_hf_weights, load_safetensors, save_safetensors
 from titanrush.models.llama.flavors import CUSTOM
 from titanrush.models.llama4 import FLAVORS as LLAMA4_FLAVORS
 from titanrush.models.llama4 import Llama4Args
-from titanrush.safetensors_io import load_hf_weights, load_safetensors, save_safetensors
 
 __all__ = ["export_hf", "export_pt", "import_hf", "pt_file"]
 
@@ -177,8 +177,12 @@ def export_pt(checkpoint_dir: str | Path, out_path: str | Path, dtype: torch.dty
     out = pt_file(out_path)
     _check_output(out, folder=False)
     sd, args, info = read_checkpoint(checkpoint_dir)
-    blob = {"model": cast_state_dict(sd, dtype, args.tie_embeddings), "model_args": dataclasses.asdict(args),
-            "step": info.get("step"), "flavor": info.get("flavor")}  # fmt: skip
+    blob = {
+        "model": cast_state_dict(sd, dtype, args.tie_embeddings),
+        "model_args": dataclasses.asdict(args),
+        "step": info.get("step"),
+        "flavor": info.get("flavor"),
+    }
     made = _missing_folders(out.parent)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     try:
@@ -236,8 +240,10 @@ def import_hf(hf_dir: str | Path, out_checkpoint_dir: str | Path) -> Path:
         except ConfigError as e:
             raise ConfigError(f"{e}; or import the weights alone from a folder without it") from None
         if words > args.vocab_size:
-            raise ConfigError(f"{src / 'tokenizer.json'} has {words} ids, the model's vocabulary only "
-                              f"{args.vocab_size}: {src} holds another model's tokenizer")  # fmt: skip
+            raise ConfigError(
+                f"{src / 'tokenizer.json'} has {words} ids, the model's vocabulary only "
+                f"{args.vocab_size}: {src} holds another model's tokenizer"
+            )
     sd = cast_state_dict(from_hf_state_dict(load_hf_weights(src), args), torch.float32, args.tie_embeddings)
     if moe_flavor and (src / BIAS_FILE).exists():  # the routing biases of a titanrush export
         biases = load_safetensors(src / BIAS_FILE)
@@ -249,9 +255,15 @@ def import_hf(hf_dir: str | Path, out_checkpoint_dir: str | Path) -> Path:
         sd.update(biases)
     # Dense: "custom", the run takes this shape from model_args (model.from_checkpoint), whatever flavor it
     # resembles; `architecture` names that flavor for the reader. Llama 4: the flavor it is.
-    info = {"step": 0, "flavor": moe_flavor or CUSTOM, "architecture": moe_flavor or flavor_of(args),
-            "model_args": dataclasses.asdict(args), "model_only": True, "dtype": "float32",
-            "source": str(src.resolve())}  # fmt: skip
+    info = {
+        "step": 0,
+        "flavor": moe_flavor or CUSTOM,
+        "architecture": moe_flavor or flavor_of(args),
+        "model_args": dataclasses.asdict(args),
+        "model_only": True,
+        "dtype": "float32",
+        "source": str(src.resolve()),
+    }
     made = _missing_folders(out.parent)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

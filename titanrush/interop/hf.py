@@ -1,10 +1,10 @@
 """Checkpoint interchange, the reading side: titanrush DCP checkpoints and Hugging Face Llama folders.
 
-The mapping itself (names, the RoPE permutation, config.json) is `titanrush.hf_mapping` for the dense
+The mapping itself (names, the RoPE permutation, config.json) is `titanrush.interop.hf_mapping` for the dense
 Llama and `titanrush.models.llama4.hf` for Llama 4 (Hugging Face's `Llama4ForCausalLM`); this module
 reads checkpoints and folders (their model arguments, weights and training tokenizer) and picks the
 mapping by the model's arguments. The conversions that write (to a Hugging Face folder or a `.pt` file,
-and back) are `titanrush.hf_convert`.
+and back) are `titanrush.interop.hf_convert`.
 """
 
 from __future__ import annotations
@@ -20,18 +20,18 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from titanrush import hf_mapping
-from titanrush.checkpoint_compat import RUNTIME_ARGS, model_arg_differences
-from titanrush.checkpoint_folder import data_problems, read_info, summarize
-from titanrush.checkpoint_integrity import read_record, verify
+from titanrush.checkpoint.compat import RUNTIME_ARGS, model_arg_differences
+from titanrush.checkpoint.folder import data_problems, read_info, summarize
+from titanrush.checkpoint.integrity import read_record, verify
 from titanrush.config import ConfigError
-from titanrush.hf_mapping import first_few
+from titanrush.interop import hf_mapping
+from titanrush.interop.hf_mapping import first_few
+from titanrush.interop.safetensors_io import load_hf_weights, load_safetensors, save_safetensors
 from titanrush.models.llama import Llama, ModelArgs
 from titanrush.models.llama.flavors import CUSTOM, SHAPE_FIELDS
 from titanrush.models.llama4 import FLAVORS as LLAMA4_FLAVORS
 from titanrush.models.llama4 import Llama4, Llama4Args
 from titanrush.models.llama4 import hf as llama4_hf
-from titanrush.safetensors_io import load_hf_weights, load_safetensors, save_safetensors
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,14 +39,38 @@ else:  # pragma: no cover - only where tomllib is missing
     import tomli as tomllib
 
 __all__ = [
-    "BIAS_FILE", "DTYPES", "INFO_FILE", "TOKENIZER_FILES", "args_from_hf_config", "cast_state_dict",
-    "flavor_of", "from_hf_state_dict", "hf_config", "hf_folder", "import_command", "is_hf_folder",
-    "load_hf_weights", "load_safetensors", "model_args_at", "read_checkpoint", "read_json",
-    "save_safetensors", "to_hf_state_dict", "training_tokenizer", "weights_folder", "wrong_path",
-]  # fmt: skip
+    "BIAS_FILE",
+    "DTYPES",
+    "INFO_FILE",
+    "TOKENIZER_FILES",
+    "args_from_hf_config",
+    "cast_state_dict",
+    "flavor_of",
+    "from_hf_state_dict",
+    "hf_config",
+    "hf_folder",
+    "import_command",
+    "is_hf_folder",
+    "load_hf_weights",
+    "load_safetensors",
+    "model_args_at",
+    "read_checkpoint",
+    "read_json",
+    "save_safetensors",
+    "to_hf_state_dict",
+    "training_tokenizer",
+    "weights_folder",
+    "wrong_path",
+]
 
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp32": torch.float32, "float32": torch.float32,
-          "fp16": torch.float16, "float16": torch.float16}  # fmt: skip
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 INFO_FILE = "titanrush.json"
 _STEP = re.compile(r"step-\d+")  # a checkpoint's folder name
 BIAS_FILE = "titanrush_expert_bias.safetensors"  # Llama 4's routing biases, beside an export's weights
@@ -103,8 +127,11 @@ def wrong_path(path: Path, want: str) -> ConfigError:
         want: "checkpoint" (a titanrush checkpoint), "hf" (a Hugging Face model folder) or "either".
     """
     ckpt = "a titanrush checkpoint (a .../checkpoint/step-<N> folder)"
-    wanted = {"checkpoint": ckpt, "hf": "a Hugging Face model folder (config.json + weights)",
-              "either": f"{ckpt} or a Hugging Face model folder"}[want]  # fmt: skip
+    wanted = {
+        "checkpoint": ckpt,
+        "hf": "a Hugging Face model folder (config.json + weights)",
+        "either": f"{ckpt} or a Hugging Face model folder",
+    }[want]
     if not path.exists():
         return ConfigError(f"{path} does not exist; pass {wanted}")
     if not path.is_dir():

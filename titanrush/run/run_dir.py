@@ -26,9 +26,9 @@ import re
 import socket
 from pathlib import Path
 
-from titanrush.checkpoint_folder import check_writable
 from titanrush.config import ConfigError
 from titanrush.distributed import from_rank0
+from titanrush.files import check_writable
 
 CONFIG_FILE = "config.toml"
 LOCK_FILE = ".lock"

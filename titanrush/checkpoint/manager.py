@@ -45,9 +45,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
-from titanrush import checkpoint_compat as compat
-from titanrush import checkpoint_integrity as integrity
-from titanrush.checkpoint_folder import (
+from titanrush.checkpoint import compat, integrity
+from titanrush.checkpoint.folder import (
     INFO_FILE,
     check_folder,
     choose,
@@ -59,7 +58,7 @@ from titanrush.checkpoint_folder import (
     unwritable_error,
     verify_files,
 )
-from titanrush.checkpoint_state import ModelState, ObjectState, OptimizerState, TrainState
+from titanrush.checkpoint.state import ModelState, ObjectState, OptimizerState, TrainState
 from titanrush.config import ConfigError
 from titanrush.distributed import barrier, from_rank0
 from titanrush.errors import RunError
@@ -176,8 +175,16 @@ class CheckpointManager:
         verify_s = self._load(path, model_only=model_only, own=own, steps=steps)
         barrier()  # loaded on every rank
         step = 0 if model_only else self.train_state.step
-        self.records.append((step, {"ckpt_load_s": time.perf_counter() - t0, "ckpt_load_path": str(path),
-                                    "ckpt_verify_s": verify_s}))  # fmt: skip
+        self.records.append(
+            (
+                step,
+                {
+                    "ckpt_load_s": time.perf_counter() - t0,
+                    "ckpt_load_path": str(path),
+                    "ckpt_verify_s": verify_s,
+                },
+            )
+        )
         what = "weights" if model_only else "full state"
         logger.info(f"loaded {what} from {path}" + ("" if model_only else f", resuming after step {step}"))
         if own:
@@ -282,9 +289,15 @@ class CheckpointManager:
         if error:
             raise RunError(error)
         states = {"model": ModelState(self.model_parts, dtype)} if model_only else self.states
-        info = {**self.info, "step": step, "model_only": model_only, "world_size": self.world_size,
-                "dtype": str(dtype or torch.float32).replace("torch.", ""), "torch": torch.__version__,
-                "integrity": integrity.RECORD_FILE}  # fmt: skip
+        info = {
+            **self.info,
+            "step": step,
+            "model_only": model_only,
+            "world_size": self.world_size,
+            "dtype": str(dtype or torch.float32).replace("torch.", ""),
+            "torch": torch.__version__,
+            "integrity": integrity.RECORD_FILE,
+        }
         record = {"ckpt_mode": "model_only" if model_only else self.async_mode}
         writer = integrity.IntegrityWriter(tmp)
         if record["ckpt_mode"] in ("disabled", "model_only"):
@@ -296,8 +309,17 @@ class CheckpointManager:
                 self._save_failed(e, tmp, step)
             hash_s = self._finish(tmp, final, info, writer, step)
             elapsed = time.perf_counter() - t0
-            self.records.append((step, {**record, "ckpt_blocking_s": elapsed, "ckpt_save_s": elapsed,
-                                        "ckpt_integrity_s": writer.hash_s + hash_s}))  # fmt: skip
+            self.records.append(
+                (
+                    step,
+                    {
+                        **record,
+                        "ckpt_blocking_s": elapsed,
+                        "ckpt_save_s": elapsed,
+                        "ckpt_integrity_s": writer.hash_s + hash_s,
+                    },
+                )
+            )
             return final
         kwargs: dict[str, Any] = {"checkpoint_id": str(tmp), "storage_writer": writer}
         kwargs |= {"process_group": self._pg, "no_dist": not dist.is_initialized()}
@@ -361,8 +383,17 @@ class CheckpointManager:
         t_finish = time.perf_counter()
         hash_s = self._finish(p.tmp, p.final, p.info, p.writer, p.step, all_ranks=False)
         save_s = uploaded - p.t0 + time.perf_counter() - t_finish  # written, then renamed
-        self.records.append((p.step, {**p.record, "ckpt_blocking_s": p.blocking_s, "ckpt_save_s": save_s,
-                                      "ckpt_integrity_s": p.writer.hash_s + hash_s}))  # fmt: skip
+        self.records.append(
+            (
+                p.step,
+                {
+                    **p.record,
+                    "ckpt_blocking_s": p.blocking_s,
+                    "ckpt_save_s": save_s,
+                    "ckpt_integrity_s": p.writer.hash_s + hash_s,
+                },
+            )
+        )
 
     def _finish(
         self,

@@ -1,4 +1,4 @@
-"""`python -m titanrush.launch [torchrun's options] -m titanrush.train [args]`: what run_train.sh starts
+"""`python -m titanrush.run.launch [torchrun's options] -m titanrush.train [args]`: what run_train.sh starts
 for a job of several processes.
 
 It is torchrun (torch.distributed.run, with its options and behaviour), except for how it ends. When a
@@ -42,8 +42,11 @@ def main(argv: list[str] | None = None) -> int:
         status = worker_status(failure.exitcode)
         if status == 0:  # (a worker failed another way: torchrun's report says how)
             raise
-        print(f"titanrush: the job ended with exit status {status} ({describe(status)}): rank {rank} ended "
-              "first, its lines above say why", file=sys.stderr)  # fmt: skip
+        print(
+            f"titanrush: the job ended with exit status {status} ({describe(status)}): rank {rank} ended "
+            "first, its lines above say why",
+            file=sys.stderr,
+        )
         return status
     except SignalException as e:
         name = signal.Signals(e.sigval).name

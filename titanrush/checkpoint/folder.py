@@ -15,26 +15,23 @@ or a data file shorter than `.metadata` says.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import logging
 import os
 import pickle
 import re
 import shutil
-import tempfile
 import typing
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata
 
-from titanrush.checkpoint_integrity import RECORD_FILE, read_checked_json, read_record, verify, whole
+from titanrush.checkpoint.integrity import RECORD_FILE, read_checked_json, read_record, verify, whole
 from titanrush.config import ConfigError
 from titanrush.distributed import all_ranks
+from titanrush.files import check_writable, free_bytes, is_disk_full, one_line, os_error
 from titanrush.models.llama import ModelArgs
 from titanrush.models.llama4 import Llama4Args
 
@@ -42,9 +39,6 @@ logger = logging.getLogger("titanrush")
 STEP_DIR = re.compile(r"^step-(\d+)$")
 INFO_FILE = "titanrush.json"
 GiB = 2**30
-# After a write failure, a disk with less free space than this is taken to be full (a failed write on a
-# full disk leaves it at ~0; the bound leaves room for reserved blocks and other writers).
-FULL_BELOW = 256 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,13 +68,28 @@ def read_info(path: Path) -> dict[str, Any] | None:
 
 # titanrush.json's fields that loading reads, and their types (each may be absent: older saves, imports).
 _INFO_TYPES: dict[str, tuple[type, ...]] = {
-    "step": (int,), "model_only": (bool,), "world_size": (int,), "integrity": (str,), "optimizer": (str,),
-    "flavor": (str,), "dtype": (str,), "torch": (str,), "model_args": (dict,), "schedule": (dict, type(None)),
-}  # fmt: skip
+    "step": (int,),
+    "model_only": (bool,),
+    "world_size": (int,),
+    "integrity": (str,),
+    "optimizer": (str,),
+    "flavor": (str,),
+    "dtype": (str,),
+    "torch": (str,),
+    "model_args": (dict,),
+    "schedule": (dict, type(None)),
+}
 
 
-_KIND = {dict: "an object", list: "a list", str: "a string", bool: "true or false", type(None): "null",
-         int: "a whole number", float: "a number"}  # fmt: skip
+_KIND = {
+    dict: "an object",
+    list: "a list",
+    str: "a string",
+    bool: "true or false",
+    type(None): "null",
+    int: "a whole number",
+    float: "a number",
+}
 
 
 def _fits(value: Any, types: tuple[Any, ...]) -> bool:
@@ -204,17 +213,6 @@ def folder_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _existing(path: Path) -> Path:
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return path
-
-
-def free_bytes(path: Path) -> int:
-    """Free bytes (for an unprivileged user) on the disk that holds path, or would hold it."""
-    return shutil.disk_usage(_existing(path)).free
-
-
 def unwritable_error(folder: Path) -> str:
     """The refusal of a checkpoint folder that cannot be written ('' if it can)."""
     error = check_writable(folder)
@@ -223,23 +221,6 @@ def unwritable_error(folder: Path) -> str:
         "checkpoint.folder (relative to the run folder, or absolute), fix its permissions, or "
         "--no-checkpoint.enable"
     )
-
-
-def check_writable(folder: Path) -> str:
-    """Why the checkpoint folder cannot be made or written ('' if it can): a probe file is created and
-    removed in it, or in its nearest existing parent (permissions, read-only mounts and quotas all show)."""
-    if folder.exists() and not folder.is_dir():
-        return f"{folder} is a file"
-    target = _existing(folder)
-    if not target.is_dir():
-        return f"{target} is a file, so {folder} cannot be made"
-    try:
-        fd, probe = tempfile.mkstemp(prefix=".titanrush-write-probe-", dir=target)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        return f"{target} cannot be written ({e.strerror or e})"
-    return ""
 
 
 def space_warning(folder: Path, last: Path | None, next_step: int) -> str:
@@ -256,47 +237,6 @@ def space_warning(folder: Path, last: Path | None, next_step: int) -> str:
         "checkpoint.keep_latest_k (old checkpoints are pruned only after a save completes) or move "
         "checkpoint.folder to a larger disk"
     )
-
-
-def _causes(exc: BaseException) -> Iterator[BaseException]:
-    """exc, its causes and contexts, and the per-rank failures a CheckpointException wraps."""
-    seen: set[int] = set()
-    todo = [exc]
-    while todo:
-        e = todo.pop()
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        yield e
-        todo += [e.__cause__, e.__context__]
-        if isinstance(e, CheckpointException):
-            todo += [f[0] if isinstance(f, tuple) else f for f in e.failures.values()]
-
-
-def os_error(exc: BaseException) -> OSError | None:
-    """The first OSError with an errno behind exc (a save's failure is wrapped by DCP), else None."""
-    return next((e for e in _causes(exc) if isinstance(e, OSError) and e.errno), None)
-
-
-def is_disk_full(exc: BaseException, folder: Path, need: int = 0) -> bool:
-    """Whether a failed write is a full disk: ENOSPC or EDQUOT behind it, or a write failure without an
-    errno (torch's `inline_container.cc ... unexpected pos`) on a disk that now has (almost) no room."""
-    e = os_error(exc)
-    if e is not None and e.errno in (errno.ENOSPC, errno.EDQUOT):
-        return True
-    texts = " ".join(str(c) for c in _causes(exc) if not isinstance(c, CheckpointException))
-    write_failed = any(k in texts for k in ("unexpected pos", "inline_container", "write failed", "No space"))
-    return write_failed and free_bytes(folder) < max(FULL_BELOW, need)
-
-
-def one_line(exc: BaseException) -> str:
-    """`Type: first line of the message` of the innermost failure, for messages (never a traceback)."""
-    inner = exc
-    if isinstance(exc, CheckpointException) and exc.failures:
-        first = next(iter(exc.failures.values()))
-        inner = first[0] if isinstance(first, tuple) else first
-    text = str(inner).strip().splitlines()
-    return f"{type(inner).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
 
 
 def choose(folder: Path | None, load_path: str, model_only: bool) -> dict[str, Any]:
@@ -371,9 +311,10 @@ def elsewhere(path: Path, own: bool) -> str:
     moving it aside (the run then takes the newest earlier one), for checkpoint.load_path another path."""
     step = int(m.group(1)) if (m := STEP_DIR.match(path.name)) else None
     earlier = [
-        s for s in scan(path.parent)
+        s
+        for s in scan(path.parent)
         if s.complete and not s.model_only and s.path != path and (step is None or s.step < step)
-    ]  # fmt: skip
+    ]
     aside = f"mv {path} {path}.bad"
     if own and earlier:
         return (

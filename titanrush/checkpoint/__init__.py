@@ -1,0 +1,11 @@
+"""Checkpoints: DCP save and load of a run, and the safety around them.
+
+- `manager`: the trainer's checkpointer (when to save, sync or async, what to load at start, pruning).
+- `state`: what a checkpoint holds (model, optimizer, scheduler, data loader, step) as stateful objects.
+- `folder`: the `step-<N>` folders on disk: which are complete, which to load, moving damaged ones aside.
+- `integrity`: the per-checkpoint record of file sizes and checksums, written on save and checked on load.
+- `compat`: whether a checkpoint fits this run (model arguments, data position, shapes).
+
+May import: the base modules (`config`, `errors`, `distributed`, `files`), `models` (for model arguments).
+Never imports `run`, `interop`, the trainer or the tools.
+"""
