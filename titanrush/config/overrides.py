@@ -1,0 +1,42 @@
+"""The command line's overrides: `--section.key value` and its other spellings, parsed into
+(section, key, value) with the section and key checked; the values are converted by `load`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from titanrush.config.keys import _lookup
+from titanrush.config.schema import ConfigError, _field_types
+
+
+def parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
+    """`--section.key value`, `--section.key=value`, `--section.key` (true), `--no-section.key`."""
+    out: list[tuple[str, str, Any]] = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or "." not in arg:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key value")
+        name, eq, value = arg[2:].partition("=")
+        negate = name.startswith("no-")
+        if negate:
+            name = name[3:]
+        section, _, key = name.partition(".")
+        cls, key = _lookup(section, key)
+        is_bool = _field_types(cls)[key] is bool
+        if negate:
+            if not is_bool or eq:
+                raise ConfigError(f"--no-{section}.{key} only applies to true/false keys without a value")
+            out.append((section, key, False))
+        elif eq:
+            out.append((section, key, value))
+        elif is_bool and (i + 1 >= len(args) or args[i + 1].startswith("--")):
+            out.append((section, key, True))
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"--{section}.{key} needs a value")
+            out.append((section, key, args[i + 1]))
+            i += 1
+        i += 1
+    return out
