@@ -33,8 +33,14 @@ sys.path.insert(0, str(ROOT))
 
 from titanrush.data.hf_tokenizer import write_hf_tokenizer  # noqa: E402
 from titanrush.models.llama.flavors import model_args  # noqa: E402
-from titanrush.profiling import collectives, comparison, kernels, read_trace, timeline  # noqa: E402
 from titanrush.tools.rush_runner import detect_oom, kill_group, read_metrics  # noqa: E402
+from titanrush.tools.trace_analysis import (  # noqa: E402
+    collectives,
+    comparison,
+    kernels,
+    read_trace,
+    timeline,
+)
 
 _OP_AC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "op"]
 _NO_AC = ["--activation_checkpoint.mode", "none"]

@@ -9,7 +9,7 @@ import pytest
 from gpu_launch import launch
 
 from titanrush import config
-from titanrush.profiling import collectives, read_trace, timeline
+from titanrush.tools.trace_analysis import collectives, read_trace, timeline
 from titanrush.trainer import Trainer
 
 

@@ -11,7 +11,7 @@ import pytest
 import tomllib
 
 from titanrush import config
-from titanrush.profiling import trace_timeline
+from titanrush.tools.trace_analysis import trace_timeline
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from titanrush.profiling import Profiler, collective_table, collectives, kernel_differences, kernels, timeline
+from titanrush.profiling import Profiler
+from titanrush.tools.trace_analysis import (
+    collective_table,
+    collectives,
+    kernel_differences,
+    kernels,
+    timeline,
+)
 
 
 def test_sync_only_around_the_recorded_window(tmp_path, monkeypatch):

@@ -1,26 +1,23 @@
-"""The checkpoint folder on disk: which step folders are complete, moving incomplete ones aside, whether
-the folder can be written and the next save fits, and telling a full disk from other write failures.
+"""The checkpoint folder's layout: the `step-<N>` folders in it, what each holds and lacks, and moving
+one aside (renamed, never deleted).
 
 A `step-<N>` folder is complete when it holds DCP's `.metadata`, `titanrush.json` and, for a checkpoint
 saved with one (`titanrush.json` names it), the integrity record with every file it lists. Checkpoints
 saved before integrity records, and those `titanrush convert` writes, have none: they are complete with
 `.metadata` and `titanrush.json`, and load unverified.
 
-Before a load (`check_folder`), a checkpoint whose small files are damaged is *corrupt*: the record or
-titanrush.json unreadable or of another shape (`read_record`, `read_info` check it where they read it),
-the record's sizes or the small files' checksums differing, or, without a record, `.metadata` cut short
-or a data file shorter than `.metadata` says.
+What reads these files checks them here: `read_info` titanrush.json's shape (`info_problem`),
+`data_problems` the data files' lengths against `.metadata` for a checkpoint without a record. Which
+checkpoint to load and whether it can be is `choose`'s job; a save's room on disk is `space`'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import os
 import pickle
 import re
-import shutil
 import typing
 from pathlib import Path
 from typing import Any
@@ -28,17 +25,13 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 
-from titanrush.checkpoint.integrity import RECORD_FILE, read_checked_json, read_record, verify, whole
-from titanrush.config import ConfigError
-from titanrush.distributed import all_ranks
-from titanrush.files import check_writable, free_bytes, is_disk_full, one_line, os_error
+from titanrush.checkpoint.integrity import RECORD_FILE, read_checked_json, read_record, whole
+from titanrush.files import one_line
 from titanrush.models.llama import ModelArgs
 from titanrush.models.llama4 import Llama4Args
 
-logger = logging.getLogger("titanrush")
 STEP_DIR = re.compile(r"^step-(\d+)$")
 INFO_FILE = "titanrush.json"
-GiB = 2**30
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,259 +199,6 @@ def move_aside(path: Path, tag: str) -> Path:
         n += 1
     os.replace(path, target)
     return target
-
-
-def folder_bytes(path: Path) -> int:
-    """Bytes of the files under path."""
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-
-
-def unwritable_error(folder: Path) -> str:
-    """The refusal of a checkpoint folder that cannot be written ('' if it can)."""
-    error = check_writable(folder)
-    return error and (
-        f"checkpoint.folder: {error}, so no checkpoint could be saved; choose a writable "
-        "checkpoint.folder (relative to the run folder, or absolute), fix its permissions, or "
-        "--no-checkpoint.enable"
-    )
-
-
-def space_warning(folder: Path, last: Path | None, next_step: int) -> str:
-    """A warning when the disk cannot hold another checkpoint the size of the last one ('' if it can)."""
-    if last is None or not last.is_dir():
-        return ""
-    need = folder_bytes(last)
-    free = free_bytes(folder)
-    if free >= need:
-        return ""
-    return (
-        f"the disk of {folder} has {free / GiB:.2f} GiB free and the last checkpoint ({last.name}) took "
-        f"{need / GiB:.2f} GiB: the next save (step {next_step}) will not fit. Free space, set "
-        "checkpoint.keep_latest_k (old checkpoints are pruned only after a save completes) or move "
-        "checkpoint.folder to a larger disk"
-    )
-
-
-def choose(folder: Path | None, load_path: str, model_only: bool) -> dict[str, Any]:
-    """Rank 0, at start: which checkpoint to load ({} for none, {"error": ...} for a refusal), moving the
-    run's incomplete step folders aside. `folder` is the run's checkpoint folder (None: checkpoints off).
-
-    The run's newest full checkpoint wins over `load_path`; model-only exports newer than it are passed
-    over (said); a run with only exports is refused with the command that starts a new run from them.
-    """
-    found = scan(folder) if folder is not None else []
-    for partial in sorted(folder.glob("step-*.tmp")) if folder is not None and folder.is_dir() else []:
-        shutil.rmtree(partial, ignore_errors=True)  # never loadable: only disk space
-        logger.info(f"removed {partial}, a save that did not finish (the run stopped while writing it)")
-    for s in found:
-        if not s.complete:
-            moved = move_aside(s.path, "incomplete")
-            logger.warning(
-                f"checkpoint {s.path} is incomplete (it lacks {s.missing}; a save that did not finish, or a "
-                f"partial copy): moved aside to {moved.name}; resuming from the newest complete one"
-            )
-    return decide([s for s in found if s.complete], folder, load_path, model_only)
-
-
-def decide(done: list[StepFolder], folder: Path | None, load_path: str, model_only: bool) -> dict[str, Any]:
-    """`choose`'s decision from the run's complete step folders `done`, without changing the disk (also
-    what `titanrush.train --check` asks)."""
-    full = [s for s in done if not s.model_only]
-    if full:
-        newer = [s for s in done if s.model_only and s.step > full[-1].step]
-        if newer:
-            logger.info(
-                f"{newer[-1].path.name} holds only model weights (checkpoint.last_save_model_only): resuming "
-                f"the full state from {full[-1].path.name}, the newest full checkpoint"
-            )
-        if load_path:
-            logger.info(f"checkpoint.load_path is not used: this run resumes from its own {full[-1].path}")
-        return {"path": str(full[-1].path), "model_only": False, "own": True}
-    if done and not load_path:
-        names = ", ".join(s.path.name for s in done)
-        return {
-            "error": f"{folder} holds only model-only checkpoints ({names}; checkpoint.last_save_model_only) "
-            "and no full one, so this run cannot be resumed or extended: its optimizer state and data "
-            "position were not saved. To train on from these weights as a new run: --job.name <new name> "
-            f"--checkpoint.load_path {done[-1].path} --checkpoint.load_model_only (and leave "
-            "checkpoint.last_save_model_only off to keep a full checkpoint next time)"
-        }
-    if not load_path:
-        return {}
-    path = Path(load_path)
-    inside = scan(path) if STEP_DIR.match(path.name) is None else []
-    if not inside and STEP_DIR.match(path.name) is None and path.is_dir():
-        nested = sorted(d for d in path.iterdir() if d.is_dir() and scan(d))
-        if nested:  # a run folder
-            return {
-                "error": f"checkpoint.load_path {path} holds no step-<N> folder; its checkpoints are in "
-                f"{nested[0]}: name that folder (its newest complete checkpoint is taken) or one of its steps"
-            }
-    if inside:  # a checkpoint folder: take its newest complete (full, unless only the weights are asked)
-        done = [s for s in inside if s.complete]
-        candidates = done if model_only else [s for s in done if not s.model_only] or done
-        if not candidates:
-            lacking = "; ".join(f"{s.path.name} lacks {s.missing}" for s in inside[-3:])
-            return {
-                "error": f"checkpoint.load_path {path} holds no complete checkpoint ({lacking}); name one"
-            }
-        path = candidates[-1].path
-    return {"path": str(path), "model_only": model_only, "own": False}
-
-
-def elsewhere(path: Path, own: bool) -> str:
-    """Where to resume from instead of a bad checkpoint, in words that work: for the run's own checkpoint
-    moving it aside (the run then takes the newest earlier one), for checkpoint.load_path another path."""
-    step = int(m.group(1)) if (m := STEP_DIR.match(path.name)) else None
-    earlier = [
-        s
-        for s in scan(path.parent)
-        if s.complete and not s.model_only and s.path != path and (step is None or s.step < step)
-    ]
-    aside = f"mv {path} {path}.bad"
-    if own and earlier:
-        return (
-            f"resume from {earlier[-1].path.name}, the newest earlier complete checkpoint, by moving this "
-            f"one aside ({aside}) or deleting it"
-        )
-    if own:
-        return f"no earlier complete checkpoint exists: move it aside ({aside}) to start over"
-    if earlier:
-        return (
-            f"resume from {earlier[-1].path} with --checkpoint.load_path {earlier[-1].path}, or move this one"
-        )
-    return "no earlier complete checkpoint is beside it; choose another checkpoint.load_path"
-
-
-def prepare_save(folder: Path, final: Path, tmp: Path, step: int, last: Path | None) -> str:
-    """Rank 0, before a save: warn when it may not fit, clear its way; the error, '' if none.
-
-    An export (model-only) or an incomplete folder in the way is moved aside, never deleted; a full
-    checkpoint in the way is refused (it is never overwritten)."""
-    if warning := space_warning(folder, last, step):
-        logger.warning(warning)
-    if final.exists():
-        state = inspect(final)
-        if state.complete and not state.model_only:
-            return (
-                f"checkpoint {final} already exists and is never overwritten (is another run writing into "
-                f"{folder}?); move it aside, or give this run another checkpoint.folder"
-            )
-        tag = "model-only" if state.complete else "incomplete"
-        moved = move_aside(final, tag)
-        logger.warning(
-            f"{final.name} ({tag}) is in the way of this run's save at step {step}: kept as {moved.name}"
-        )
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-    except OSError as e:
-        return save_failure(e, folder, tmp, step, last)
-    return ""
-
-
-def save_failure(e: BaseException, folder: Path, tmp: Path, step: int, last: Path | None) -> str:
-    """The message for a failed save ('' for a failure that is no storage problem: a bug, to be shown).
-    Call before the partial folder is removed: a full disk shows in its free space."""
-    need = folder_bytes(last) if last is not None and last.is_dir() else 0
-    full = is_disk_full(e, folder, need)
-    err = os_error(e)
-    if not full and err is None:
-        return ""
-    earlier = [s for s in scan(folder) if s.complete and not s.model_only]
-    kept = (
-        f"earlier checkpoints are untouched (newest: {earlier[-1].path.name})"
-        if earlier
-        else "none was earlier"
-    )
-    then = f"then relaunch: the run resumes from {earlier[-1].path.name}" if earlier else "then relaunch"
-    if full:
-        size = f"; the last checkpoint took {need / GiB:.2f} GiB" if need else ""
-        return (
-            f"checkpoint step-{step} could not be written: the disk of {folder} is full "
-            f"({free_bytes(folder) / GiB:.2f} GiB free{size}). The partial {tmp.name} was removed; {kept}. "
-            f"Free space, lower checkpoint.keep_latest_k or set checkpoint.folder to a larger disk, {then}"
-        )
-    where = err.filename or folder
-    return (
-        f"checkpoint step-{step} could not be written ({err.strerror}: {where}). The partial {tmp.name} was "
-        f"removed; {kept}. Make {folder} writable or set checkpoint.folder to another place, {then}"
-    )
-
-
-def check_folder(path: Path, *, own: bool, model_only: bool, steps: int | None) -> dict[str, Any]:
-    """Before a load: the folder exists, is complete, holds what is asked for, and is not past
-    training.steps (`steps`); returns its titanrush.json ({} where it has none).
-
-    Raises:
-        ConfigError: saying incomplete, corrupt or what else is wrong, and what to do.
-    """
-    if not path.is_dir():
-        what = "is a file, not a folder" if path.exists() else "does not exist"
-        raise ConfigError(f"checkpoint folder {path} {what}; check checkpoint.load_path")
-    if (path / "config.json").exists() and not (path / INFO_FILE).exists():
-        raise ConfigError(
-            f"{path} is a Hugging Face model folder, not a titanrush checkpoint: import it first (titanrush "
-            f"convert --from-hf {path} OUT_DIR) and start from OUT_DIR (titanrush convert prints the flags)"
-        )
-    state = inspect(path)
-    if not state.complete:
-        raise ConfigError(
-            f"checkpoint {path} is incomplete: it lacks {state.missing} (a save that did not finish, or "
-            f"a partial copy); {elsewhere(path, own)}"
-        )
-    # The small files before anything reads them: the record's sizes and the one-block files' checksums
-    # (verify_files checks every block after), or without a record the data files' lengths.
-    try:
-        record = read_record(path)
-        problems = verify(path, record, quick=True) if record is not None else data_problems(path)
-        saved = {} if problems else read_info(path) or {}
-    except ValueError as e:  # the record or titanrush.json, unreadable or not of its shape
-        problems, saved = [str(e)], {}
-    if problems:
-        raise ConfigError(f"checkpoint {path} is corrupt: {summarize(problems)}; {elsewhere(path, own)}")
-    if saved.get("model_only") and not model_only:
-        raise ConfigError(
-            f"checkpoint {path} holds only model weights; add --checkpoint.load_model_only to start a "
-            "new run from them"
-        )
-    if steps is not None and not model_only and saved.get("step", -1) > steps:
-        within = [s for s in scan(path.parent) if s.complete and not s.model_only and s.step <= steps]
-        other = (
-            f"; to stop at {within[-1].path.name} instead, start a new run from it: --job.name <new name> "
-            f"--checkpoint.load_path {within[-1].path}"
-            if within
-            else ""
-        )
-        raise ConfigError(
-            f"the checkpoint at step {saved['step']} ({path}) is past training.steps = {steps}: raise "
-            f"training.steps above {saved['step']} to continue{other}"
-        )
-    return saved
-
-
-def verify_files(path: Path, *, own: bool, rank: int, world_size: int) -> bool:
-    """Check the files against the integrity record, each rank its share, all ranks raising the same
-    error; False where the checkpoint has no record (said once).
-
-    Raises:
-        ConfigError: "checkpoint ... is corrupt: <file> bytes ... differ ...; resume from ...".
-    """
-    try:
-        record = read_record(path)
-    except ValueError as e:
-        raise ConfigError(f"checkpoint {path} is corrupt: {e}; {elsewhere(path, own)}") from None
-    if record is None:
-        if rank == 0:
-            logger.warning(
-                f"checkpoint {path} has no integrity record (saved by an older titanrush, or by "
-                "`titanrush convert`): its bytes are not verified"
-            )
-        return False
-    problems = all_ranks(verify(path, record, rank=rank, world_size=world_size))
-    if problems:
-        raise ConfigError(f"checkpoint {path} is corrupt: {summarize(problems)}; {elsewhere(path, own)}")
-    return True
 
 
 def summarize(problems: list[str], limit: int = 3) -> str:

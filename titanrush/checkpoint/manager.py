@@ -46,18 +46,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 
 from titanrush.checkpoint import compat, integrity
-from titanrush.checkpoint.folder import (
-    INFO_FILE,
-    check_folder,
-    choose,
-    elsewhere,
-    prepare_save,
-    save_failure,
-    scan,
-    space_warning,
-    unwritable_error,
-    verify_files,
-)
+from titanrush.checkpoint.choose import check_folder, choose, elsewhere, verify_files
+from titanrush.checkpoint.folder import INFO_FILE, scan
+from titanrush.checkpoint.space import prepare_save, save_failure, space_warning, unwritable_error
 from titanrush.checkpoint.state import ModelState, ObjectState, OptimizerState, TrainState
 from titanrush.config import ConfigError
 from titanrush.distributed import barrier, from_rank0

@@ -16,8 +16,10 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
+from titanrush.checkpoint.choose import check_folder, decide, elsewhere
 from titanrush.checkpoint.compat import check_compatible, load_failure
-from titanrush.checkpoint.folder import check_folder, decide, elsewhere, scan, unwritable_error
+from titanrush.checkpoint.folder import scan
+from titanrush.checkpoint.space import unwritable_error
 from titanrush.checkpoint.state import ObjectState
 from titanrush.config import ConfigError, JobConfig
 from titanrush.data import build_dataloader, build_tokenizer
