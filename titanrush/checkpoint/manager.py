@@ -55,6 +55,7 @@ from titanrush.checkpoint.folder import (
     save_failure,
     scan,
     space_warning,
+    unreadable_error,
     unwritable_error,
     verify_files,
 )
@@ -162,9 +163,12 @@ class CheckpointManager:
         Returns:
             The step to continue from (0 for a weights-only start).
         """
-        decision = (
-            choose(self.folder if self.enable else None, load_path, model_only) if self.rank == 0 else {}
-        )
+        decision: dict[str, Any] = {}
+        if self.rank == 0:
+            try:
+                decision = choose(self.folder if self.enable else None, load_path, model_only)
+            except PermissionError as e:  # (met while looking, before anything is moved aside)
+                decision = {"error": unreadable_error(e)}
         choice = json.loads(from_rank0(json.dumps(decision)))
         if choice.get("error"):
             raise ConfigError(choice["error"])
