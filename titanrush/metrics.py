@@ -14,10 +14,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
+
+from titanrush.config import ConfigError
+from titanrush.errors import RunError
+from titanrush.files import JsonLines, free_bytes, is_disk_full
 
 logger = logging.getLogger("titanrush")
 
@@ -184,12 +188,22 @@ def _peak(a: DeviceMemory, b: DeviceMemory | None) -> DeviceMemory:
     return DeviceMemory(*(y if x is None else x if y is None else max(x, y) for x, y in pairs))
 
 
+def _write_fix(e: OSError, path: Path) -> str:
+    """What to do about a metrics file that cannot be written: free space on a full disk, else access."""
+    if is_disk_full(e, path.parent):
+        free = free_bytes(path.parent) / 2**30
+        return f"the disk of {path.parent} is full ({free:.2f} GiB free): free space"
+    return f"make {path} a file this user can write"
+
+
 class MetricsLogger:
     """One console line, one metrics.jsonl object and TensorBoard scalars per logged step.
 
     Every row carries the run's `attempt` (see `titanrush.run.run_dir`); TensorBoard writes under
     `tb/attempt-<n>/`. Numbers that are not finite are written as null (JSON has no NaN) and skipped in
-    TensorBoard; the console shows them as they are.
+    TensorBoard; the console shows them as they are. metrics.jsonl only ever holds whole rows
+    (`titanrush.files.JsonLines`): a row that cannot be written (a full disk) stops the run with a
+    `RunError`.
     """
 
     def __init__(
@@ -198,12 +212,20 @@ class MetricsLogger:
         self.enabled = enabled
         self.rank = rank
         self.attempt = attempt
-        self.jsonl = None
+        self.jsonl: JsonLines | None = None
         self.tb = None
         if not enabled:
             return
-        name = "metrics.jsonl" if rank == 0 else f"metrics_rank{rank}.jsonl"
-        self.jsonl = open(run_dir / name, "a", buffering=1)  # noqa: SIM115 - closed in close()
+        path = run_dir / ("metrics.jsonl" if rank == 0 else f"metrics_rank{rank}.jsonl")
+        try:
+            self.jsonl = JsonLines(path)
+        except OSError as e:
+            raise ConfigError(f"cannot open {path} ({e.strerror}); {_write_fix(e, path)}") from None
+        if self.jsonl.cut:
+            logger.warning(
+                f"{path} ended in a cut-off row ({self.jsonl.cut} bytes, from a run that stopped while "
+                "writing it): removed, so that every row is whole"
+            )
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -217,7 +239,13 @@ class MetricsLogger:
             return
         record = {"step": step, "attempt": self.attempt, **{f"{prefix}{k}": v for k, v in values.items()}}
         clean = {k: _finite_or_none(v) for k, v in record.items()}
-        self.jsonl.write(json.dumps(clean, allow_nan=False) + "\n")
+        logger.info(format_line(record))  # (before the file: a row that cannot be written is still seen)
+        if self.jsonl is None:  # (a write failed: the run is stopping)
+            return
+        try:
+            self.jsonl.write(json.dumps(clean, allow_nan=False))
+        except OSError as e:
+            self._stop_writing(e)
         if self.tb is not None:
             for k, v in clean.items():
                 if k not in ("step", "attempt") and isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -225,15 +253,27 @@ class MetricsLogger:
                 elif isinstance(v, list):  # one scalar per entry (e.g. the tokens of each expert)
                     for i, x in enumerate(v):
                         self.tb.add_scalar(f"{k}/{i}", x, step)
-        logger.info(format_line(record))
 
     def flush(self) -> None:
         """Push what is written to disk (before an exit the process may not survive)."""
         if self.jsonl is not None:
-            self.jsonl.flush()
-            os.fsync(self.jsonl.fileno())
+            try:
+                self.jsonl.sync()
+            except OSError as e:
+                self._stop_writing(e)
         if self.tb is not None:
             self.tb.flush()
+
+    def _stop_writing(self, e: OSError) -> NoReturn:
+        """A row could not be written (`JsonLines` cut it back): no more rows, and the run stops."""
+        path = self.jsonl.path
+        self.jsonl.close()
+        self.jsonl = None
+        raise RunError(
+            f"cannot write {path} ({e.strerror}): the run stopped, and every row in the file is whole (the "
+            f"row the failure cut off was removed); {_write_fix(e, path)}, then run the same command again "
+            "(with checkpoints, the run resumes from its newest)"
+        ) from None
 
     def close(self) -> None:
         if self.jsonl is not None:

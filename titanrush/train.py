@@ -4,7 +4,8 @@ Exit status (docs/operations.md):
   0        the run reached training.steps
   1        a run stopped for a reason outside the config (a full disk during a save, out of memory:
            one line naming the fix), or another failure (a traceback)
-  2        a config error: one line naming the key, before anything is built or written
+  2        a config error: one line naming the key, before anything is built or written; or bad input
+           met while training (a corrupt data shard): one line naming the file and the fix
   3        a non-finite loss or gradient norm stopped the run (training.on_nonfinite): one line naming
            the step; nothing of that step was saved
   128 + N  signal N stopped the run after a step (143: SIGTERM, 130: SIGINT), with a checkpoint of that
@@ -144,6 +145,9 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
         except NonFiniteError as e:  # every rank stops at the same step; rank 0 says why
             say(f"stopped: {e}")
             return NONFINITE_STATUS
+        except ConfigError as e:  # bad input met while training (a data shard of random bytes)
+            print(f"titanrush: config error: {e}", file=sys.stderr)
+            return 2
         except RunError as e:  # a run stopped for a reason outside the config (a full disk, ...)
             print(f"titanrush: error: {e}", file=sys.stderr)
             return 1

@@ -92,10 +92,10 @@ class Trainer:
         marks.append(("mesh", time.perf_counter()))
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
         self.lock = run_dir.check(self.run_dir, overwrite=cfg.job.overwrite, rank=self.rank)
-        try:  # a run refused from here on lets the folder go
+        try:  # a run refused from here on lets the folder go, and removes the lock file it made
             self._build(cfg, plan, marks)
         except BaseException:
-            self.lock.release()
+            self.lock.release(refused=True)
             raise
 
     def _build(self, cfg: JobConfig, plan: RunPlan, marks: list[tuple[str, float]]) -> None:

@@ -26,10 +26,12 @@ from titanrush.checkpoint.folder import (
     read_info,
     scan,
     summarize,
+    unreadable_error,
 )
 from titanrush.checkpoint.integrity import read_record, verify
 from titanrush.config import ConfigError
 from titanrush.distributed import all_ranks
+from titanrush.files import first_unreadable
 
 logger = logging.getLogger("titanrush")
 
@@ -111,6 +113,8 @@ def check_folder(path: Path, *, own: bool, model_only: bool, steps: int | None) 
     if not path.is_dir():
         what = "is a file, not a folder" if path.exists() else "does not exist"
         raise ConfigError(f"checkpoint folder {path} {what}; check checkpoint.load_path")
+    if (denied := first_unreadable(path)) is not None:  # (a permission is no damage: never "corrupt")
+        raise ConfigError(unreadable_error(denied, path))
     if (path / "config.json").exists() and not (path / INFO_FILE).exists():
         raise ConfigError(
             f"{path} is a Hugging Face model folder, not a titanrush checkpoint: import it first (titanrush "
@@ -132,6 +136,8 @@ def check_folder(path: Path, *, own: bool, model_only: bool, steps: int | None) 
         problems, saved = [str(e)], {}
     if problems:
         raise ConfigError(f"checkpoint {path} is corrupt: {summarize(problems)}; {elsewhere(path, own)}")
+    if not model_only and (named := step_name_problem(path, saved)):
+        raise ConfigError(named)
     if saved.get("model_only") and not model_only:
         raise ConfigError(
             f"checkpoint {path} holds only model weights; add --checkpoint.load_model_only to start a "
@@ -150,6 +156,25 @@ def check_folder(path: Path, *, own: bool, model_only: bool, steps: int | None) 
             f"training.steps above {saved['step']} to continue{other}"
         )
     return saved
+
+
+def step_name_problem(path: Path, saved: dict[str, Any]) -> str:
+    """Where a `step-<N>` folder holds another step than N (a renamed or copied folder), the refusal: it
+    would resume after its own step and then meet its name at the save of step N."""
+    m = STEP_DIR.match(path.name)
+    step = saved.get("step")
+    if m is None or step is None or int(m.group(1)) == step:
+        return ""
+    right = path.with_name(f"step-{step}")
+    fix = (
+        f"move it aside (mv {path} {path}.bad): {right.name} exists beside it"
+        if right.exists()
+        else f"rename it back (mv {path} {right})"
+    )
+    return (
+        f"checkpoint {path} holds step {step} (its {INFO_FILE}), not step {m.group(1)} as its name says: the "
+        f"folder was renamed or copied; {fix}"
+    )
 
 
 def verify_files(path: Path, *, own: bool, rank: int, world_size: int) -> bool:

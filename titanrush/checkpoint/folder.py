@@ -26,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata
 
 from titanrush.checkpoint.integrity import RECORD_FILE, read_checked_json, read_record, whole
-from titanrush.files import one_line
+from titanrush.files import first_unreadable, one_line, unreadable_message
 from titanrush.models.llama import ModelArgs
 from titanrush.models.llama4 import Llama4Args
 
@@ -199,6 +199,15 @@ def move_aside(path: Path, tag: str) -> Path:
         n += 1
     os.replace(path, target)
     return target
+
+
+def unreadable_error(e: OSError, folder: Path | None = None) -> str:
+    """The refusal of a checkpoint that this user may not read, `e` the permission failure met in it: the
+    path, and the fix for the step folder that holds it (else for `folder`, else for the path)."""
+    path = Path(e.filename or folder or ".")
+    step = next((p for p in [path, *path.parents] if STEP_DIR.match(p.name)), folder or path)
+    first = first_unreadable(step) if step.is_dir() else None  # (the folder itself, where it is that)
+    return f"checkpoint {step} cannot be loaded: {unreadable_message(first or e, step)}"
 
 
 def summarize(problems: list[str], limit: int = 3) -> str:

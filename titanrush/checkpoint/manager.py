@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from titanrush.checkpoint import compat, integrity
 from titanrush.checkpoint.choose import check_folder, choose, elsewhere, verify_files
-from titanrush.checkpoint.folder import INFO_FILE, scan
+from titanrush.checkpoint.folder import INFO_FILE, scan, unreadable_error
 from titanrush.checkpoint.space import prepare_save, save_failure, space_warning, unwritable_error
 from titanrush.checkpoint.state import ModelState, ObjectState, OptimizerState, TrainState
 from titanrush.config import ConfigError
@@ -153,9 +153,12 @@ class CheckpointManager:
         Returns:
             The step to continue from (0 for a weights-only start).
         """
-        decision = (
-            choose(self.folder if self.enable else None, load_path, model_only) if self.rank == 0 else {}
-        )
+        decision: dict[str, Any] = {}
+        if self.rank == 0:
+            try:
+                decision = choose(self.folder if self.enable else None, load_path, model_only)
+            except PermissionError as e:  # (met while looking, before anything is moved aside)
+                decision = {"error": unreadable_error(e)}
         choice = json.loads(from_rank0(json.dumps(decision)))
         if choice.get("error"):
             raise ConfigError(choice["error"])

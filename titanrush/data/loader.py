@@ -351,9 +351,21 @@ def build_dataloader(
             collate_fn=_as_is,
             prefetch_factor=cfg.prefetch_factor,
         )
-        return (to_batch(windows) for windows in workers)
+        return (to_batch(windows) for windows in _unwrapped(workers))
 
     return DataLoader(open_batches, layout=layout, num_batches=num_batches, identity=identity)
+
+
+def _unwrapped(workers: Iterable[np.ndarray]) -> Iterator[np.ndarray]:
+    """The workers' windows; a ConfigError raised in a worker (a corrupt shard) as the worker raised it:
+    torch raises it again with the worker's traceback pasted into its message."""
+    try:
+        yield from workers
+    except ConfigError as e:
+        text = str(e).rstrip().splitlines()
+        if not text or not text[0].startswith("Caught ConfigError"):
+            raise
+        raise ConfigError(text[-1].split("ConfigError: ", 1)[-1]) from None
 
 
 def _as_is(windows: np.ndarray) -> np.ndarray:

@@ -24,8 +24,10 @@ from titanrush.checkpoint.compat import RUNTIME_ARGS, model_arg_differences
 from titanrush.checkpoint.folder import data_problems, read_info, summarize
 from titanrush.checkpoint.integrity import read_record, verify
 from titanrush.config import ConfigError
+from titanrush.files import first_unreadable, unreadable_message
 from titanrush.interop import hf_mapping
 from titanrush.interop.hf_mapping import first_few
+from titanrush.interop.pruned import CheckpointRemoved, newest_kept, reading
 from titanrush.interop.safetensors_io import load_hf_weights, load_safetensors, save_safetensors
 from titanrush.models.llama import Llama, ModelArgs
 from titanrush.models.llama.flavors import CUSTOM, SHAPE_FIELDS
@@ -206,12 +208,18 @@ def _info_args(info_file: Path) -> tuple[ModelArgs, dict[str, Any]]:
 
     A Llama 4 checkpoint (its arguments name `n_experts`) gives Llama4Args.
     """
+    folder = info_file.parent
     try:
-        info = read_info(info_file.parent)  # (its shape checked, as a resume checks it)
+        with reading(folder):
+            info = read_info(folder)  # (its shape checked, as a resume checks it)
     except ValueError as e:
-        raise ConfigError(f"checkpoint {info_file.parent} is corrupt: {e}; use another step") from None
-    if info is None:
-        raise ConfigError(f"{info_file} does not exist; pass a titanrush checkpoint (a step-<N> folder)")
+        if isinstance(denied := e.__cause__, PermissionError):
+            raise ConfigError(
+                f"checkpoint {folder} cannot be read: {unreadable_message(denied, folder)}"
+            ) from None
+        raise ConfigError(f"checkpoint {folder} is corrupt: {e}; use another step") from None
+    if info is None:  # (each caller has just seen it)
+        raise CheckpointRemoved(folder)
     hf_mapping.check_finite(info, str(info_file))
     try:
         saved = info["model_args"]
@@ -335,10 +343,22 @@ def training_tokenizer(checkpoint_dir: str | Path) -> str:
 def read_checkpoint(checkpoint_dir: str | Path) -> tuple[dict[str, torch.Tensor], ModelArgs, dict[str, Any]]:
     """(model state dict, ModelArgs, titanrush.json) of a checkpoint folder, consolidated in one process.
 
-    checkpoint_dir is a `step-<N>` folder, or a checkpoint folder whose newest complete step is taken.
+    checkpoint_dir is a `step-<N>` folder, or a checkpoint folder whose newest complete step is taken
+    (the newest left, where the run writing it prunes that one while it is read: `pruned.newest_kept`).
     ModelArgs holds the shape (the runtime fields at their defaults).
     """
-    path = _step_folder(checkpoint_dir)
+    return newest_kept(checkpoint_dir, lambda: _read_step(_step_folder(checkpoint_dir)))
+
+
+def _read_step(path: Path) -> tuple[dict[str, torch.Tensor], ModelArgs, dict[str, Any]]:
+    """read_checkpoint of the step folder path."""
+    if (denied := first_unreadable(path)) is not None:  # (a permission is no damage: never "corrupt")
+        raise ConfigError(f"checkpoint {path} cannot be read: {unreadable_message(denied, path)}")
+    with reading(path):
+        return _read_weights(path)
+
+
+def _read_weights(path: Path) -> tuple[dict[str, torch.Tensor], ModelArgs, dict[str, Any]]:
     if not (path / ".metadata").exists():
         raise ConfigError(f"{path} has no DCP .metadata file: the save did not finish; use another step")
     _verify(path)

@@ -15,10 +15,12 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
-from titanrush.checkpoint.choose import check_folder, decide, elsewhere
+from titanrush.checkpoint.choose import check_folder, decide, elsewhere, verify_files
 from titanrush.checkpoint.compat import check_compatible, load_failure
-from titanrush.checkpoint.folder import scan
+from titanrush.checkpoint.folder import scan, unreadable_error
+from titanrush.checkpoint.integrity import read_record
 from titanrush.checkpoint.space import unwritable_error
 from titanrush.checkpoint.state import ObjectState
 from titanrush.config import ConfigError, JobConfig
@@ -36,7 +38,10 @@ def check_files(cfg: JobConfig, plan: RunPlan) -> None:
     ck_folder = folder / ck.folder if ck.enable else None
     if ck_folder is not None and (error := unwritable_error(ck_folder)):
         raise ConfigError(error)
-    done = [s for s in scan(ck_folder) if s.complete] if ck_folder is not None else []
+    try:
+        done = [s for s in scan(ck_folder) if s.complete] if ck_folder is not None else []
+    except PermissionError as e:
+        raise ConfigError(unreadable_error(e)) from None
     choice = decide(done, ck_folder, ck.load_path, ck.load_model_only)
     if choice.get("error"):
         raise ConfigError(choice["error"])
@@ -60,7 +65,14 @@ def check_files(cfg: JobConfig, plan: RunPlan) -> None:
             raise load_failure(path, e, verified=False, saved=saved, hint=elsewhere(path, own)) from None
         states = {} if model_only else {"dataloader": ObjectState(loader)}
         info = checkpoint_info(cfg, plan)
-        check_compatible(path, metadata, saved, info, states, own=own, model_only=model_only, tensors=False)
+        try:  # (reads the data loader's saved objects)
+            check_compatible(
+                path, metadata, saved, info, states, own=own, model_only=model_only, tensors=False
+            )
+        except CheckpointException as e:  # DCP's read failed: worded as the trainer's load words it,
+            recorded = read_record(path) is not None  # after checking every block against the record
+            verified = recorded and verify_files(path, own=own, rank=0, world_size=1)
+            raise load_failure(path, e, verified=verified, saved=saved, hint=elsewhere(path, own)) from None
 
 
 def checkpoint_info(cfg: JobConfig, plan: RunPlan) -> dict[str, Any]:

@@ -8,7 +8,8 @@ resolved config (`config.toml`) after the model is built and any checkpoint has 
 
 The lock: rank 0 holds an exclusive `flock` on `<run folder>/.lock` (which records its pid and host) for
 the run's life, so a second run cannot write into the folder, or load a checkpoint from it that the
-first is still writing. The kernel releases it when the process ends, however it ends.
+first is still writing. The kernel releases it when the process ends, however it ends. A run refused at
+start lets it go and leaves no trace: the lock file and folders it made are removed (`RunLock.release`).
 
 Attempts: each run in a folder is an attempt, numbered from 1. Every metrics row carries its attempt,
 TensorBoard writes under `tb/attempt-<n>/`, and the config.toml of an earlier attempt is kept as
@@ -18,6 +19,7 @@ TensorBoard writes under `tb/attempt-<n>/`, and the config.toml of an earlier at
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -42,37 +44,77 @@ class RunLock:
 
     def __init__(self) -> None:
         self.fd: int | None = None
+        self.made: list[Path] = []  # what this run made for the lock (the file, new folders), to undo
 
     def acquire(self, folder: Path) -> str:
-        """Lock `folder` (it exists); return "" or the reason it is refused."""
+        """Lock `folder` (it exists); return "" or the reason it is refused (then nothing is held)."""
         if self.fd is not None:
             return ""
-        try:
-            fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NONBLOCK, 0o644)
-        except OSError as e:
-            return (
-                lock_file_problem(folder)
-                or f"cannot lock the run folder {folder} ({e}); choose another job.name"
-            )
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            holder = os.read(fd, 256).decode(errors="replace").strip() or "unknown"
+        path = folder / LOCK_FILE
+        for _ in range(3):  # (again where a refused run removed the file between our open and flock)
+            try:
+                fd, made = _open_lock(path)
+            except OSError as e:
+                return own_file_problem(folder) or f"cannot lock the run folder {folder} ({e}); {_fix(e)}"
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = os.read(fd, 256).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                return (
+                    f"run folder {folder} is in use by another run ({holder}); wait for it to end (or stop "
+                    "it), or choose another job.name"
+                )
+            if _same_file(fd, path):
+                break
             os.close(fd)
-            return (
-                f"run folder {folder} is in use by another run ({holder}); wait for it to end (or stop it), "
-                "or choose another job.name"
-            )
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        else:
+            return f"cannot lock the run folder {folder}: its {LOCK_FILE} keeps being replaced; {_fix(None)}"
         self.fd = fd
+        self.made += [path] if made else []
+        line = f"pid {os.getpid()} on {socket.gethostname()}\n".encode()
+        try:  # (over the last holder's line first: a block the file has needs no free space)
+            os.pwrite(fd, line, 0)
+            os.ftruncate(fd, len(line))
+        except OSError as e:
+            self.release(refused=True)
+            return f"cannot write the run folder {folder} ({e}); {_fix(e)}"
         return ""
 
-    def release(self) -> None:
-        """Let the folder go (closing the descriptor drops the flock)."""
+    def release(self, *, refused: bool = False) -> None:
+        """Let the folder go (closing the descriptor drops the flock). `refused`: the run stops before it
+        starts, so the lock file and the folders it made are removed too (while it is still held)."""
+        if refused:  # (the file first, then the folders, innermost first, where empty)
+            for p in sorted(self.made, key=lambda p: len(p.parts), reverse=True):
+                with contextlib.suppress(OSError):
+                    p.rmdir() if p.is_dir() else p.unlink()
+            self.made = []
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _open_lock(path: Path) -> tuple[int, bool]:
+    """(a descriptor of the lock file, whether this call made it)."""
+    try:
+        return os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NONBLOCK, 0o644), True
+    except FileExistsError:
+        return os.open(path, os.O_RDWR | os.O_NONBLOCK), False
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether path still names the file open as fd (a refused run removes the lock file it made)."""
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
+
+
+def _fix(e: OSError | None) -> str:
+    """What to do about a run folder that cannot be written: free space on a full disk, else another."""
+    if e is not None and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return "free space on its disk, or choose a job.dump_folder on another disk"
+    return "choose another job.name or job.dump_folder"
 
 
 def check(path: Path, *, overwrite: bool, rank: int) -> RunLock:
@@ -92,16 +134,20 @@ def check(path: Path, *, overwrite: bool, rank: int) -> RunLock:
         error = problem(path, overwrite=overwrite) or (lock.acquire(path) if path.is_dir() else "")
     error = from_rank0(error)
     if error:
-        lock.release()
+        lock.release(refused=True)
         raise ConfigError(error)
     return lock
 
 
-def lock_file_problem(folder: Path) -> str:
-    """Why the run folder's lock file cannot be one ('' where it can): something else under its name."""
-    lock = folder / LOCK_FILE
-    if lock.is_symlink() or (lock.exists() and not lock.is_file()):
-        return f"{lock} is not a file (a folder, a link, a pipe ...); remove it, or choose another job.name"
+def own_file_problem(folder: Path) -> str:
+    """Why a file the run writes in its folder (the lock, config.toml, metrics.jsonl) cannot be one ('' where
+    each can): something else under its name."""
+    for name in (LOCK_FILE, CONFIG_FILE, METRICS_FILE):
+        path = folder / name
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            return (
+                f"{path} is not a file (a folder, a link, a pipe ...); remove it, or choose another job.name"
+            )
     return ""
 
 
@@ -112,7 +158,7 @@ def problem(path: Path, *, overwrite: bool) -> str:
         return f"run folder {path} is a file; choose another job.name or job.dump_folder"
     if path.exists() and not overwrite:
         return f"run folder {path} exists and job.overwrite = false; choose another job.name"
-    if error := lock_file_problem(path):
+    if error := own_file_problem(path):
         return error
     error = check_writable(path)
     return error and f"cannot write the run folder {path} ({error}); choose another job.dump_folder"
@@ -130,23 +176,26 @@ def create(path: Path, config_text: str, *, rank: int, lock: RunLock, resumed_st
     """
     outcome: str | int = ""
     if rank == 0:
+        lock.made += [p for p in [path, *path.parents] if not p.exists()]  # (a refusal removes them)
+        fresh = path / (CONFIG_FILE + ".tmp")
         try:
             path.mkdir(parents=True, exist_ok=True)
             outcome = lock.acquire(path)
             if not outcome:
                 previous = previous_attempt(path)
                 config = path / CONFIG_FILE
-                fresh = path / (CONFIG_FILE + ".tmp")
                 fresh.write_text(config_text, encoding="utf-8")  # (written whole before the old one moves)
                 if config.exists():  # an earlier attempt's: kept beside this one's
                     os.replace(config, path / f"config.attempt-{previous}.toml")
                 os.replace(fresh, config)
                 outcome = previous + 1
         except OSError as e:
-            outcome = f"cannot write the run folder {path} ({e}); choose another job.dump_folder"
+            outcome = f"cannot write the run folder {path} ({e}); {_fix(e)}"
+            with contextlib.suppress(OSError):
+                fresh.unlink(missing_ok=True)
     outcome = from_rank0(outcome)
     if isinstance(outcome, str):
-        lock.release()
+        lock.release(refused=True)
         raise ConfigError(outcome)
     if outcome > 1:  # the folder was used before: say how this attempt's rows relate to the earlier ones
         how = (

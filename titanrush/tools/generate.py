@@ -23,8 +23,9 @@ from pathlib import Path
 import torch
 
 from titanrush.config import ConfigError
-from titanrush.data.tokenizer import build_tokenizer
+from titanrush.data.tokenizer import HFTokenizer, Tokenizer, build_tokenizer
 from titanrush.interop import hf
+from titanrush.interop.pruned import newest_kept
 from titanrush.models.llama import Llama, ModelArgs
 from titanrush.models.llama.generate import generate
 from titanrush.models.llama.model import rope_cache
@@ -90,6 +91,31 @@ def load_model(path: str | Path, device: torch.device, dtype: torch.dtype, max_l
     return model.eval()
 
 
+def _prepare(
+    ns: argparse.Namespace, device: torch.device, dtype: torch.dtype
+) -> tuple[Tokenizer | HFTokenizer, list[list[int]], Llama]:
+    """(the tokenizer, the prompts' ids, the model) of the checkpoint or HF folder --checkpoint names."""
+    folder, is_hf = hf.weights_folder(ns.checkpoint)  # (what the path is, before anything is read)
+    spec = ns.tokenizer or hf.training_tokenizer(folder)
+    tok = build_tokenizer(spec)
+    prompts = [tok.encode(p, bos=not ns.no_bos, eos=False) for p in ns.prompt]
+    args = _dense(folder, is_hf)
+    if tok.n_words > args.vocab_size:
+        raise ConfigError(
+            f"tokenizer {spec!r} has {tok.n_words} ids, the model only {args.vocab_size}: pass the one "
+            "it was trained with (--tokenizer)"
+        )
+    longest = max(len(p) for p in prompts) + ns.max_new_tokens
+    if longest > args.max_seq_len:
+        raise ConfigError(
+            f"the longest prompt ({longest - ns.max_new_tokens} tokens) + --max-new-tokens "
+            f"{ns.max_new_tokens} exceeds the model's max_seq_len {args.max_seq_len}"
+        )
+    if any(not p for p in prompts):
+        raise ConfigError("an empty --prompt with --no-bos has no token to start from")
+    return tok, prompts, load_model(folder, device, dtype, longest)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Generate a continuation of every prompt; return the exit status."""
     parser = build_parser()
@@ -120,25 +146,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError(f"--device {ns.device}: no CUDA GPU here; use --device cpu")
         on_gpu = torch.bfloat16 if device.type == "cuda" else torch.float32
         dtype = hf.DTYPES[ns.dtype] if ns.dtype != "auto" else on_gpu
-        folder, is_hf = hf.weights_folder(ns.checkpoint)  # (what the path is, before anything is read)
-        spec = ns.tokenizer or hf.training_tokenizer(folder)
-        tok = build_tokenizer(spec)
-        prompts = [tok.encode(p, bos=not ns.no_bos, eos=False) for p in ns.prompt]
-        args = _dense(folder, is_hf)
-        if tok.n_words > args.vocab_size:
-            raise ConfigError(
-                f"tokenizer {spec!r} has {tok.n_words} ids, the model only {args.vocab_size}: pass the one "
-                "it was trained with (--tokenizer)"
-            )
-        longest = max(len(p) for p in prompts) + ns.max_new_tokens
-        if longest > args.max_seq_len:
-            raise ConfigError(
-                f"the longest prompt ({longest - ns.max_new_tokens} tokens) + --max-new-tokens "
-                f"{ns.max_new_tokens} exceeds the model's max_seq_len {args.max_seq_len}"
-            )
-        if any(not p for p in prompts):
-            raise ConfigError("an empty --prompt with --no-bos has no token to start from")
-        model = load_model(folder, device, dtype, longest)
+        # (a checkpoint folder's newest step, again where its run prunes that step while it is read)
+        tok, prompts, model = newest_kept(ns.checkpoint, lambda: _prepare(ns, device, dtype))
     except ConfigError as e:
         print(f"titanrush generate: error: {e}", file=sys.stderr)
         return 2
