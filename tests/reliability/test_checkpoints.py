@@ -512,18 +512,41 @@ def test_unwritable_checkpoint_folder_is_refused_at_start(tmp_path, capsys):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # stopped before any step
 
 
+def _without_dac_override() -> list[str] | None:
+    """A command prefix that runs a program bound by permission bits: none for a user other than root;
+    for root, root without CAP_DAC_OVERRIDE (the capability that writes through them), which keeps its
+    uid and so can still read this checkout and Python (a uid like nobody might not); None if no tool
+    here drops it."""
+    if os.geteuid() != 0:
+        return []
+    if shutil.which("setpriv"):  # util-linux
+        return ["setpriv", "--bounding-set", "-dac_override", "--"]
+    if shutil.which("capsh"):  # libcap
+        return ["capsh", "--drop=cap_dac_override", "--", "-c", 'exec "$0" "$@"']
+    return None
+
+
 @pytest.mark.skipif(
-    os.geteuid() == 0, reason="root writes through permission bits (the file case covers root)"
+    _without_dac_override() is None, reason="root, and neither setpriv nor capsh to drop CAP_DAC_OVERRIDE"
 )
 def test_read_only_checkpoint_folder_is_refused_at_start(tmp_path):
     folder = tmp_path / "ro"
     folder.mkdir()
     folder.chmod(0o500)
+    argv = run_args(tmp_path, "run", 4, *CKPT, "--checkpoint.folder", str(folder))
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [*_without_dac_override(), sys.executable, "-m", "titanrush.train", *argv]
     try:
-        with pytest.raises(ConfigError, match=r"checkpoint.folder: .* cannot be written"):
-            build(run_args(tmp_path, "run", 4, *CKPT, "--checkpoint.folder", str(folder)))
+        res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     finally:
         folder.chmod(0o700)
+    err = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and err, res.stderr[-3000:]
+    assert_one_line(err[-1])
+    said = f"titanrush: config error: checkpoint.folder: {folder} cannot be written (Permission denied)"
+    assert err[-1].startswith(said), err[-1]
+    assert list(folder.iterdir()) == []  # not even the write probe left behind
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # stopped before any step
 
 
 def _tmpfs_available() -> str:
