@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import gc
 import importlib
+import os
+import signal
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 # command -> (module with main(argv) -> int, one-line help)
@@ -45,18 +48,37 @@ def in_flags(message: str, flags: dict[str, str]) -> str:
     return message
 
 
-def exit_program(status: int) -> NoReturn:
-    """End a titanrush command run as a program, with its exit status. What the command made goes with the
-    process: gc.freeze() spares the interpreter's final garbage collection over every object of torch, the
-    model and the compiler (2-5 s at the end of each short CPU run; the files are closed by then)."""
+def exit_program(main: Callable[[], int]) -> NoReturn:
+    """Run a titanrush command as a program (`main` returns its exit status) and end the process with it.
+
+    A reader that stops reading (`| head -1` closed the pipe) ends the command quietly, with exit status
+    141 (128 + SIGPIPE, what a shell gives a program that SIGPIPE ends): there is no one left to tell.
+    Python's own recipe (the signal module's note on SIGPIPE) points stdout at /dev/null for the
+    interpreter's last flush; SIGPIPE's default action is not restored, as it would end a training run
+    whose socket to another rank broke, without a word.
+
+    What the command made goes with the process: gc.freeze() spares the interpreter's final garbage
+    collection over every object of torch, the model and the compiler (2-5 s at the end of each short CPU
+    run; the files are closed by then).
+    """
+    try:
+        try:
+            status = main()
+        finally:  # (also after SystemExit: argparse's --help) what is still buffered, while it can fail here
+            sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):  # (either may be the closed pipe: `2>&1 | head`)
+            os.dup2(devnull, stream.fileno())
+        status = 128 + signal.SIGPIPE
     gc.freeze()
     sys.exit(status)
 
 
 def run() -> NoReturn:
     """The `titanrush` console script."""
-    exit_program(main())
+    exit_program(main)
 
 
 if __name__ == "__main__":
-    exit_program(main())
+    exit_program(main)

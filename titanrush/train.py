@@ -3,13 +3,14 @@
 Exit status (docs/operations.md):
   0        the run reached training.steps
   1        a run stopped for a reason outside the config (a full disk during a save, out of memory:
-           one line naming the fix), or another failure (a traceback)
+           one line naming the fix; another rank gone: one line), or another failure (a traceback)
   2        a config error: one line naming the key, before anything is built or written; or bad input
            met while training (a corrupt data shard): one line naming the file and the fix
   3        a non-finite loss or gradient norm stopped the run (training.on_nonfinite): one line naming
            the step; nothing of that step was saved
   128 + N  signal N stopped the run after a step (143: SIGTERM, 130: SIGINT), with a checkpoint of that
-           step when checkpoint.enable and checkpoint.save_on_signal; a second SIGINT stops at once
+           step when checkpoint.enable and checkpoint.save_on_signal; a second signal after a SIGINT
+           stops at once (130)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import signal
 import sys
 
@@ -110,6 +112,21 @@ def out_of_memory(e: BaseException) -> str | None:
     return text[at:].split(". Error code")[0] if at >= 0 else None
 
 
+def lost_peer(e: BaseException, rank: int) -> str | None:
+    """The line for a collective that failed because another rank is gone (gloo's transport: a connection
+    closed, reset or timed out; torch's network errors), without gloo's source path; else None."""
+    import torch.distributed as dist
+
+    text = str(e).strip()
+    if not (isinstance(e, dist.DistNetworkError) or "gloo/transport/" in text):
+        return None
+    what = re.sub(r"^\[[^\]]*\]\s*", "", text.splitlines()[0] if text else type(e).__name__)
+    return (
+        f"titanrush: error: rank {rank} lost another rank of the job, which ended or hung (the "
+        f"launcher's last line names the first to end): {what.split('. ')[0]}"
+    )
+
+
 def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
     from titanrush import distributed
     from titanrush.run.nonfinite import NonFiniteError
@@ -123,6 +140,7 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
         if ranks.rank == 0
         else (lambda line: None)
     )
+    said_lost = False
     try:
         try:
             plan = build_plan(cfg, ranks.world_size)
@@ -140,6 +158,14 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
         try:
             try:
                 trainer.train()
+            except RuntimeError as e:
+                if (lost := lost_peer(e, ranks.rank)) is None:
+                    raise
+                # Said before close() gives SIGTERM its default action back: torchrun stops the ranks
+                # left a moment after the first one ends.
+                print(lost, file=sys.stderr)
+                said_lost = True
+                return 1
             finally:
                 trainer.close()  # (waits for a save in flight: a full disk may surface here)
         except NonFiniteError as e:  # every rank stops at the same step; rank 0 says why
@@ -152,9 +178,13 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
             print(f"titanrush: error: {e}", file=sys.stderr)
             return 1
     except (MemoryError, RuntimeError) as e:  # (torch.OutOfMemoryError is a RuntimeError)
-        if (what := out_of_memory(e)) is None:
+        if (what := out_of_memory(e)) is not None:
+            print(f"titanrush: error: out of memory on rank {ranks.rank}: {what}. {OOM_FIX}", file=sys.stderr)
+        elif (lost := lost_peer(e, ranks.rank)) is not None:  # (in the set-up, or in close())
+            if not said_lost:
+                print(lost, file=sys.stderr)
+        else:
             raise
-        print(f"titanrush: error: out of memory on rank {ranks.rank}: {what}. {OOM_FIX}", file=sys.stderr)
         distributed.destroy()
         return 1
     except KeyboardInterrupt:  # before the loop's handler is in place, or a second Ctrl-C
@@ -169,4 +199,4 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
 if __name__ == "__main__":
     from titanrush.cli import exit_program
 
-    exit_program(main())
+    exit_program(main)

@@ -352,4 +352,4 @@ class _Progress:
 if __name__ == "__main__":
     from titanrush.cli import exit_program
 
-    exit_program(main())
+    exit_program(main)

@@ -6,7 +6,9 @@ reach some ranks and not others, or reach them during different steps, so the ra
 stop: at each step boundary every rank contributes its flag to an asynchronous all-reduce (MAX) on a
 gloo group of its own, and reads the result of the previous boundary's. Every rank thus sees the same
 value at the same step, one step after the last rank saw the signal, without waiting on the device or
-on the other ranks in between. A second SIGINT raises KeyboardInterrupt at once (to abort a save).
+on the other ranks in between. A second SIGINT raises KeyboardInterrupt at once (to abort a save), and so
+does a SIGTERM after a SIGINT: torchrun passes a second Ctrl-C on to its workers as SIGTERM (it sent
+them the first as SIGINT).
 
 `end_with_launcher` asks the kernel for SIGTERM when the parent process dies (Linux's
 PR_SET_PDEATHSIG): torchrun starts its workers in sessions of their own, so a `kill -9` of torchrun
@@ -84,8 +86,8 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.received is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now
+        if self.received is not None and signal.SIGINT in (signum, self.received):
+            raise KeyboardInterrupt  # a second Ctrl-C (under torchrun: SIGINT, then SIGTERM): stop now
         self.received = self.received or signum
         # (os.write: a signal handler must not take the logging module's locks)
         name = signal.Signals(signum).name

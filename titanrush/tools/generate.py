@@ -174,4 +174,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from titanrush.cli import exit_program
 
-    exit_program(main())
+    exit_program(main)

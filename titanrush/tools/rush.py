@@ -22,7 +22,8 @@ Every run gets the memory estimator's verdict against one GPU memory (`titanrush
 --gpu-mem, else the GPU here, else 80 GiB, said so); --skip-unfit skips the runs it says will not fit. A
 dry run prints each run's command and verdict; the ladder's batch doubling then stops where the estimator
 says the batch no longer fits, and the AC rungs take that batch. Exit status: 0 when the rush ran
-(whatever its rungs did), 2 on bad input.
+(whatever its rungs did), 2 on bad input, 128 + N when signal N stopped it (passed on to the run in
+progress first: titanrush/tools/tool_signals.py).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from titanrush.tools.rush_runner import (
     fit_text,
     to_args,
 )
+from titanrush.tools.tool_signals import stops_on_signals
 
 LADDER_BASE = {
     "model.flavor": "1B",
@@ -385,6 +387,7 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return runner.parse_with_overrides(ap, argv[1:])
 
 
+@stops_on_signals("titanrush rush")
 def main(argv: list[str] | None = None) -> int:
     """`titanrush rush ladder|dist|moe ...`: 0 when the rush ran (whatever its rungs did), 2 on bad input."""
     argv = sys.argv[1:] if argv is None else argv
@@ -495,4 +498,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from titanrush.cli import exit_program
 
-    exit_program(main())
+    exit_program(main)

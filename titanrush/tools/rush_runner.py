@@ -24,6 +24,7 @@ from typing import Any
 
 from titanrush import config as cfgmod
 from titanrush.config import ConfigError
+from titanrush.tools import tool_signals
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -206,6 +207,9 @@ def run_child(
 
     Returns:
         (exit status, timed out).
+
+    Raises:
+        tool_signals.Stopped: SIGTERM or SIGINT came meanwhile: passed on to the command, which has ended.
     """
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
@@ -215,11 +219,13 @@ def run_child(
             cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
         try:
-            return proc.wait(timeout=timeout_s), False
-        except subprocess.TimeoutExpired:
-            kill_group(proc)
-            return proc.returncode, True
-        except BaseException:  # Ctrl-C: take the child's group down with us
+            with tool_signals.passed_on(proc):
+                try:
+                    return proc.wait(timeout=timeout_s), False
+                except subprocess.TimeoutExpired:
+                    kill_group(proc)
+                    return proc.returncode, True
+        except BaseException:  # (whatever is left of the child's group goes down with us)
             kill_group(proc)
             raise
 

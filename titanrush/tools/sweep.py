@@ -20,7 +20,8 @@ Each valid shape gets the memory estimator's verdict against one GPU memory (`ti
 --gpu-mem, else the GPU here, else 80 GiB, said so); --skip-unfit skips the shapes it says will not fit.
 --assume-cuda validates as on a GPU machine (context parallel needs CUDA), to plan a GPU sweep here.
 Exit status: 0 when the sweep ran (whatever its shapes did), 1 when no shape is valid (or, in a dry
-run with --skip-unfit, none would run), 2 on bad input.
+run with --skip-unfit, none would run), 2 on bad input, 128 + N when signal N stopped it (passed on to
+the run in progress first: titanrush/tools/tool_signals.py).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from titanrush.tools import rush_report, sweep_report
 from titanrush.tools import rush_runner as runner
 from titanrush.tools.estimate import gpu_memory
 from titanrush.tools.rush_runner import SKIPPED, Ctx, Rung, base_settings, fit_text, to_args
+from titanrush.tools.tool_signals import stops_on_signals
 
 Shape = dict[str, Any]  # grid dimension -> value, in DIMS order
 
@@ -321,6 +323,7 @@ def _fail(message: str) -> int:
     return 2
 
 
+@stops_on_signals("titanrush sweep")
 def main(argv: list[str] | None = None) -> int:
     """`titanrush sweep ...`: 0 when the sweep ran, 1 when no shape is valid, 2 on bad input."""
     argv = sys.argv[1:] if argv is None else argv
@@ -414,4 +417,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from titanrush.cli import exit_program
 
-    exit_program(main())
+    exit_program(main)
