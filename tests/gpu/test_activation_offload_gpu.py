@@ -10,7 +10,7 @@ import torch
 from titanrush import config
 from titanrush.models.init import _canonical
 from titanrush.models.llama import Llama, model_args
-from titanrush.parallel.activation_checkpoint import apply_ac
+from titanrush.parallel.activation_checkpoint import ACPlan, apply_ac
 from titanrush.parallel.activation_offload import apply_offload
 from titanrush.parallel.compile import apply_compile
 from titanrush.trainer import Trainer
@@ -25,7 +25,7 @@ def step(offload_first: int):
     args = model_args("1B", n_layers=8, vocab_size=8192, tie_embeddings=False)
     with torch.device("meta"):
         model = Llama(args)
-    apply_ac(model, mode="selective", offload_first=offload_first, compiled=True)
+    apply_ac(model, ACPlan(mode="selective", offload_first=offload_first), compiled=True)
     apply_compile(model)
     model.to_empty(device=device)
     model.init_weights(seed=1, buffer_device=device)

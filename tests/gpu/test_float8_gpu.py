@@ -13,7 +13,7 @@ torchao = pytest.importorskip("torchao", reason="float8 needs torchao (carried a
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_loss_close_to_bf16(recipe):
-    from titanrush.parallel.float8 import apply_float8, float8_supported
+    from titanrush.parallel.float8 import Float8Plan, apply_float8, float8_supported
 
     if not float8_supported():
         pytest.skip("this GPU has no float8 tensor cores")
@@ -24,12 +24,7 @@ def test_float8_loss_close_to_bf16(recipe):
             m = Llama(model_args("debug", dim=1024, n_heads=8, n_kv_heads=8, n_layers=2, multiple_of=256))
         if f8:
             names = apply_float8(
-                m,
-                recipe=recipe,
-                emulate=False,
-                fsdp_float8_all_gather=False,
-                filter_fqns=["output"],
-                min_size=256,
+                m, Float8Plan(enable=True, recipe=recipe, filter_fqns=("output",), min_size=256)
             )
             assert "layers.0.attention.wq" in names and "output" not in names
         m.to_empty(device="cuda")

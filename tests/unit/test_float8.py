@@ -18,7 +18,7 @@ from titanrush.trainer import Trainer
 
 pytest.importorskip("torchao", reason="float8 is torchao's; it is a project dependency (pip install -e .)")
 
-from titanrush.parallel.float8 import apply_float8  # noqa: E402
+from titanrush.parallel.float8 import Float8Plan, apply_float8  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,37 +30,20 @@ def meta_model(**over) -> Llama:
 
 def test_filter_size_and_alignment_rules():
     model = meta_model(vocab_size=8200)  # output 8200 x 256: filtered by name anyway
-    names = apply_float8(
-        model,
-        recipe="tensorwise",
-        emulate=True,
-        fsdp_float8_all_gather=False,
-        filter_fqns=["output"],
-        min_size=0,
-    )
+    names = apply_float8(model, Float8Plan(enable=True, emulate=True, filter_fqns=("output",), min_size=0))
     assert "layers.0.attention.wq" in names and "layers.3.feed_forward.w2" in names
     assert "output" not in names
     assert type(model.output) is torch.nn.Linear
     # The default minimum size keeps the debug model's 256-wide layers in bf16.
-    assert (
-        apply_float8(
-            meta_model(),
-            recipe="tensorwise",
-            emulate=True,
-            fsdp_float8_all_gather=False,
-            filter_fqns=["output"],
-            min_size=1024,
-        )
-        == []
-    )
+    assert apply_float8(meta_model(), Float8Plan(enable=True, emulate=True, filter_fqns=("output",))) == []
     # An empty filter converts the output projection too; a misaligned one never converts.
     converted = apply_float8(
-        meta_model(), recipe="rowwise", emulate=True, fsdp_float8_all_gather=False, filter_fqns=[], min_size=0
+        meta_model(), Float8Plan(enable=True, recipe="rowwise", emulate=True, filter_fqns=(), min_size=0)
     )
     assert "output" in converted
     odd = meta_model(vocab_size=8193)
     assert "output" not in apply_float8(
-        odd, recipe="tensorwise", emulate=True, fsdp_float8_all_gather=False, filter_fqns=[], min_size=0
+        odd, Float8Plan(enable=True, emulate=True, filter_fqns=(), min_size=0)
     )
 
 
