@@ -1,8 +1,9 @@
 """The trainer: builds everything from the config in one documented order, then runs the loop.
 
 Build order (each step only sees the values it needs):
- 0. the run plan (`titanrush.run.plan.build_plan`): every check that needs no allocation, and every
-    decision of the run, so bad input fails before anything is built or written
+ 0. the run plan (`titanrush.run.plan.build_plan`, built once by the caller: `titanrush.train`): every
+    check that needs no allocation, and every decision of the run, so bad input fails before anything
+    is built or written
  1. the device, the process group and the DeviceMesh; the run folder checked (not yet written)
  2. the tokenizer, the model on the meta device -> (pipeline stages ->) parallelize_llama (float8 -> TP ->
     CP -> AC -> compile -> FSDP/DDP) -> to_empty on the device -> init_weights(seed), identical
@@ -65,7 +66,7 @@ from titanrush.parallel.grad_clip import clip_grad_norm_
 from titanrush.profiling import Profiler
 from titanrush.run import run_dir
 from titanrush.run.nonfinite import NonFiniteError, NonFiniteGuard, poison
-from titanrush.run.plan import RunPlan, build_plan, describe_mesh
+from titanrush.run.plan import RunPlan, describe_mesh
 from titanrush.run.preflight import checkpoint_info
 from titanrush.run.signals import StopSignals, stop_message
 
@@ -75,13 +76,15 @@ logger = logging.getLogger("titanrush")
 class Trainer:
     """Owns the model, optimizer, data and metrics of one run."""
 
-    def __init__(self, cfg: JobConfig, plan: RunPlan | None = None) -> None:
-        """`plan`: the run's plan where the caller has built it (else built here from `cfg`)."""
+    def __init__(self, cfg: JobConfig, plan: RunPlan) -> None:
+        """`plan`: the run's plan, `build_plan(cfg, world_size)` (the caller builds it once, before the
+        process group exists: a bad config fails there)."""
         self.cfg = cfg
         marks = [("start", time.perf_counter())]  # set-up stages, logged with their durations at the end
         ranks = distributed.ranks_from_env()
         self.rank, self.world_size = ranks.rank, ranks.world_size
-        self.plan = plan = plan or build_plan(cfg, self.world_size)
+        assert plan.world_size == self.world_size, (plan.world_size, self.world_size)
+        self.plan = plan
         # 1. Device, process group, mesh, run folder.
         self.device = distributed.init_device(ranks.local_rank, expandable=cfg.training.expandable_segments)
         if plan.ac.offload_first > 0 and self.device.type == "cuda":  # pinned host memory next to this GPU

@@ -13,6 +13,7 @@ from titanrush.models.llama import Llama, model_args
 from titanrush.parallel.activation_checkpoint import ACPlan, apply_ac
 from titanrush.parallel.activation_offload import apply_offload
 from titanrush.parallel.compile import apply_compile
+from titanrush.run.plan import build_plan
 from titanrush.trainer import Trainer
 
 
@@ -110,7 +111,8 @@ def test_the_trainer_offloads_on_cuda(tmp_path):
         "--activation_checkpoint.offload_first",
         "4",
     ]
-    trainer = Trainer(config.load(None, args))
+    cfg = config.load(None, args)
+    trainer = Trainer(cfg, build_plan(cfg, 1))
     try:
         losses = trainer.train()
     finally:

@@ -90,7 +90,8 @@ def one_process(tmp_path_factory):
 
     def run(name: str, *extra: str) -> list[float]:
         if name not in done:
-            trainer = Trainer(config.load(None, args(tmp, name, *extra)))
+            cfg = config.load(None, args(tmp, name, *extra))
+            trainer = Trainer(cfg, build_plan(cfg, 1))
             trainer.train()
             trainer.close()
             done[name] = losses(tmp / name)
@@ -108,7 +109,8 @@ def test_emulated_float8_training_tracks_bf16(one_process, recipe):
 
 def test_float8_needs_bf16(tmp_path):
     with pytest.raises(ConfigError, match="float8.enable needs training.precision = 'bf16'"):
-        Trainer(config.load(None, args(tmp_path, "x", "--training.precision", "fp32", "--float8.enable")))
+        cfg = config.load(None, args(tmp_path, "x", "--training.precision", "fp32", "--float8.enable"))
+        Trainer(cfg, build_plan(cfg, 1))
 
 
 def test_fsdp2_float8_all_gather_matches_one_process(tmp_path, one_process):

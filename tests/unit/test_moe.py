@@ -414,7 +414,8 @@ def test_llama4_debug_trains_through_the_trainer(tmp_path):
         "--moe.bias_update_rate",
         "0.01",
     ]
-    trainer = Trainer(config.load(None, args))
+    cfg = config.load(None, args)
+    trainer = Trainer(cfg, build_plan(cfg, 1))
     try:  # the held-out loss on the same batches before and after (one training batch is a noisy sample)
         before = trainer.validate()
         trainer.train()
