@@ -1,8 +1,9 @@
 """The trainer: builds everything from the config in one documented order, then runs the loop.
 
 Build order (each step only sees the values it needs):
- 0. the run plan (`titanrush.run.plan.build_plan`): every check that needs no allocation, and every
-    decision of the run, so bad input fails before anything is built or written
+ 0. the run plan (`titanrush.run.plan.build_plan`, built once by the caller: `titanrush.train`): every
+    check that needs no allocation, and every decision of the run, so bad input fails before anything
+    is built or written
  1. the device, the process group and the DeviceMesh; the run folder checked (not yet written)
  2. the tokenizer, the model on the meta device -> (pipeline stages ->) parallelize_llama (float8 -> TP ->
     CP -> AC -> compile -> FSDP/DDP) -> to_empty on the device -> init_weights(seed), identical
@@ -65,7 +66,7 @@ from titanrush.parallel.grad_clip import clip_grad_norm_
 from titanrush.profiling import Profiler
 from titanrush.run import run_dir
 from titanrush.run.nonfinite import NonFiniteError, NonFiniteGuard, poison
-from titanrush.run.plan import RunPlan, build_plan, describe_mesh
+from titanrush.run.plan import RunPlan, describe_mesh
 from titanrush.run.preflight import checkpoint_info
 from titanrush.run.signals import StopSignals, stop_message
 
@@ -75,16 +76,18 @@ logger = logging.getLogger("titanrush")
 class Trainer:
     """Owns the model, optimizer, data and metrics of one run."""
 
-    def __init__(self, cfg: JobConfig, plan: RunPlan | None = None) -> None:
-        """`plan`: the run's plan where the caller has built it (else built here from `cfg`)."""
+    def __init__(self, cfg: JobConfig, plan: RunPlan) -> None:
+        """`plan`: the run's plan, `build_plan(cfg, world_size)` (the caller builds it once, before the
+        process group exists: a bad config fails there)."""
         self.cfg = cfg
         marks = [("start", time.perf_counter())]  # set-up stages, logged with their durations at the end
         ranks = distributed.ranks_from_env()
         self.rank, self.world_size = ranks.rank, ranks.world_size
-        self.plan = plan = plan or build_plan(cfg, self.world_size)
+        assert plan.world_size == self.world_size, (plan.world_size, self.world_size)
+        self.plan = plan
         # 1. Device, process group, mesh, run folder.
         self.device = distributed.init_device(ranks.local_rank, expandable=cfg.training.expandable_segments)
-        if plan.ac_offload_first > 0 and self.device.type == "cuda":  # pinned host memory next to this GPU
+        if plan.ac.offload_first > 0 and self.device.type == "cuda":  # pinned host memory next to this GPU
             bind_near_gpu(self.device)
         distributed.init(self.device, nccl_max_ctas=cfg.parallelism.nccl_max_ctas)
         marks.append(("config and process group", time.perf_counter()))
@@ -101,7 +104,7 @@ class Trainer:
     def _build(self, cfg: JobConfig, plan: RunPlan, marks: list[tuple[str, float]]) -> None:
         """Steps 2 to 4 of the build order (the module docstring), once the run folder is locked."""
         if plan.cp > 1:
-            set_rotate_method(plan.cp_rotate)
+            set_rotate_method(plan.cp_plan.rotate)
         distributed.set_determinism(cfg.training.seed, deterministic=cfg.training.deterministic)
         dp_rank = self.mesh["dp"].get_local_rank() if self.mesh is not None and plan.dp > 1 else 0
 
@@ -115,7 +118,7 @@ class Trainer:
         self.offloaders: list[ActivationOffloader] = []
 
         def parallelize(module: torch.nn.Module) -> torch.nn.Module:
-            offloader = parallelize_llama(module, plan, self.mesh, device=self.device)
+            offloader = parallelize_llama(module, self.mesh, plan.parallelize_plan, device=self.device)
             if offloader is not None:
                 self.offloaders.append(offloader)
             return module
@@ -142,7 +145,7 @@ class Trainer:
             self.model_parts = [model]
         marks.append(("parallelize", time.perf_counter()))
         # FSDP's CPU offload keeps the sharded parameters in host memory (buffers stay on the device).
-        param_device = torch.device("cpu") if plan.cpu_offload else self.device
+        param_device = torch.device("cpu") if plan.fsdp_plan.cpu_offload else self.device
         for part in self.model_parts:
             part.to_empty(device=param_device)
             part.init_weights(seed=cfg.training.seed, buffer_device=self.device)
@@ -151,7 +154,7 @@ class Trainer:
         self.model = model
         # Llama 4: the experts' load, and the routing bias moved by it, once per step (summed over dp x cp,
         # and x tp where each tp rank routes its own sequence shard).
-        view = "dp_cp_tp" if plan.moe_tp and plan.sequence_parallel else "dp_cp"
+        view = "dp_cp_tp" if plan.moe_tp and plan.tp_plan.sequence_parallel else "dp_cp"
         group = self.mesh[view].get_group() if self.mesh is not None and self.mesh[view].size() > 1 else None
         tokens = plan.local_batch * plan.seq_len * plan.accum * plan.dp
         self.balance = ExpertBalance(self.model_parts, rate=plan.moe_bias_rate, group=group, tokens=tokens)
@@ -248,7 +251,10 @@ class Trainer:
         )
         self._log_checkpoint_records()  # the load time of a resume
         self.peak = resolve_peak(
-            self.device, configured=cfg.metrics.peak_tflops, precision=plan.precision, float8=plan.float8
+            self.device,
+            configured=cfg.metrics.peak_tflops,
+            precision=plan.precision,
+            float8=plan.float8.enable,
         )
         marks.append(("checkpoint, metrics, profiler", time.perf_counter()))
         log_header(
@@ -356,7 +362,7 @@ class Trainer:
         self.balance.step(update=stepped)  # (the experts' load; a skipped step moves no routing bias)
         if stepped:
             self.optimizer.step()
-            if self.plan.float8_all_gather:  # FSDP's float8 all-gather: every weight's scale, once per step
+            if self.plan.float8.all_gather:  # FSDP's float8 all-gather: every weight's scale, once per step
                 precompute_float8_scales(self.model)
         self.scheduler.step()  # (a skipped step still advances the schedule: it is a function of the step)
         return total, grad_norm, data_wait, stepped

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import sys
 
-from titanrush import config
+from titanrush import config, distributed
 from titanrush.logging_utils import init_logging
+from titanrush.run.plan import build_plan
 from titanrush.trainer import Trainer
 
 if __name__ == "__main__":
     init_logging()
-    trainer = Trainer(config.load(None, sys.argv[2:]))
+    cfg = config.load(None, sys.argv[2:])
+    trainer = Trainer(cfg, build_plan(cfg, distributed.ranks_from_env().world_size))
     try:
         trainer.train(stop_at=int(sys.argv[1]))
     finally:

@@ -10,9 +10,10 @@ import torch
 from titanrush import config
 from titanrush.models.init import _canonical
 from titanrush.models.llama import Llama, model_args
-from titanrush.parallel.activation_checkpoint import apply_ac
+from titanrush.parallel.activation_checkpoint import ACPlan, apply_ac
 from titanrush.parallel.activation_offload import apply_offload
 from titanrush.parallel.compile import apply_compile
+from titanrush.run.plan import build_plan
 from titanrush.trainer import Trainer
 
 
@@ -25,7 +26,7 @@ def step(offload_first: int):
     args = model_args("1B", n_layers=8, vocab_size=8192, tie_embeddings=False)
     with torch.device("meta"):
         model = Llama(args)
-    apply_ac(model, mode="selective", offload_first=offload_first, compiled=True)
+    apply_ac(model, ACPlan(mode="selective", offload_first=offload_first), compiled=True)
     apply_compile(model)
     model.to_empty(device=device)
     model.init_weights(seed=1, buffer_device=device)
@@ -110,7 +111,8 @@ def test_the_trainer_offloads_on_cuda(tmp_path):
         "--activation_checkpoint.offload_first",
         "4",
     ]
-    trainer = Trainer(config.load(None, args))
+    cfg = config.load(None, args)
+    trainer = Trainer(cfg, build_plan(cfg, 1))
     try:
         losses = trainer.train()
     finally:

@@ -71,8 +71,8 @@ def test_flash_package_at_llama_head_dim(compiled):
     titanrush's operator inside the graph, fullgraph; FA3 and FA2 between graphs), also under selective op
     checkpointing, against the unfused baseline."""
     from titanrush.models.llama.attention import flash_attn_func, uses_graph_break
-    from titanrush.parallel.activation_checkpoint import apply_ac
-    from titanrush.parallel.compile import apply_compile
+    from titanrush.parallel.activation_checkpoint import ACPlan, apply_ac
+    from titanrush.parallel.compile import CompilePlan, apply_compile
 
     print("flash interface:", flash_attn_func().__module__)
     if flash_attn_func().__module__.startswith("flash_attn.cute"):  # FA4: through titanrush's operator
@@ -84,10 +84,10 @@ def test_flash_package_at_llama_head_dim(compiled):
     ref_loss, ref_grads = loss_and_grads(build("math", **shape), x, y)
     model = build("flash", **shape)
     if compiled == "compiled_ac_op":
-        apply_ac(model, mode="selective", compiled=True)
+        apply_ac(model, ACPlan(mode="selective"), compiled=True)
     if compiled != "eager":
         torch._dynamo.reset()
-        apply_compile(model, fullgraph=not uses_graph_break("flash"))
+        apply_compile(model, CompilePlan(enable=True, fullgraph=not uses_graph_break("flash")))
     for _ in range(2):  # the second call runs the compiled graphs (and FA4's cached kernels)
         loss, grads = loss_and_grads(model, x, y)
     strip = ("_orig_mod.", "_checkpoint_wrapped_module.")

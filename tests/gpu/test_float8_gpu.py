@@ -24,19 +24,13 @@ DEVICE, EMULATE = "cuda", False  # ("cpu", True: the same steps emulated, slowly
 
 def _build(recipe: str | None) -> Llama:
     """The 2-layer model (1024 wide) with seed 0's weights; float8 linears for `recipe` (None: bf16)."""
-    from titanrush.parallel.float8 import apply_float8
+    from titanrush.parallel.float8 import Float8Plan, apply_float8
 
     with torch.device("meta"):
         m = Llama(model_args("debug", dim=1024, n_heads=8, n_kv_heads=8, n_layers=2, multiple_of=256))
     if recipe is not None:
-        names = apply_float8(
-            m,
-            recipe=recipe,
-            emulate=EMULATE,
-            fsdp_float8_all_gather=False,
-            filter_fqns=["output"],
-            min_size=256,
-        )
+        plan = Float8Plan(enable=True, recipe=recipe, emulate=EMULATE, filter_fqns=("output",), min_size=256)
+        names = apply_float8(m, plan)
         assert "layers.0.attention.wq" in names and "output" not in names
         assert type(m.layers["0"].attention.wq).__name__ == "Float8Linear"
     m.to_empty(device=DEVICE)

@@ -9,6 +9,7 @@ import pytest
 from gpu_launch import launch
 
 from titanrush import config
+from titanrush.run.plan import build_plan
 from titanrush.tools.trace_analysis import collectives, read_trace, timeline
 from titanrush.trainer import Trainer
 
@@ -43,7 +44,8 @@ def test_a_traced_window_holds_exactly_its_steps(tmp_path):
         "--profiling.active_steps",
         "1",
     ]
-    trainer = Trainer(config.load(None, args))
+    cfg = config.load(None, args)
+    trainer = Trainer(cfg, build_plan(cfg, 1))
     try:
         trainer.train()
     finally:

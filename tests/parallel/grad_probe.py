@@ -88,7 +88,7 @@ def plan_of(world: int, over: list[str]) -> RunPlan:
 def build(plan: RunPlan, mesh: Any) -> nn.Module:
     with torch.device("meta"):
         model = Llama(plan.args)
-    parallelize_llama(model, plan, mesh)
+    parallelize_llama(model, mesh, plan.parallelize_plan)
     model.to_empty(device="cpu")
     model.init_weights(seed=7)
     return model

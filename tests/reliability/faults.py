@@ -50,10 +50,12 @@ def run_args(dump: Path, name: str, steps: int, *extra: str) -> list[str]:
 
 
 def build(argv: list[str]):  # -> Trainer (imported late: the fixtures set the environment first)
-    from titanrush import config
+    from titanrush import config, distributed
+    from titanrush.run.plan import build_plan
     from titanrush.trainer import Trainer
 
-    return Trainer(config.load(None, argv))
+    cfg = config.load(None, argv)
+    return Trainer(cfg, build_plan(cfg, distributed.ranks_from_env().world_size))
 
 
 def train(argv: list[str], stop_at: int | None = None) -> list[float]:

@@ -33,6 +33,7 @@ from loop_helpers import (
 
 from titanrush import config, train
 from titanrush.run import run_dir
+from titanrush.run.plan import build_plan
 from titanrush.trainer import Trainer
 
 RTOL = 1e-5  # the parallel parity suite's tolerance (tests/parallel/test_parity.py says why)
@@ -101,7 +102,8 @@ def test_skip_mode_keeps_the_weights_and_stops_after_max_skips_in_a_row(tmp_path
         "--training.max_skips",
         "1",
     )
-    trainer = Trainer(config.load(None, args))
+    cfg = config.load(None, args)
+    trainer = Trainer(cfg, build_plan(cfg, 1))
     bad_steps = {3, 5, 6}
     trainer.model.output.register_forward_hook(
         lambda m, i, out: out * float("nan") if trainer.step in bad_steps else None
@@ -393,7 +395,8 @@ def test_the_loss_is_the_mean_over_valid_tokens_on_both_loss_paths(tmp_path, mon
         args = small_args(
             tmp_path, loss, *common, "--training.loss", loss, "--training.loss_chunk_size", "40"
         )
-        trainer = Trainer(config.load(None, args))
+        cfg = config.load(None, args)
+        trainer = Trainer(cfg, build_plan(cfg, 1))
         try:
             trainer.train()
         finally:
@@ -432,9 +435,11 @@ def test_step_time_counts_training_only_and_the_loss_is_the_window_mean(tmp_path
     step_time or tokens/s. The logged loss is the mean of the steps since the last log (steps 2 and 3),
     loss_last the last step's, against a run that logs every step."""
     val = ("--training.steps", "4", "--validation.freq", "3", "--validation.steps", "1")
-    timed = Trainer(config.load(None, small_args(tmp_path, "timing", *val, "--metrics.log_freq", "3")))
+    cfg = config.load(None, small_args(tmp_path, "timing", *val, "--metrics.log_freq", "3"))
+    timed = Trainer(cfg, build_plan(cfg, 1))
     timed.model.register_forward_pre_hook(lambda m, a: time.sleep(6.0) if not m.training else None)
-    for trainer in (timed, Trainer(config.load(None, small_args(tmp_path, "every", *val)))):
+    cfg = config.load(None, small_args(tmp_path, "every", *val))
+    for trainer in (timed, Trainer(cfg, build_plan(cfg, 1))):
         try:
             trainer.train()
         finally:

@@ -14,7 +14,7 @@ from titanrush.config import ConfigError
 from titanrush.models.init import _canonical
 from titanrush.models.llama import Llama, model_args
 from titanrush.parallel import activation_offload
-from titanrush.parallel.activation_checkpoint import apply_ac
+from titanrush.parallel.activation_checkpoint import ACPlan, apply_ac
 from titanrush.parallel.activation_offload import (
     ActivationOffloader,
     apply_offload,
@@ -31,7 +31,7 @@ def run(offload_first: int, *, compiled: bool, ac: str = "none", fetches: list |
     torch.manual_seed(0)
     model = Llama(model_args("debug", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, vocab_size=128))
     model.init_weights(seed=1)
-    apply_ac(model, mode=ac, offload_first=offload_first, compiled=compiled)
+    apply_ac(model, ACPlan(mode=ac, offload_first=offload_first), compiled=compiled)
     if compiled:
         apply_compile(model)
     offloader = apply_offload(model, offload_first, CPU)
@@ -99,7 +99,7 @@ def test_ac_with_offload_leaves_eager_blocks_unwrapped_and_compiled_ones_keeping
 
     for compiled in (False, True):
         model = Llama(model_args("debug", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, vocab_size=128))
-        apply_ac(model, mode="full", offload_first=2, compiled=compiled)
+        apply_ac(model, ACPlan(mode="full", offload_first=2), compiled=compiled)
         wrapped = [isinstance(b, CheckpointedBlock) for b in model.layers.values()]
         assert wrapped == [compiled, compiled, True, True]
 

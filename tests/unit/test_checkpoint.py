@@ -15,6 +15,7 @@ import torch
 
 from titanrush import config
 from titanrush.config import ConfigError
+from titanrush.run.plan import build_plan
 from titanrush.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +43,8 @@ def args(tmp: Path, name: str, steps: int, *extra: str) -> list[str]:
 
 
 def train(argv: list[str], stop_at: int | None = None) -> None:
-    trainer = Trainer(config.load(None, argv))
+    cfg = config.load(None, argv)
+    trainer = Trainer(cfg, build_plan(cfg, 1))
     try:
         trainer.train(stop_at)
     finally:
@@ -153,7 +155,8 @@ def test_incomplete_tmp_checkpoint_is_ignored(tmp_path):
     train(args(tmp_path, "t", 6, *CKPT), stop_at=3)
     ck = tmp_path / "t" / "checkpoint"
     (ck / "step-5.tmp").mkdir()  # what a run killed mid-save leaves
-    trainer = Trainer(config.load(None, args(tmp_path, "t", 6, *CKPT)))
+    cfg = config.load(None, args(tmp_path, "t", 6, *CKPT))
+    trainer = Trainer(cfg, build_plan(cfg, 1))
     assert trainer.step == 3
     trainer.close()
 
@@ -166,7 +169,8 @@ def test_other_flavor_is_a_clear_error_and_nothing_is_touched(tmp_path):
     with pytest.raises(
         ConfigError, match=r"is incompatible with this run: model: vocab_size is 8192 there, 9000 here"
     ):
-        Trainer(config.load(None, bad))
+        cfg = config.load(None, bad)
+        Trainer(cfg, build_plan(cfg, 1))
     assert sorted((p.name, p.stat().st_size) for p in ck.iterdir()) == before
 
 
@@ -178,16 +182,19 @@ def test_corrupt_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(
         ConfigError, match=rf"step-3 is corrupt: {data.name} has 1,000 bytes, the record says"
     ):
-        Trainer(config.load(None, args(tmp_path, "c", 6, *CKPT)))
+        cfg = config.load(None, args(tmp_path, "c", 6, *CKPT))
+        Trainer(cfg, build_plan(cfg, 1))
     assert data.exists() and (ck / ".metadata").exists()
     (ck / ".metadata").write_bytes(b"garbage")
     with pytest.raises(ConfigError, match="is corrupt: .metadata has 7 bytes"):
-        Trainer(config.load(None, args(tmp_path, "d", 3, "--checkpoint.load_path", str(ck))))
+        cfg = config.load(None, args(tmp_path, "d", 3, "--checkpoint.load_path", str(ck)))
+        Trainer(cfg, build_plan(cfg, 1))
 
 
 def test_missing_load_path_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
-        Trainer(config.load(None, args(tmp_path, "m", 3, "--checkpoint.load_path", str(tmp_path / "nope"))))
+        cfg = config.load(None, args(tmp_path, "m", 3, "--checkpoint.load_path", str(tmp_path / "nope")))
+        Trainer(cfg, build_plan(cfg, 1))
 
 
 def test_weights_only_start_from_a_model_only_export(tmp_path):
@@ -210,13 +217,13 @@ def test_weights_only_start_from_a_model_only_export(tmp_path):
     rows = rows_of(tmp_path / "src")
     assert [r["step"] for r in rows if r.get("ckpt_mode") == "model_only"] == [8]
     with pytest.raises(ConfigError, match="holds only model weights"):
-        Trainer(config.load(None, args(tmp_path, "x", 2, "--checkpoint.load_path", str(final))))
-    trainer = Trainer(
-        config.load(
-            None,
-            args(tmp_path, "dst", 2, "--checkpoint.load_path", str(final), "--checkpoint.load_model_only"),
-        )
+        cfg = config.load(None, args(tmp_path, "x", 2, "--checkpoint.load_path", str(final)))
+        Trainer(cfg, build_plan(cfg, 1))
+    cfg = config.load(
+        None,
+        args(tmp_path, "dst", 2, "--checkpoint.load_path", str(final), "--checkpoint.load_model_only"),
     )
+    trainer = Trainer(cfg, build_plan(cfg, 1))
     assert trainer.step == 0  # a new run: step, optimizer and data start fresh
     trainer.train()
     trainer.close()
@@ -245,7 +252,8 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
     finally:
         proc.wait()
     assert not (ck / "step-4").exists()
-    trainer = Trainer(config.load(None, args(tmp_path, "kill", 4, *big)))
+    cfg = config.load(None, args(tmp_path, "kill", 4, *big))
+    trainer = Trainer(cfg, build_plan(cfg, 1))
     assert trainer.step == 2
     trainer.train()
     trainer.close()

@@ -71,7 +71,7 @@ def test_cp_with_pp_is_a_valid_plan(world, args):
     plan = plan_of(world, *args)
     assert plan.cp == 2 and plan.pp == 2
     assert plan.fsdp and plan.fsdp_shard == 2 * plan.dp_shard  # FSDP over dp_shard x cp
-    assert plan.reshard == "never"  # pipelined stages keep their weights gathered
+    assert plan.fsdp_plan.reshard == "never"  # pipelined stages keep their weights gathered
     assert plan.args.expand_kv  # fp32: the ring's memory-efficient kernel takes no grouped K/V heads
     # One RoPE row per position of the sequence: what the sharding of the table with the batch needs.
     assert plan.args.rope_len == plan.seq_len

@@ -332,7 +332,8 @@ def test_continued_pretraining_of_a_converted_llama_in_one_command(tmp_path, cap
     ]
     from titanrush.trainer import Trainer
 
-    trainer = Trainer(config.load(None, argv))
+    cfg = config.load(None, argv)
+    trainer = Trainer(cfg, build_plan(cfg, 1))
     try:
         assert shape(trainer.plan.args) == shape(source_args)
         assert_same_state({k: v.float() for k, v in trainer_weights(trainer).items()}, model.state_dict())

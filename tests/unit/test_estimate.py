@@ -14,6 +14,12 @@ import torch
 from titanrush import config
 from titanrush.config import ConfigError
 from titanrush.models.llama import model_args
+from titanrush.parallel.activation_checkpoint import ACPlan
+from titanrush.parallel.compile import CompilePlan
+from titanrush.parallel.context_parallel import CPPlan
+from titanrush.parallel.float8 import Float8Plan
+from titanrush.parallel.fsdp import FSDPPlan
+from titanrush.parallel.tensor_parallel import TPPlan
 from titanrush.run.plan import RunPlan
 from titanrush.tools import estimate as est_mod
 from titanrush.tools.memory_model import (
@@ -79,8 +85,8 @@ def test_breakdown_sums_to_peak_and_activations_scale():
     s = RunPlan(args=model_args("debug"), local_batch=8, seq_len=256)
     b = analyze(s)
     assert sum(b.at_peak.values()) == b.peak
-    full = analyze(dataclasses.replace(s, ac_mode="full"))
-    op = analyze(dataclasses.replace(s, ac_mode="selective"))
+    full = analyze(dataclasses.replace(s, ac=dataclasses.replace(s.ac, mode="full")))
+    op = analyze(dataclasses.replace(s, ac=dataclasses.replace(s.ac, mode="selective")))
     assert full.sizes["activations"] < op.sizes["activations"] < b.sizes["activations"]
     chunked = analyze(dataclasses.replace(s, loss="chunked", loss_chunk=512))
     assert chunked.sizes["logits"] < b.sizes["logits"] / 3
@@ -99,7 +105,7 @@ def _allocator_peak(prof: torch.profiler.profile) -> int:
     return peak
 
 
-@pytest.mark.parametrize("kw", [{}, {"precision": "bf16", "ac_mode": "selective"}])
+@pytest.mark.parametrize("kw", [{}, {"precision": "bf16", "ac": ACPlan(mode="selective")}])
 def test_fake_trace_equals_real_cpu_step(kw):
     """The fake trace of the debug model gives the peak the same tracker measures on real tensors, and
     that tracker agrees with the CPU allocator's own accounting (the profiler's memory events)."""
@@ -124,13 +130,15 @@ def test_fake_trace_equals_real_cpu_step(kw):
             seq_len=256,
             precision="bf16",
             dp_shard=4,
-            ac_mode="selective",
+            ac=ACPlan(mode="selective"),
             loss="chunked",
             loss_chunk=512,
         ),
-        dict(local_batch=8, seq_len=256, precision="bf16", tp=2, ac_mode="full"),
+        dict(local_batch=8, seq_len=256, precision="bf16", tp=2, ac=ACPlan(mode="full")),
         dict(local_batch=8, seq_len=256, pp=2, pp_schedule="GPipe", pp_microbatches=4),
-        dict(local_batch=2, seq_len=256, precision="bf16", tp=2, cp=2, dp_shard=2, ac_mode="selective"),
+        dict(
+            local_batch=2, seq_len=256, precision="bf16", tp=2, cp=2, dp_shard=2, ac=ACPlan(mode="selective")
+        ),
     ],
 )
 def test_trace_agrees_with_analytic(kw):
@@ -172,20 +180,21 @@ def test_context_parallel_compiled_ring_attention_keeps_the_received_kv():
         precision="bf16",
         dp_shard=2,
         cp=2,
-        ac_mode="selective",
-        compile=True,
+        ac=ACPlan(mode="selective"),
+        compile=CompilePlan(enable=True),
     )
     # Compiled op: both ranks' K and V received (4 x 64) and K, V made contiguous (2 x 64) are kept; wk's
     # and wv's outputs (8192 x 1024 x 2 bytes = 16 MiB each) are not needed any more.
     assert _block_extra(cp2, "op", 8192) == (256 + 128 - 32) * MIB
-    assert _block_extra(dataclasses.replace(cp2, cp_rotate="alltoall"), "op", 8192) == (128 + 128 - 32) * MIB
+    alltoall = dataclasses.replace(cp2, cp_plan=CPPlan(rotate="alltoall"))
+    assert _block_extra(alltoall, "op", 8192) == (128 + 128 - 32) * MIB
     assert _block_extra(dataclasses.replace(cp2, cp=4), "op", 8192) == (512 + 128 - 32) * MIB
     # Compiled without checkpointing: the received K/V, wo's copy of the (B, H, T, D) output (64 MiB), and
     # K, V saved with 32 heads instead of 8 (without CP, SDPA groups the KV heads): 2 x 64 x 24/32 MiB.
     assert _block_extra(cp2, "compiled", 8192) == (256 + 64 + 96) * MIB
     # Eager: the exchange is transient; only wo's copy of the output without checkpointing. Full
     # checkpointing (compiled too) and eager selective keep nothing more; nor does the trace's scope.
-    eager = dataclasses.replace(cp2, compile=False)
+    eager = dataclasses.replace(cp2, compile=CompilePlan())
     assert _block_extra(eager, "none", 8192) == (64 + 96) * MIB  # and K, V with all 32 heads, as above
     assert _block_extra(eager, "op", 8192) == 0 and _block_extra(cp2, "full", 8192) == 0
     assert _block_extra(cp2, "op", 8192, as_traced=True) == 0
@@ -200,15 +209,15 @@ def test_context_parallel_compiled_ring_attention_keeps_the_received_kv():
 
 def test_float8_linears_follow_the_conversion_rule():
     f8 = lambda flavor, **kw: float8_linears(  # noqa: E731
-        RunPlan(args=model_args(flavor), local_batch=1, seq_len=8, float8=True, **kw)
+        RunPlan(args=model_args(flavor), local_batch=1, seq_len=8, float8=Float8Plan(enable=True, **kw))
     )
     every = {"wq", "wk", "wv", "wo", "w1", "w2", "w3"}
     # 1B: wk and wv are 2048 -> 512, below min_size 1024; the output projection is filtered by name.
     assert f8("1B") == every - {"wk", "wv"}
     assert f8("8B") == every  # wk, wv: 4096 -> 1024
     # A filter that does not name the output converts it too (128256 x 4096: aligned, large).
-    assert f8("8B", float8_filter=("attention",)) == {"w1", "w2", "w3", "output"}
-    assert f8("1B", float8_filter=(), float8_min_size=0) == every | {"output"}
+    assert f8("8B", filter_fqns=("attention",)) == {"w1", "w2", "w3", "output"}
+    assert f8("1B", filter_fqns=(), min_size=0) == every | {"output"}
     assert float8_linears(RunPlan(args=model_args("8B"), local_batch=1, seq_len=8)) == frozenset()
     # The same rule as the trainer's conversion (on a meta model with misaligned and small layers).
     pytest.importorskip("torchao")
@@ -219,30 +228,19 @@ def test_float8_linears_follow_the_conversion_rule():
         args = model_args("debug", n_kv_heads=2, vocab_size=8200)  # wk 64 x 256; the vocabulary 8200 % 16
         with torch.device("meta"):
             model = Llama(args)
-        names = apply_float8(
-            model,
-            recipe="tensorwise",
-            emulate=True,
-            fsdp_float8_all_gather=False,
-            filter_fqns=filt,
-            min_size=min_size,
-        )
+        f8 = Float8Plan(enable=True, emulate=True, filter_fqns=tuple(filt), min_size=min_size)
+        names = apply_float8(model, f8)
         got = {n.rsplit(".", 1)[-1] for n in names if n.startswith("layers.0.") or n == "output"}
-        setup = RunPlan(
-            args=args,
-            local_batch=1,
-            seq_len=8,
-            float8=True,
-            float8_filter=tuple(filt),
-            float8_min_size=min_size,
-        )
+        setup = RunPlan(args=args, local_batch=1, seq_len=8, float8=f8)
         assert float8_linears(setup) == got, (filt, min_size)
 
 
 def test_float8_compiled_blocks_keep_fewer_bf16_inputs():
     # The rush's float8 rung: 1B, batch 8 x seq 2048 = 16384 tokens, compiled, autocast (one GPU).
-    s = RunPlan(args=model_args("1B"), local_batch=8, seq_len=2048, precision="bf16", compile=True)
-    f8 = dataclasses.replace(s, float8=True)
+    s = RunPlan(
+        args=model_args("1B"), local_batch=8, seq_len=2048, precision="bf16", compile=CompilePlan(enable=True)
+    )
+    f8 = dataclasses.replace(s, float8=Float8Plan(enable=True))
     n = 16384
     saved = lambda x, mode: sum(block_saved(x, n, 8, mode).values())  # noqa: E731
     # w1, w3 and w2 are float8: neither the FFN norm's output (n x 2048 x 2 bytes = 64 MiB) nor the gate
@@ -252,9 +250,14 @@ def test_float8_compiled_blocks_keep_fewer_bf16_inputs():
     # The 8B under FSDP, every linear float8: both norms' outputs (2 x 16384 x 4096 x 2 = 256 MiB) and the
     # gate (16384 x 14336 x 2 = 448 MiB).
     s8 = RunPlan(
-        args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=4, compile=True
+        args=model_args("8B"),
+        local_batch=2,
+        seq_len=8192,
+        precision="bf16",
+        dp_shard=4,
+        compile=CompilePlan(enable=True),
     )
-    s8_f8 = dataclasses.replace(s8, float8=True)
+    s8_f8 = dataclasses.replace(s8, float8=Float8Plan(enable=True))
     assert saved(s8, "compiled") - saved(s8_f8, "compiled") == (256 + 448) * MIB
     # At the peak, also no autocast bf16 copies of the float8 weights: per block 2 x 2048^2 (wq, wo) +
     # 3 x 2048 x 8192 (w1, w2, w3) = 58,720,256 parameters x 2 bytes, 16 blocks.
@@ -304,14 +307,7 @@ def test_compiled_float8_block_on_cpu_drops_the_bf16_inputs():
         holder = torch.nn.Module()
         holder.block = TransformerBlock(0, args)
         if float8:
-            apply_float8(
-                holder,
-                recipe="tensorwise",
-                emulate=True,
-                fsdp_float8_all_gather=False,
-                filter_fqns=[],
-                min_size=0,
-            )
+            apply_float8(holder, Float8Plan(enable=True, emulate=True, filter_fqns=(), min_size=0))
         holder.to(torch.bfloat16)  # as under FSDP: bf16 weights, no autocast
         return _compiled_saved_bytes(holder, holder.block, args, b, t, skip_scalars=True)  # float8 scales
 
@@ -332,8 +328,8 @@ def test_compiled_loss_keeps_the_bf16_logits_not_fp32_ones():
         seq_len=8192,
         precision="bf16",
         dp_shard=4,
-        ac_mode="selective",
-        compile=True,
+        ac=ACPlan(mode="selective"),
+        compile=CompilePlan(enable=True),
     )
     n, nv = 16384, 2_101_346_304
     assert s.compiled_loss
@@ -342,7 +338,7 @@ def test_compiled_loss_keeps_the_bf16_logits_not_fp32_ones():
     # plus the logits' bf16 gradient. Eager: the fp32 log-softmax (4 bytes) kept; 3 fp32 (n, V) in backward.
     assert compiled["log_softmax"] == 2 * nv + 8 * n == 4_202_823_680
     assert compiled["backward"] == 4 * nv + 8 * n == 8_405_516_288
-    eager = loss_bytes(dataclasses.replace(s, compile=False), n, as_traced=False)
+    eager = loss_bytes(dataclasses.replace(s, compile=CompilePlan()), n, as_traced=False)
     assert eager["log_softmax"] == 4 * nv and eager["backward"] == 12 * nv
     assert loss_bytes(s, n, as_traced=True) == eager  # the trace runs the loss eager
     # At the peak (the loss's backward): 8 n V - 8 n = 16,810,639,360 bytes (15.66 GiB) fewer than with the
@@ -352,9 +348,9 @@ def test_compiled_loss_keeps_the_bf16_logits_not_fp32_ones():
     assert analyze(s, as_traced=True).at_peak["logits"] == 12 * nv
     # Not compiled: under loss parallel (its own function), the chunked loss, or without compile.
     assert not dataclasses.replace(s, tp=2).compiled_loss
-    assert dataclasses.replace(s, tp=2, loss_parallel=False).compiled_loss
+    assert dataclasses.replace(s, tp=2, tp_plan=TPPlan(loss_parallel=False)).compiled_loss
     assert not dataclasses.replace(s, loss="chunked").compiled_loss
-    assert not dataclasses.replace(s, compile=False).compiled_loss
+    assert not dataclasses.replace(s, compile=CompilePlan()).compiled_loss
 
 
 def test_vocab_parallel_loss_keeps_the_logits_shard_and_14_bytes_a_row(fake_world):
@@ -394,8 +390,8 @@ def test_vocab_parallel_loss_keeps_the_logits_shard_and_14_bytes_a_row(fake_worl
         precision="bf16",
         dp_shard=2,
         tp=2,
-        ac_mode="selective",
-        compile=True,
+        ac=ACPlan(mode="selective"),
+        compile=CompilePlan(enable=True),
     )
     assert s.vocab_parallel_loss and not s.compiled_loss
     rows, half = 16384, 128256 // 2
@@ -440,10 +436,10 @@ def test_selective_op_alternate_recomputes_wk_wo_w3():
         seq_len=8192,
         precision="bf16",
         dp_shard=4,
-        ac_mode="selective",
-        compile=True,
+        ac=ACPlan(mode="selective"),
+        compile=CompilePlan(enable=True),
     )
-    alt = dataclasses.replace(s, ac_op_matmuls="alternate")
+    alt = dataclasses.replace(s, ac=dataclasses.replace(s.ac, op_matmuls="alternate"))
     saved = lambda x, **kw: sum(block_saved(x, 16384, 2, "op", **kw).values())  # noqa: E731
     assert saved(s) - saved(alt) == 608 * MIB
     assert saved(s, as_traced=True) - saved(alt, as_traced=True) == 608 * MIB  # eager the same
@@ -455,9 +451,15 @@ def test_selective_op_alternate_recomputes_wk_wo_w3():
     cp = dataclasses.replace(
         s, cp=2, args=dataclasses.replace(s.args, expand_kv=True)
     )  # (as the plan builds)
-    assert saved(cp) - saved(dataclasses.replace(cp, ac_op_matmuls="alternate")) == (128 + 448) * MIB
+    assert (
+        saved(cp) - saved(dataclasses.replace(cp, ac=dataclasses.replace(cp.ac, op_matmuls="alternate")))
+        == (128 + 448) * MIB
+    )
     # all_but_w3: only w3's output goes, 448 MiB per block.
-    assert saved(s) - saved(dataclasses.replace(s, ac_op_matmuls="all_but_w3")) == 448 * MIB
+    assert (
+        saved(s) - saved(dataclasses.replace(s, ac=dataclasses.replace(s.ac, op_matmuls="all_but_w3")))
+        == 448 * MIB
+    )
 
 
 def test_op_all_last_adds_the_alternate_blocks_recomputed_outputs_back():
@@ -469,14 +471,15 @@ def test_op_all_last_adds_the_alternate_blocks_recomputed_outputs_back():
         seq_len=8192,
         precision="bf16",
         dp_shard=4,
-        ac_mode="selective",
-        compile=True,
-        ac_op_matmuls="alternate",
+        ac=ACPlan(mode="selective", op_matmuls="alternate"),
+        compile=CompilePlan(enable=True),
     )
     peak = lambda x: analyze(x).peak  # noqa: E731
-    assert peak(dataclasses.replace(s, ac_op_all_last=10)) - peak(s) == 10 * 608 * MIB
-    assert peak(dataclasses.replace(s, ac_op_all_last=32)) == peak(
-        dataclasses.replace(s, ac_op_matmuls="all")
+    assert (
+        peak(dataclasses.replace(s, ac=dataclasses.replace(s.ac, op_all_last=10))) - peak(s) == 10 * 608 * MIB
+    )
+    assert peak(dataclasses.replace(s, ac=dataclasses.replace(s.ac, op_all_last=32))) == peak(
+        dataclasses.replace(s, ac=dataclasses.replace(s.ac, op_matmuls="all"))
     )
 
 
@@ -490,11 +493,10 @@ def test_op_all_last_on_a_pipeline_stage_trace_agrees():
         precision="bf16",
         pp=2,
         pp_microbatches=2,
-        ac_mode="selective",
-        ac_op_matmuls="alternate",
+        ac=ACPlan(mode="selective", op_matmuls="alternate"),
         pp_layers_per_stage=(2, 2),
     )
-    one = dataclasses.replace(s, ac_op_all_last=1)
+    one = dataclasses.replace(s, ac=dataclasses.replace(s.ac, op_all_last=1))
     first, last = rank_plans(one)
     assert first.layers == [0, 1] and last.layers == [2, 3]
     for plan, changes in ((first, False), (last, True)):
@@ -520,7 +522,7 @@ def test_compiled_alternate_block_on_cpu_keeps_every_other_matmul():
         holder = torch.nn.Module()
         holder.layers = torch.nn.ModuleDict({"0": TransformerBlock(0, args)})
         holder.to(torch.bfloat16)  # as under FSDP
-        apply_ac(holder, mode="selective", selective="op", op_matmuls=op_matmuls)
+        apply_ac(holder, ACPlan(mode="selective", selective="op", op_matmuls=op_matmuls))
         try:
             return _compiled_saved_bytes(holder, holder.layers["0"], args, b, t)
         finally:
@@ -543,9 +545,9 @@ def test_pipelined_fsdp_keeps_unsharded_fp32_gradients():
         precision="bf16",
         dp_shard=2,
         pp=2,
-        reshard="never",
-        ac_mode="selective",
-        compile=True,
+        fsdp_plan=FSDPPlan(reshard="never"),
+        ac=ACPlan(mode="selective"),
+        compile=CompilePlan(enable=True),
         pp_layers_per_stage=(16, 16),
     )
     p0 = 4_015_128_576
@@ -572,7 +574,7 @@ def test_pipelined_fsdp_keeps_unsharded_fp32_gradients():
     assert plain.moments["first block backward" + later]["grads"] == 4 * p0
     # The estimator turns the trainer's default into never under PP, as the trainer does.
     cfg = config.load(LLAMA8B, ["--parallelism.pp", "2"])
-    assert est_mod.plan_for(cfg, 4)[0].reshard == "never"
+    assert est_mod.plan_for(cfg, 4)[0].fsdp_plan.reshard == "never"
     # ... and splits the layers as the trainer does: the embedding and the output projection costed, so
     # the first stage (the cheaper end) takes one block more.
     assert est_mod.plan_for(cfg, 4)[0].layers_per_stage == (17, 15)
@@ -716,11 +718,11 @@ def test_float8_output_projection_adds_the_eager_cast_of_the_logits_gradient():
         seq_len=8192,
         precision="bf16",
         dp_shard=4,
-        reshard="never",
-        compile=True,
-        float8=True,
+        fsdp_plan=FSDPPlan(reshard="never"),
+        compile=CompilePlan(enable=True),
+        float8=Float8Plan(enable=True),
     )
-    f8_out = dataclasses.replace(s, float8_filter=())
+    f8_out = dataclasses.replace(s, float8=Float8Plan(enable=True, filter_fqns=()))
     assert "output" in float8_linears(f8_out) and "output" not in float8_linears(s)
     b, b_out = analyze(s), analyze(f8_out)
     assert b_out.moments["output backward"]["float8"] == 8 * 16384 * 128256
@@ -754,11 +756,13 @@ def test_offloaded_blocks_hold_nothing_at_the_peak():
         seq_len=8192,
         precision="bf16",
         dp_shard=4,
-        ac_mode="selective",
-        compile=True,
-        ac_op_matmuls="alternate",
+        ac=ACPlan(mode="selective", op_matmuls="alternate"),
+        compile=CompilePlan(enable=True),
     )
-    off = dataclasses.replace(s, ac_offload_first=24, ac_offload_every=3)
+    off = dataclasses.replace(
+        s,
+        ac=dataclasses.replace(s.ac, offload_first=24, offload_every=3),
+    )
     per_block = sum(block_saved(s, 2 * 8192, 2, "op").values())
     assert analyze(s).peak_phase == analyze(off).peak_phase
     assert analyze(s).peak - analyze(off).peak == 8 * per_block
@@ -777,12 +781,11 @@ def test_keep_gathered_last_holds_that_many_blocks_weights_at_the_peak():
         seq_len=8192,
         precision="bf16",
         dp_shard=4,
-        ac_mode="selective",
-        compile=True,
-        float8=True,
-        float8_all_gather=True,
+        ac=ACPlan(mode="selective"),
+        compile=CompilePlan(enable=True),
+        float8=Float8Plan(enable=True, all_gather=True),
     )
-    base, kept = analyze(s), analyze(dataclasses.replace(s, keep_gathered_last=24))
+    base, kept = analyze(s), analyze(dataclasses.replace(s, fsdp_plan=FSDPPlan(keep_gathered_last=24)))
     assert base.peak_phase == kept.peak_phase == "loss backward"
     per_block = (218_112_000 - 2 * 4096) + 2 * (2 * 4096)
     assert kept.peak - base.peak == 23 * per_block

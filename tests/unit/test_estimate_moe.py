@@ -20,6 +20,8 @@ from torch.distributed.tensor import DTensor
 from titanrush import config
 from titanrush.models.llama.parallelize import parallelize_llama
 from titanrush.models.llama4 import Llama4, model_args
+from titanrush.parallel.activation_checkpoint import ACPlan
+from titanrush.parallel.compile import CompilePlan
 from titanrush.run.plan import RunPlan, build_plan
 from titanrush.tools import estimate as est_mod
 from titanrush.tools import rush_runner, sweep
@@ -66,7 +68,7 @@ def test_states_equal_the_parameters_a_rank_holds(fake_world, world, par, over):
     plan = dataclasses.replace(plan, args=dataclasses.replace(plan.args, **over))
     with torch.device("meta"):
         model = Llama4(plan.args)
-    parallelize_llama(model, plan, plan.dims.build_mesh("cpu"))
+    parallelize_llama(model, plan.dims.build_mesh("cpu"), plan.parallelize_plan)
     local = [(p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters()]
     st = states(plan, rank_plans(plan)[0])
     # bf16: fp32 masters and gradients (4 bytes), AdamW's two fp32 states and a step per tensor
@@ -94,9 +96,9 @@ def test_states_equal_the_parameters_a_rank_holds(fake_world, world, par, over):
     "kw, over",
     [
         ({}, {}),  # fp32: the fake trace's grouped GEMM stands in for the CPU kernel
-        ({"precision": "bf16", "ac_mode": "selective"}, {"top_k": 2}),
+        ({"precision": "bf16", "ac": ACPlan(mode="selective")}, {"top_k": 2}),
         ({"precision": "bf16", "dp_shard": 4, "ep": 2}, {"moe_every": 2}),  # the exchange, bf16 kernel
-        ({"dp_shard": 2, "ep": 2, "ac_mode": "full"}, {}),
+        ({"dp_shard": 2, "ep": 2, "ac": ACPlan(mode="full")}, {}),
     ],
     ids=["fp32", "autocast_op_top2", "fsdp_ep2_every2", "ep2_full"],
 )
@@ -122,12 +124,20 @@ MESHES = [
     dict(precision="bf16"),
     dict(precision="bf16", dp_shard=4),
     dict(precision="bf16", dp_shard=4, ep=2),
-    dict(dp_shard=4, ep=4, ac_mode="full"),
-    dict(precision="bf16", dp_shard=2, ac_mode="selective"),
-    dict(precision="bf16", ac_mode="selective", ac_op_matmuls="alternate"),
-    dict(precision="bf16", dp_shard=4, ep=2, ac_mode="selective", ac_selective="2"),
-    dict(precision="bf16", tp=2, ac_mode="full"),
-    dict(precision="bf16", tp=2, dp_shard=2, ep=2, ac_mode="full"),
+    dict(dp_shard=4, ep=4, ac=ACPlan(mode="full")),
+    dict(precision="bf16", dp_shard=2, ac=ACPlan(mode="selective")),
+    dict(
+        precision="bf16",
+        ac=ACPlan(mode="selective", op_matmuls="alternate"),
+    ),
+    dict(
+        precision="bf16",
+        dp_shard=4,
+        ep=2,
+        ac=ACPlan(mode="selective", selective="2"),
+    ),
+    dict(precision="bf16", tp=2, ac=ACPlan(mode="full")),
+    dict(precision="bf16", tp=2, dp_shard=2, ep=2, ac=ACPlan(mode="full")),
     dict(precision="bf16", dp_shard=2, pp=2, pp_microbatches=2),
     dict(precision="bf16", pp=2, pp_microbatches=2),  # autocast: the experts' casts per micro-batch
 ]
@@ -177,9 +187,14 @@ def test_forward_and_backward_where_the_moe_blocks_decide(kw, over):
 def test_block_moments_are_where_these_runs_peak():
     """The comparisons above exercise the MoE terms: checkpointed runs peak in a MoE block's backward."""
     checkpointed = [
-        dict(dp_shard=4, ep=4, ac_mode="full"),
-        dict(precision="bf16", tp=2, dp_shard=2, ep=2, ac_mode="full"),
-        dict(precision="bf16", dp_shard=4, ep=2, ac_mode="selective", ac_selective="2"),
+        dict(dp_shard=4, ep=4, ac=ACPlan(mode="full")),
+        dict(precision="bf16", tp=2, dp_shard=2, ep=2, ac=ACPlan(mode="full")),
+        dict(
+            precision="bf16",
+            dp_shard=4,
+            ep=2,
+            ac=ACPlan(mode="selective", selective="2"),
+        ),
     ]
     for kw in checkpointed:
         b = analyze(moe_plan({"vocab_size": 1024}, **kw), as_traced=True)
@@ -191,8 +206,13 @@ def test_block_moments_are_where_these_runs_peak():
     "kw",
     [
         dict(precision="bf16", dp_shard=4, ep=2),
-        dict(dp_shard=4, ep=4, ac_mode="full"),
-        dict(precision="bf16", dp_shard=4, ep=2, ac_mode="selective", ac_selective="2"),
+        dict(dp_shard=4, ep=4, ac=ACPlan(mode="full")),
+        dict(
+            precision="bf16",
+            dp_shard=4,
+            ep=2,
+            ac=ACPlan(mode="selective", selective="2"),
+        ),
     ],
     ids=["fsdp4_ep2", "ep4_full", "ep2_sel2"],
 )
@@ -247,7 +267,7 @@ def test_compiled_moe_block_keeps_what_the_partitioner_keeps(mode):
     moe = holder.layers["0"].moe
     moe.expert_bias = moe.expert_bias.float()
     if mode == "op":
-        apply_ac(holder, mode="selective", selective="op")
+        apply_ac(holder, ACPlan(mode="selective", selective="op"))
     params = {p.untyped_storage().data_ptr() for p in holder.parameters()}
     kept: dict[int, int] = {}
 
@@ -270,8 +290,8 @@ def test_compiled_moe_block_keeps_what_the_partitioner_keeps(mode):
         seq_len=t,
         precision="bf16",
         dp_shard=2,
-        compile=True,
-        ac_mode="selective" if mode == "op" else "none",
+        compile=CompilePlan(enable=True),
+        ac=ACPlan(mode="selective" if mode == "op" else "none"),
     )
     model = sum(block_saved(s, b * t, b, mode, layer=0).values())
     rope = t * args.head_dim // 2 * 2 * 4

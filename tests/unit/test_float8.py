@@ -18,7 +18,7 @@ from titanrush.trainer import Trainer
 
 pytest.importorskip("torchao", reason="float8 is torchao's; it is a project dependency (pip install -e .)")
 
-from titanrush.parallel.float8 import apply_float8  # noqa: E402
+from titanrush.parallel.float8 import Float8Plan, apply_float8  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,37 +30,20 @@ def meta_model(**over) -> Llama:
 
 def test_filter_size_and_alignment_rules():
     model = meta_model(vocab_size=8200)  # output 8200 x 256: filtered by name anyway
-    names = apply_float8(
-        model,
-        recipe="tensorwise",
-        emulate=True,
-        fsdp_float8_all_gather=False,
-        filter_fqns=["output"],
-        min_size=0,
-    )
+    names = apply_float8(model, Float8Plan(enable=True, emulate=True, filter_fqns=("output",), min_size=0))
     assert "layers.0.attention.wq" in names and "layers.3.feed_forward.w2" in names
     assert "output" not in names
     assert type(model.output) is torch.nn.Linear
     # The default minimum size keeps the debug model's 256-wide layers in bf16.
-    assert (
-        apply_float8(
-            meta_model(),
-            recipe="tensorwise",
-            emulate=True,
-            fsdp_float8_all_gather=False,
-            filter_fqns=["output"],
-            min_size=1024,
-        )
-        == []
-    )
+    assert apply_float8(meta_model(), Float8Plan(enable=True, emulate=True, filter_fqns=("output",))) == []
     # An empty filter converts the output projection too; a misaligned one never converts.
     converted = apply_float8(
-        meta_model(), recipe="rowwise", emulate=True, fsdp_float8_all_gather=False, filter_fqns=[], min_size=0
+        meta_model(), Float8Plan(enable=True, recipe="rowwise", emulate=True, filter_fqns=(), min_size=0)
     )
     assert "output" in converted
     odd = meta_model(vocab_size=8193)
     assert "output" not in apply_float8(
-        odd, recipe="tensorwise", emulate=True, fsdp_float8_all_gather=False, filter_fqns=[], min_size=0
+        odd, Float8Plan(enable=True, emulate=True, filter_fqns=(), min_size=0)
     )
 
 
@@ -107,7 +90,8 @@ def one_process(tmp_path_factory):
 
     def run(name: str, *extra: str) -> list[float]:
         if name not in done:
-            trainer = Trainer(config.load(None, args(tmp, name, *extra)))
+            cfg = config.load(None, args(tmp, name, *extra))
+            trainer = Trainer(cfg, build_plan(cfg, 1))
             trainer.train()
             trainer.close()
             done[name] = losses(tmp / name)
@@ -125,7 +109,8 @@ def test_emulated_float8_training_tracks_bf16(one_process, recipe):
 
 def test_float8_needs_bf16(tmp_path):
     with pytest.raises(ConfigError, match="float8.enable needs training.precision = 'bf16'"):
-        Trainer(config.load(None, args(tmp_path, "x", "--training.precision", "fp32", "--float8.enable")))
+        cfg = config.load(None, args(tmp_path, "x", "--training.precision", "fp32", "--float8.enable"))
+        Trainer(cfg, build_plan(cfg, 1))
 
 
 def test_fsdp2_float8_all_gather_matches_one_process(tmp_path, one_process):

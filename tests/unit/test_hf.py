@@ -444,6 +444,7 @@ TRAIN = ["--training.steps", "2", "--training.seq_len", "64", "--training.local_
 
 def test_trainer_written_checkpoints_export(tmp_path):
     from titanrush import config
+    from titanrush.run.plan import build_plan
     from titanrush.trainer import Trainer
 
     argv = [
@@ -459,7 +460,8 @@ def test_trainer_written_checkpoints_export(tmp_path):
         "--checkpoint.export_dtype",
         "bfloat16",
     ]
-    trainer = Trainer(config.load(None, argv))
+    cfg = config.load(None, argv)
+    trainer = Trainer(cfg, build_plan(cfg, 1))
     try:
         trainer.train()
         trained, args = trainer_weights(trainer), trainer.plan.args
@@ -478,6 +480,7 @@ def test_damaged_checkpoints_and_existing_outputs_are_refused(tmp_path, capsys):
     """convert and generate check the integrity record as a resume does; no DCP traceback on a file that
     cannot be read; an export never writes over a file or into a non-empty folder."""
     from titanrush import config
+    from titanrush.run.plan import build_plan
     from titanrush.tools import convert, generate
     from titanrush.trainer import Trainer
 
@@ -491,7 +494,8 @@ def test_damaged_checkpoints_and_existing_outputs_are_refused(tmp_path, capsys):
         "--checkpoint.interval",
         "2",
     ]
-    trainer = Trainer(config.load(None, argv))
+    cfg = config.load(None, argv)
+    trainer = Trainer(cfg, build_plan(cfg, 1))
     try:
         trainer.train()
     finally:
@@ -533,13 +537,15 @@ def test_damaged_checkpoints_and_existing_outputs_are_refused(tmp_path, capsys):
 def start_from_import(tmp_path: Path, flags_of) -> None:
     """A run starts from an imported checkpoint with exactly its weights, at step 0."""
     from titanrush import config
+    from titanrush.run.plan import build_plan
     from titanrush.trainer import Trainer
 
     model = make_model(model_args("debug"), seed=7)
     out = hf_convert.export_hf(save_checkpoint(model, tmp_path / "ck"), tmp_path / "hf", dtype=torch.float32)
     imported = hf_convert.import_hf(out, tmp_path / "imported")
     argv = ["--job.dump_folder", str(tmp_path), "--job.name", "ft", *TRAIN, *flags_of(imported)]
-    trainer = Trainer(config.load(None, argv))
+    cfg = config.load(None, argv)
+    trainer = Trainer(cfg, build_plan(cfg, 1))
     try:
         loaded = trainer_weights(trainer)
         assert_same_state({k: loaded[k].float() for k in model.state_dict()}, model.state_dict())

@@ -182,6 +182,7 @@ def test_training_with_a_tokenizer_json(stand_in, tmp_path):
     pytest.importorskip("tokenizers", reason=NO_TOKENIZERS)
     from titanrush import config
     from titanrush.data import build_dataloader
+    from titanrush.run.plan import build_plan
     from titanrush.trainer import Trainer
 
     _, folder = stand_in
@@ -215,7 +216,7 @@ def test_training_with_a_tokenizer_json(stand_in, tmp_path):
     loader = build_dataloader(cfg.data, tokenizer=tok, seq_len=32, local_batch_size=2, vocab_size=tok.n_words)
     batch = next(iter(loader))
     assert int(batch.input_ids.max()) < tok.n_words and tok.bos_id in batch.input_ids.flatten().tolist()
-    trainer = Trainer(cfg)
+    trainer = Trainer(cfg, build_plan(cfg, 1))
     try:
         assert isinstance(trainer.tokenizer, HFTokenizer)
         losses = trainer.train()

@@ -412,8 +412,8 @@ def test_compiled_blocks_run_the_flash_package_between_graphs(monkeypatch):
         compiled = build(0, attn_backend="flash")
         cfg = config.load(None, ["--model.attn_backend", "flash", "--compile.enable"])
         plan = build_plan(cfg, 1, machine=False)  # (the stand-in package has no import spec to find)
-        assert plan.compile and not plan.fullgraph  # the plan compiles the flash package between graphs
-        parallelize_llama(compiled, plan, None)
+        assert plan.compile.enable and not plan.compile.fullgraph  # flash-attn runs between graphs
+        parallelize_llama(compiled, None, plan.parallelize_plan)
         calls.clear()
         l2, g2 = loss_and_grads(compiled, x, labels)
     finally:
@@ -476,6 +476,8 @@ def test_flash4_runs_as_one_operator_compiled_whole_and_kept_by_selective_checkp
     # package's backward once per block and its forward never again (the recompute skips it).
     from titanrush.models.llama import attention as attn
     from titanrush.models.llama.parallelize import parallelize_llama
+    from titanrush.parallel.activation_checkpoint import ACPlan
+    from titanrush.parallel.compile import CompilePlan
     from titanrush.run.plan import RunPlan
 
     calls = {"fwd": 0, "bwd": 0}
@@ -487,8 +489,14 @@ def test_flash4_runs_as_one_operator_compiled_whole_and_kept_by_selective_checkp
         for compiled in (False, True):
             model = build(0, attn_backend="flash")
             assert not attn.uses_graph_break("flash")
-            plan = RunPlan(args=model.args, local_batch=2, seq_len=64, compile=compiled, ac_mode="selective")
-            parallelize_llama(model, plan, None)
+            plan = RunPlan(
+                args=model.args,
+                local_batch=2,
+                seq_len=64,
+                compile=CompilePlan(enable=compiled),
+                ac=ACPlan(mode="selective"),
+            )
+            parallelize_llama(model, None, plan.parallelize_plan)
             loss_and_grads(model, x, labels)  # (the compiled model's first step compiles)
             calls.update(fwd=0, bwd=0)
             l2, g2 = loss_and_grads(model, x, labels)

@@ -76,7 +76,7 @@ def test_float8_experts_refused_without_their_gpu_and_by_the_estimate():
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="float8.experts needs"):
             build_plan(cfg, 1)
-    assert build_plan(cfg, 1, machine=False).float8_experts
+    assert build_plan(cfg, 1, machine=False).float8.experts
     with pytest.raises(ConfigError, match="does not count float8 with mixture-of-experts"):
         estimate(cfg, 1, 80.0, trace=False)
 
@@ -367,11 +367,11 @@ def test_plan_resolves_moe_decisions():
     )
     assert plan.ep == 2 and plan.dims.ep == 2 and plan.moe
     assert plan.args.aux_loss_weight == pytest.approx(0.01 / plan.accum) and plan.accum == 2
-    assert "router.gate" in plan.float8_filter
+    assert "router.gate" in plan.float8.filter_fqns
     compiled = plan_of(4, "--parallelism.ep", "2", "--compile.enable")
-    assert not compiled.fullgraph  # the all-to-all's splits are host values: graph breaks there
-    assert plan_of(1, "--compile.enable", "--training.precision", "bf16").fullgraph
-    assert not plan_of(1, "--compile.enable").fullgraph  # fp32: the per-expert loop
+    assert not compiled.compile.fullgraph  # the all-to-all's splits are host values: graph breaks there
+    assert plan_of(1, "--compile.enable", "--training.precision", "bf16").compile.fullgraph
+    assert not plan_of(1, "--compile.enable").compile.fullgraph  # fp32: the per-expert loop
     # TP with sequence parallel: each tp rank routes 1/tp of the tokens, and the router's gradients are
     # summed over them: the z-loss weighs 1/tp on each; without sequence parallel every rank routes all
     z = ("--moe.z_loss_coeff", "0.004")
@@ -463,7 +463,8 @@ def test_llama4_debug_trains_through_the_trainer(tmp_path):
         "--moe.bias_update_rate",
         "0.01",
     ]
-    trainer = Trainer(config.load(None, args))
+    cfg = config.load(None, args)
+    trainer = Trainer(cfg, build_plan(cfg, 1))
     try:  # the held-out loss on the same batches before and after (one training batch is a noisy sample)
         before = trainer.validate()
         trainer.train()

@@ -134,6 +134,7 @@ def test_a_trained_llama4_checkpoint_goes_to_hugging_face_and_back_into_a_run(tm
     which Hugging Face's Llama 4 has no place for, travel in a file of their own, and the export says so."""
     from titanrush import config
     from titanrush.interop import hf as interchange
+    from titanrush.run.plan import build_plan
     from titanrush.tools import convert
     from titanrush.trainer import Trainer
 
@@ -155,7 +156,8 @@ def test_a_trained_llama4_checkpoint_goes_to_hugging_face_and_back_into_a_run(tm
             "1",
             *extra,
         ]
-        trainer = Trainer(config.load(None, argv))
+        cfg = config.load(None, argv)
+        trainer = Trainer(cfg, build_plan(cfg, 1))
         try:
             trainer.train()
         finally:

@@ -20,8 +20,8 @@ from titanrush.config import ConfigError
 from titanrush.models.init import _canonical
 from titanrush.models.llama import Llama, model_args
 from titanrush.models.llama.parallelize import parallelize_llama
-from titanrush.parallel.activation_checkpoint import apply_ac
-from titanrush.parallel.compile import OVERLAP_PASSES, apply_compile
+from titanrush.parallel.activation_checkpoint import ACPlan, apply_ac
+from titanrush.parallel.compile import OVERLAP_PASSES, CompilePlan, apply_compile
 from titanrush.run.plan import RunPlan, build_plan
 
 
@@ -49,7 +49,7 @@ def parallel(
     mesh = plan.dims.build_mesh("cpu") if world > 1 else None
     with torch.device("meta"):
         model = Llama(plan.args)
-    parallelize_llama(model, plan, mesh)
+    parallelize_llama(model, mesh, plan.parallelize_plan)
     return model
 
 
@@ -191,7 +191,7 @@ def backward_mms(
     torch.manual_seed(0)
     model = Llama(model_args("debug", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, vocab_size=128))
     model.init_weights(seed=1)
-    apply_ac(model, mode=mode, selective=selective, op_matmuls=op_matmuls, op_all_last=op_all_last)
+    apply_ac(model, ACPlan(mode=mode, selective=selective, op_matmuls=op_matmuls, op_all_last=op_all_last))
     tokens = torch.randint(0, 128, (2, 16))
     loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
     with CountMM() as counter:
@@ -242,7 +242,7 @@ def test_ac_op_all_last_counts_blocks_of_the_whole_model_on_a_pipeline_stage():
         torch.manual_seed(0)
         model = Llama(model_args("debug", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, vocab_size=128))
         del model.layers["2"], model.layers["3"]
-        apply_ac(model, mode="selective", selective="op", op_matmuls="alternate", op_all_last=last)
+        apply_ac(model, ACPlan(mode="selective", selective="op", op_matmuls="alternate", op_all_last=last))
         loss = model(torch.randint(0, 128, (2, 16))).float().square().mean()
         with CountMM() as counter:
             loss.backward()
@@ -262,7 +262,7 @@ def test_ac_op_all_last_counts_blocks_of_the_whole_model_on_a_pipeline_stage():
 
 def test_ac_none_and_bad_values():
     model = Llama(model_args("debug", n_layers=2, dim=64, n_heads=4, n_kv_heads=2, vocab_size=128))
-    apply_ac(model, mode="none")
+    apply_ac(model, ACPlan(mode="none"))
     assert "_checkpoint_wrapped_module" not in dict(model.layers["0"].named_children())
     with pytest.raises(ConfigError, match="activation_checkpoint.selective"):
         run_plan(1, "--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "0")
@@ -274,8 +274,8 @@ def test_compile_replaces_blocks_and_names_stay_loadable():
     with torch.device("meta"):
         model = Llama(model_args("debug"))
     before = [n for n, _ in model.named_parameters()]
-    apply_ac(model, mode="full")
-    apply_compile(model, fullgraph=True)
+    apply_ac(model, ACPlan(mode="full"))
+    apply_compile(model, CompilePlan(enable=True, fullgraph=True))
     assert type(model.layers["0"]).__name__ == "OptimizedModule"
     after = [n for n, _ in model.named_parameters()]
     assert after[1].startswith("layers.0._orig_mod._checkpoint_wrapped_module.")
@@ -289,18 +289,18 @@ def test_float8_tp_keeps_plain_styles_for_a_part_with_bf16_linears(fake_world, c
     from torchao.float8.float8_linear import Float8Linear
 
     fake_world(2)
+    plan = run_plan(2, *("--parallelism.tp", "2", "--training.precision", "bf16", "--float8.enable"))
     plan = dataclasses.replace(
-        run_plan(2, *("--parallelism.tp", "2", "--training.precision", "bf16", "--float8.enable")),
+        plan,
         args=model_args("debug", dim=256, n_heads=8, n_kv_heads=2, multiple_of=64),
-        float8_emulate=True,
-        float8_min_size=128,
+        float8=dataclasses.replace(plan.float8, emulate=True, min_size=128),
     )
     with torch.device("meta"):
         model = Llama(plan.args)
     # (a test before this one may have run the trainer's logging setup, which stops propagation)
     monkeypatch.setattr(logging.getLogger("titanrush"), "propagate", True)
     with caplog.at_level("INFO", logger="titanrush"):
-        parallelize_llama(model, plan, plan.dims.build_mesh("cpu"))
+        parallelize_llama(model, plan.dims.build_mesh("cpu"), plan.parallelize_plan)
     block = model.layers["0"]
     assert isinstance(block.attention.wq, Float8Linear) and not isinstance(block.attention.wk, Float8Linear)
     assert all(isinstance(getattr(block.feed_forward, n), Float8Linear) for n in ("w1", "w2", "w3"))
@@ -345,7 +345,9 @@ def test_compiled_blocks_keep_their_own_selective_policy():
         torch.manual_seed(0)
         model = Llama(model_args("debug", n_layers=4, dim=64, n_heads=4, n_kv_heads=2, vocab_size=128))
         model.init_weights(seed=1)
-        apply_ac(model, mode="selective", selective="op", op_matmuls="alternate", op_all_last=op_all_last)
+        apply_ac(
+            model, ACPlan(mode="selective", selective="op", op_matmuls="alternate", op_all_last=op_all_last)
+        )
         for name, block in list(model.layers.items()):
             model.layers.register_module(name, torch.compile(block, backend="aot_eager", fullgraph=True))
         tokens = torch.randint(0, 128, (2, 16))
@@ -399,7 +401,7 @@ def test_moe_layers_under_tp_are_fsdp_units_over_the_tp_ranks(
     plan = run_plan(world, *flags)
     with torch.device("meta"):
         model = Llama4(plan.args)
-    parallelize_llama(model, plan, plan.dims.build_mesh("cpu"))
+    parallelize_llama(model, plan.dims.build_mesh("cpu"), plan.parallelize_plan)
     moe = model.layers["0"].moe
     assert isinstance(moe, FSDPModule)
     assert moe.router.gate.weight.device_mesh.mesh_dim_names == router_mesh
@@ -427,13 +429,13 @@ def test_compiled_blocks_overlap_tensor_parallel_collectives(fake_world, monkeyp
     monkeypatch.setattr(torch, "compile", lambda m, **kw: seen.append(kw.get("options")) or real(m, **kw))
     fake_world(world)
     plan = run_plan(world, *args)
-    assert plan.overlap_collectives is overlap
+    assert plan.compile.overlap_collectives is overlap
     model = parallel(world, *args)
-    assert len(seen) == len(model.layers) if plan.compile else not seen
-    assert plan.async_tp is ("--experimental.async_tp" in args)
+    assert len(seen) == len(model.layers) if plan.compile.enable else not seen
+    assert plan.compile.async_tp is ("--experimental.async_tp" in args)
     for options in seen:
         assert options is None if not overlap else options["reorder_for_compute_comm_overlap"] is True
-        assert (options or {}).get("_micro_pipeline_tp", False) is plan.async_tp, options
+        assert (options or {}).get("_micro_pipeline_tp", False) is plan.compile.async_tp, options
         if overlap:
             assert options["reorder_for_compute_comm_overlap_passes"] == list(OVERLAP_PASSES)
 
@@ -451,5 +453,5 @@ def test_async_tp_registers_the_tp_group_for_symmetric_memory(fake_world, monkey
     mesh = plan.dims.build_mesh("cpu")
     with torch.device("meta"):
         model = Llama(plan.args)
-    parallelize_llama(model, plan, mesh)
+    parallelize_llama(model, mesh, plan.parallelize_plan)
     assert seen == ([mesh["tp"].get_group().group_name] if async_tp else [])

@@ -65,7 +65,7 @@ def test_plan_resolves_the_pipeline():
     assert plan.layers_per_stage == (1, 3) and list(plan.stage_layers(1)) == [1, 2, 3]
     plan = _pp_plan(2, "--parallelism.pp_schedule", "Interleaved1F1B")
     assert plan.stages_per_rank == 2 and plan.microbatches == 4 and plan.stage_ids(1) == [1, 3]
-    assert plan.reshard == "never"  # pipelined stages keep their gathered weights until backward
+    assert plan.fsdp_plan.reshard == "never"  # pipelined stages keep their gathered weights until backward
     # A split in the config applies to pipelines only: without one the whole model is one stage.
     one = build_plan(config.load(None, ["--parallelism.pp_layers_per_stage", "1,3"]), 1)
     assert one.layers_per_stage == (4,) and list(one.stage_layers(0)) == [0, 1, 2, 3]

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from titanrush import config
+from titanrush.run.plan import build_plan
 from titanrush.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,7 +51,8 @@ def small(tmp_path: Path, name: str, *extra: str) -> list[str]:
 
 
 def run_inprocess(args: list[str]) -> list[float]:
-    trainer = Trainer(config.load(None, args))
+    cfg = config.load(None, args)
+    trainer = Trainer(cfg, build_plan(cfg, 1))
     try:
         return trainer.train()
     finally:
@@ -188,7 +190,8 @@ def test_same_seed_repeats_the_run_bitwise(tmp_path):
 
 def test_global_batch_not_a_multiple_is_an_error(tmp_path):
     with pytest.raises(config.ConfigError, match="must be a multiple of local_batch_size"):
-        Trainer(config.load(None, small(tmp_path, "bad", "--training.global_batch_size", "6")))
+        cfg = config.load(None, small(tmp_path, "bad", "--training.global_batch_size", "6"))
+        Trainer(cfg, build_plan(cfg, 1))
 
 
 def test_validation_logs_loss_and_perplexity(tmp_path):
@@ -385,7 +388,6 @@ def test_launch_builds_the_trainer_with_the_collector_off(monkeypatch, gc_freq, 
 
 def test_rope_table_covers_the_runs_sequence_length_only():
     from titanrush.models.llama import Llama
-    from titanrush.run.plan import build_plan
 
     args = build_plan(config.load(None, ["--training.seq_len", "96"]), 1).args
     with torch.device("meta"):
@@ -402,7 +404,8 @@ def test_checkpoints_record_no_rope_table_length_and_a_longer_sequence_is_a_clea
     from titanrush.models.llama import Llama
     from titanrush.models.llama.model import ModelArgs
 
-    trainer = Trainer(config.load(None, small(tmp_path, "rope")))
+    cfg = config.load(None, small(tmp_path, "rope"))
+    trainer = Trainer(cfg, build_plan(cfg, 1))
     try:
         assert trainer.plan.args.rope_positions == 64
         assert trainer.checkpointer.info["model_args"]["rope_positions"] == 0
@@ -441,7 +444,8 @@ def test_the_8b_config_saves_and_resumes_at_the_debug_size(tmp_path):
         "1",
     ]
     for stop_at in (3, None):
-        trainer = Trainer(config.load(path, [*small, "--training.steps", "4"]))
+        cfg = config.load(path, [*small, "--training.steps", "4"])
+        trainer = Trainer(cfg, build_plan(cfg, 1))
         try:
             trainer.train(stop_at)
         finally:

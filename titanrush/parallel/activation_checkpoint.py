@@ -10,6 +10,7 @@ checkpoint does not depend on whether the run that wrote or reads it recomputes 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -195,53 +196,60 @@ def wrap_block(block: nn.Module, *, selective_op: bool = False, op_matmuls: str 
     return CheckpointedBlock(block)
 
 
-def apply_ac(
-    model: nn.Module,
-    *,
-    mode: str,
-    selective: str = "op",
-    op_matmuls: str = "all",
-    op_all_last: int = 0,
-    offload_first: int = 0,
-    offload_every: int = 1,
-    compiled: bool = False,
-) -> None:
+@dataclass(frozen=True)
+class ACPlan:
+    """Activation checkpointing and offload of the run ([activation_checkpoint]).
+
+    mode: `none` (leave the model as it is), `full` (recompute every block in backward) or `selective`
+        (see `selective`).
+    selective: With mode `selective`: `op` keeps the outputs of matmuls and attention kernels and
+        recomputes only the element-wise ops of every block; an integer N checkpoints blocks
+        N-1, 2N-1, ... fully (every N-th block; N = 1 is `full`) and leaves the rest alone.
+    op_matmuls: With `op`: `all` keeps every matmul output, `alternate` every other one, `all_but_w3`
+        all but w3's (`OP_MATMULS`).
+    op_all_last: With `op` and `alternate`: the last N blocks of the whole model (by their global
+        index, the key in `model.layers`; `model.args.n_layers` blocks in all) keep every matmul output.
+    offload_first, offload_every: Every `offload_every`-th of the model's first `offload_first` blocks
+        (global indices), whose saved tensors activation offload moves to the host
+        (`activation_offload.apply_offload`), whatever `mode` says (see `apply_ac`).
+    """
+
+    mode: str = "none"
+    selective: str = "op"
+    op_matmuls: str = "all"
+    op_all_last: int = 0
+    offload_first: int = 0
+    offload_every: int = 1
+
+
+def apply_ac(model: nn.Module, plan: ACPlan, *, compiled: bool = False) -> None:
     """Wrap the transformer blocks of `model.layers` for activation checkpointing, in place.
 
     Args:
         model: A model whose blocks live in the ModuleDict `model.layers`.
-        mode: `none` (leave the model as it is), `full` (recompute every block in backward) or
-            `selective` (see `selective`).
-        selective: With mode `selective`: `op` keeps the outputs of matmuls and attention kernels and
-            recomputes only the element-wise ops of every block; an integer N checkpoints blocks
-            N-1, 2N-1, ... fully (every N-th block; N = 1 is `full`) and leaves the rest alone.
-        op_matmuls: With `op`: `all` keeps every matmul output, `alternate` every other one, `all_but_w3`
-            all but w3's (`OP_MATMULS`).
-        op_all_last: With `op` and `alternate`: the last N blocks of the whole model (by their global
-            index, the key in `model.layers`; `model.args.n_layers` blocks in all) keep every matmul output.
-        offload_first, offload_every: Every `offload_every`-th of the model's first `offload_first` blocks
-            (global indices), whose saved tensors activation offload moves to the host
-            (`activation_offload.apply_offload`), whatever `mode` says: with
-            `compiled`, selective `op` keeping every matmul output (the compiled block's saved tensors are
-            what the policy keeps, so the offload moves those and the block recomputes no matmul);
-            in eager left unwrapped (the checkpoint keeps its tensors out of reach of the offload's hooks).
-        compiled: Whether the blocks will be compiled (see `offload_first`).
+        plan: What to recompute (`ACPlan`). The blocks activation offload moves (`plan.offload_first`) are
+            wrapped whatever `plan.mode` says: with `compiled`, selective `op` keeping every matmul output
+            (the compiled block's saved tensors are what the policy keeps, so the offload moves those and
+            the block recomputes no matmul); in eager left unwrapped (the checkpoint keeps its tensors
+            out of reach of the offload's hooks).
+        compiled: Whether the blocks will be compiled (see `plan`).
     """
-    if mode in ("none", "full"):
+    if plan.mode in ("none", "full"):
         wrap: Callable[[int, str, nn.Module], nn.Module | None] = lambda i, name, b: (
-            wrap_block(b) if mode == "full" else None
+            wrap_block(b) if plan.mode == "full" else None
         )
-    elif mode == "selective" and selective == "op":
-        keep_all = _last_blocks(model, op_all_last) if op_all_last and op_matmuls == "alternate" else set()
+    elif plan.mode == "selective" and plan.selective == "op":
+        last = plan.op_all_last
+        keep_all = _last_blocks(model, last) if last and plan.op_matmuls == "alternate" else set()
         wrap = lambda i, name, b: wrap_block(
-            b, selective_op=True, op_matmuls="all" if name in keep_all else op_matmuls
+            b, selective_op=True, op_matmuls="all" if name in keep_all else plan.op_matmuls
         )
     else:  # (titanrush.run.validate: mode is none, full or selective; selective is op or a positive N)
-        assert mode == "selective" and int(selective) > 0, (mode, selective)
-        every = int(selective)
+        assert plan.mode == "selective" and int(plan.selective) > 0, plan
+        every = int(plan.selective)
         wrap = lambda i, name, b: wrap_block(b) if (i + 1) % every == 0 else None
     for i, (name, block) in enumerate(list(model.layers.items())):
-        if offloaded(int(name), offload_first, offload_every):
+        if offloaded(int(name), plan.offload_first, plan.offload_every):
             wrapped = wrap_block(block, selective_op=True, op_matmuls="all") if compiled else None
         else:
             wrapped = wrap(i, name, block)

@@ -25,10 +25,18 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+@dataclass(frozen=True)
+class CPPlan:
+    """Context parallel's settings for the run ([parallelism]; the degree is `ParallelDims.cp`)."""
+
+    rotate: str = "allgather"  # how ring attention exchanges K/V: allgather or alltoall (`set_rotate_method`)
 
 
 def set_rotate_method(method: str) -> None:

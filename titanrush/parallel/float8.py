@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -20,52 +21,60 @@ def float8_supported() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
-def skip_reason(
-    fqn: str, shape: tuple[int, ...], filter_fqns: list[str] | tuple[str, ...], min_size: int
-) -> str | None:
-    """Why the linear `fqn` of weight `shape` (out, in) stays in bf16, or None if float8 converts it.
+@dataclass(frozen=True)
+class Float8Plan:
+    """Float8 training of the run ([float8], resolved by `titanrush.run.plan.build_plan`)."""
 
-    The one rule for which linears are float8: the trainer converts by it and the memory estimator
-    counts by it.
-    """
-    if any(f and f in fqn for f in filter_fqns):
-        return "filtered by name"
-    # float8 GEMMs need both dimensions divisible by 16; small layers lose more to casting than they gain.
-    out_f, in_f = shape
-    if in_f % 16 or out_f % 16:
-        return f"shape {tuple(shape)} not divisible by 16"
-    if in_f < min_size or out_f < min_size:
-        return f"too small ({tuple(shape)}) to gain from float8"
-    return None
+    enable: bool = False
+    recipe: str = "tensorwise"  # torchao's scaling recipe: tensorwise or rowwise
+    emulate: bool = False  # float8 arithmetic emulated in higher precision (no float8 tensor cores needed)
+    all_gather: bool = False  # in effect: FSDP all-gathers float8 weights (tensorwise under FSDP only)
+    filter_fqns: tuple[str, ...] = ("output",)  # linears whose name contains one of these stay in bf16
+    min_size: int = 1024  # linears with a dimension below this stay in bf16
+    experts: bool = False  # Llama 4: the routed experts' grouped GEMMs in float8 (rowwise)
+
+    @property
+    def tp_styles(self) -> bool:
+        """torchao's float8 TP styles (cast before the all-gather) exist for tensorwise scaling only."""
+        return self.enable and self.recipe == "tensorwise"
+
+    def skip_reason(self, fqn: str, shape: tuple[int, ...]) -> str | None:
+        """Why the linear `fqn` of weight `shape` (out, in) stays in bf16, or None if float8 converts it.
+
+        The one rule for which linears are float8: the trainer converts by it and the memory estimator
+        counts by it.
+        """
+        if any(f and f in fqn for f in self.filter_fqns):
+            return "filtered by name"
+        # float8 GEMMs need both dimensions divisible by 16; small layers lose more to casting than they gain.
+        out_f, in_f = shape
+        if in_f % 16 or out_f % 16:
+            return f"shape {tuple(shape)} not divisible by 16"
+        if in_f < self.min_size or out_f < self.min_size:
+            return f"too small ({tuple(shape)}) to gain from float8"
+        return None
 
 
-def apply_float8(
-    model: nn.Module,
-    *,
-    recipe: str,
-    emulate: bool,
-    fsdp_float8_all_gather: bool,
-    filter_fqns: list[str],
-    min_size: int,
-) -> list[str]:
-    """Swap eligible nn.Linear layers for torchao's Float8Linear in place; return the converted names.
+def apply_float8(model: nn.Module, plan: Float8Plan) -> list[str]:
+    """Swap eligible nn.Linear layers (`Float8Plan.skip_reason`) for torchao's Float8Linear in place;
+    return the converted names.
 
-    torchao must import and the GPU support float8 (or `emulate` be on): `titanrush.run.validate` checks
-    both before anything is built.
+    torchao must import and the GPU support float8 (or `plan.emulate` be on): `titanrush.run.validate`
+    checks both before anything is built.
     """
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    if recipe == "tensorwise":
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather, emulate=emulate)
+    if plan.recipe == "tensorwise":
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=plan.all_gather, emulate=plan.emulate)
     else:
-        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
+        config = dataclasses.replace(Float8LinearConfig.from_recipe_name(plan.recipe), emulate=plan.emulate)
     converted: list[str] = []
     skipped: dict[str, str] = {}
 
     def keep(module: nn.Module, fqn: str) -> bool:
         if not isinstance(module, nn.Linear):
             return False
-        reason = skip_reason(fqn, tuple(module.weight.shape), filter_fqns, min_size)
+        reason = plan.skip_reason(fqn, tuple(module.weight.shape))
         if reason is None:
             converted.append(fqn)
             return True
@@ -75,8 +84,8 @@ def apply_float8(
     convert_to_float8_training(model, module_filter_fn=keep, config=config)
     reasons = ", ".join(sorted(set(skipped.values())))
     logger.info(
-        f"float8 ({recipe}{', emulated' if emulate else ''}): {len(converted)} linear layers converted, "
-        f"{len(skipped)} kept in bf16 ({reasons})"
+        f"float8 ({plan.recipe}{', emulated' if plan.emulate else ''}): {len(converted)} linear layers "
+        f"converted, {len(skipped)} kept in bf16 ({reasons})"
     )
     return converted
 

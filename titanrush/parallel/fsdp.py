@@ -12,6 +12,7 @@ explicit prefetch lists.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -22,15 +23,33 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 ReshardPolicy = Literal["default", "always", "never"]
 
 
+@dataclass(frozen=True)
+class FSDPPlan:
+    """FSDP's settings for the run ([parallelism] fsdp_*), as in effect.
+
+    reshard: `always` frees every unit's gathered parameters after its forward (ZeRO-3, least memory);
+        `never` keeps them until backward (ZeRO-2 like, no second all-gather); `default` frees them except
+        for the units backward needs first: the last block and `[norm, output]`, whose all-gathers backward
+        would otherwise wait on right away. (Pipelined stages run `never`: `titanrush.run.plan`.)
+    keep_gathered_last: With `default`: the last N blocks keep their gathered parameters until backward
+        too (ZeRO-2 for them), for their gathered weights held at the end of forward.
+    cpu_offload: Keep the sharded parameters, gradients and optimizer states in host memory; each unit is
+        copied to the device for its all-gather (and its gradients back after the reduce-scatter). The
+        optimizer step then runs on the CPU.
+    """
+
+    reshard: ReshardPolicy = "default"
+    keep_gathered_last: int = 0
+    cpu_offload: bool = False
+
+
 def apply_fsdp(
     model: nn.Module,
     mesh: DeviceMesh,
+    plan: FSDPPlan,
     *,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype = torch.float32,
-    reshard_after_forward: ReshardPolicy = "default",
-    keep_gathered_last: int = 0,
-    cpu_offload: bool = False,
     inner_units: dict[str, list[nn.Module]] | None = None,
 ) -> None:
     """Shard `model` with FSDP2 over `mesh`, in place.
@@ -41,30 +60,22 @@ def apply_fsdp(
             (its parameters DTensors on a `tp` mesh of the same root mesh).
         mesh: The data-parallel mesh: 1-D (`dp_shard_cp`) for FSDP, 2-D (`dp_replicate`, `dp_shard_cp`)
             for HSDP.
+        plan: When units free their gathered parameters, and where the sharded ones live (`FSDPPlan`).
         param_dtype: dtype of the all-gathered parameters, i.e. of the compute (bf16 for mixed precision).
             The sharded master weights and the optimizer stay in their own dtype (fp32). The root and the
             embedding and output units cast their floating-point forward inputs to it; the blocks do not
             (their residual input is in it already, and the RoPE table stays fp32).
         reduce_dtype: dtype of the gradient reduce-scatter / all-reduce (fp32 keeps the sum exact enough).
-        reshard_after_forward: `always` frees every unit's gathered parameters after its forward (ZeRO-3,
-            least memory); `never` keeps them until backward (ZeRO-2 like, no second all-gather);
-            `default` frees them except for the units backward needs first: the last block and
-            `[norm, output]`, whose all-gathers backward would otherwise wait on right away.
-        keep_gathered_last: With `default`: the last N blocks keep their gathered parameters until
-            backward too (ZeRO-2 for them), for their gathered weights held at the end of forward.
-        cpu_offload: Keep the sharded parameters, gradients and optimizer states in host memory; each
-            unit is copied to the device for its all-gather (and its gradients back after the
-            reduce-scatter). The optimizer step then runs on the CPU.
         inner_units: Block key -> the modules inside that block already sharded as units of their own
             (expert parallel's experts; MoE layers under TP), in the order they run after the block's
             own unit starts: they join the prefetch chain there.
     """
-    assert reshard_after_forward in ("default", "always", "never"), reshard_after_forward
+    assert plan.reshard in ("default", "always", "never"), plan.reshard
     common: dict = {
         "mesh": mesh,
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
     }
-    if cpu_offload:
+    if plan.cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
     # A block's inputs are the residual stream, already in param_dtype (the output of the embedding or
     # of the previous block, whose weights are gathered in it; a later pipeline stage's root casts what
@@ -74,8 +85,8 @@ def apply_fsdp(
     block_policy = MixedPrecisionPolicy(
         param_dtype=param_dtype, reduce_dtype=reduce_dtype, cast_forward_inputs=False
     )
-    never = reshard_after_forward == "never"
-    always = reshard_after_forward == "always"
+    never = plan.reshard == "never"
+    always = plan.reshard == "always"
 
     emb, norm, out = model.tok_embeddings, model.norm, model.output
     # A tied table is one parameter in two modules: both must then live in the same unit (the root).
@@ -85,7 +96,7 @@ def apply_fsdp(
         fully_shard(emb, reshard_after_forward=not never, **common)
         units.append(emb)
     blocks = list(model.layers.items())
-    keep_from = len(blocks) - max(1, keep_gathered_last)
+    keep_from = len(blocks) - max(1, plan.keep_gathered_last)
     for i, (key, block) in enumerate(blocks):
         kept = i >= keep_from  # backward needs it early (the last block), or asked for (ZeRO-2 blocks)
         fully_shard(

@@ -14,12 +14,13 @@ The plan itself (which module is column-wise, row-wise, sequence-parallel) belon
   (`titanrush.models.llama.loss.vocab_parallel_cross_entropy_sum`).
 - async TP: inside the compiled blocks Inductor splits each sequence-parallel all-gather + matmul (and
   matmul + reduce-scatter) into chunks whose exchange over symmetric memory overlaps the partial
-  matmuls (`enable_async_tp` here, the option in `titanrush.parallel.compile.inductor_options`).
+  matmuls (`enable_async_tp` here, the option in `titanrush.parallel.compile.CompilePlan`).
 """
 
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,6 +28,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel, parallelize_module
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """Tensor parallel's settings for the run ([parallelism]; the degree is `ParallelDims.tp`). The module
+    -> style plan they select is the model's (`titanrush.models.llama.parallelize.llama_tp_plan`)."""
+
+    sequence_parallel: bool = True  # the residual stream between blocks sharded over the sequence
+    loss_parallel: bool = True  # the output's logits stay sharded over the vocabulary for the loss
 
 
 class ReplicateParallel(ParallelStyle):
@@ -77,8 +87,8 @@ class SyncRowwiseParallel(RowwiseParallel):
 def enable_async_tp(tp_mesh: DeviceMesh) -> None:
     """Register the TP group with symmetric memory, where async TP's fused kernels exchange the shards.
 
-    Inductor's async TP pass (`compile.inductor_options(async_tp=True)`) fuses only over registered
-    groups and skips the others without a word; torch 2.11 marks the registration deprecated ("no need to
+    Inductor's async TP pass (`compile.CompilePlan.async_tp`) fuses only over registered groups and
+    skips the others without a word; torch 2.11 marks the registration deprecated ("no need to
     call") while its pass still requires it, so the deprecation warning is silenced here.
     """
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group

@@ -18,19 +18,31 @@ from titanrush.config import ConfigError, JobConfig
 from titanrush.interop.hf import model_args_at
 from titanrush.models.llama import ModelArgs, model_args
 from titanrush.models.llama.flavors import CUSTOM, ffn_sizing, shape_of
+from titanrush.models.llama.parallelize import ParallelizePlan
 from titanrush.models.llama.pipeline import stage_costs
 from titanrush.models.llama4 import FLAVORS as LLAMA4_FLAVORS
 from titanrush.models.llama4 import Llama4Args
 from titanrush.models.llama4 import model_args as llama4_args
 from titanrush.models.llama4.grouped_gemm import KERNEL as GROUPED_KERNEL
+from titanrush.parallel.activation_checkpoint import ACPlan
+from titanrush.parallel.compile import CompilePlan
+from titanrush.parallel.context_parallel import CPPlan
+from titanrush.parallel.float8 import Float8Plan
+from titanrush.parallel.fsdp import FSDPPlan
 from titanrush.parallel.parallel_dims import ParallelDims
 from titanrush.parallel.pipeline import balanced_split, stage_ids, stages_per_rank
+from titanrush.parallel.tensor_parallel import TPPlan
 from titanrush.run import validate
 
 
 @dataclass(frozen=True)
 class RunPlan:
-    """The resolved decisions of one run (see the module docstring); every field is a plain value."""
+    """The resolved decisions of one run (see the module docstring).
+
+    Run-level values are plain fields; each feature's settings are one object of the parallel module
+    that applies them, under the feature's name (`float8`, `ac`, `compile`), or `<degree>_plan` where
+    the bare name is the degree or FSDP's on/off (`fsdp_plan`, `tp_plan`, `cp_plan`).
+    """
 
     args: ModelArgs
     local_batch: int
@@ -46,38 +58,20 @@ class RunPlan:
     pp: int = 1
     ep: int = 1  # expert parallel (Llama 4): borrowed from dp_shard
     moe_bias_rate: float = 0.0  # the routing bias's step per optimizer step (0: measure the load only)
-    cp_rotate: str = "allgather"  # how ring attention exchanges K/V: allgather or alltoall
-    sequence_parallel: bool = True  # with tp > 1
-    loss_parallel: bool = True  # with tp > 1: the loss on vocabulary-sharded logits
-    # FSDP: `reshard` is the policy in effect (pipelined stages keep their weights gathered: never).
-    reshard: str = "default"
-    keep_gathered_last: int = 0
-    cpu_offload: bool = False
     # Pipeline: the schedule, and the config's micro-batches / stages per rank / split (0 or () = derived;
     # the properties below resolve them).
     pp_schedule: str = "1F1B"
     pp_microbatches: int = 0
     pp_stages_per_rank: int = 0
     pp_layers_per_stage: tuple[int, ...] = ()
-    # Activation checkpointing and offload.
-    ac_mode: str = "none"
-    ac_selective: str = "op"
-    ac_op_matmuls: str = "all"
-    ac_op_all_last: int = 0
-    ac_offload_first: int = 0
-    ac_offload_every: int = 1
-    compile: bool = False
-    fullgraph: bool = True
-    overlap_collectives: bool = False  # Inductor reorders the collectives in compiled blocks (tp > 1)
-    async_tp: bool = False  # Inductor's micro-pipelined TP (experimental.async_tp)
-    # Float8 (torchao): `float8_all_gather` is in effect (tensorwise scaling under FSDP only).
-    float8: bool = False
-    float8_recipe: str = "tensorwise"
-    float8_emulate: bool = False
-    float8_all_gather: bool = False
-    float8_filter: tuple[str, ...] = ("output",)
-    float8_min_size: int = 1024
-    float8_experts: bool = False  # Llama 4: the routed experts' grouped GEMMs in float8 (rowwise)
+    # Each feature's settings, as in effect (FSDP: pipelined stages keep their weights gathered, `never`;
+    # float8's all-gather under FSDP only; compile's fullgraph and overlap where the blocks allow them).
+    fsdp_plan: FSDPPlan = FSDPPlan()
+    tp_plan: TPPlan = TPPlan()
+    cp_plan: CPPlan = CPPlan()
+    ac: ACPlan = ACPlan()
+    compile: CompilePlan = CompilePlan()
+    float8: Float8Plan = Float8Plan()
     loss: str = "plain"
     loss_chunk: int = 4096
     optimizer: str = "adamw"
@@ -138,17 +132,25 @@ class RunPlan:
     def vocab_parallel_loss(self) -> bool:
         """Tensor parallel with loss parallel: the plain loss on the vocabulary-sharded logits
         (`titanrush.models.llama.loss.vocab_parallel_cross_entropy_sum`)."""
-        return self.loss == "plain" and self.tp > 1 and self.loss_parallel
+        return self.loss == "plain" and self.tp > 1 and self.tp_plan.loss_parallel
 
     @property
     def compiled_loss(self) -> bool:
         """The plain loss is compiled with the blocks, except under loss parallel (its own function)."""
-        return self.compile and self.loss == "plain" and not self.vocab_parallel_loss
+        return self.compile.enable and self.loss == "plain" and not self.vocab_parallel_loss
 
     @property
-    def float8_tp(self) -> bool:
-        """torchao's float8 TP styles (cast before the all-gather) exist for tensorwise scaling only."""
-        return self.float8 and self.float8_recipe == "tensorwise"
+    def parallelize_plan(self) -> ParallelizePlan:
+        """What `parallelize_llama` applies to the model: the degrees and the features' plans."""
+        return ParallelizePlan(
+            dims=self.dims,
+            precision=self.precision,
+            float8=self.float8,
+            tp_plan=self.tp_plan,
+            ac=self.ac,
+            compile=self.compile,
+            fsdp_plan=self.fsdp_plan,
+        )
 
     @property
     def tokens_per_gpu_step(self) -> float:
@@ -305,6 +307,9 @@ def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunP
         if dims.pp > 1
         else 1
     )
+    f8_all_gather = (
+        f8.enable and f8.recipe == "tensorwise" and f8.fsdp_float8_all_gather and dims.fsdp_enabled
+    )
     float8_filter = (
         (*f8.filter_fqns, "router.gate") if isinstance(args, Llama4Args) else tuple(f8.filter_fqns)
     )
@@ -322,36 +327,38 @@ def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunP
         pp=dims.pp,
         ep=dims.ep,
         moe_bias_rate=cfg.moe.bias_update_rate if isinstance(args, Llama4Args) else 0.0,
-        cp_rotate=p.cp_rotate_method,
-        sequence_parallel=p.sequence_parallel,
-        loss_parallel=p.loss_parallel,
-        reshard=reshard,
-        keep_gathered_last=p.fsdp_keep_gathered_last,
-        cpu_offload=p.fsdp_cpu_offload,
         pp_schedule=p.pp_schedule,
         pp_microbatches=p.pp_microbatches,
         pp_stages_per_rank=p.pp_stages_per_rank,
         pp_layers_per_stage=tuple(p.pp_layers_per_stage),
-        ac_mode=ac.mode,
-        ac_selective=ac.selective,
-        ac_op_matmuls=ac.op_matmuls,
-        ac_op_all_last=ac.op_all_last,
-        ac_offload_first=ac.offload_first,
-        ac_offload_every=ac.offload_every,
-        compile=cfg.compile.enable,
-        fullgraph=fullgraph,
-        overlap_collectives=cfg.compile.enable and cfg.compile.overlap_collectives and dims.tp > 1,
-        async_tp=cfg.experimental.async_tp,
-        float8=f8.enable,
-        float8_recipe=f8.recipe,
-        float8_emulate=f8.emulate,
-        float8_all_gather=f8.enable
-        and f8.recipe == "tensorwise"
-        and f8.fsdp_float8_all_gather
-        and dims.fsdp_enabled,
-        float8_filter=float8_filter,  # (a MoE's router stays in bf16: it ranks near-equal scores)
-        float8_min_size=f8.min_size,
-        float8_experts=f8.experts,
+        fsdp_plan=FSDPPlan(
+            reshard=reshard, keep_gathered_last=p.fsdp_keep_gathered_last, cpu_offload=p.fsdp_cpu_offload
+        ),
+        tp_plan=TPPlan(sequence_parallel=p.sequence_parallel, loss_parallel=p.loss_parallel),
+        cp_plan=CPPlan(rotate=p.cp_rotate_method),
+        ac=ACPlan(
+            mode=ac.mode,
+            selective=ac.selective,
+            op_matmuls=ac.op_matmuls,
+            op_all_last=ac.op_all_last,
+            offload_first=ac.offload_first,
+            offload_every=ac.offload_every,
+        ),
+        compile=CompilePlan(
+            enable=cfg.compile.enable,
+            fullgraph=fullgraph,
+            overlap_collectives=cfg.compile.enable and cfg.compile.overlap_collectives and dims.tp > 1,
+            async_tp=cfg.experimental.async_tp,
+        ),
+        float8=Float8Plan(
+            enable=f8.enable,
+            recipe=f8.recipe,
+            emulate=f8.emulate,
+            all_gather=f8_all_gather,  # (torchao's float8 all-gather: tensorwise scaling, under FSDP)
+            filter_fqns=float8_filter,  # (a MoE's router stays in bf16: it ranks near-equal scores)
+            min_size=f8.min_size,
+            experts=f8.experts,
+        ),
         loss=t.loss,
         loss_chunk=t.loss_chunk_size,
         optimizer=cfg.optimizer.name,

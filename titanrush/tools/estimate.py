@@ -178,7 +178,7 @@ def slack(s: RunPlan, b: mm.Breakdown) -> int:
     frac = 0.05
     if s.fsdp or s.ddp or s.tp > 1 or s.pp > 1 or s.cp > 1:
         frac += 0.10
-    if s.ac_mode == "full" or (s.ac_mode == "selective" and s.ac_selective != "op"):
+    if s.ac.mode == "full" or (s.ac.mode == "selective" and s.ac.selective != "op"):
         frac += 0.08
     return int(frac * b.peak) + mm.stranded_after_first_backward(b)
 
@@ -237,7 +237,7 @@ def estimate(
     if ngpu < 1:
         raise ConfigError(f"--ngpu must be >= 1, got {ngpu}")
     s, n_params, refused = plan_for(cfg, ngpu)
-    if s.moe and (s.float8 or s.float8_experts):  # (its float8 terms follow the dense FFN's shapes)
+    if s.moe and (s.float8.enable or s.float8.experts):  # (its float8 terms follow the dense FFN's shapes)
         raise ConfigError(
             "titanrush estimate does not count float8 with mixture-of-experts layers yet; estimate the run "
             "with float8.enable = false and float8.experts = false (float8 converts only the dense linears "
@@ -366,12 +366,12 @@ def _describe(s: RunPlan, key: str) -> str:
     if key == "master_weights":
         return "bf16 compute" + shard
     if key == "activations":
-        ac = s.ac_mode if s.ac_mode != "selective" else f"selective {s.ac_selective}"
-        if ac == "selective op" and s.ac_op_matmuls == "alternate":
-            ac = "op alternate" + (f", all in the last {s.ac_op_all_last} blocks" if s.ac_op_all_last else "")
-        elif ac == "selective op" and s.ac_op_matmuls == "all_but_w3":
+        ac = s.ac.mode if s.ac.mode != "selective" else f"selective {s.ac.selective}"
+        if ac == "selective op" and s.ac.op_matmuls == "alternate":
+            ac = "op alternate" + (f", all in the last {s.ac.op_all_last} blocks" if s.ac.op_all_last else "")
+        elif ac == "selective op" and s.ac.op_matmuls == "all_but_w3":
             ac = "op all but w3"
-        return f"AC {ac}" + (", compiled" if s.compile else "")
+        return f"AC {ac}" + (", compiled" if s.compile.enable else "")
     if key == "buffers" and s.moe:
         return "+ each MoE layer's routing bias and token counts"
     if key == "logits":

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from titanrush.models.llama import ModelArgs
 from titanrush.models.llama.loss import LOSS_CHUNK_ELEMENTS
 from titanrush.parallel.activation_offload import offloaded
-from titanrush.parallel.float8 import skip_reason
 from titanrush.run.plan import RunPlan
 from titanrush.tools import memory_moe as moe
 
@@ -151,8 +150,8 @@ def optimizer_bytes(numel: int, name: str) -> int:
 
 def float8_linears(s: RunPlan) -> frozenset[str]:
     """The linears float8 converts (block names wq ... w3, and `output`): titanrush.parallel.float8's rule
-    (`skip_reason`) on the unsharded shapes, as for layer 0."""
-    if not s.float8:
+    (`Float8Plan.skip_reason`) on the unsharded shapes, as for layer 0."""
+    if not s.float8.enable:
         return frozenset()
     a = s.args
     d, hq, hkv, f = a.dim, a.n_heads * a.head_dim, a.kv_heads * a.head_dim, a.ffn_hidden
@@ -169,7 +168,7 @@ def float8_linears(s: RunPlan) -> frozenset[str]:
     out = set()
     for name, shape in shapes.items():
         fqn = name if name == "output" else f"layers.0.{name}"
-        if skip_reason(fqn, shape, s.float8_filter, s.float8_min_size) is None:
+        if s.float8.skip_reason(fqn, shape) is None:
             out.add(name.rsplit(".", 1)[-1])
     return frozenset(out)
 
@@ -179,7 +178,7 @@ def states(s: RunPlan, plan: RankPlan) -> dict[str, int]:
     shapes = param_shapes(s, plan)
     local = [shard_numel(shape, moe.fsdp_degree(s, name)) for name, shape, _ in shapes]
     stored = 4 * sum(local)  # parameters are fp32 in both precisions (bf16 runs keep fp32 masters)
-    on_gpu = 0 if s.cpu_offload else 1
+    on_gpu = 0 if s.fsdp_plan.cpu_offload else 1
     # autocast caches a bf16 copy of every matmul weight (a tied table: for the output) for fwd and bwd;
     # float8 linears cast their fp32 weights to float8 themselves
     tied = s.args.tie_embeddings and plan.embedding and plan.head
@@ -205,18 +204,18 @@ def states(s: RunPlan, plan: RankPlan) -> dict[str, int]:
 
 def _sp(s: RunPlan, n: int, as_traced: bool) -> int:
     """Local tokens of the norms and the residual stream: 1/tp of the sequence under sequence parallel."""
-    return n // s.tp if s.tp > 1 and s.sequence_parallel and not as_traced else n
+    return n // s.tp if s.tp > 1 and s.tp_plan.sequence_parallel and not as_traced else n
 
 
 def layer_mode(s: RunPlan, position: int, *, as_traced: bool) -> str:
     """How the block at this position of the rank is checkpointed: none, full, op (selective) or compiled."""
-    plain = "none" if as_traced or not s.compile else "compiled"
-    if s.ac_mode == "full":
+    plain = "none" if as_traced or not s.compile.enable else "compiled"
+    if s.ac.mode == "full":
         return "full"
-    if s.ac_mode == "selective":
-        if s.ac_selective == "op":
+    if s.ac.mode == "selective":
+        if s.ac.selective == "op":
             return "op"
-        return "full" if (position + 1) % int(s.ac_selective) == 0 else plain
+        return "full" if (position + 1) % int(s.ac.selective) == 0 else plain
     return plain
 
 
@@ -225,7 +224,7 @@ def _ring_kv(s: RunPlan, n: int) -> tuple[int, int]:
     them (SDPA's inputs: K and V repeated to the query heads), and of the K/V it receives in one attention
     (allgather: every rank's pair, its own included; alltoall: the cp - 1 others', one ring pass each)."""
     pair = 2 * s.c * n * (s.args.n_heads // s.tp) * s.args.head_dim
-    return pair, (s.cp if s.cp_rotate == "allgather" else s.cp - 1) * pair
+    return pair, (s.cp if s.cp_plan.rotate == "allgather" else s.cp - 1) * pair
 
 
 def expands_kv(args: ModelArgs, as_traced: bool) -> bool:
@@ -237,7 +236,7 @@ def expands_kv(args: ModelArgs, as_traced: bool) -> bool:
 
 def keeps_all_matmuls(s: RunPlan, layer: int) -> bool:
     """Whether block `layer` (its index in the whole model) keeps every matmul output under op_all_last."""
-    return s.ac_op_matmuls == "alternate" and layer >= s.args.n_layers - s.ac_op_all_last
+    return s.ac.op_matmuls == "alternate" and layer >= s.args.n_layers - s.ac.op_all_last
 
 
 def block_saved(
@@ -295,14 +294,14 @@ def _block_saved(
             "w3 out": c * n * f,
             "w2 out": c * n * d,
         }
-        if tp > 1 and s.sequence_parallel and not as_traced:
+        if tp > 1 and s.tp_plan.sequence_parallel and not as_traced:
             out["reduce-scatter outs"] = 2 * c * n_sp * d
-        if s.ac_op_matmuls == "alternate" and not keep_all:  # the policy counts aten.mm calls: the 2nd,
+        if s.ac.op_matmuls == "alternate" and not keep_all:  # the policy counts aten.mm calls: the 2nd,
             # 4th and 6th are recomputed
             del out["wk out"], out["wo out"], out["w3 out"]
-        elif s.ac_op_matmuls == "all_but_w3":  # ... the 6th
+        elif s.ac.op_matmuls == "all_but_w3":  # ... the 6th
             del out["w3 out"]
-        if s.compile and not as_traced:  # compiled, w2's output goes: backward does not need it (measured)
+        if s.compile.enable and not as_traced:  # compiled: w2's output goes, unused by backward (measured)
             del out["w2 out"]
             if ring:  # compiled ring attention keeps the K/V it received and K, V made contiguous (the
                 # joint graph's CSE merges the backward's exchange into the forward's; see estimator.md),
@@ -430,7 +429,7 @@ def _ring_transient(s: RunPlan, n: int, mode: str, *, backward: bool) -> int:
     """
     pair, received = _ring_kv(s, n)
     out32 = 4 * n * (s.args.n_heads // s.tp) * s.args.head_dim  # one fp32 (B, H, T, D) output
-    kept = s.compile and mode in ("op", "compiled")
+    kept = s.compile.enable and mode in ("op", "compiled")
     exchange = (0 if kept else received + pair) + pair
     if not backward:
         return exchange + 3 * out32
@@ -446,7 +445,8 @@ def loss_bytes(s: RunPlan, n: int, *, as_traced: bool) -> dict[str, int]:
     """Saved tensors of the final norm and output layer, and the loss's forward and backward peaks."""
     a, tp, c, r = s.args, s.tp, s.c, s.r
     n_sp = _sp(s, n, as_traced)
-    vocab = math.ceil(a.vocab_size / tp) if tp > 1 and (s.loss_parallel or as_traced) else a.vocab_size
+    sharded = tp > 1 and (s.tp_plan.loss_parallel or as_traced)
+    vocab = math.ceil(a.vocab_size / tp) if sharded else a.vocab_size
     if s.loss == "chunked":
         return _chunked_loss_bytes(s, n, n_sp, min(n, s.loss_chunk), vocab, as_traced=as_traced)
     head_in = (2 if s.autocast else r) * n * a.dim
@@ -505,7 +505,7 @@ def _chunked_loss_bytes(
     w_bytes = 2 if s.fsdp and s.precision == "bf16" else 4
     kept_w = w_bytes * vocab * a.dim
     saved = 4 * n_sp * a.dim + 4 * n_sp + c * n * a.dim + kept_w
-    if s.compile and not as_traced:  # compiled per-chunk math: the chunk's logits and their gradient only
+    if s.compile.enable and not as_traced:  # compiled per-chunk math: the chunk's logits and gradient only
         per_row = 2 * c
     else:  # eager: the logits, their fp32 copy turned into the gradient in place, its cast (bf16)
         per_row = 4 if c == 4 else 2 * c + 4
@@ -584,7 +584,7 @@ def fsdp_buffers(s: RunPlan, plan: RankPlan, *, later: bool = False) -> dict[str
         if i < 0 or i >= len(of):
             return 0
         if kind == "gather":
-            f8 = s.float8_all_gather
+            f8 = s.float8.all_gather
             return sum(x * (1 if f8 and lin and name != "output" else dtype) for x, lin, name in of[i])
         if kind == "grad":  # the unsharded gradients alone, before the unit's post-backward
             per = dtype
@@ -602,11 +602,11 @@ def fsdp_buffers(s: RunPlan, plan: RankPlan, *, later: bool = False) -> dict[str
     every = sum(unit(i, "gather") for i in range(len(units)))
 
     def gathered(*idx: int) -> int:  # reshard_after_forward = never keeps every unit until its backward
-        return root_all + (every if s.reshard == "never" else sum(unit(i, "gather") for i in idx))
+        return root_all + (every if s.fsdp_plan.reshard == "never" else sum(unit(i, "gather") for i in idx))
 
     # default: the last block (and the last keep_gathered_last) and the head stay gathered until backward
-    blks = tuple(range(max(first, blk + 1 - max(1, s.keep_gathered_last)), blk + 1))
-    kept = () if s.reshard == "always" else (head, *blks)
+    blks = tuple(range(max(first, blk + 1 - max(1, s.fsdp_plan.keep_gathered_last)), blk + 1))
+    kept = () if s.fsdp_plan.reshard == "always" else (head, *blks)
     out = {
         "last block forward": gathered(*blks, head),
         "forward end": gathered(*kept),
@@ -637,7 +637,7 @@ def fsdp_buffers(s: RunPlan, plan: RankPlan, *, later: bool = False) -> dict[str
     at = plan.layers.index(last)
     prev = plan.layers[at - 1] if at > 0 else None
     chain = s.fsdp  # in FSDP's prefetch chain (TP alone: each unit a root of its own, no prefetch)
-    never = s.reshard == "never"  # every unit gathered from its forward to its backward
+    never = s.fsdp_plan.reshard == "never"  # every unit gathered from its forward to its backward
     every_inner = sum(size(i, "gather") for i in inner) if never else 0
     extra = {
         # in use (the last block's layer); then resharded after forward, unless never
@@ -669,7 +669,7 @@ def analyze_rank(
     moe_kw = dict(as_traced=as_traced, imbalance=moe_imbalance)
     saved = [
         0  # offloaded: its saved tensors wait in host memory (the trace, on one CPU process, keeps them)
-        if not as_traced and offloaded(layer, s.ac_offload_first, s.ac_offload_every)
+        if not as_traced and offloaded(layer, s.ac.offload_first, s.ac.offload_every)
         else sum(
             block_saved(s, n, b, m, keep_all=keeps_all_matmuls(s, layer), layer=layer, **moe_kw).values()
         )
@@ -701,7 +701,7 @@ def analyze_rank(
     # tensor's unsharded gradient before it is sharded (FSDP's buffers stand for it otherwise).
     conv = 2 if s.autocast else (6 if s.precision == "bf16" else 4) if s.fsdp and as_traced else 0
     f8 = 0  # float8 casts of the largest linear's input, output gradient and weight
-    if s.float8 and not as_traced:
+    if s.float8.enable and not as_traced:
         f8 = n * (math.ceil(a.ffn_hidden / s.tp) + a.dim) + 2 * w2
     fsdp = fsdp_buffers(s, plan) if (s.fsdp or s.moe_tp) and not as_traced else {}
     if pipelined and fsdp:
@@ -906,7 +906,7 @@ def _autocast_copies(
     if s.args.tie_embeddings and plan.embedding and plan.head and "output" not in f8:
         out += 2 * shapes[0][1][0] * shapes[0][1][1]
     ckpt = [m in ("full", "op") for m in modes] if plan.layers else []
-    cached = 0 if s.compile and not as_traced else sum(x for x, c in zip(block, ckpt) if c)
+    cached = 0 if s.compile.enable and not as_traced else sum(x for x, c in zip(block, ckpt) if c)
     kept = sum(x for x, c in zip(block, ckpt) if not c)  # saved by autograd
     order = [
         "last block forward",
@@ -928,7 +928,7 @@ def _autocast_copies(
         else:
             with_out = name in ("forward end", "loss backward", "output backward") or (as_traced and i > 0)
         copies[name] = (cached if i < cleared else 0) + kept + (out if with_out else 0)
-    again = not as_traced and (cleared < len(order) or s.compile)
+    again = not as_traced and (cleared < len(order) or s.compile.enable)
     return copies, [x if c and again else 0 for x, c in zip(block, ckpt)] or [0]
 
 

@@ -149,14 +149,14 @@ def moe_saved(
                 "shared w2 out": c * tokens * d,
             }
         recomputed: tuple[int, ...] = ()
-        if s.ac_op_matmuls == "alternate" and not keep_all:
+        if s.ac.op_matmuls == "alternate" and not keep_all:
             recomputed = (6, 8)
-        elif s.ac_op_matmuls == "all_but_w3":
+        elif s.ac.op_matmuls == "all_but_w3":
             recomputed = (6,)
         names = {6: "shared w1 out", 8: "shared w2 out"}
         for k in recomputed:
             out.pop(names[k], None)
-        if s.compile:  # backward needs neither down projection's output (as a dense block's w2)
+        if s.compile.enable:  # backward needs neither down projection's output (as a dense block's w2)
             out.pop("experts w2 out"), out.pop("shared w2 out", None)
         return out
     # EP: the regrouping permutation and the combine's inverse (int64 per received row), kept by their

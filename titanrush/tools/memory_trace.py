@@ -341,14 +341,10 @@ def build_local_model(s: RunPlan, plan: RankPlan, *, moe_imbalance: float = DEFA
     for module in model.modules():
         if type(module) is RMSNorm:
             module.__class__ = _TraceRMSNorm
-    apply_ac(
-        model,
-        mode=s.ac_mode,
-        selective=s.ac_selective,
-        op_matmuls=s.ac_op_matmuls,
-        # the local model numbers its blocks 0..len(plan.layers) - 1: the plan's share of the last N
-        op_all_last=sum(keeps_all_matmuls(s, layer) for layer in plan.layers),
-    )
+    # The local model numbers its blocks 0..len(plan.layers) - 1: the plan's share of the last N; the trace
+    # offloads nothing.
+    last = sum(keeps_all_matmuls(s, layer) for layer in plan.layers)
+    apply_ac(model, dataclasses.replace(s.ac, op_all_last=last, offload_first=0))
     return model
 
 
@@ -406,7 +402,8 @@ def trace_rank(
             (the busiest rank's share; `memory_moe`).
     """
     master_copies = s.fsdp and s.precision == "bf16"  # FSDP: bf16 compute weights, fp32 sharded masters
-    state = 0.0 if s.cpu_offload else 1 / (s.fsdp_shard if s.fsdp else 1)  # offloaded states: on the host
+    # offloaded states: on the host
+    state = 0.0 if s.fsdp_plan.cpu_offload else 1 / (s.fsdp_shard if s.fsdp else 1)
     tracker = LiveBytes(
         {"param": state, "grad": state, "optimizer": state, "param_copy": 0.0 if s.fsdp else 1.0}
     )
@@ -525,19 +522,19 @@ def trace_rank(
 def not_traced(s: RunPlan) -> list[str]:
     """The parts of this configuration that the trace does not run (the analytic model covers them)."""
     out = []
-    if s.compile:
+    if s.compile.enable:
         out.append(
             "compile: the trace runs eager (blocks and loss); it is compared with the analytic model's eager "
             "numbers"
         )
-    if s.float8:
+    if s.float8.enable:
         out.append(
             "float8: linears run in bf16 in the trace (no float8 weight casts; compiled float8 blocks keep "
             "fewer bf16 inputs)"
         )
     if s.fsdp:
         out.append("FSDP all-gather / reduce-scatter buffers (states are traced unsharded, weighted 1/shard)")
-    if s.tp > 1 and s.sequence_parallel:
+    if s.tp > 1 and s.tp_plan.sequence_parallel:
         what = "norms, residuals and MoE layers" if s.moe else "norms and residuals"
         out.append(f"sequence parallel: {what} traced at full sequence length (an over-count)")
     if s.ep > 1:
@@ -545,7 +542,7 @@ def not_traced(s: RunPlan) -> list[str]:
             "expert parallel: the all-to-alls run as local copies (the rank receiving the assumed "
             "imbalance times the rows it sends)"
         )
-    if s.tp > 1 and not s.loss_parallel:
+    if s.tp > 1 and not s.tp_plan.loss_parallel:
         out.append("tp without loss_parallel: traced logits are the vocabulary shard, not all-gathered")
     if s.cp > 1:
         out.append(
@@ -558,7 +555,7 @@ def not_traced(s: RunPlan) -> list[str]:
             out.append("pipeline with FSDP: unsharded fp32 gradients until the last micro-batch's backward")
     if s.ddp:
         out.append("DDP gradient buckets")
-    if s.cpu_offload:
+    if s.fsdp_plan.cpu_offload:
         out.append(
             "FSDP CPU offload: states weighted 0 (on the host); their copies to the device are not traced"
         )

@@ -19,6 +19,7 @@ Order: float8 -> TP -> EP -> CP -> AC -> compile -> FSDP/HSDP or DDP -> activati
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,27 +33,46 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
 )
 
-from titanrush.parallel.activation_checkpoint import apply_ac
+from titanrush.models.llama4 import Llama4Args
+from titanrush.parallel.activation_checkpoint import ACPlan, apply_ac
 from titanrush.parallel.activation_offload import ActivationOffloader, apply_offload
-from titanrush.parallel.compile import apply_compile, inductor_options
+from titanrush.parallel.compile import CompilePlan, apply_compile
 from titanrush.parallel.ddp import apply_ddp
 from titanrush.parallel.expert_parallel import apply_ep, shard_experts
-from titanrush.parallel.float8 import apply_float8, apply_float8_experts
-from titanrush.parallel.fsdp import apply_fsdp
-from titanrush.parallel.parallel_dims import JobMesh
+from titanrush.parallel.float8 import Float8Plan, apply_float8, apply_float8_experts
+from titanrush.parallel.fsdp import FSDPPlan, apply_fsdp
+from titanrush.parallel.parallel_dims import JobMesh, ParallelDims
 from titanrush.parallel.tensor_parallel import (
     ReplicateParallel,
     SyncRowwiseParallel,
+    TPPlan,
     apply_tp_plan,
     enable_async_tp,
 )
-from titanrush.run.plan import RunPlan
 
 logger = logging.getLogger("titanrush")
 
 
+@dataclass(frozen=True)
+class ParallelizePlan:
+    """What `parallelize_llama` applies: the degrees, the compute precision and each feature's own plan
+    (the run's plan gathers them: `titanrush.run.plan.RunPlan.parallelize_plan`)."""
+
+    dims: ParallelDims
+    precision: str = "fp32"  # bf16: FSDP gathers bf16 weights (the sharded masters stay fp32)
+    float8: Float8Plan = Float8Plan()
+    tp_plan: TPPlan = TPPlan()
+    ac: ACPlan = ACPlan()
+    compile: CompilePlan = CompilePlan()
+    fsdp_plan: FSDPPlan = FSDPPlan()
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.precision == "bf16" else torch.float32
+
+
 def parallelize_llama(
-    model: nn.Module, plan: RunPlan, mesh: JobMesh | None, *, device: torch.device | None = None
+    model: nn.Module, mesh: JobMesh | None, plan: ParallelizePlan, *, device: torch.device | None = None
 ) -> ActivationOffloader | None:
     """Apply float8, TP, EP, CP, AC, compile and FSDP/HSDP or DDP to a Llama, in that order, in place.
 
@@ -60,42 +80,30 @@ def parallelize_llama(
 
     Args:
         model: The Llama (or one pipeline stage of it), on the meta device.
-        plan: The run's resolved decisions (`titanrush.run.plan.build_plan`, which has validated them).
         mesh: The job's mesh, or None for a single process (then only AC and compile apply).
+        plan: The degrees and each feature's settings (validated where the run's plan was built).
         device: The device the model will compute on (activation offload copies to and from it).
 
     Returns:
         The activation offloader (its traffic is logged) where the plan offloads blocks, else None.
     """
+    dims = plan.dims
     # 1. float8: swap the linears before TP and FSDP see them (the experts' grouped GEMMs: a flag).
-    if plan.float8:
-        apply_float8(
-            model,
-            recipe=plan.float8_recipe,
-            emulate=plan.float8_emulate,
-            fsdp_float8_all_gather=plan.float8_all_gather,
-            filter_fqns=list(plan.float8_filter),
-            min_size=plan.float8_min_size,
-        )
+    if plan.float8.enable:
+        apply_float8(model, plan.float8)
 
     experts = {k: b.moe.experts for k, b in model.layers.items() if getattr(b, "moe", None) is not None}
-    if plan.float8_experts:
+    if plan.float8.experts:
         apply_float8_experts(list(experts.values()))
 
     # 2. Tensor parallel (with sequence parallel and loss parallel).
-    if mesh is not None and plan.tp > 1:
-        apply_llama_tp(
-            model,
-            mesh["tp"],
-            sequence_parallel=plan.sequence_parallel,
-            loss_parallel=plan.loss_parallel,
-            float8=plan.float8_tp,
-        )
-        if plan.async_tp:  # (Inductor fuses the collectives with the matmuls when it compiles the blocks)
+    if mesh is not None and dims.tp > 1:
+        apply_llama_tp(model, mesh["tp"], plan.tp_plan, float8=plan.float8.tp_styles)
+        if plan.compile.async_tp:  # (Inductor fuses the collectives with the matmuls when it compiles)
             enable_async_tp(mesh["tp"])
 
     # 2b. Expert parallel (Llama 4): each rank keeps E / ep of every MoE layer's routed experts.
-    if mesh is not None and plan.ep > 1:
+    if mesh is not None and dims.ep > 1:
         apply_ep(list(experts.values()), mesh["ep"])
 
     # 3. Context parallel: nothing changes in the modules (the plan built them with K/V heads repeated
@@ -104,85 +112,67 @@ def parallelize_llama(
     #    the cp ranks hold the same weights.
 
     # 4-5. Activation checkpointing, then compile (which traces the checkpointed blocks).
-    apply_ac(
-        model,
-        mode=plan.ac_mode,
-        selective=plan.ac_selective,
-        op_matmuls=plan.ac_op_matmuls,
-        op_all_last=plan.ac_op_all_last,
-        offload_first=plan.ac_offload_first,
-        offload_every=plan.ac_offload_every,
-        compiled=plan.compile,
-    )
-    if plan.compile:
-        if not plan.fullgraph:
+    apply_ac(model, plan.ac, compiled=plan.compile.enable)
+    if plan.compile.enable:
+        if not plan.compile.fullgraph:
             what = (
                 "the MoE layers' exchange or per-expert loop"
-                if plan.moe
+                if isinstance(model.args, Llama4Args)
                 else f"attn_backend={model.args.attn_backend}"
             )
             logger.info(f"compile: {what} runs between compiled graphs")
-        options = inductor_options(overlap_collectives=plan.overlap_collectives, async_tp=plan.async_tp)
-        apply_compile(model, fullgraph=plan.fullgraph, options=options)
+        apply_compile(model, plan.compile)
 
     # 6. Data parallel: FSDP (or HSDP on a 2-D mesh), else plain DDP. Mixture-of-experts layers first
     #    (inner units): the experts under EP over the ranks that are not EP peers; under TP the whole
     #    MoE layer over the tp ranks too (each routes its own tokens), even where nothing else is FSDP.
     inner: dict[str, list[nn.Module]] = {}
-    if mesh is not None and (plan.fsdp or plan.moe_tp) and experts:
-        inner = _shard_moe_layers(model, plan, mesh, experts)
-    if mesh is not None and plan.fsdp:
-        dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if plan.dp_replicate > 1 else mesh["dp_shard_cp"]
-        apply_fsdp(
-            model,
-            dp_mesh,
-            param_dtype=torch.bfloat16 if plan.precision == "bf16" else torch.float32,
-            reduce_dtype=torch.float32,
-            reshard_after_forward=plan.reshard,
-            keep_gathered_last=plan.keep_gathered_last,
-            cpu_offload=plan.cpu_offload,
-            inner_units=inner or None,
-        )
-    elif mesh is not None and plan.ddp:
+    if mesh is not None and (dims.fsdp_enabled or dims.moe_tp) and experts:
+        inner = _shard_moe_layers(model, mesh, plan, experts)
+    if mesh is not None and dims.fsdp_enabled:
+        dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
+        apply_fsdp(model, dp_mesh, plan.fsdp_plan, param_dtype=plan.param_dtype, inner_units=inner or None)
+    elif mesh is not None and dims.ddp_enabled:
         apply_ddp(model, mesh["dp_replicate"])
 
     # 7. Activation offload of the first blocks (left unwrapped by AC above): its hooks go after FSDP's,
     #    which gather a block's parameters before the offload decides what to leave on the GPU.
-    if plan.ac_offload_first:
+    if plan.ac.offload_first:
         return apply_offload(
-            model, plan.ac_offload_first, device or torch.device("cuda"), every=plan.ac_offload_every
+            model, plan.ac.offload_first, device or torch.device("cuda"), every=plan.ac.offload_every
         )
     return None
 
 
 def _shard_moe_layers(
-    model: nn.Module, plan: RunPlan, mesh: JobMesh, experts: dict[str, nn.Module]
+    model: nn.Module, mesh: JobMesh, plan: ParallelizePlan, experts: dict[str, nn.Module]
 ) -> dict[str, list[nn.Module]]:
     """FSDP units of their own inside the MoE blocks; block key -> those units in the order they run.
 
     With EP the experts' units span the data-parallel ranks that are not EP peers (`efsdp_cp`). Under TP
-    (`plan.moe_tp`) the tp ranks are data-parallel ranks for the MoE layer: its router and shared expert
+    (`dims.moe_tp`) the tp ranks are data-parallel ranks for the MoE layer: its router and shared expert
     (and the experts without EP) take a unit over `dp_shard_cp_tp`, the experts with EP one over
     `efsdp_cp_tp`. Gradients are summed over the tp ranks where each routed its own sequence shard
     (sequence parallel), averaged where all routed the same tokens, and averaged over data parallel.
     """
-    hsdp = plan.dp_replicate > 1 and plan.fsdp
-    over_tp = plan.tp if plan.moe_tp and not plan.sequence_parallel else 1
+    dims, fsdp = plan.dims, plan.dims.fsdp_enabled
+    hsdp = dims.dp_replicate > 1 and fsdp
+    over_tp = dims.tp if dims.moe_tp and not plan.tp_plan.sequence_parallel else 1
     common = dict(
-        divide_factor=plan.dp * plan.cp * over_tp,
-        param_dtype=(torch.bfloat16 if plan.precision == "bf16" else torch.float32) if plan.fsdp else None,
-        reshard_after_forward=plan.reshard != "never",
-        cpu_offload=plan.cpu_offload,
+        divide_factor=dims.dp * dims.cp * over_tp,
+        param_dtype=plan.param_dtype if fsdp else None,
+        reshard_after_forward=plan.fsdp_plan.reshard != "never",
+        cpu_offload=plan.fsdp_plan.cpu_offload,
     )
 
     def over(name: str) -> DeviceMesh:
         return mesh["dp_replicate", name] if hsdp else mesh[name]
 
     inner: dict[str, list[nn.Module]] = {key: [] for key in experts}
-    if plan.ep > 1:  # (inner modules are sharded before the modules around them)
-        shard_experts(list(experts.values()), over("efsdp_cp_tp" if plan.moe_tp else "efsdp_cp"), **common)
+    if dims.ep > 1:  # (inner modules are sharded before the modules around them)
+        shard_experts(list(experts.values()), over("efsdp_cp_tp" if dims.moe_tp else "efsdp_cp"), **common)
         inner = {key: [module] for key, module in experts.items()}
-    if plan.moe_tp:  # the layer's unit runs first (its router, before the experts)
+    if dims.moe_tp:  # the layer's unit runs first (its router, before the experts)
         layers = {key: model.layers[key].moe for key in experts}
         shard_experts(list(layers.values()), over("dp_shard_cp_tp"), **common)
         inner = {key: [layers[key], *inner[key]] for key in experts}
@@ -285,16 +275,10 @@ def _float8_parts(block: nn.Module) -> frozenset[str]:
     return frozenset(parts)
 
 
-def apply_llama_tp(
-    model: nn.Module,
-    tp_mesh: DeviceMesh,
-    *,
-    sequence_parallel: bool,
-    loss_parallel: bool,
-    float8: bool = False,
-) -> None:
+def apply_llama_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, *, float8: bool = False) -> None:
     """Shard the Llama over `tp_mesh` with `llama_tp_plan`, in place (on the meta device is fine).
 
+    `float8`: torchao's float8 styles for the parts whose linears are all float8 (`Float8Plan.tp_styles`).
     A tied embedding table stays one parameter: both the embedding (row-wise over the vocabulary) and
     the output projection (column-wise, i.e. over the vocabulary too) shard it as Shard(0), so after
     the plan the output takes the embedding's DTensor again.
@@ -303,7 +287,7 @@ def apply_llama_tp(
     tied = emb is not None and out is not None and emb.weight is out.weight
     parts = _float8_parts(next(iter(model.layers.values()))) if float8 else frozenset()
     top, block_plan = llama_tp_plan(
-        sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, float8=parts
+        sequence_parallel=plan.sequence_parallel, loss_parallel=plan.loss_parallel, float8=parts
     )
     apply_tp_plan(model, tp_mesh, top)
     for block in model.layers.values():
