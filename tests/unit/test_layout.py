@@ -131,9 +131,7 @@ ALLOW = {
     "torch._dynamo.config.recompile_limit": "the knob torch's recompile warning names; raised, never lowered",
 }
 # Writes that are problems (reported in #46): listed so that the check stays on, to be removed with them.
-TO_FIX = {
-    "grouped_gemm.KERNEL": "memory_trace swaps a model module's global during its fake trace: pass it in",
-}
+TO_FIX: dict[str, str] = {}
 
 
 def _private(name: str) -> bool:

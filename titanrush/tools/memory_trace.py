@@ -278,11 +278,8 @@ def _fake_grouped_kernel() -> Any:
             return kernel(a, b, offs=offs)
         return _GroupedMMShapes.apply(a, b, offs)
 
-    grouped_gemm.KERNEL = run
-    try:
+    with grouped_gemm.kernel_in_use(run):
         yield
-    finally:
-        grouped_gemm.KERNEL = kernel
 
 
 def _llama4_layers(s: RunPlan, plan: RankPlan, model: Llama4, imbalance: float) -> None:

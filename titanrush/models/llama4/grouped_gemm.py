@@ -15,7 +15,8 @@ takes groups of whole 16-row tiles, so the rows are first spread into groups pad
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,21 @@ def _find_kernel() -> _GroupedMM | None:
 
 
 KERNEL: _GroupedMM | None = _find_kernel()
+# Kernels `kernel_in_use` put in place, innermost last (empty: KERNEL). A plain list rather than a
+# ContextVar: torch.compile traces a list (and guards on it), not ContextVar.get.
+_KERNELS_IN_USE: list[_GroupedMM] = []
+
+
+@contextlib.contextmanager
+def kernel_in_use(kernel: _GroupedMM) -> Iterator[None]:
+    """Within the block, `grouped_mm` calls `kernel(x, w, offs=offsets)` in place of KERNEL, where KERNEL
+    takes the inputs: the estimator's fake trace gives fp32 rows a shape-only product this way. For one
+    thread at a time (the estimator's trace)."""
+    _KERNELS_IN_USE.append(kernel)
+    try:
+        yield
+    finally:
+        _KERNELS_IN_USE.pop()
 
 
 def grouped_mm_supported(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -73,7 +89,8 @@ def grouped_mm(
         x = x.to(w.dtype)
     if grouped and grouped_mm_supported(x, w):
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        return KERNEL(x, w, offs=offsets)
+        kernel = _KERNELS_IN_USE[-1] if _KERNELS_IN_USE else KERNEL
+        return kernel(x, w, offs=offsets)
     return loop_mm(x, w, counts)
 
 
