@@ -115,6 +115,7 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
     from titanrush.run.plan import build_plan
     from titanrush.run.preflight import check_files
     from titanrush.run.signals import end_with_launcher
+    from titanrush.run.validate import config_warnings
     from titanrush.trainer import Trainer
 
     say = (
@@ -128,6 +129,8 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
             if check:  # (quiet: the run itself logs what the data and checkpoint hold)
                 logging.getLogger("titanrush").setLevel(logging.WARNING)
                 check_files(cfg, plan)
+                for line in config_warnings(cfg):  # (stdout: run_train.sh's check before a launch is quiet)
+                    print(f"warning: {line}")
                 print("config OK")
                 return 0
             end_with_launcher()  # a worker of a launcher killed from here on ends too
@@ -136,6 +139,8 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
             print(f"titanrush: config error: {e}", file=sys.stderr)
             distributed.destroy()  # left up, gloo may abort the process at exit
             return 2
+        for line in config_warnings(cfg) if ranks.rank == 0 else []:  # the run is accepted: once
+            logging.getLogger("titanrush").warning(line)
         try:
             try:
                 trainer.train()

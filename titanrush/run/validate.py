@@ -4,7 +4,8 @@
 `titanrush.run.plan.build_plan` runs it all before anything is built or written. Each failure is a
 `ConfigError` whose message names the key and the fix.
 
-- `check_values`: each key alone (ranges), and pairs of keys of the config alone.
+- `check_values`: each key alone (ranges), and pairs of keys of the config alone; `config_warnings`: what
+  is allowed but most likely not meant (a warm-up as long as the run).
 - `check_degrees`: the parallel degrees against the world size.
 - `check_run`: what needs the model's shape and the mesh (heads, layers, vocabulary, batch arithmetic,
   combinations of parallelisms and options).
@@ -230,6 +231,25 @@ def check_values(cfg: JobConfig) -> None:
         raise ConfigError(
             "checkpoint.load_model_only applies to checkpoint.load_path: set the checkpoint to start from"
         )
+
+
+def config_warnings(cfg: JobConfig) -> list[str]:
+    """What a config may say but most likely does not mean, a line each: warnings, not errors (the run goes
+    on). `titanrush train` prints them once the config is accepted (`--check`: before `config OK`; a run:
+    rank 0, once the trainer is built), so that an error stays one line."""
+    warmup, steps = cfg.lr_scheduler.warmup_steps, cfg.training.steps
+    if warmup < steps:
+        return []
+    peak = (
+        "reaches optimizer.lr only at the last step"
+        if warmup == steps
+        else f"never reaches optimizer.lr (it ends at {steps / warmup:.0%} of it)"
+    )
+    return [
+        f"lr_scheduler.warmup_steps = {warmup} is not below training.steps = {steps}: the learning rate "
+        f"{peak} and never decays; set lr_scheduler.warmup_steps below training.steps "
+        f"(e.g. {max(steps // 10, 1) if steps > 1 else 0})"
+    ]
 
 
 # [model] keys that change the architecture: only a custom shape takes them (a named flavor stays what its
