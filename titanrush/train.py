@@ -27,9 +27,11 @@ from titanrush.logging_utils import init_logging
 
 USAGE = """usage: titanrush train [--config FILE] [--check] [--section.key value | --section.key=value
                        | --section.key | --no-section.key ...]
+       titanrush train --help [SECTION | WORD]
 
 Trains a Llama from a TOML config (defaults < TOML < command line). --check validates the config, the
-data, the checkpoint to load and the output folders, and exits. Lists are comma-separated.
+data, the checkpoint to load and the output folders, and exits. Lists are comma-separated. --help lists
+every key (the sections last); --help SECTION one section's, --help WORD the keys whose name holds WORD.
 """
 
 
@@ -70,9 +72,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
-        print(USAGE)
-        print(cfgmod.help_text())
-        return 0
+        return _help(argv)
     try:
         path, check, overrides = split_args(argv)
         cfg = cfgmod.load(path, overrides)
@@ -88,6 +88,20 @@ def _main(argv: list[str]) -> int:
     # Before anything starts CUDA (the plan's machine checks may): the allocator reads it at start-up.
     set_allocator_env(os.environ, expandable=cfg.training.expandable_segments)
     return _check_or_train(cfg, check, ranks)
+
+
+def _help(argv: list[str]) -> int:
+    """`--help`: every key; `--help TOPIC` (the argument after it, where it is no flag): what TOPIC names."""
+    at = argv.index("-h") if "-h" in argv else argv.index("--help")
+    topic = argv[at + 1] if at + 1 < len(argv) and not argv[at + 1].startswith("-") else None
+    try:
+        text = cfgmod.help_text(topic=topic)
+    except ConfigError as e:
+        print(f"titanrush: {e}", file=sys.stderr)
+        return 2
+    print(USAGE)
+    print(text)
+    return 0
 
 
 NONFINITE_STATUS = 3
