@@ -66,6 +66,14 @@ def test_the_hint_for_a_model_without_a_tokenizer_trains_saves_and_exports(in_tm
     assert train[0] == "train" and "--checkpoint.enable" in train and "--config" not in train
     assert export[:2] == ["convert", "--to-hf"]
 
+    # Without the tokenizer, the run's refusal points to the same command (not to a vocabulary the
+    # imported weights do not have).
+    without = train[: train.index("--data.tokenizer")] + train[train.index("--data.tokenizer") + 2 :]
+    assert cli.main(without) == 2
+    err = capsys.readouterr().err
+    assert "use a tokenizer of at most 4096 ids" in err and "titanrush tokenizer --vocab-size 4096" in err
+    assert "set model.vocab_size" not in err
+
     # As printed, with what the hint says to add: --input (your text) and --config FILE.
     assert cli.main([*tokenizer, "--input", "corpus"]) == 0
     assert build_tokenizer("imported-tokenizer").n_words <= 4096

@@ -386,9 +386,19 @@ def check_run(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     check_model_args(args)
     words = build_tokenizer(cfg.data.tokenizer).n_words
     if args.vocab_size < words:
+        # (a vocabulary the weights to load fix: a larger one would not load them)
+        source, n = (
+            (m.from_checkpoint if not m.vocab_size else "") or cfg.checkpoint.load_path,
+            args.vocab_size,
+        )
+        fix = (
+            f"the weights of {source} have that vocabulary: use a tokenizer of at most {n} ids (the model's "
+            f"own, or `titanrush tokenizer --vocab-size {n} --output DIR`, then data.tokenizer = DIR)"
+            if source
+            else f"set model.vocab_size >= {words} or use a tokenizer that fits"
+        )
         raise ConfigError(
-            f"model vocabulary ({args.vocab_size}) does not cover the tokenizer's {words} tokens; "
-            f"set model.vocab_size >= {words} or use a tokenizer that fits"
+            f"model vocabulary ({args.vocab_size}) does not cover the tokenizer's {words} tokens; {fix}"
         )
     if t.seq_len > args.max_seq_len:
         raise ConfigError(
