@@ -387,10 +387,8 @@ def check_run(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     words = build_tokenizer(cfg.data.tokenizer).n_words
     if args.vocab_size < words:
         # (a vocabulary the weights to load fix: a larger one would not load them)
-        source, n = (
-            (m.from_checkpoint if not m.vocab_size else "") or cfg.checkpoint.load_path,
-            args.vocab_size,
-        )
+        source = (m.from_checkpoint if not m.vocab_size else "") or cfg.checkpoint.load_path
+        n = args.vocab_size
         fix = (
             f"the weights of {source} have that vocabulary: use a tokenizer of at most {n} ids (the model's "
             f"own, or `titanrush tokenizer --vocab-size {n} --output DIR`, then data.tokenizer = DIR)"
