@@ -405,3 +405,39 @@ def test_an_unreadable_config_file_is_a_config_error(tmp_path, capsys, monkeypat
     monkeypatch.setattr(Path, "read_bytes", denied)  # (root reads any file: the refusal, simulated)
     err = train_errors(["--config", str(path)], capsys, tmp_path)
     assert f"config file '{path}' cannot be read (Permission denied)" in err
+
+
+def test_help_of_one_section_or_the_keys_a_word_names(capsys):
+    """`--help SECTION` / `--help WORD` / `--help section.key`: those keys only, in the full reference's
+    format; a topic that names nothing is one line and status 2."""
+    from titanrush.train import main
+
+    def shown(*argv: str) -> list[str]:
+        assert main(list(argv)) == 0
+        return [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  --")]
+
+    sched = [f"--lr_scheduler.{f.name}" for f in dataclasses.fields(config.sections()["lr_scheduler"])]
+    assert shown("--help", "lr_scheduler") == sched == shown("-h", "[lr_scheduler]")
+    assert shown("--help", "warmup") == ["--lr_scheduler.warmup_steps"]
+    assert shown("--help", "training.seq_len") == ["--training.seq_len"]
+    every = [f"--{s}.{f.name}" for s, cls in config.sections().items() for f in dataclasses.fields(cls)]
+    seq = [key for key in every if "seq" in key]
+    assert shown("--help", "SEQ") == seq and len(seq) > 2
+    assert shown("--help", "--training.steps", "3") == every  # (a flag after --help is no topic)
+    assert main(["--help", "nosuch"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no section or key name holds 'nosuch'; sections: job, model" in err[0], err
+
+
+def test_the_full_reference_ends_with_the_sections():
+    """The last lines of the 400-line reference (what a terminal shows) list the sections and how to ask
+    for one; run_train.sh passes the topic on."""
+    lines = config.help_text(80).splitlines()
+    tail = lines[-len(config.sections()) - 2 :]
+    assert tail[0].startswith("Sections (--help SECTION shows one")
+    assert [line.split()[0] for line in tail[-len(config.sections()) :]] == list(config.sections())
+    assert all(len(line) <= 80 for line in tail)
+    res = subprocess.run(
+        [str(ROOT / "run_train.sh"), "--help", "checkpoint"], capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0 and "--checkpoint.interval" in res.stdout and "--training." not in res.stdout

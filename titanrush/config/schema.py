@@ -154,7 +154,8 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = 5
-    """Linear warmup from ~0 to optimizer.lr over this many steps."""
+    """Linear warmup from ~0 to optimizer.lr over this many steps; keep it below training.steps (a warm-up
+    as long as the run never reaches the peak nor decays: `titanrush train` warns)."""
     decay: Literal["linear", "cosine", "wsd"] = "linear"
     """After warmup: linear or cosine decay to the minimum, or wsd (warmup-stable-decay)."""
     decay_ratio: float = 0.2

@@ -25,6 +25,7 @@ from titanrush.checkpoint.space import unwritable_error
 from titanrush.checkpoint.state import ObjectState
 from titanrush.config import ConfigError, JobConfig
 from titanrush.data import build_dataloader, build_tokenizer
+from titanrush.data.tokenizer import tokenizer_path
 from titanrush.run import run_dir
 from titanrush.run.plan import RunPlan
 
@@ -76,15 +77,20 @@ def check_files(cfg: JobConfig, plan: RunPlan) -> None:
 
 
 def checkpoint_info(cfg: JobConfig, plan: RunPlan) -> dict[str, Any]:
-    """What each checkpoint's titanrush.json says of its run, and what a load compares with this run's.
+    """What each checkpoint's titanrush.json says of its run (its tokenizer file too, for an export), and
+    what a load compares with this run's.
     (The RoPE table's length and context parallel's K/V expansion are this run's, not the model's: a model
     rebuilt from the checkpoint gets the full table and grouped K/V heads; a resume names the schedule
     settings that changed since the save.)"""
     args = dataclasses.replace(plan.args, rope_positions=0, expand_kv=False)
     schedule = {f"lr_scheduler.{k}": v for k, v in dataclasses.asdict(cfg.lr_scheduler).items()}
+    spec = cfg.data.tokenizer
     return {
         "flavor": cfg.model.flavor,
         "model_args": dataclasses.asdict(args),
         "optimizer": cfg.optimizer.name,
         "schedule": {"training.steps": cfg.training.steps} | schedule,
+        # the tokenizer file itself, absolute: an export finds it from any folder (data.tokenizer in
+        # config.toml may be relative to where the run started)
+        "tokenizer": spec if spec == "default" else str(tokenizer_path(spec).resolve()),
     }

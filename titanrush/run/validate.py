@@ -4,7 +4,8 @@
 `titanrush.run.plan.build_plan` runs it all before anything is built or written. Each failure is a
 `ConfigError` whose message names the key and the fix.
 
-- `check_values`: each key alone (ranges), and pairs of keys of the config alone.
+- `check_values`: each key alone (ranges), and pairs of keys of the config alone; `config_warnings`: what
+  is allowed but most likely not meant (a warm-up as long as the run).
 - `check_degrees`: the parallel degrees against the world size.
 - `check_run`: what needs the model's shape and the mesh (heads, layers, vocabulary, batch arithmetic,
   combinations of parallelisms and options).
@@ -232,6 +233,25 @@ def check_values(cfg: JobConfig) -> None:
         )
 
 
+def config_warnings(cfg: JobConfig) -> list[str]:
+    """What a config may say but most likely does not mean, a line each: warnings, not errors (the run goes
+    on). `titanrush train` prints them once the config is accepted (`--check`: before `config OK`; a run:
+    rank 0, once the trainer is built), so that an error stays one line."""
+    warmup, steps = cfg.lr_scheduler.warmup_steps, cfg.training.steps
+    if warmup < steps:
+        return []
+    peak = (
+        "reaches optimizer.lr only at the last step"
+        if warmup == steps
+        else f"never reaches optimizer.lr (it ends at {steps / warmup:.0%} of it)"
+    )
+    return [
+        f"lr_scheduler.warmup_steps = {warmup} is not below training.steps = {steps}: the learning rate "
+        f"{peak} and never decays; set lr_scheduler.warmup_steps below training.steps "
+        f"(e.g. {max(steps // 10, 1) if steps > 1 else 0})"
+    ]
+
+
 # [model] keys that change the architecture: only a custom shape takes them (a named flavor stays what its
 # name says); model.vocab_size, tie_embeddings and max_seq_len adapt any flavor.
 ARCHITECTURE_KEYS = (
@@ -366,9 +386,17 @@ def check_run(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     check_model_args(args)
     words = build_tokenizer(cfg.data.tokenizer).n_words
     if args.vocab_size < words:
+        # (a vocabulary the weights to load fix: a larger one would not load them)
+        source = (m.from_checkpoint if not m.vocab_size else "") or cfg.checkpoint.load_path
+        n = args.vocab_size
+        fix = (
+            f"the weights of {source} have that vocabulary: use a tokenizer of at most {n} ids (the model's "
+            f"own, or `titanrush tokenizer --vocab-size {n} --output DIR`, then data.tokenizer = DIR)"
+            if source
+            else f"set model.vocab_size >= {words} or use a tokenizer that fits"
+        )
         raise ConfigError(
-            f"model vocabulary ({args.vocab_size}) does not cover the tokenizer's {words} tokens; "
-            f"set model.vocab_size >= {words} or use a tokenizer that fits"
+            f"model vocabulary ({args.vocab_size}) does not cover the tokenizer's {words} tokens; {fix}"
         )
     if t.seq_len > args.max_seq_len:
         raise ConfigError(
