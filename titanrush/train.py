@@ -84,6 +84,9 @@ def _main(argv: list[str]) -> int:
         print(f"titanrush: config error: {e}", file=sys.stderr)
         return 2
     init_logging(verbose=cfg.metrics.verbose)  # before torch's import: its warnings follow the policy
+    if ranks.rank == 0:
+        for line in cfgmod.repeated_overrides(overrides):
+            logging.getLogger("titanrush").warning(line)
     if cfg.training.gc_freq == 0:
         gc.enable()
     from titanrush.distributed import set_allocator_env  # (torch's import after the config's checks)

@@ -239,3 +239,32 @@ def test_the_warmup_warning_is_said_once_and_only_for_an_accepted_config(tmp_pat
     assert err.count(said) == 1 and "step      3" in err, err
     assert cli.main([*argv, "--model.vocab_size", "100"]) == 2
     assert said not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["cli", "toml"])
+def test_an_integer_past_64_bits_is_refused_with_the_allowed_range(where, tmp_path):
+    """`training.steps 99999999999999999999` used to pass: Python holds it, nothing the run counts with
+    does. Every integer key without a bound of its own is held to a 64-bit integer."""
+    huge = "99999999999999999999"
+    if where == "cli":
+        cfg = config.load(None, ["--training.steps", huge])
+    else:
+        (tmp_path / "c.toml").write_text(f"[training]\nsteps = {huge}\n")
+        cfg = config.load(str(tmp_path / "c.toml"))
+    with pytest.raises(
+        ConfigError, match=re.escape(f"training.steps must be in [1, {2**63 - 1}], got {huge}")
+    ):
+        build_plan(cfg, 1)
+    with pytest.raises(ConfigError, match=r"checkpoint\.interval must be in \[1, 9223372036854775807\]"):
+        plan("--checkpoint.interval", huge)
+    plan("--training.steps", str(2**63 - 1))  # (the largest is a setting)
+    with pytest.raises(ConfigError, match=r"training\.steps must be >= 1, got 0$"):  # (below: as before)
+        plan("--training.steps", "0")
+
+
+def test_a_sequence_of_one_token_is_refused_with_the_reason():
+    with pytest.raises(
+        ConfigError, match=r"training\.seq_len must be >= 2, got 1: with one token per sequence"
+    ):
+        plan("--training.seq_len", "1")
+    assert plan("--training.seq_len", "2").seq_len == 2

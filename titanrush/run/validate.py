@@ -39,6 +39,10 @@ MAX_MICROBATCH_TOKENS = 2**27
 # quintillions would otherwise overflow torch's size arithmetic, or take hours to build on meta).
 MAX_WEIGHT_ELEMENTS, MAX_LAYERS = 2**40, 2**14
 
+# An integer setting beyond a 64-bit integer is a typo, and no count the run keeps (steps, positions,
+# sizes in torch and in a checkpoint) could hold it: the bound of every integer key that has no other.
+MAX_INT = 2**63 - 1
+
 # The torch versions (major.minor) experimental.async_tp was run on, on the GPU machine.
 ASYNC_TP_TORCH = ("2.11",)
 
@@ -64,7 +68,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "training.steps": (1, None, True, True),
     "training.local_batch_size": (1, None, True, True),
     "training.global_batch_size": (-1, None, True, True),  # -1 or > 0, see check_values
-    "training.seq_len": (1, None, True, True),
+    "training.seq_len": (2, None, True, True),  # see RANGE_REASONS
     "training.max_norm": (0.0, None, True, True),
     "training.seed": (0, 2**63, True, False),
     "training.loss_chunk_size": (1, None, True, True),
@@ -105,6 +109,12 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "validation.steps": (1, 2**63, True, False),
     "profiling.freq": (1, None, True, True),
     "profiling.active_steps": (1, None, True, True),
+}
+
+# Why a range is what it is, where a user may not guess it (added to the refusal).
+RANGE_REASONS = {
+    "training.seq_len": "with one token per sequence every prediction sees that token alone, and attention "
+    "has nothing to attend to",
 }
 
 
@@ -152,11 +162,14 @@ def check_values(cfg: JobConfig) -> None:
     """Each key's range, and the rules between keys that need neither a model nor devices."""
     for key, (low, high, low_in, high_in) in RANGES.items():
         v = _value(cfg, key)
+        if high is None and isinstance(v, int) and v > MAX_INT:
+            high, high_in = MAX_INT, True
         ok = (low is None or (v >= low if low_in else v > low)) and (
             high is None or (v <= high if high_in else v < high)
         )
         if not ok:
-            raise ConfigError(f"{key} must be {_range_text(low, high, low_in, high_in)}, got {v}")
+            why = f": {RANGE_REASONS[key]}" if key in RANGE_REASONS else ""
+            raise ConfigError(f"{key} must be {_range_text(low, high, low_in, high_in)}, got {v}{why}")
     t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
     name = cfg.job.name
     if not name.strip() or name in (".", "..") or "/" in name or "\\" in name:
