@@ -180,6 +180,12 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
         try:
             try:
                 trainer.train()
+            except NonFiniteError as e:  # every rank stops at the same step; rank 0 says why
+                # Said, and waited for, before close(): a rank that ended first would have the launcher
+                # stop rank 0 before its line.
+                say(f"stopped: {e}")
+                distributed.barrier()
+                return NONFINITE_STATUS
             except RuntimeError as e:
                 if (lost := lost_peer(e, ranks.rank)) is None:
                     raise
@@ -190,9 +196,6 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
                 return 1
             finally:
                 trainer.close()  # (waits for a save in flight: a full disk may surface here)
-        except NonFiniteError as e:  # every rank stops at the same step; rank 0 says why
-            say(f"stopped: {e}")
-            return NONFINITE_STATUS
         except ConfigError as e:  # bad input met while training (a data shard of random bytes)
             print(f"titanrush: config error: {e}", file=sys.stderr)
             return 2
