@@ -23,6 +23,7 @@ load summed over every step since the previous log (the window), which is what b
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -30,6 +31,11 @@ import torch.distributed as dist
 from torch import nn
 
 from titanrush.models.llama4.moe import MoE
+
+logger = logging.getLogger("titanrush")
+
+COLLAPSE_WINDOWS = 3
+"""Logged windows in a row above half the expert count's max/mean load that make routing 'collapsed'."""
 
 
 def moe_modules(parts: list[nn.Module]) -> dict[str, MoE]:
@@ -117,6 +123,8 @@ class ExpertBalance:
         self.routed = tokens * top_k
         self.counts: torch.Tensor | None = None
         self.window: torch.Tensor | None = None  # the load summed since the last `stats`
+        self.collapsed: list[int] = []  # per layer: logged windows in a row above E / 2 max/mean
+        self.warned = False
 
     def step(self, *, update: bool = True) -> None:
         """This step's load; the routing biases moved by it unless `update` is False (a skipped step)."""
@@ -132,7 +140,29 @@ class ExpertBalance:
             return {}
         window, self.window = self.window, None
         per_layer = window.max(-1).values / window.mean(-1).clamp(min=1e-9)
+        self._check_collapse(window, per_layer.tolist())
         return load_stats(list(self.moes), self.counts, self.routed) | {
             "moe_imbalance_window": per_layer.max().item(),
             "moe_imbalance_window_mean": per_layer.mean().item(),
         }
+
+    def _check_collapse(self, window: torch.Tensor, per_layer: list[float]) -> None:
+        """Warn once per run (rank 0) when a layer's window max/mean stays above E / 2 for
+        `COLLAPSE_WINDOWS` logged windows in a row: most of its tokens go to one or two experts."""
+        limit = window.shape[-1] / 2
+        before = self.collapsed or [0] * len(per_layer)
+        self.collapsed = [n + 1 if imb > limit else 0 for n, imb in zip(before, per_layer)]
+        worst = max(range(len(per_layer)), key=lambda i: (self.collapsed[i], per_layer[i]))
+        if self.warned or self.collapsed[worst] < COLLAPSE_WINDOWS:
+            return
+        self.warned = True
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        layer = list(self.moes)[worst]
+        share = (window[worst] / window[worst].sum().clamp(min=1.0)).tolist()
+        logger.warning(
+            f"MoE routing collapsed: layer {layer} max/mean load {per_layer[worst]:.2f} (of at most "
+            f"{window.shape[-1]}) for {self.collapsed[worst]} logged windows in a row, token shares "
+            f"{[round(x, 2) for x in share]}; raise moe.bias_update_rate (now {self.rate:g}) or "
+            "moe.aux_loss_coeff, or lengthen lr_scheduler.warmup_steps (docs/moe.md, 'Load balance')"
+        )
