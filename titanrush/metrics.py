@@ -70,12 +70,13 @@ def resolve_peak(device: torch.device, *, configured: float, precision: str, flo
         peak, where = peak_tflops(name, "bf16" if float8 else precision), f"{name!r} is not in the peak table"
     else:
         peak, where = None, "CPU"
-    if peak is None:
+    rank0 = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if peak is None and rank0:  # (every rank's device is alike: rank 0 says it for the job)
         logger.warning(
             f"MFU: not reported ({where}; set metrics.peak_tflops to the device's dense "
             f"{precision} TFLOP/s): mfu is null in metrics.jsonl and TensorBoard has no mfu series"
         )
-    elif float8:
+    elif peak is not None and float8:
         logger.info(f"float8: MFU is against the bf16 peak ({peak:.0f} TFLOP/s); TFLOP/s is exact")
     return peak
 

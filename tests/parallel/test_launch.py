@@ -99,6 +99,7 @@ def test_two_process_runs_end_with_the_trainers_status(tmp_path):
     out = res.stdout + res.stderr
     assert res.returncode == 3 and "Traceback" not in out, out
     assert "titanrush: stopped: step 2: non-finite" in out and "exit status 3 (a non-finite" in out, out
+    assert out.count("MFU: not reported (CPU") == 1, out  # rank 0 says it for the job, once
     assert sorted(p.name for p in (tmp_path / "r" / "checkpoint").iterdir()) == ["step-1"]
 
     res = subprocess.run(
