@@ -304,8 +304,15 @@ def test_export_hf_and_import_hf_through_files(tmp_path, tied, drop):
     # A run takes the shape from model_args (model.flavor = custom); the matching flavor is only named.
     assert info["flavor"] == "custom" and info["architecture"] == "debug"
     assert sorted(p.name for p in imported.iterdir() if p.suffix == ".json") == sorted(
-        ["titanrush.json", *TOKENIZER_FILES]
+        ["titanrush.json", "integrity.json", *TOKENIZER_FILES]
     )  # the tokenizer travels with the weights
+    # The import is recorded like a save: a run from it verifies its bytes (no "not verified" warning).
+    from titanrush.checkpoint import integrity
+
+    record = integrity.read_record(imported)
+    assert info["integrity"] == integrity.RECORD_FILE and record is not None
+    assert set(record["files"]) == {p.name for p in imported.iterdir()} - {integrity.RECORD_FILE}
+    assert integrity.verify(imported, record) == []
     sd, back_args, _ = hf.read_checkpoint(imported)
     assert back_args == args
     assert_same_state(sd, model.state_dict())

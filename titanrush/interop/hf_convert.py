@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from titanrush.checkpoint.integrity import RECORD_FILE, record_folder
 from titanrush.config import ConfigError
 from titanrush.files import check_writable, one_line, os_error
 from titanrush.interop.hf import (
@@ -263,6 +264,7 @@ def import_hf(hf_dir: str | Path, out_checkpoint_dir: str | Path) -> Path:
         "model_only": True,
         "dtype": "float32",
         "source": str(src.resolve()),
+        "integrity": RECORD_FILE,  # (a run from it verifies its bytes, as it does its own saves)
     }
     made = _missing_folders(out.parent)
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
@@ -273,6 +275,7 @@ def import_hf(hf_dir: str | Path, out_checkpoint_dir: str | Path) -> Path:
         for name in TOKENIZER_FILES:
             if (src / name).exists():
                 shutil.copyfile(src / name, tmp / name)
+        record_folder(tmp)
         if out.exists():
             out.rmdir()
         os.replace(tmp, out)
