@@ -6,6 +6,7 @@ import base64
 import importlib.util
 import itertools
 import json
+import logging
 import pickle
 import random
 import time
@@ -320,7 +321,25 @@ def test_cache_stale_corrupt_and_unwritable(tmp_path: Path, tok: Tokenizer) -> N
     root.mkdir()
     (root / "a.txt").write_text("first version of the text " * 20)
     data = cfg(tmp_path, dataset="files", path=str(root), shuffle=False)
-    before = take(loader(data, tok), 1)[0].input_ids
+    said: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    log = logging.getLogger("titanrush")
+    level = log.level
+    log.addHandler(handler)  # (on the logger itself: init_logging may have stopped its propagation)
+    log.setLevel(logging.INFO)
+    try:
+        before = take(loader(data, tok), 1)[0].input_ids
+        first = " | ".join(said)
+        said.clear()
+        take(loader(data, tok), 1)
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+    # A cold start says what takes the time and where the cache goes; the next start reads the cache.
+    assert "tokenizing the documents (once" in first and str(tmp_path / "cache") in first, first
+    again = " | ".join(said)
+    assert "tokens from cache" in again and "tokenizing" not in again, again
     (root / "a.txt").write_text("second, longer version of the text " * 20)
     after = take(loader(data, tok), 1)[0].input_ids
     assert after[0, : len(tok.encode("second", bos=True, eos=False))].tolist() == tok.encode(

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -156,7 +157,11 @@ def cached_corpus(
                     return in_memory_corpus(f["tokens"], f["doc_len"], label, tokenizer.bos_id)
         except Exception as e:  # a truncated or foreign file: rebuild it
             logger.warning("%s: ignoring unreadable cache %s (%s)", label, path, e)
+    where = f"; cached in {path} for the next start" if path is not None else ""
+    logger.info("%s: tokenizing the documents (once: a first start takes a while%s)", label, where)
+    t0 = time.perf_counter()
     corpus = build()
+    logger.info("%s: %d tokens in %.1f s", label, corpus.n_tokens, time.perf_counter() - t0)
     if path is not None:
         _write_cache(path, key, corpus)
     return corpus
