@@ -129,8 +129,8 @@ def lost_peer(e: BaseException, rank: int) -> str | None:
 
 def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
     from titanrush import distributed
+    from titanrush.run.memory_check import plan_run
     from titanrush.run.nonfinite import NonFiniteError
-    from titanrush.run.plan import build_plan
     from titanrush.run.preflight import check_files
     from titanrush.run.signals import end_with_launcher
     from titanrush.trainer import Trainer
@@ -143,12 +143,17 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
     said_lost = False
     try:
         try:
-            plan = build_plan(cfg, ranks.world_size)
+            # Auto levers chosen for this GPU's memory, and the plan held to it, before anything is built;
+            # the resolved config is the run's (its config.toml): a rerun is the same run.
+            choice = plan_run(cfg, ranks.world_size, local_rank=ranks.local_rank)
+            cfg, plan = choice.cfg, choice.plan
             if check:  # (quiet: the run itself logs what the data and checkpoint hold)
                 logging.getLogger("titanrush").setLevel(logging.WARNING)
                 check_files(cfg, plan)
-                print("config OK")
+                print("\n".join([*choice.report(), "config OK"]))
                 return 0
+            for line in choice.report():
+                logging.getLogger("titanrush").info(line)
             end_with_launcher()  # a worker of a launcher killed from here on ends too
             trainer = Trainer(cfg, plan)
         except ConfigError as e:  # (found by the trainer, e.g. a checkpoint that does not fit this run)
