@@ -4,8 +4,10 @@ Exit status (docs/operations.md):
   0        the run reached training.steps
   1        a run stopped for a reason outside the config (a full disk during a save, out of memory:
            one line naming the fix; another rank gone: one line), or another failure (a traceback)
-  2        a config error: one line naming the key, before anything is built or written; or bad input
-           met while training (a corrupt data shard): one line naming the file and the fix
+  2        a config error: one line naming the key, before anything is built or written (a plan the
+           memory estimate says does not fit the GPU too, with the nearest plan that fits:
+           docs/auto_plan.md); or bad input met while training (a corrupt data shard): one line naming
+           the file and the fix
   3        a non-finite loss or gradient norm stopped the run (training.on_nonfinite): one line naming
            the step; nothing of that step was saved
   128 + N  signal N stopped the run after a step (143: SIGTERM, 130: SIGINT), with a checkpoint of that

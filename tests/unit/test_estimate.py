@@ -39,7 +39,12 @@ DEBUG = str(ROOT / "train_configs" / "debug.toml")
 LLAMA8B = str(ROOT / "train_configs" / "llama8b_fsdp.toml")
 # The shipped 8B config leaves these to the planner (auto); the tests below hold its plan of selective op
 # checkpointing (every matmul output kept) with FSDP's default reshard.
-OP_DEFAULT = ["--activation_checkpoint.mode", "selective", "--parallelism.fsdp_reshard_after_forward", "default"]
+OP_DEFAULT = [
+    "--activation_checkpoint.mode",
+    "selective",
+    "--parallelism.fsdp_reshard_after_forward",
+    "default",
+]
 P8B = 8_030_261_248  # Llama 3.1 8B: 32 x 218,112,000 + 2 x 128256 x 4096 + 4096
 
 

@@ -92,7 +92,9 @@ def ac_words(s: RunPlan) -> str:
         words = {"all": "AC op all", "all_but_w3": "AC op all but w3", "alternate": "AC op alternate"}
         text = words[ac.op_matmuls] + (f", last {ac.op_all_last} all" if ac.op_all_last else "")
     elif ac.mode == "selective":
-        text = f"AC every {ac.selective}th block" if ac.selective != "2" else "AC every 2nd block"
+        n = int(ac.selective)
+        nth = {1: "st", 2: "nd", 3: "rd"}.get(n % 10 if n % 100 not in (11, 12, 13) else 0, "th")
+        text = f"AC every {n}{nth} block"
     else:
         text = f"AC {ac.mode}"
     if ac.offload_first:
@@ -172,7 +174,7 @@ def with_settings(cfg: JobConfig, settings: dict[str, Any]) -> JobConfig:
     return out
 
 
-def _ac_options(cfg: JobConfig, base: RunPlan, *, offloading: bool) -> list[dict[str, Any]]:
+def _ac_options(base: RunPlan, *, offloading: bool) -> list[dict[str, Any]]:
     """The checkpointing policies to weigh: none, selective op (every matmul kept, all but w3, alternate
     with the last N blocks keeping all), every N-th block, full. Beside offload, fewer."""
     n = base.args.n_layers
@@ -221,12 +223,12 @@ def _options(
         zero3 = "always" if base.pp > 1 else "default"
         never = {RESHARD: "never"} | ({KEEP: 0} if keep else {})
         reshard = [never, {RESHARD: zero3}] if base.fsdp else [{RESHARD: "default"}]
-    acs = _ac_options(cfg, base, offloading=False) if AC + "mode" in levers else [{}]
+    acs = _ac_options(base, offloading=False) if AC + "mode" in levers else [{}]
     plain = [a | r for a in acs for r in reshard]
     extra: list[dict[str, Any]] = []
     cuda_ok = not machine or torch.cuda.is_available()
     if offload != "none" and cfg.activation_checkpoint.offload_first == 0 and cuda_ok:
-        acs = _ac_options(cfg, base, offloading=True) if AC + "mode" in levers else [{}]
+        acs = _ac_options(base, offloading=True) if AC + "mode" in levers else [{}]
         for first, every in ((n, 1), (n, 2), (max(n // 2, 1), 1)):
             spread = {AC + "offload_first": first, AC + "offload_every": every}
             extra += [a | r | spread for a in acs for r in reshard]
@@ -312,10 +314,10 @@ def resolve(
     limit = choice.limit
     if limit is None:
         choice.chosen = plain[0]
-        choice.note = "no GPU memory to fit: the plan that computes least"
+        choice.note = "nothing to fit: the plan that computes least"
     else:
-        fitting = [c for c in plain if c.total <= limit] or [c for c in extra if c.total <= limit]
-        if fitting and fitting[0].offloads:
+        fitting = [c for c in plain if c.total <= limit]
+        if not fitting and (fitting := [c for c in extra if c.total <= limit]):
             choice.ranked = extra
             choice.note = "no plan fits without offload (plan.offload allows it)"
         choice.chosen = fitting[0] if fitting else min(plain + extra, key=lambda c: c.total)

@@ -64,30 +64,37 @@ def nearest(
     machine: bool = True,
     moe_imbalance: float = DEFAULT_IMBALANCE,
 ) -> tuple[str, Candidate] | None:
-    """The nearest plan that fits `limit` bytes per GPU, in words and flags, tried in this order: the
-    levers that keep the update (checkpointing, reshard, the loss); with offload; a smaller local batch with
-    the global batch kept (gradient accumulation); more GPUs. None: not even on 8x the GPUs."""
-    world = plan.world_size
-    offloads = ("none", "activations", "all")
-    for offload in offloads[offloads.index(cfg.plan.offload) :]:
-        if best := _best(cfg, world, limit, offload, machine, moe_imbalance):
-            return best.flags(cfg), best
+    """The nearest plan that fits `limit` bytes per GPU, as flags, tried in this order: the levers that
+    keep the update (checkpointing, reshard, the loss); a smaller local batch with the global batch kept
+    (gradient accumulation); activation offload, then FSDP's CPU offload (host-link traffic, the optimizer
+    on the CPU); more GPUs (a larger global batch). None: not even on 8x the GPUs."""
+    world, allowed = plan.world_size, cfg.plan.offload
+
+    def best(c: JobConfig, offload: str = allowed, n: int = world) -> Candidate | None:
+        return _best(c, n, limit, offload, machine, moe_imbalance)
+
+    if found := best(cfg):
+        return found.flags(cfg), found
     global_batch = plan.local_batch * plan.dp * plan.accum
     batch = plan.local_batch // 2
     while batch >= 1:
         smaller = {"training.local_batch_size": batch, "training.global_batch_size": global_batch}
-        if best := _best(with_settings(cfg, smaller), world, limit, "none", machine, moe_imbalance):
+        if found := best(with_settings(cfg, smaller)):
             flags = f"--training.local_batch_size {batch} --training.global_batch_size {global_batch}"
-            return f"{flags} {best.flags(cfg)}".strip(), best
+            return f"{flags} {found.flags(cfg)}".strip(), found
         batch //= 2
+    offloads = ("none", "activations", "all")
+    for offload in offloads[offloads.index(allowed) + 1 :]:
+        if found := best(cfg, offload):
+            return found.flags(cfg), found
     for times in MORE_GPUS:
         shard = cfg.parallelism.dp_shard
         more = with_settings(cfg, {"parallelism.dp_shard": shard * times}) if shard != -1 else cfg
-        if best := _best(more, world * times, limit, "none", machine, moe_imbalance):
+        if found := best(more, n=world * times):
             flags = f"NGPU={world * times}"
             if shard != -1:
                 flags += f" --parallelism.dp_shard {shard * times}"
-            return f"{flags} {best.flags(cfg)} (the global batch grows with the GPUs)".strip(), best
+            return f"{flags} {found.flags(cfg)} (the global batch grows with the GPUs)".strip(), found
     return None
 
 
@@ -95,30 +102,32 @@ def check_memory(choice: Choice, *, machine: bool = True, moe_imbalance: float =
     """Raise a ConfigError, with the estimate and the nearest plan that fits, when the chosen (or explicit)
     plan does not fit the GPU's memory; return a note ('' or why nothing was checked).
 
-    An auto plan was chosen to fit with `plan.margin` to spare; the check holds any plan to the whole
-    memory, and suggests plans that fit with the margin.
+    An auto plan must fit with `plan.margin` to spare (as the planner chose it); an explicit one the whole
+    memory (a plan known to run close to it is not refused). The plans suggested fit with the margin.
     """
     assert choice.gpu_mem_gib is not None
     s = choice.plan
     if why := unmodelled(s):
         return f"memory not checked: {why}"
     total = choice.chosen.total if choice.chosen is not None else fit(s, moe_imbalance=moe_imbalance).total
-    if total <= choice.gpu_mem_gib * GIB:
-        return ""
     limit = choice.gpu_mem_gib * (1 - choice.margin) * GIB
+    if total <= (limit if choice.levers else choice.gpu_mem_gib * GIB):
+        return ""
     near = nearest(choice.given, s, limit, machine=machine, moe_imbalance=moe_imbalance)
     fix = (
         f"the nearest plan that fits ({near[1].gib:.1f} GiB): {near[0]}"
         if near
         else f"no plan fits, not even on {MORE_GPUS[-1]}x the GPUs"
     )
-    what = (
-        f"no plan of the auto levers fits the GPU: the one that needs least memory ({plan_words(s)}) is "
-        if choice.levers
-        else f"the run does not fit the GPU: its plan ({plan_words(s)}) is "
-    )
+    if choice.levers:
+        what = (
+            f"no plan of the auto levers fits the GPU with {choice.margin:.0%} to spare (plan.margin): the "
+            f"one that needs least memory ({plan_words(s)}) is"
+        )
+    else:
+        what = f"the run does not fit the GPU: its plan ({plan_words(s)}) is"
     raise ConfigError(
-        f"{what}estimated at {total / GIB:.1f} GiB per GPU against {choice.gpu_note}; {fix}. `titanrush "
+        f"{what} estimated at {total / GIB:.1f} GiB per GPU against {choice.gpu_note}; {fix}. `titanrush "
         "estimate` with the same config shows where the memory goes; --plan.memory_check false starts the "
         "run anyway"
     )

@@ -192,3 +192,9 @@ def step_cost(s: RunPlan) -> Cost:
         cpu_step_s=cpu_step,
         loss_s=CHUNKED_LOSS_SHARE * compute if s.loss == "chunked" else 0.0,
     )
+
+
+def recompute_share(s: RunPlan) -> float:
+    """Activation checkpointing's recomputation as a share of the step's compute."""
+    cost = step_cost(s)
+    return cost.recompute_s / cost.compute_s
