@@ -92,7 +92,8 @@ def test_explicit_values_are_kept():
 def test_every_candidate_is_the_plan_the_trainer_builds():
     """Each candidate's plan (the base plan with its per-feature plans replaced) is `build_plan`'s for the
     config with those values, pipelined or not, with every offload."""
-    for over in ([], ["--parallelism.pp", "2", "--model.tie_embeddings", "untied"]):
+    pipelined = ["--parallelism.pp", "2", "--model.tie_embeddings", "untied"]
+    for over in ([], pipelined, ["--parallelism.fsdp_keep_gathered_last", "2"]):
         cfg = config.load(LLAMA8B, [*ALL_AUTO, "--plan.offload", "all", *over])
         plain, extra = autoplan.candidates(cfg, 4, offload="all", machine=False)
         assert len(plain) >= 20 and extra
@@ -154,6 +155,10 @@ def test_estimate_shows_the_plan_it_estimates(capsys):
     est = est_mod.estimate(config.load(LLAMA8B), 4, 80.0, trace=False)
     assert est.fits and est.total_gib == pytest.approx(c.chosen.gib)
     assert est.auto_settings == c.chosen.settings
+    # Its verdict is the run's: an auto plan must fit with plan.margin to spare.
+    one = est_mod.estimate(config.load(LLAMA8B), 1, 141.0, trace=False)
+    assert not one.fits and one.total_gib < 141.0
+    assert any("titanrush train refuses this one" in n for n in one.notes)
 
 
 def test_build_plan_refuses_an_unresolved_lever():

@@ -212,6 +212,7 @@ def estimate(
     context = _context_bytes(ngpu)
     extra = slack(s, b)
     total = b.peak + extra + context
+    limit = choice.limit if choice else gpu_mem_gib * GIB  # (auto levers: the margin, as train holds them)
     est = Estimate(
         flavor=cfg.model.flavor,
         n_params=n_params,
@@ -227,8 +228,8 @@ def estimate(
         total_gib=total / GIB,
         gpu_mem_gib=gpu_mem_gib,
         gpu_mem_note=gpu_mem_note,
-        fits=total <= gpu_mem_gib * GIB,
-        max_local_batch_size=max_local_batch(s, gpu_mem_gib * GIB, context, moe_imbalance=moe_imbalance),
+        fits=total <= limit,
+        max_local_batch_size=max_local_batch(s, limit, context, moe_imbalance=moe_imbalance),
         peak_phase=b.peak_phase,
         peak_rank=b.rank,
         at_peak={k: v / GIB for k, v in b.at_peak.items()},
@@ -244,6 +245,11 @@ def estimate(
         notes.append(_moe_note(s, moe_imbalance))
     if est.fits and total > 0.95 * gpu_mem_gib * GIB:
         notes.append("within 5% of the GPU's memory: fragmentation may still run it out of memory")
+    if choice and not est.fits and total <= gpu_mem_gib * GIB:
+        notes.append(
+            f"an auto plan must leave plan.margin = {choice.margin:.0%} of the GPU's memory free "
+            f"({limit / GIB:.1f} GiB): titanrush train refuses this one"
+        )
     if trace:
         _add_trace(est, s, b, extra + context, moe_imbalance)
     return est
