@@ -12,7 +12,7 @@ export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 PYTHON=${PYTHON:-python3}
 
 for arg in "$@"; do
-  if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then exec "$PYTHON" -m titanrush.train --help; fi
+  if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then exec "$PYTHON" -m titanrush.train "$@"; fi  # (--help [TOPIC])
 done
 
 if [ -z "${NGPU:-}" ]; then

@@ -13,6 +13,7 @@ from typing import NoReturn
 # command -> (module with main(argv) -> int, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "train": ("titanrush.train", "train a model (single process; ./run_train.sh launches several)"),
+    "tokenizer": ("titanrush.data.make_tokenizer", "train a BPE tokenizer on text files, or import one"),
     "prepare": ("titanrush.data.prepare", "tokenize text files into binary shards"),
     "convert": ("titanrush.tools.convert", "convert checkpoints to/from Hugging Face Llama folders and .pt"),
     "generate": (

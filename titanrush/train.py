@@ -32,9 +32,11 @@ from titanrush.logging_utils import init_logging
 
 USAGE = """usage: titanrush train [--config FILE] [--check] [--section.key value | --section.key=value
                        | --section.key | --no-section.key ...]
+       titanrush train --help [SECTION | WORD]
 
 Trains a Llama from a TOML config (defaults < TOML < command line). --check validates the config, the
-data, the checkpoint to load and the output folders, and exits. Lists are comma-separated.
+data, the checkpoint to load and the output folders, and exits. Lists are comma-separated. --help lists
+every key (the sections last); --help SECTION one section's, --help WORD the keys whose name holds WORD.
 """
 
 
@@ -75,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
-        print(USAGE)
-        print(cfgmod.help_text())
-        return 0
+        return _help(argv)
     try:
         path, check, overrides = split_args(argv)
         cfg = cfgmod.load(path, overrides)
@@ -86,6 +86,9 @@ def _main(argv: list[str]) -> int:
         print(f"titanrush: config error: {e}", file=sys.stderr)
         return 2
     init_logging(verbose=cfg.metrics.verbose)  # before torch's import: its warnings follow the policy
+    if ranks.rank == 0:
+        for line in cfgmod.repeated_overrides(overrides):
+            logging.getLogger("titanrush").warning(line)
     if cfg.training.gc_freq == 0:
         gc.enable()
     from titanrush.distributed import set_allocator_env  # (torch's import after the config's checks)
@@ -93,6 +96,20 @@ def _main(argv: list[str]) -> int:
     # Before anything starts CUDA (the plan's machine checks may): the allocator reads it at start-up.
     set_allocator_env(os.environ, expandable=cfg.training.expandable_segments)
     return _check_or_train(cfg, check, ranks)
+
+
+def _help(argv: list[str]) -> int:
+    """`--help`: every key; `--help TOPIC` (the argument after it, where it is no flag): what TOPIC names."""
+    at = argv.index("-h") if "-h" in argv else argv.index("--help")
+    topic = argv[at + 1] if at + 1 < len(argv) and not argv[at + 1].startswith("-") else None
+    try:
+        text = cfgmod.help_text(topic=topic)
+    except ConfigError as e:
+        print(f"titanrush: {e}", file=sys.stderr)
+        return 2
+    print(USAGE)
+    print(text)
+    return 0
 
 
 NONFINITE_STATUS = 3
@@ -135,6 +152,7 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
     from titanrush.run.nonfinite import NonFiniteError
     from titanrush.run.preflight import check_files
     from titanrush.run.signals import end_with_launcher
+    from titanrush.run.validate import config_warnings
     from titanrush.trainer import Trainer
 
     say = (
@@ -152,6 +170,8 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
             if check:  # (quiet: the run itself logs what the data and checkpoint hold)
                 logging.getLogger("titanrush").setLevel(logging.WARNING)
                 check_files(cfg, plan)
+                for line in config_warnings(cfg):  # (stdout: run_train.sh's check before a launch is quiet)
+                    print(f"warning: {line}")
                 print("\n".join([*choice.report(), "config OK"]))
                 return 0
             for line in choice.report():
@@ -162,6 +182,8 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
             print(f"titanrush: config error: {e}", file=sys.stderr)
             distributed.destroy()  # left up, gloo may abort the process at exit
             return 2
+        for line in config_warnings(cfg) if ranks.rank == 0 else []:  # the run is accepted: once
+            logging.getLogger("titanrush").warning(line)
         try:
             try:
                 trainer.train()

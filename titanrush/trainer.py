@@ -223,6 +223,7 @@ class Trainer:
             dataloader=self.train_loader,
             info=checkpoint_info(cfg, plan),
             rank=self.rank,
+            allow_data_change=cfg.data.allow_changed,
         )
         self.step = self.checkpointer.resume(
             load_path=ck.load_path, model_only=ck.load_model_only, steps=cfg.training.steps

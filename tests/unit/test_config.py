@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -405,3 +406,105 @@ def test_an_unreadable_config_file_is_a_config_error(tmp_path, capsys, monkeypat
     monkeypatch.setattr(Path, "read_bytes", denied)  # (root reads any file: the refusal, simulated)
     err = train_errors(["--config", str(path)], capsys, tmp_path)
     assert f"config file '{path}' cannot be read (Permission denied)" in err
+
+
+def test_help_of_one_section_or_the_keys_a_word_names(capsys):
+    """`--help SECTION` / `--help WORD` / `--help section.key`: those keys only, in the full reference's
+    format; a topic that names nothing is one line and status 2."""
+    from titanrush.train import main
+
+    def shown(*argv: str) -> list[str]:
+        assert main(list(argv)) == 0
+        return [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("  --")]
+
+    sched = [f"--lr_scheduler.{f.name}" for f in dataclasses.fields(config.sections()["lr_scheduler"])]
+    assert shown("--help", "lr_scheduler") == sched == shown("-h", "[lr_scheduler]")
+    assert shown("--help", "warmup") == ["--lr_scheduler.warmup_steps"]
+    assert shown("--help", "training.seq_len") == ["--training.seq_len"]
+    every = [f"--{s}.{f.name}" for s, cls in config.sections().items() for f in dataclasses.fields(cls)]
+    seq = [key for key in every if "seq" in key]
+    assert shown("--help", "SEQ") == seq and len(seq) > 2
+    assert shown("--help", "--training.steps", "3") == every  # (a flag after --help is no topic)
+    assert main(["--help", "nosuch"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no section or key name holds 'nosuch'; sections: job, model" in err[0], err
+
+
+def test_the_full_reference_ends_with_the_sections():
+    """The last lines of the 400-line reference (what a terminal shows) list the sections and how to ask
+    for one; run_train.sh passes the topic on."""
+    lines = config.help_text(80).splitlines()
+    tail = lines[-len(config.sections()) - 2 :]
+    assert tail[0].startswith("Sections (--help SECTION shows one")
+    assert [line.split()[0] for line in tail[-len(config.sections()) :]] == list(config.sections())
+    assert all(len(line) <= 80 for line in tail)
+    res = subprocess.run(
+        [str(ROOT / "run_train.sh"), "--help", "checkpoint"], capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0 and "--checkpoint.interval" in res.stdout and "--training." not in res.stdout
+
+
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (
+            ["--training.steps", "2_0"],
+            "training.steps must be an integer, got '2_0': the command line takes no",
+        ),
+        (["--training.steps", "1_000"], "no '_' between digits; write the digits alone"),
+        (
+            ["--optimizer.lr", "1_0.5"],
+            "optimizer.lr must be a number, got '1_0.5': the command line takes no",
+        ),
+        (["--training.steps", "٢٠"], "training.steps must be an integer written in ASCII digits"),
+    ],
+)
+def test_python_digit_spellings_on_the_command_line_are_refused(args, fragment):
+    """int() and float() read `2_0` as 20 and Arabic-Indic digits as ASCII ones; on a command line the
+    first is a typo (of 20? 2.0? 200?) and the second no setting a user types: refused, not guessed."""
+    with pytest.raises(ConfigError, match=re.escape(fragment)):
+        config.load(None, args)
+
+
+def test_toml_digit_separators_are_the_format_s_own(tmp_path):
+    """In a TOML file `_` between digits is the format's own separator: it reads as the number."""
+    assert config.load(str(write(tmp_path / "c.toml", "[training]\nsteps = 2_0\n"))).training.steps == 20
+
+
+@pytest.mark.parametrize(
+    "text", ["", "\n# only a comment\n", "[training]\n[optimizer]\n"], ids=["empty", "comments", "tables"]
+)
+def test_an_empty_config_file_is_refused(tmp_path, capsys, text):
+    """A file that sets no key is a mistake (the wrong file, one not yet saved): the run would silently
+    train the defaults. Refused, naming the file, with how to get the defaults on purpose."""
+    path = write(tmp_path / "c.toml", text)
+    err = train_errors(["--config", str(path)], capsys, tmp_path)
+    assert f"config file '{path}' is empty: it sets no key, so the run would take the defaults" in err
+    assert err.rstrip().endswith("or leave --config out to train with the defaults"), err
+
+
+def test_an_empty_file_that_a_config_extends_is_refused_and_only_extends_is_fine(tmp_path):
+    write(tmp_path / "base.toml", "")
+    with pytest.raises(
+        ConfigError,
+        match=r"c\.toml:1: extends names '.*base\.toml', which is empty: .* or remove the extends line$",
+    ):
+        config.load(str(write(tmp_path / "c.toml", 'extends = "base.toml"\n')))
+    write(tmp_path / "base.toml", "[training]\nsteps = 7\n")
+    assert config.load(str(tmp_path / "c.toml")).training.steps == 7  # a file of `extends` alone sets keys
+
+
+def test_a_key_given_twice_on_the_command_line_is_said_and_the_last_is_used(tmp_path):
+    """Given twice (a wrapper script's default, then the caller's own), the last wins, as in every
+    command-line parser, and the run says so once, naming both values; the same value twice says nothing."""
+    args = ["--training.steps", "3", "--checkpoint.enable", "--training.steps=5", "--no-checkpoint.enable"]
+    assert config.repeated_overrides([*args, "--job.name", "a", "--job.name", "a"]) == [
+        "--training.steps is given twice on the command line (3, then 5): the last, 5, is used",
+        "--checkpoint.enable is given twice on the command line (true, then false): the last, false, is used",
+    ]
+    cfg = config.load(None, args)
+    assert cfg.training.steps == 5 and cfg.checkpoint.enable is False
+    res = run_cli("--job.dump_folder", str(tmp_path), *args, "--data.dataset", "synthetic", "--check")
+    assert res.returncode == 0, res.stderr
+    warned = [line for line in res.stderr.splitlines() if "is given" in line]
+    assert len(warned) == 2 and "WARNING --training.steps is given twice" in warned[0], res.stderr

@@ -309,9 +309,14 @@ def test_continued_pretraining_of_a_converted_llama_in_one_command(tmp_path, cap
         save_checkpoint(model, tmp_path / "src"), tmp_path / "hf_model", torch.float32, str(tokenizer)
     )
     assert convert.main(["--from-hf", str(source), str(tmp_path / "ckpt")]) == 0
-    printed = capsys.readouterr().out.splitlines()[-1].split("--config FILE", 1)[1]
-    flags = shlex.split(printed)
+    (train,) = [
+        line for line in capsys.readouterr().out.splitlines() if line.startswith("  titanrush train ")
+    ]
+    flags = shlex.split(train)[2:]
     assert "--data.tokenizer" in flags  # the HF folder's tokenizer came along
+    at = flags.index("--job.dump_folder")  # (the printed run folder, outputs/...: this test names its own)
+    assert flags[at + 2] == "--job.name"
+    flags = flags[:at] + flags[at + 4 :]
     (tmp_path / "corpus").mkdir()
     for i, text in enumerate(CORPUS * 2):
         (tmp_path / "corpus" / f"{i}.txt").write_text(text)
@@ -344,7 +349,7 @@ def test_continued_pretraining_of_a_converted_llama_in_one_command(tmp_path, cap
     # The run's own checkpoint records the custom shape, and generate reads it with the run's tokenizer.
     step = tmp_path / "cpt" / "checkpoint" / "step-2"
     assert json.loads((step / "titanrush.json").read_text())["flavor"] == "custom"
-    assert hf.training_tokenizer(step) == str(tmp_path / "ckpt" / "tokenizer.json")
+    assert Path(hf.training_tokenizer(step)) == (tmp_path / "ckpt" / "tokenizer.json").resolve()
     assert generate.main(["--checkpoint", str(step), "--prompt", "the cat", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("the cat")
 

@@ -644,3 +644,86 @@ def test_shard_corpus_pickles_by_path(shards: Path, tok: Tokenizer) -> None:
     again = pickle.loads(blob)
     stream, copy = TokenStream(corpus, seed=3, shuffle=True), TokenStream(again, seed=3, shuffle=True)
     assert np.array_equal(stream.read(123, 5000), copy.read(123, 5000))
+
+
+# ----------------------------------------------------------------------------------------------
+# The data fingerprint (titanrush.data.fingerprint)
+
+
+def test_fingerprint_samples_a_few_blocks_and_full_reads_every_byte(tmp_path: Path) -> None:
+    """Sampled: the first, the last and 8 evenly spaced 64 KiB blocks (a small file whole); a change
+    between the blocks is found only by `full`, which is what it is for."""
+    from titanrush.data import fingerprint as fp
+
+    assert fp.sample_ranges(1000) == [(0, 1000)]
+    size = 4 * 2**20
+    ranges = fp.sample_ranges(size)
+    assert len(ranges) == fp.SAMPLES + 2 and ranges[0] == (0, fp.BLOCK)
+    assert ranges[-1] == (size - fp.BLOCK, fp.BLOCK)
+    assert sum(n for _, n in ranges) == 10 * fp.BLOCK  # 640 KiB read, whatever the size
+
+    (tmp_path / "a.txt").write_bytes(np.random.default_rng(0).bytes(size))
+    cfg = Data(dataset="files", path=str(tmp_path))
+
+    def flip(offset: int) -> None:
+        raw = bytearray((tmp_path / "a.txt").read_bytes())
+        raw[offset] ^= 0xFF
+        (tmp_path / "a.txt").write_bytes(bytes(raw))
+
+    before = fp.fingerprint(cfg)
+    assert before is not None and set(before["files"]["a.txt"]) == {"size", "mtime_ns", "sampled"}
+    flip(ranges[3][0] + 5)  # inside a sampled block
+    changed, _ = fp.changes(before, fp.fingerprint(cfg))
+    assert changed == ["a.txt has other bytes at the same size (sampled blocks differ)"]
+    flip(ranges[3][0] + 5)  # back
+    assert fp.changes(before, fp.fingerprint(cfg))[0] == []
+    full = Data(dataset="files", path=str(tmp_path), fingerprint="full")
+    before = fp.fingerprint(full)
+    flip(ranges[3][0] + fp.BLOCK + 5)  # between two sampled blocks
+    changed, notes = fp.changes(before, fp.fingerprint(cfg))
+    assert changed == [] and notes  # (sampled alone cannot see it, and says only that the file is touched)
+    changed, _ = fp.changes(before, fp.fingerprint(full))
+    assert changed == ["a.txt has other bytes at the same size (its CRC-32 differs)"]
+
+
+def test_fingerprint_changes_name_files_gone_new_and_resized() -> None:
+    from titanrush.data.fingerprint import METHOD, changes
+
+    def record(**files: int) -> dict:
+        entries = {f"{k}.txt": {"size": v, "mtime_ns": 1, "sampled": "0"} for k, v in files.items()}
+        return {"dataset": "files", "method": METHOD, "full": False, "files": entries}
+
+    saved = record(a=10, b=20, c=30, d=1, e=2, f=3)
+    changed, notes = changes(saved, record(a=10, b=21, g=4))
+    assert changed == [
+        "4 files removed (c.txt, d.txt, e.txt, ... 1 more)",
+        "1 file added (g.txt)",
+        "b.txt has 21 bytes, 20 at the save",
+    ]
+    assert notes == []
+    assert changes(saved, {**saved, "dataset": "shards"}) == ([], [])  # (the data position names that)
+    touched = {**saved, "files": {k: {**v, "mtime_ns": 2} for k, v in saved["files"].items()}}
+    changed, notes = changes(saved, touched)
+    assert changed == [] and "6 files of the data changed only the modification time" in notes[0]
+    changed, notes = changes({**saved, "method": "another"}, record(a=10, b=20, c=30, d=1, e=2, f=3))
+    assert changed == [] and "only the files and their sizes are compared" in notes[0]
+
+
+def test_fingerprint_of_each_dataset(tmp_path: Path, shards: Path) -> None:
+    """embedded: the standard library's train files by size; shards: the train split's files; synthetic
+    and hf: nothing."""
+    from titanrush.data.fingerprint import fingerprint
+
+    embedded = fingerprint(Data(dataset="embedded"))
+    assert embedded is not None and embedded["method"] == "sizes"
+    names = sources.embedded_files("train")
+    assert len(embedded["files"]) == len(names) and all(
+        set(e) == {"size"} for e in embedded["files"].values()
+    )
+    record = fingerprint(Data(dataset="shards", path=str(shards)))
+    assert record is not None and "train_00000.bin" in record["files"]
+    assert "train_00000.docs.npy" in record["files"]
+    assert not any(name.startswith("validation") for name in record["files"])
+    assert (
+        fingerprint(Data(dataset="synthetic")) is None and fingerprint(Data(dataset="hf", path="x")) is None
+    )

@@ -662,7 +662,7 @@ def test_cli_exit_status_1_when_the_config_does_not_fit(capsys):
     small = f"{total / 2:.3f}"  # half of what the debug model needs
     assert est_mod.main(["--config", DEBUG, "--ngpu", "1", "--no-trace", "--gpu-mem", small]) == 1
     text = capsys.readouterr().out
-    assert f"of {float(small):.1f} GiB: does NOT fit" in text
+    assert f"of {float(small):.1f} GiB: does not fit" in text
     assert f"GPU memory: {float(small):g} GiB per GPU (--gpu-mem)" in text
     argv = ["--config", DEBUG, "--ngpu", "1", "--no-trace", "--json", "--gpu-mem", small]
     assert est_mod.main(argv) == 1
@@ -797,3 +797,51 @@ def test_keep_gathered_last_holds_that_many_blocks_weights_at_the_peak():
     assert base.peak_phase == kept.peak_phase == "loss backward"
     per_block = (218_112_000 - 2 * 4096) + 2 * (2 * 4096)
     assert kept.peak - base.peak == 23 * per_block
+
+
+EIGHT_B = str(ROOT / "train_configs" / "llama8b_fsdp.toml")
+
+
+def suggested(text: str) -> list[list[str]]:
+    """The flags of each line under `what would fit` (the GiB column dropped)."""
+    lines = text[text.index("what would fit in ") :].splitlines()[1:]
+    return [line.split()[:-2] for line in lines if line.startswith("  --")]
+
+
+@pytest.mark.parametrize(
+    "argv, first",
+    [
+        # The debug model against 1 GiB: a smaller batch, or full AC at a larger one.
+        (["--config", DEBUG, "--ngpu", "1", "--gpu-mem", "1"], ["--training.local_batch_size"]),
+        # A fixed global batch of 8: the batch that fits must divide it (accumulation keeps it).
+        (
+            ["--config", DEBUG, "--ngpu", "1", "--gpu-mem", "1", "--training.global_batch_size", "8"],
+            ["--training.local_batch_size", "2"],
+        ),
+        # The 8B on 4 x 40 GiB: no one change is enough; all together on the fewest GPUs.
+        (["--config", EIGHT_B, "--ngpu", "4", "--gpu-mem", "40"], ["--ngpu", "8"]),
+    ],
+    ids=["debug", "fixed_global_batch", "8b_combined"],
+)
+def test_does_not_fit_says_what_would_and_each_does(capsys, argv, first):
+    """Exit 1 and the nearest changes that fit; each, added to the same command, fits (exit 0)."""
+    assert est_mod.main([*argv, "--no-trace"]) == 1
+    text = capsys.readouterr().out
+    assert "does not fit" in text and "NOT" not in text
+    changes = suggested(text)
+    assert changes and changes[0][: len(first)] == first, text
+    for flags in changes:
+        assert est_mod.main([*argv, "--no-trace", *flags]) == 0, flags
+        assert "what would fit" not in capsys.readouterr().out
+    assert est_mod.main([*argv, "--no-trace", "--json"]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert [flags.split() for flags, _ in out["would_fit"]] == changes
+
+
+def test_nothing_near_fits_is_said_so(capsys):
+    argv = ["--config", EIGHT_B, "--ngpu", "4", "--gpu-mem", "8"]
+    assert est_mod.main([*argv, "--no-trace"]) == 1
+    text = capsys.readouterr().out
+    assert "nothing near fits in 8 GiB" in text and "what would fit" not in text
+    cfg = config.load(DEBUG)
+    assert est_mod.what_fits(cfg, 1, est_mod.estimate(cfg, 1, 0.5, trace=False)) == []  # the context alone

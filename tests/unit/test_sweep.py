@@ -514,3 +514,56 @@ def test_an_option_without_its_value_is_named_not_replaced_by_a_default(tmp_path
     assert sweep.main(["--ngpu", "1", "--output", str(tmp_path / "out"), flag]) == 2
     assert f"argument {flag}: expected one argument" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+EIGHT_B = str(ROOT / "train_configs" / "llama8b_fsdp.toml")
+
+
+def dry_run_report(err: str) -> tuple[list[str], list[str]]:
+    """(the commands a dry run prints, its ranked shapes, best first)."""
+    commands = [line[4:] for line in err.splitlines() if line.startswith("  $ ")]
+    ranked = err[err.index("ranked before measuring") :].splitlines()[1:]
+    return commands, [line.split(". ", 1)[1].split("  (")[0] for line in ranked if line.startswith("  ")]
+
+
+def test_dry_run_prints_the_commands_it_would_run_and_ranks_the_shapes(
+    fake_cpu, monkeypatch, tmp_path, capsys
+):
+    """Each valid shape's command, the very one the sweep runs; the shapes the estimator says fit ranked
+    first (here tp=2: 50 of 60 GiB), then by the fewest GPUs in tp x pp x cp."""
+    monkeypatch.setattr(rush_runner, "quick_estimate", fake_estimate)
+    monkeypatch.setattr(rush_runner, "run_child", fake_child)
+    argv = ["--config", DEBUG, "--ngpu", "2", "--grid", "tp=1,2", "--steps", "3", "--warmup", "1"]
+    argv += ["--gpu-mem", "60", "--output", str(tmp_path / "sweep"), *TINY]
+    assert sweep.main([*argv, "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    commands, ranked = dry_run_report(captured.err)
+    tp1, tp2 = "dp_replicate=1 dp_shard=2 tp=1 pp=1 cp=1", "dp_replicate=1 dp_shard=1 tp=2 pp=1 cp=1"
+    assert captured.out.splitlines() == [tp1, tp2] and ranked == [tp2, tp1]
+    assert sweep.main(argv) == 0  # the sweep itself: the same commands, in the same order
+    rows = read_rows(tmp_path / "sweep")
+    assert commands == [row["command"] for row in rows if row["status"] != sweep.INVALID]
+
+    # Every shape fits 141 GiB: the fewest model-parallel GPUs first (FSDP alone), the most last.
+    grid = ["--grid", "tp=2,1 pp=1,2", "--dry-run", "--assume-cuda", "--gpu-mem", "141"]
+    assert sweep.main(["--config", EIGHT_B, "--ngpu", "4", *grid]) == 0
+    _, ranked = dry_run_report(capsys.readouterr().err)
+    assert ranked[0] == "dp_replicate=1 dp_shard=4 tp=1 pp=1 cp=1" and ranked[-1].endswith("tp=2 pp=2 cp=1")
+
+
+@pytest.mark.parametrize("config, flavor", [(DEBUG, "debug"), (EIGHT_B, "8B")])
+def test_results_md_gives_the_command_that_trains_this_config_with_the_best_shape(
+    fake_cpu, monkeypatch, tmp_path, config, flavor
+):
+    """The best shape trains *this* config (the command is in results.md); the rush's 8B run is offered
+    only for a sweep of the 8B."""
+    monkeypatch.setattr(rush_runner, "run_child", fake_child)
+    out = tmp_path / "sweep"
+    argv = ["--config", config, "--ngpu", "2", "--grid", "tp=1,2", "--steps", "3", "--warmup", "1"]
+    assert sweep.main([*argv, "--output", str(out), *TINY]) == 0
+    md = (out / "results.md").read_text()
+    mesh = {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 1, "cp": 1}
+    best = " ".join(f"--parallelism.{d} {v}" for d, v in mesh.items())
+    train = f"NGPU=2 ./run_train.sh --config {config} {' '.join(TINY)} {best}"
+    assert f"trains this config with this mesh: `{train}`" in md
+    assert ("runs the rush's 8B rung with this mesh" in md) == (flavor == "8B") and "runs the 8B" not in md

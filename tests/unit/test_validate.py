@@ -203,3 +203,68 @@ def test_model_numbers_from_anywhere_are_checked_once_resolved(field, value):
     check_model_args(model_args("debug"))
     with pytest.raises(ConfigError, match=f"the model's {field} must be"):
         check_model_args(dataclasses.replace(model_args("debug"), **{field: value}))
+
+
+@pytest.mark.parametrize(
+    "steps, warmup, said",
+    [
+        (100, 100, "the learning rate reaches optimizer.lr only at the last step and never decays"),
+        (100, 150, "the learning rate never reaches optimizer.lr (it ends at 67% of it) and never decays"),
+        (1, 5, "never reaches optimizer.lr (it ends at 20% of it)"),
+    ],
+)
+def test_a_warmup_as_long_as_the_run_is_a_warning(steps, warmup, said):
+    cfg = config.load(None, ["--training.steps", str(steps), "--lr_scheduler.warmup_steps", str(warmup)])
+    (message,) = validate.config_warnings(cfg)
+    assert said in message and message.startswith(f"lr_scheduler.warmup_steps = {warmup} is not below")
+    assert "set lr_scheduler.warmup_steps below training.steps" in message
+    build_plan(cfg, 1)  # a warning, not an error
+    assert validate.config_warnings(config.load(None, ["--training.steps", "100"])) == []
+
+
+def test_the_warmup_warning_is_said_once_and_only_for_an_accepted_config(tmp_path, capsys):
+    """`titanrush train --check` prints it before `config OK`; a run logs it once on stderr and trains on;
+    a config error stays one line, without it."""
+    from titanrush import cli
+
+    argv = ["train", "--training.steps", "3", "--lr_scheduler.warmup_steps", "3"]
+    argv += ["--data.dataset", "synthetic", "--training.seq_len", "32", "--training.local_batch_size", "2"]
+    argv += ["--job.dump_folder", str(tmp_path)]
+    said = "lr_scheduler.warmup_steps = 3 is not below training.steps = 3"
+    assert cli.main([*argv, "--check"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 2 and said in out[0] and out[0].startswith("warning: ") and out[1] == "config OK"
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert err.count(said) == 1 and "step      3" in err, err
+    assert cli.main([*argv, "--model.vocab_size", "100"]) == 2
+    assert said not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", ["cli", "toml"])
+def test_an_integer_past_64_bits_is_refused_with_the_allowed_range(where, tmp_path):
+    """`training.steps 99999999999999999999` used to pass: Python holds it, nothing the run counts with
+    does. Every integer key without a bound of its own is held to a 64-bit integer."""
+    huge = "99999999999999999999"
+    if where == "cli":
+        cfg = config.load(None, ["--training.steps", huge])
+    else:
+        (tmp_path / "c.toml").write_text(f"[training]\nsteps = {huge}\n")
+        cfg = config.load(str(tmp_path / "c.toml"))
+    with pytest.raises(
+        ConfigError, match=re.escape(f"training.steps must be in [1, {2**63 - 1}], got {huge}")
+    ):
+        build_plan(cfg, 1)
+    with pytest.raises(ConfigError, match=r"checkpoint\.interval must be in \[1, 9223372036854775807\]"):
+        plan("--checkpoint.interval", huge)
+    plan("--training.steps", str(2**63 - 1))  # (the largest is a setting)
+    with pytest.raises(ConfigError, match=r"training\.steps must be >= 1, got 0$"):  # (below: as before)
+        plan("--training.steps", "0")
+
+
+def test_a_sequence_of_one_token_is_refused_with_the_reason():
+    with pytest.raises(
+        ConfigError, match=r"training\.seq_len must be >= 2, got 1: with one token per sequence"
+    ):
+        plan("--training.seq_len", "1")
+    assert plan("--training.seq_len", "2").seq_len == 2

@@ -5,6 +5,8 @@
 - `state_differences`: the states this run will load (flattened as DCP flattens them) against the
   checkpoint's index: missing entries, tensors where objects are stored and the reverse, other shapes.
 - `data_position_problem`: the saved data loader position against this run's data and batch layout.
+- `data_change_problem`: the train data's fingerprint at the save against this run's (the same path may
+  hold other data now).
 - `apply_run_settings`: after a load, the optimizer's settings and the learning-rate schedule are this
   run's (a checkpoint restores its own), and each difference is said.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -26,10 +29,13 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from titanrush.checkpoint.folder import summarize
 from titanrush.config import ConfigError
+from titanrush.data import fingerprint
 from titanrush.distributed import all_ranks
 from titanrush.files import one_line
 from titanrush.models.llama import ModelArgs
 from titanrush.models.llama4 import Llama4Args
+
+logger = logging.getLogger("titanrush")
 
 # Model arguments that are run-time choices: the kernel, how K/V heads are laid out for context
 # parallel, the loss's chunking, the RoPE table's length and the longest sequence (the table is computed,
@@ -204,6 +210,47 @@ def data_position_problem(saved: dict[str, Any], here: dict[str, Any]) -> tuple[
     )
 
 
+def data_change_problem(
+    path: Path, saved: dict[str, Any], here: dict[str, Any], *, allow: bool
+) -> tuple[str, str]:
+    """(how the train data changed since the checkpoint was saved, what to do); ('', '') when it did not,
+    when `allow` (data.allow_changed: the change is said as a warning instead), or when there is nothing to
+    compare (this run took no fingerprint: another rank than 0, synthetic data; a checkpoint saved before
+    fingerprints, said in a line)."""
+    mine, theirs = here.get("data"), saved.get("data", False)
+    if not mine:
+        return "", ""
+    if theirs is False:
+        logger.info(
+            f"checkpoint {path} records no data fingerprint (saved by an earlier titanrush): the data "
+            "it read is not compared with this run's"
+        )
+        return "", ""
+    if not isinstance(theirs, dict):
+        return "", ""
+    changed, notes = fingerprint.changes(theirs, mine)
+    for note in notes:
+        logger.info(note)
+    if not changed:
+        return "", ""
+    what = f"the train data changed since the save: {summarize(changed, limit=3)}"
+    if allow:
+        logger.warning(
+            f"resuming {path} on changed data (data.allow_changed): {what}; the data position continues on "
+            "another token stream, and the next checkpoints record the data as it is now"
+        )
+        return "", ""
+    where = (
+        "run with the Python whose standard library it read (data.dataset = 'embedded')"
+        if mine.get("dataset") == "embedded"
+        else "point data.path at the data it was saved with"
+    )
+    return (
+        f"{what} (resuming would continue on another token stream)",
+        f"{where}, or add --data.allow_changed to resume on this data knowingly",
+    )
+
+
 # Param-group keys by the config keys that set them (the others, such as `fused`, by their own name).
 _SETTING_NAMES = {
     "initial_lr": "optimizer.lr",
@@ -296,6 +343,7 @@ def check_compatible(
     own: bool,
     model_only: bool,
     tensors: bool = True,
+    allow_data_change: bool = False,
 ) -> None:
     """Compare everything this run will load with the checkpoint, reading no tensor (every rank calls
     this; the findings of all ranks are joined, so every rank raises the same error).
@@ -306,6 +354,7 @@ def check_compatible(
         own: the checkpoint is the run's own (the advice differs from one given by load_path).
         tensors: compare the entries and shapes of `states` with the index (False: only the model
             arguments and the data position, for `--check`, which builds no model).
+        allow_data_change: data.allow_changed: train data that changed since the save is said, not refused.
 
     Raises:
         ConfigError: "checkpoint ... is incompatible with this run: <what differs>. To load it: <how>".
@@ -317,6 +366,11 @@ def check_compatible(
     if args_differ:
         problems.append("model: " + summarize(diffs, limit=6))
         advice.append(model_arg_hint(saved, here))
+    if not model_only:
+        text, fix = data_change_problem(path, saved, here, allow=allow_data_change)
+        if text:
+            problems.append(text)
+            advice.append(fix)
     by_state: dict[str, list[str]] = {}
     if tensors:
         flat = flat_state(states, metadata)

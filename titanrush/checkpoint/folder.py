@@ -71,6 +71,7 @@ _INFO_TYPES: dict[str, tuple[type, ...]] = {
     "torch": (str,),
     "model_args": (dict,),
     "schedule": (dict, type(None)),
+    "data": (dict, type(None)),
 }
 
 

@@ -2,18 +2,20 @@
 
 A checkpoint is the folder `<run>/<checkpoint.folder>/step-<N>/`: a DCP checkpoint (keys `model.*`,
 `optimizer.*`, `lr_scheduler`, `dataloader`, `train_state`), `titanrush.json` (step, flavor, model
-arguments, schedule settings) and `integrity.json` (every file's size and CRC-32 checksums,
-`checkpoint_integrity.py`). It is written under `step-<N>.tmp/` and renamed once every rank has written
-its part and the record is written, so a folder named `step-<N>` is complete; a run killed mid-save
-leaves only a `.tmp` folder, which resumption ignores. DCP stores every tensor under its global name and
-shape, so a checkpoint saved on one mesh loads on any other (FSDP2 -> one process, -> TP, -> PP).
+arguments, schedule settings, the train data's fingerprint) and `integrity.json` (every file's size and
+CRC-32 checksums, `checkpoint_integrity.py`). It is written under `step-<N>.tmp/` and renamed once every
+rank has written its part and the record is written, so a folder named `step-<N>` is complete; a run
+killed mid-save leaves only a `.tmp` folder, which resumption ignores. DCP stores every tensor under its
+global name and shape, so a checkpoint saved on one mesh loads on any other (FSDP2 -> one process, ->
+TP, -> PP).
 
 Loading checks, in this order and before any tensor is read: the folder is complete (a step folder of
 this run that is not is moved aside to `step-<N>.incomplete-<n>`, and the run resumes from the newest
 complete one), its files match the integrity record (else it is *corrupt*), and it fits this run: the
-model arguments, every state's entries and shapes, the data position (else it is *incompatible*, and
-the message says what differs and what to do). A failed save (a full disk) removes its `.tmp` folder,
-leaves earlier checkpoints alone and stops the run with a `RunError` (`docs/checkpoint.md`).
+model arguments, the train data (its fingerprint, unless data.allow_changed), every state's entries and
+shapes, the data position (else it is *incompatible*, and the message says what differs and what to do).
+A failed save (a full disk) removes its `.tmp` folder, leaves earlier checkpoints alone and stops the run
+with a `RunError` (`docs/checkpoint.md`).
 
 Timings go to `records` for the trainer to log (metrics.jsonl and the console): each save, once it is
 complete and renamed, gives `ckpt_mode` (the async mode, or `model_only` for a model-only save, always
@@ -86,9 +88,11 @@ class CheckpointManager:
         dataloader: Any,
         info: dict[str, Any],
         rank: int,
+        allow_data_change: bool = False,
     ) -> None:
         """`info` goes into each checkpoint's titanrush.json: `flavor`, `model_args` (compared on load),
-        `optimizer` (its name) and `schedule` (the learning-rate settings, whose changes a resume names).
+        `optimizer` (its name), `schedule` (the learning-rate settings, whose changes a resume names) and
+        `data` (the train data's fingerprint, compared on a resume unless `allow_data_change`).
 
         Raises:
             ConfigError: checkpoints are on and the folder cannot be made or written (checked now, by
@@ -102,6 +106,7 @@ class CheckpointManager:
         self.rank = rank
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.info = info
+        self.allow_data_change = allow_data_change
         self.train_state = TrainState(rank)
         self.model_parts = model_parts
         self.optimizers = optimizers
@@ -206,7 +211,14 @@ class CheckpointManager:
             self.train_state.load_rng = self._rng_entry(metadata)
             try:  # (reads the data loader's saved objects)
                 compat.check_compatible(
-                    path, metadata, saved, self.info, states, own=own, model_only=model_only
+                    path,
+                    metadata,
+                    saved,
+                    self.info,
+                    states,
+                    own=own,
+                    model_only=model_only,
+                    allow_data_change=self.allow_data_change,
                 )
             except CheckpointException as e:  # DCP's read failed: classified, never pasted
                 hint = elsewhere(path, own)

@@ -74,6 +74,7 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
                 raise too_long from None
             return value
         if from_cli and isinstance(value, str):
+            _refuse_separators(key, value, "an integer")
             try:
                 return int(value)
             except ValueError:
@@ -88,6 +89,7 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
             except OverflowError:  # an integer past a float's range (~1.8e308)
                 number = math.inf
         elif from_cli and isinstance(value, str):
+            _refuse_separators(key, value, "a number")
             with contextlib.suppress(ValueError):
                 number = float(value)
         if number is None:
@@ -106,6 +108,19 @@ def _coerce(key: str, tp: Any, value: Any, from_cli: bool) -> Any:
             ) from None
         return value
     raise AssertionError(f"unsupported config type {tp}")
+
+
+def _refuse_separators(key: str, value: str, kind: str) -> None:
+    """Refuse a command-line number that Python reads but a person would not write there: `2_0` (Python's
+    digit separator, which int() and float() take: on a command line it is a typo, not twenty), or digits
+    of another script (int() reads '٢٠' as 20)."""
+    if "_" in value:
+        raise ConfigError(
+            f"{key} must be {kind}, got {_shown(value)}: the command line takes no '_' between digits; "
+            "write the digits alone"
+        )
+    if not value.isascii():
+        raise ConfigError(f"{key} must be {kind} written in ASCII digits, got {_shown(value)}")
 
 
 def _lookup(section: str, key: str | None) -> tuple[type, str]:

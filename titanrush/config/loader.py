@@ -67,6 +67,12 @@ def _read_toml(
             f"{_longest_number(path, text)}: an integer of more than {_max_digits()} digits, which Python "
             "does not read; write a smaller value"
         ) from None
+    if all(isinstance(v, dict) and not v for v in data.values()):  # (comments or empty tables only, too)
+        undo = "remove the extends line" if extended_at else "leave --config out to train with the defaults"
+        raise ConfigError(
+            f"{named} is empty: it sets no key, so the run would take the defaults; put the settings in "
+            f"it, or {undo}"
+        )
     base: dict[str, dict[str, Any]] = {}
     origins: Origins = {}
     parent = data.pop("extends", None)

@@ -40,3 +40,22 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
             i += 1
         i += 1
     return out
+
+
+def repeated_overrides(args: list[str]) -> list[str]:
+    """A line for each key that the overrides set more than once to different values, naming the values in
+    order and the one that counts (the last: a wrapper script's defaults, then the caller's own, is the
+    usual reason to give a key twice, and a common mistake, so it is said, not refused)."""
+    given: dict[str, list[str]] = {}
+    for section, key, value in parse_overrides(args):
+        text = str(value).lower() if isinstance(value, bool) else value if value else "''"
+        given.setdefault(f"{section}.{key}", []).append(text)
+    lines = []
+    for name, values in given.items():
+        if len(set(values)) > 1:
+            times = "twice" if len(values) == 2 else f"{len(values)} times"
+            lines.append(
+                f"--{name} is given {times} on the command line ({', then '.join(values)}): the last, "
+                f"{values[-1]}, is used"
+            )
+    return lines

@@ -155,7 +155,8 @@ class Optimizer:
 @dataclass
 class LRScheduler:
     warmup_steps: int = 5
-    """Linear warmup from ~0 to optimizer.lr over this many steps."""
+    """Linear warmup from ~0 to optimizer.lr over this many steps; keep it below training.steps (a warm-up
+    as long as the run never reaches the peak nor decays: `titanrush train` warns)."""
     decay: Literal["linear", "cosine", "wsd"] = "linear"
     """After warmup: linear or cosine decay to the minimum, or wsd (warmup-stable-decay)."""
     decay_ratio: float = 0.2
@@ -361,6 +362,15 @@ class Data:
     cache_dir: str = "~/.cache/titanrush"
     """Where the tokenized embedded / files corpora are cached, keyed by the tokenizer and the file list
     ("" = no cache; an unwritable folder only costs re-tokenizing at start-up)."""
+    fingerprint: Literal["sampled", "full"] = "sampled"
+    """What each checkpoint records of the train data, so that a resume on changed data stops:
+    `sampled`, each file's size and a CRC-32 of its first, last and 8 evenly spaced 64 KiB blocks (about
+    640 KiB read per file, however large); `full`, also a CRC-32 of every byte (each start then reads all
+    the data once). The embedded corpus is recorded by its files' sizes (docs/operations.md)."""
+    allow_changed: bool = False
+    """Resume although the data differs from the checkpoint's fingerprint (files added, removed, resized
+    or rewritten at the same path): the saved position then continues on another token stream; the
+    change is named in a warning, and the next checkpoints record the data as it is now."""
 
 
 @dataclass

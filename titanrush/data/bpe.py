@@ -7,6 +7,7 @@ contain the merged pair, and a lazy max-heap finds the next most frequent pair.
 
 from __future__ import annotations
 
+import base64
 import heapq
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -90,6 +91,12 @@ def train_bpe(word_counts: dict[bytes, int], n_ranks: int) -> dict[bytes, int]:
             else:
                 pair_count.pop(p, None)
     return ranks
+
+
+def rank_file_text(ranks: dict[bytes, int]) -> str:
+    """A rank table in tiktoken's rank-file format: `base64(token bytes) rank` per line, by rank."""
+    ordered = sorted(ranks.items(), key=lambda kv: kv[1])
+    return "".join(f"{base64.b64encode(tok).decode()} {rank}\n" for tok, rank in ordered)
 
 
 def _merge(word: list[int], pair: tuple[int, int], new_id: int) -> list[int]:

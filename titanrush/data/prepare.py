@@ -57,7 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--input", required=True, help="a file, folder or glob of .txt/.jsonl/.parquet files")
     parser.add_argument("--output", required=True, help="folder to write the shards and index.json to")
     parser.add_argument(
-        "--tokenizer", default="default", help="'default' or a tiktoken rank file (data.tokenizer)"
+        "--tokenizer",
+        default="default",
+        help="'default', a tiktoken rank file, a tokenizer.json or a tokenizer folder (data.tokenizer)",
     )
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="tokenizer processes")
     parser.add_argument("--text-field", default="text", help="field with the text in .jsonl/.parquet")

@@ -35,6 +35,9 @@ LLAMA3_PATTERN = (
 """Llama 3's pre-tokenizer regex: text is split into words, and BPE never merges across words."""
 
 NUM_SPECIAL_TOKENS = 256
+FOLDER_FILES = ("tokenizer.json", "tokenizer.model")
+"""What `data.tokenizer` = a folder reads, the first that exists: a Hugging Face tokenizer.json, else a
+tiktoken rank file named as Llama 3's (what `titanrush tokenizer` writes)."""
 
 
 def special_tokens() -> list[str]:
@@ -146,7 +149,7 @@ def load_ranks(path: Path) -> tuple[dict[bytes, int], str]:
         raw = path.read_bytes()
     except FileNotFoundError:
         if path == DEFAULT_PATH:
-            fix = "rebuild it with `python scripts/build_tokenizer.py`"
+            fix = "rebuild it with `python scripts/build_tokenizer.py` (it writes the shipped file)"
         raise ConfigError(f"tokenizer file {str(path)!r} not found; {fix}") from None
     except OSError as e:
         raise ConfigError(f"tokenizer file {str(path)!r} cannot be read ({e.strerror}); {fix}") from None
@@ -277,19 +280,21 @@ _EOS_NAMES = ("<|end_of_text|>", "</s>", "<|endoftext|>")
 
 
 def _special_tokens_of(path: Path, backend: Any) -> tuple[str, str]:
-    """(BOS, EOS) token strings: `tokenizer_config.json` beside the file, else a well-known pair."""
+    """(BOS, EOS) token strings: `tokenizer_config.json` beside the file (else its older companion
+    `special_tokens_map.json`), else a well-known pair."""
     named: dict[str, str] = {}
-    config = path.parent / "tokenizer_config.json"
-    if config.exists():
+    for config in (path.parent / "tokenizer_config.json", path.parent / "special_tokens_map.json"):
+        if not config.exists():
+            continue
         try:
             data = json.loads(config.read_text())
         except (OSError, ValueError) as e:
             raise ConfigError(f"{config} (beside data.tokenizer) is not valid JSON ({e})") from None
         for key in ("bos_token", "eos_token"):
-            value = data.get(key)
+            value = data.get(key) if isinstance(data, dict) else None
             value = value.get("content") if isinstance(value, dict) else value
             if isinstance(value, str):
-                named[key] = value
+                named.setdefault(key, value)
     found = []
     for key, fallbacks in (("bos_token", _BOS_NAMES), ("eos_token", _EOS_NAMES)):
         names = [named[key]] if key in named else list(fallbacks)
@@ -305,17 +310,19 @@ def _special_tokens_of(path: Path, backend: Any) -> tuple[str, str]:
 
 def tokenizer_path(spec: str) -> Path:
     """The file that `data.tokenizer` names: the shipped rank file, the file itself, or a folder's
-    `tokenizer.json`."""
+    `tokenizer.json` (else its `tokenizer.model`, the rank file `titanrush tokenizer` writes)."""
     if not spec.strip():
         raise ConfigError("data.tokenizer is empty; pass 'default' or the path of a tokenizer file")
     path = DEFAULT_PATH if spec == "default" else Path(spec).expanduser()
     if path.is_dir():
-        if not (path / "tokenizer.json").exists():
+        found = [path / name for name in FOLDER_FILES if (path / name).exists()]
+        if not found:
             raise ConfigError(
-                f"data.tokenizer = {spec!r} is a folder without a tokenizer.json; pass the tokenizer file "
-                "itself (a tokenizer.json or a tiktoken rank file)"
+                f"data.tokenizer = {spec!r} is a folder without a tokenizer.json or tokenizer.model; pass "
+                "the tokenizer file itself (a tokenizer.json or a tiktoken rank file), or make one there "
+                "with `titanrush tokenizer`"
             )
-        path = path / "tokenizer.json"
+        path = found[0]
     if path.exists() and not path.is_file():  # (reading a pipe would wait for a writer forever)
         raise ConfigError(
             f"data.tokenizer = {spec!r} is not a regular file (a pipe or a device); pass a file"

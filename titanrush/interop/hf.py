@@ -322,12 +322,19 @@ def model_args_at(path: str | Path) -> ModelArgs:
 def training_tokenizer(checkpoint_dir: str | Path) -> str:
     """The `data.tokenizer` a checkpoint was trained with, as far as the files say.
 
-    The tokenizer.json an import carries in the checkpoint folder; else `data.tokenizer` of the run's
-    config.toml (the run folder holds `<checkpoint.folder>/step-<N>`); else "default".
+    The tokenizer.json an import carries in the checkpoint folder; else the tokenizer file its
+    titanrush.json records (absolute); else `data.tokenizer` of the run's config.toml (the run folder
+    holds `<checkpoint.folder>/step-<N>`); else "default".
     """
     path = Path(checkpoint_dir).expanduser().resolve()
     if (path / "tokenizer.json").exists():
         return str(path / "tokenizer.json")
+    try:
+        recorded = read_json(_step_folder(path) / INFO_FILE).get("tokenizer")
+    except ConfigError:
+        recorded = None
+    if isinstance(recorded, str) and recorded:
+        return recorded
     for folder in [path, *path.parents][:4]:
         if (folder / "config.toml").exists():
             try:

@@ -14,6 +14,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -25,6 +26,9 @@ from titanrush.checkpoint.space import unwritable_error
 from titanrush.checkpoint.state import ObjectState
 from titanrush.config import ConfigError, JobConfig
 from titanrush.data import build_dataloader, build_tokenizer
+from titanrush.data.fingerprint import fingerprint
+from titanrush.data.tokenizer import tokenizer_path
+from titanrush.distributed import from_rank0
 from titanrush.run import run_dir
 from titanrush.run.plan import RunPlan
 
@@ -67,7 +71,15 @@ def check_files(cfg: JobConfig, plan: RunPlan) -> None:
         info = checkpoint_info(cfg, plan)
         try:  # (reads the data loader's saved objects)
             check_compatible(
-                path, metadata, saved, info, states, own=own, model_only=model_only, tensors=False
+                path,
+                metadata,
+                saved,
+                info,
+                states,
+                own=own,
+                model_only=model_only,
+                tensors=False,
+                allow_data_change=cfg.data.allow_changed,
             )
         except CheckpointException as e:  # DCP's read failed: worded as the trainer's load words it,
             recorded = read_record(path) is not None  # after checking every block against the record
@@ -76,15 +88,41 @@ def check_files(cfg: JobConfig, plan: RunPlan) -> None:
 
 
 def checkpoint_info(cfg: JobConfig, plan: RunPlan) -> dict[str, Any]:
-    """What each checkpoint's titanrush.json says of its run, and what a load compares with this run's.
+    """What each checkpoint's titanrush.json says of its run (its tokenizer file too, for an export), and
+    what a load compares with this run's.
     (The RoPE table's length and context parallel's K/V expansion are this run's, not the model's: a model
     rebuilt from the checkpoint gets the full table and grouped K/V heads; a resume names the schedule
-    settings that changed since the save.)"""
+    settings that changed since the save; `data`, the train data's fingerprint, which a resume compares.)"""
     args = dataclasses.replace(plan.args, rope_positions=0, expand_kv=False)
     schedule = {f"lr_scheduler.{k}": v for k, v in dataclasses.asdict(cfg.lr_scheduler).items()}
+    spec = cfg.data.tokenizer
     return {
         "flavor": cfg.model.flavor,
         "model_args": dataclasses.asdict(args),
         "optimizer": cfg.optimizer.name,
         "schedule": {"training.steps": cfg.training.steps} | schedule,
+        # the tokenizer file itself, absolute: an export finds it from any folder (data.tokenizer in
+        # config.toml may be relative to where the run started)
+        "tokenizer": spec if spec == "default" else str(tokenizer_path(spec).resolve()),
+        "data": data_fingerprint(cfg),
     }
+
+
+def data_fingerprint(cfg: JobConfig) -> dict[str, Any] | None:
+    """The train data's fingerprint (`titanrush.data.fingerprint`), taken by rank 0 alone: it writes
+    titanrush.json and compares on a resume (its finding reaches every rank), and a thousand ranks
+    reading the same blocks would only load the file system. None on the other ranks, and where no
+    checkpoint is saved or resumed. Every rank calls it: a file rank 0 cannot read stops every rank."""
+    ck = cfg.checkpoint
+    if not (ck.enable or (ck.load_path and not ck.load_model_only)):
+        return None
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    record, error = None, ""
+    if rank0:
+        try:
+            record = fingerprint(cfg.data)
+        except ConfigError as e:
+            error = str(e)
+    if error := from_rank0(error):
+        raise ConfigError(error)
+    return record

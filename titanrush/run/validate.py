@@ -4,7 +4,8 @@
 `titanrush.run.plan.build_plan` runs it all before anything is built or written. Each failure is a
 `ConfigError` whose message names the key and the fix.
 
-- `check_values`: each key alone (ranges), and pairs of keys of the config alone.
+- `check_values`: each key alone (ranges), and pairs of keys of the config alone; `config_warnings`: what
+  is allowed but most likely not meant (a warm-up as long as the run).
 - `check_degrees`: the parallel degrees against the world size.
 - `check_run`: what needs the model's shape and the mesh (heads, layers, vocabulary, batch arithmetic,
   combinations of parallelisms and options).
@@ -38,6 +39,10 @@ MAX_MICROBATCH_TOKENS = 2**27
 # quintillions would otherwise overflow torch's size arithmetic, or take hours to build on meta).
 MAX_WEIGHT_ELEMENTS, MAX_LAYERS = 2**40, 2**14
 
+# An integer setting beyond a 64-bit integer is a typo, and no count the run keeps (steps, positions,
+# sizes in torch and in a checkpoint) could hold it: the bound of every integer key that has no other.
+MAX_INT = 2**63 - 1
+
 # The torch versions (major.minor) experimental.async_tp was run on, on the GPU machine.
 ASYNC_TP_TORCH = ("2.11",)
 
@@ -63,7 +68,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "training.steps": (1, None, True, True),
     "training.local_batch_size": (1, None, True, True),
     "training.global_batch_size": (-1, None, True, True),  # -1 or > 0, see check_values
-    "training.seq_len": (1, None, True, True),
+    "training.seq_len": (2, None, True, True),  # see RANGE_REASONS
     "training.max_norm": (0.0, None, True, True),
     "training.seed": (0, 2**63, True, False),
     "training.loss_chunk_size": (1, None, True, True),
@@ -106,6 +111,12 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "profiling.active_steps": (1, None, True, True),
     "plan.gpu_mem_gib": (0.0, None, True, True),  # 0: the CUDA device's
     "plan.margin": (0.0, 0.5, True, False),
+}
+
+# Why a range is what it is, where a user may not guess it (added to the refusal).
+RANGE_REASONS = {
+    "training.seq_len": "with one token per sequence every prediction sees that token alone, and attention "
+    "has nothing to attend to",
 }
 
 # The keys that may be "auto": `titanrush.run.autoplan` resolves them before the plan is built.
@@ -163,11 +174,14 @@ def check_values(cfg: JobConfig) -> None:
     """Each key's range, and the rules between keys that need neither a model nor devices."""
     for key, (low, high, low_in, high_in) in RANGES.items():
         v = _value(cfg, key)
+        if high is None and isinstance(v, int) and v > MAX_INT:
+            high, high_in = MAX_INT, True
         ok = (low is None or (v >= low if low_in else v > low)) and (
             high is None or (v <= high if high_in else v < high)
         )
         if not ok:
-            raise ConfigError(f"{key} must be {_range_text(low, high, low_in, high_in)}, got {v}")
+            why = f": {RANGE_REASONS[key]}" if key in RANGE_REASONS else ""
+            raise ConfigError(f"{key} must be {_range_text(low, high, low_in, high_in)}, got {v}{why}")
     t, p, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
     name = cfg.job.name
     if not name.strip() or name in (".", "..") or "/" in name or "\\" in name:
@@ -249,6 +263,25 @@ def check_values(cfg: JobConfig) -> None:
         raise ConfigError(
             "checkpoint.load_model_only applies to checkpoint.load_path: set the checkpoint to start from"
         )
+
+
+def config_warnings(cfg: JobConfig) -> list[str]:
+    """What a config may say but most likely does not mean, a line each: warnings, not errors (the run goes
+    on). `titanrush train` prints them once the config is accepted (`--check`: before `config OK`; a run:
+    rank 0, once the trainer is built), so that an error stays one line."""
+    warmup, steps = cfg.lr_scheduler.warmup_steps, cfg.training.steps
+    if warmup < steps:
+        return []
+    peak = (
+        "reaches optimizer.lr only at the last step"
+        if warmup == steps
+        else f"never reaches optimizer.lr (it ends at {steps / warmup:.0%} of it)"
+    )
+    return [
+        f"lr_scheduler.warmup_steps = {warmup} is not below training.steps = {steps}: the learning rate "
+        f"{peak} and never decays; set lr_scheduler.warmup_steps below training.steps "
+        f"(e.g. {max(steps // 10, 1) if steps > 1 else 0})"
+    ]
 
 
 # [model] keys that change the architecture: only a custom shape takes them (a named flavor stays what its
@@ -385,9 +418,17 @@ def check_run(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     check_model_args(args)
     words = build_tokenizer(cfg.data.tokenizer).n_words
     if args.vocab_size < words:
+        # (a vocabulary the weights to load fix: a larger one would not load them)
+        source = (m.from_checkpoint if not m.vocab_size else "") or cfg.checkpoint.load_path
+        n = args.vocab_size
+        fix = (
+            f"the weights of {source} have that vocabulary: use a tokenizer of at most {n} ids (the model's "
+            f"own, or `titanrush tokenizer --vocab-size {n} --output DIR`, then data.tokenizer = DIR)"
+            if source
+            else f"set model.vocab_size >= {words} or use a tokenizer that fits"
+        )
         raise ConfigError(
-            f"model vocabulary ({args.vocab_size}) does not cover the tokenizer's {words} tokens; "
-            f"set model.vocab_size >= {words} or use a tokenizer that fits"
+            f"model vocabulary ({args.vocab_size}) does not cover the tokenizer's {words} tokens; {fix}"
         )
     if t.seq_len > args.max_seq_len:
         raise ConfigError(

@@ -13,11 +13,11 @@ that is truncated or corrupt, missing tensors), with one line that names the fil
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 
 from titanrush.config import ConfigError
 from titanrush.interop import hf, hf_convert
+from titanrush.tools.import_hint import import_hint
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,8 +77,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out}")
         else:
             out = hf_convert.import_hf(*ns.from_hf)
-            flags = " ".join(shlex.quote(f) for f in hf.import_command(out))
-            print(f"wrote {out}; train from it with\n  titanrush train --config FILE {flags}")
+            print(import_hint(out, ns.from_hf[0]))
     except ConfigError as e:
         print(f"titanrush convert: error: {e}", file=sys.stderr)
         return 2

@@ -7,11 +7,13 @@ shapes and the parallel layout; the trace (`memory_trace`) runs one real step of
 fake tensors and follows the live bytes. Where they disagree by more than 10% on the part the trace runs,
 the report says so. `estimate()` is the function the sweep and the rush call to skip shapes that will not
 fit; `gpu_memory()` is the one rule all three use for the memory of a GPU. Exit status: 0 when the config
-fits, 1 when it does not, 2 on a config error (one line on stderr).
+fits, 1 when it does not (the report then lists the nearest changes that would: `what_fits`), 2 on a
+config error (one line on stderr).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -43,6 +45,9 @@ parameters, gradients, optimizer states, activations, logits, FSDP buffers, and 
   --no-trace     skip the fake-tensor trace (the analytic model alone; instant)
   --moe-imbalance X  Llama 4 with expert parallel: the busiest EP rank's routed rows over the balanced
                  share (default 1.25; 1 = perfect balance)
+
+When it does not fit, the report ends with the nearest changes that would (a smaller local batch, full
+activation checkpointing, bf16, more GPUs), each estimated the same way.
 
 Exit status: 0 the config fits, 1 it does not fit, 2 config error (one line on stderr).
 """
@@ -255,6 +260,95 @@ def estimate(
     return est
 
 
+def what_fits(
+    cfg: JobConfig, ngpu: int, est: Estimate, *, moe_imbalance: float = DEFAULT_IMBALANCE
+) -> list[tuple[str, float]]:
+    """The nearest changes that fit, when `est` (of `cfg` on `ngpu` GPUs) does not: each estimated by
+    `estimate()` (without the trace) against the same GPU memory, one change at a time.
+
+    The changes: the largest local batch that fits (under a fixed global batch, one that divides it:
+    gradient accumulation keeps it); full activation checkpointing (with the largest batch it allows);
+    bf16 instead of fp32; 2, 4 or 8 times the GPUs, FSDP taking what the other degrees leave (the fewest
+    that fit). Where none fits alone, all of them together (the fewest GPUs, the largest batch).
+
+    Returns:
+        (the flags that make the change, the total GiB per GPU it gives) for each change that fits.
+    """
+    found: list[tuple[str, float]] = []
+
+    def estimated(flags: dict[str, Any], gpus: int = ngpu) -> Estimate | None:
+        """The estimate with these changes, or None where the trainer would refuse them (a global batch
+        that the local batch does not divide, degrees that do not divide the GPUs, ...)."""
+        try:
+            changed = _changed(cfg, flags)
+            return estimate(changed, gpus, est.gpu_mem_gib, trace=False, moe_imbalance=moe_imbalance)
+        except ConfigError:
+            return None
+
+    def add(flags: dict[str, Any], e: Estimate | None, gpus: int = ngpu) -> bool:
+        if e is None or not e.fits:
+            return False
+        more = [f"--ngpu {gpus}"] if gpus != ngpu else []
+        found.append((" ".join([*more, _flags(flags)]).strip(), e.total_gib))
+        return True
+
+    def with_batch(flags: dict[str, Any], largest: int, gpus: int = ngpu) -> bool:
+        """Add the change with the largest local batch below the config's that fits, if any."""
+        for k in range(min(largest, cfg.training.local_batch_size - 1), 0, -1):
+            changed = {**flags, "training.local_batch_size": k}
+            if add(changed, estimated(changed, gpus), gpus):
+                return True
+        return False
+
+    with_batch({}, est.max_local_batch_size)
+    full = {"activation_checkpoint.mode": "full"}
+    if cfg.activation_checkpoint.mode != "full" and (e := estimated(full)) and not add(full, e):
+        with_batch(full, e.max_local_batch_size)
+    if cfg.training.precision == "fp32":
+        add({"training.precision": "bf16"}, estimated({"training.precision": "bf16"}))
+    wider = {} if cfg.parallelism.dp_shard == -1 else {"parallelism.dp_shard": -1}  # FSDP takes the rest
+    for gpus in (ngpu * 2, ngpu * 4, ngpu * 8):
+        if add(wider, estimated(wider, gpus), gpus):
+            break
+    if found:
+        return found
+    # No one change is enough: all of them together, on the fewest GPUs that fit.
+    every = {**full, "training.precision": "bf16"} if cfg.training.precision == "fp32" else dict(full)
+    for gpus in (ngpu, ngpu * 2, ngpu * 4, ngpu * 8):
+        flags = every if gpus == ngpu else {**every, **wider}
+        if (e := estimated(flags, gpus)) is None:
+            continue
+        if add(flags, e, gpus) or with_batch(flags, e.max_local_batch_size, gpus):
+            break
+    return found
+
+
+def _flags(changes: dict[str, Any]) -> str:
+    return " ".join(f"--{key} {value}" for key, value in changes.items())
+
+
+def _changed(cfg: JobConfig, flags: dict[str, Any]) -> JobConfig:
+    """A copy of cfg with `section.key` values changed."""
+    out = copy.deepcopy(cfg)
+    for key, value in flags.items():
+        section, name = key.split(".")
+        setattr(getattr(out, section), name, value)
+    return out
+
+
+def _fits_text(found: list[tuple[str, float]], est: Estimate) -> list[str]:
+    """The lines under a `does not fit`: what would, or that none of the nearest changes does."""
+    if not found:
+        return [
+            f"nothing near fits in {est.gpu_mem_gib:g} GiB (a smaller local batch, full activation "
+            "checkpointing, bf16, up to 8x the GPUs, alone or together): a GPU with more memory, model "
+            "parallelism (parallelism.tp, pp), or a smaller model"
+        ]
+    w = max(len(flags) for flags, _ in found)
+    lines = [f"what would fit in {est.gpu_mem_gib:g} GiB (the same estimate, each line on its own):"]
+    return lines + [f"  {flags:<{w}}  {total:6.2f} GiB" for flags, total in found]
+
+
 def _add_trace(est: Estimate, s: RunPlan, b: mm.Breakdown, extra: int, moe_imbalance: float) -> None:
     """Trace the step, compare with the analytic model on the same scope, record both."""
     from titanrush.tools import memory_trace
@@ -378,7 +472,7 @@ def format_report(est: Estimate) -> str:
         f"  {'+ CUDA context' + (' and NCCL' if est.ngpu > 1 else ''):<{w}} {'':8} "
         f"{est.cuda_context_gib:8.2f}",
         f"  {'= total':<{w}} {'':8} {est.total_gib:8.2f}   of {est.gpu_mem_gib:.1f} GiB: "
-        + ("fits" if est.fits else "does NOT fit"),
+        + ("fits" if est.fits else "does not fit"),
         f"GPU memory: {est.gpu_mem_note}",
         f"largest local batch size that fits: {est.max_local_batch_size or 'none (not even 1)'}",
     ]
@@ -451,7 +545,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"titanrush estimate: config error: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(dataclasses.asdict(est), indent=2) if opts["json"] else format_report(est))
+    found = [] if est.fits else what_fits(cfg, ngpu, est, moe_imbalance=opts["moe_imbalance"])
+    if opts["json"]:
+        out = dataclasses.asdict(est) | ({} if est.fits else {"would_fit": [list(f) for f in found]})
+        print(json.dumps(out, indent=2))
+    else:
+        print("\n".join([format_report(est), *([] if est.fits else _fits_text(found, est))]))
     return 0 if est.fits else 1
 
 

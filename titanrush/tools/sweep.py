@@ -10,11 +10,12 @@ reshard_after_forward), ac (none, selective, full: activation checkpointing) and
 size). dp_shard takes what the other degrees leave of N unless the grid names it; a degree the grid
 does not name keeps the config's value. Every combination is checked by the trainer's own plan
 (`titanrush.run.plan.build_plan`) at world size N; the invalid ones are listed with its reason, never dropped.
-`--dry-run` prints the valid shapes, one per line, and runs nothing. Otherwise each shape trains for
---steps steps (`NGPU=N ./run_train.sh`, one after another) and the output folder gets results.jsonl,
-results.md (sorted by tokens/s), sweep.png and TensorBoard hparams (tb/); an output folder that holds an
-earlier sweep's results is refused. `titanrush rush dist --sweep-results <output>/results.jsonl` takes the
-fastest shape from it.
+`--dry-run` prints the valid shapes, one per line, and runs nothing (on stderr: the command each would
+run, and the shapes ranked before measuring). Otherwise each shape trains for --steps steps
+(`NGPU=N ./run_train.sh`, one after another) and the output folder gets results.jsonl, results.md
+(sorted by tokens/s, with the command that trains the config with the best shape), sweep.png and
+TensorBoard hparams (tb/); an output folder that holds an earlier sweep's results is refused.
+`titanrush rush dist --sweep-results <output>/results.jsonl` takes the fastest shape from it for its 8B run.
 
 Each valid shape gets the memory estimator's verdict against one GPU memory (`titanrush estimate`'s rule:
 --gpu-mem, else the GPU here, else 80 GiB, said so); --skip-unfit skips the shapes it says will not fit.
@@ -305,18 +306,33 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 
 
 def print_plan(ctx: Ctx, shapes: list[Shape], user: dict[str, str], ngpu: int) -> int:
-    """The dry run: each valid shape on stdout, one per line (with --skip-unfit, a shape the estimator says
-    won't fit goes to stderr only); the estimator's verdict on each on stderr. Returns how many would run."""
-    printed = 0
+    """The dry run: each valid shape on stdout, one per line, in run order (with --skip-unfit, a shape the
+    estimator says won't fit goes to stderr only); on stderr the estimator's verdict on each with the
+    command the sweep would run for it, then the shapes ranked before measuring
+    (`sweep_report.rank_planned`). Returns how many would run."""
+    kept: list[tuple[Shape, dict[str, Any]]] = []
     for shape in shapes:
         est = runner.estimate_fit(ctx, {**user, **settings_of(shape)}, ngpu)
         skip = ctx.skip_unfit and est.get("fits") is False
         verdict = f"estimate: {label(shape)}: {fit_text(est)}"
         print(verdict + (" (skipped: --skip-unfit)" if skip else ""), file=sys.stderr)
         if not skip:
+            rung = Rung(name(shape), label(shape), settings_of(shape), "sweep", ngpu=ngpu)
+            print(f"  $ {runner.command(ctx, rung, {**user, **settings_of(shape)})[1]}", file=sys.stderr)
             print(label(shape), flush=True)
-            printed += 1
-    return printed
+            kept.append((shape, est))
+    if kept:
+        order = sweep_report.rank_planned(kept)
+        print(
+            "ranked before measuring (a guess: what the estimator says fits first, then the fewest GPUs in "
+            "tp x pp x cp, whose communication is on each step's critical path, then the least memory; "
+            "the run measures):",
+            file=sys.stderr,
+        )
+        for place, i in enumerate(order, 1):
+            shape, est = kept[i]
+            print(f"  {place}. {label(shape)}  ({fit_text(est)})", file=sys.stderr)
+    return len(kept)
 
 
 def _fail(message: str) -> int:
@@ -404,8 +420,18 @@ def main(argv: list[str] | None = None) -> int:
     ctx.env = rush_report.environment(dev, "titanrush sweep " + shlex.join(argv), gpu_mem_note)
     rejected = [invalid_row(ctx, s, r, args.ngpu, user, overrides) for s, r in invalid]
     run_shapes(ctx, shapes, args.ngpu, user, overrides, rejected)
+    flavor = cfgmod.load(config, to_args(user)).model.flavor
     sweep_report.write_all(
-        ctx.out, ctx.rows, rejected, ctx.env, dims=list(DIMS), steps=ctx.steps, warmup=warmup, notes=notes
+        ctx.out,
+        ctx.rows,
+        rejected,
+        ctx.env,
+        dims=list(DIMS),
+        steps=ctx.steps,
+        warmup=warmup,
+        notes=notes,
+        config=config,
+        flavor=flavor,
     )
     skipped = sum(r["status"] == SKIPPED for r in ctx.rows)
     print(

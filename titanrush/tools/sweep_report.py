@@ -7,6 +7,7 @@ Rows are `rush_runner.execute`'s, with the shape's dimensions added at the top l
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,28 @@ def rank(rows: list[Row]) -> list[Row]:
     """The OK rows by tokens/s per GPU, fastest first, then the others in run order."""
     ok = sorted((r for r in rows if r["status"] == OK and r.get("tps")), key=lambda r: -r["tps"])
     return ok + [r for r in rows if r not in ok]
+
+
+def rank_planned(planned: list[tuple[dict[str, Any], dict[str, Any]]]) -> list[int]:
+    """A dry run's order of the shapes, before anything is measured (a guess, said so where printed): the
+    ones the estimator says fit first (then those without an estimate, then those that do not fit); then
+    the fewest GPUs in tensor, pipeline and context parallel (tp x pp x cp: their collectives and the
+    pipeline's bubble sit on each step's critical path, where FSDP's overlap with compute); then the least
+    estimated memory.
+
+    Args:
+        planned: (the shape: its degrees tp, pp, cp; its `estimate_fit`: total_gib and fits, or a note).
+
+    Returns:
+        The indices into `planned`, the likeliest fastest first.
+    """
+
+    def key(i: int) -> tuple[int, int, float]:
+        shape, est = planned[i]
+        fit = {True: 0, None: 1, False: 2}[est.get("fits")]
+        return fit, shape["tp"] * shape["pp"] * shape["cp"], est.get("total_gib", float("inf"))
+
+    return sorted(range(len(planned)), key=key)
 
 
 def sweep_table(ranked: list[Row]) -> str:
@@ -111,6 +134,8 @@ def write_all(
     steps: int,
     warmup: int,
     notes: list[str],
+    config: str = "FILE",
+    flavor: str = "",
 ) -> None:
     """Everything a finished sweep writes: results.jsonl, results.md, sweep.png, tb/.
 
@@ -123,6 +148,8 @@ def write_all(
         steps: Steps per run.
         warmup: Steps left out of the means.
         notes: What was not measured and why, beyond the rows' own reasons.
+        config: The swept TOML config (the best shape's training command names it).
+        flavor: Its model flavor (the rush's 8B run is offered for an 8B sweep only).
     """
     write_jsonl(out / "results.jsonl", rows + invalid, env)
     ranked = rank(rows)
@@ -131,11 +158,17 @@ def write_all(
     best = ranked[0] if ranked and ranked[0]["status"] == OK and ranked[0].get("tps") else None
     summary = []
     if best:
+        train = ["./run_train.sh", "--config", config, *best.get("base_overrides", [])]
+        train += [a for key, value in best["overrides"].items() for a in (f"--{key}", str(value))]
         summary = [
             f"- `{best['shape']}`: {best['tps']:,.0f} tokens/s per GPU",
-            f"- `titanrush rush dist --ngpu {best['ngpu']} --sweep-results {out / 'results.jsonl'}` "
-            "runs the 8B with this mesh",
+            f"- trains this config with this mesh: `NGPU={best['ngpu']} {shlex.join(train)}`",
         ]
+        if flavor == "8B":  # (the rush's distributed run trains the 8B, whatever the sweep swept)
+            summary.append(
+                f"- `titanrush rush dist --ngpu {best['ngpu']} --sweep-results {out / 'results.jsonl'}` "
+                "runs the rush's 8B rung with this mesh"
+            )
     settings = [
         f"{steps} steps per shape on {rows[0]['ngpu'] if rows else '?'} GPUs; tokens/s, TFLOP/s and MFU are "
         f"means over steps > {warmup}; tokens/s is per GPU (all = x GPUs); peak memory is rank 0's maximum "
