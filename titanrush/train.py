@@ -4,8 +4,10 @@ Exit status (docs/operations.md):
   0        the run reached training.steps
   1        a run stopped for a reason outside the config (a full disk during a save, out of memory:
            one line naming the fix; another rank gone: one line), or another failure (a traceback)
-  2        a config error: one line naming the key, before anything is built or written; or bad input
-           met while training (a corrupt data shard): one line naming the file and the fix
+  2        a config error: one line naming the key, before anything is built or written (a plan the
+           memory estimate says does not fit the GPU too, with the nearest plan that fits:
+           docs/auto_plan.md); or bad input met while training (a corrupt data shard): one line naming
+           the file and the fix
   3        a non-finite loss or gradient norm stopped the run (training.on_nonfinite): one line naming
            the step; nothing of that step was saved
   128 + N  signal N stopped the run after a step (143: SIGTERM, 130: SIGINT), with a checkpoint of that
@@ -146,8 +148,8 @@ def lost_peer(e: BaseException, rank: int) -> str | None:
 
 def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
     from titanrush import distributed
+    from titanrush.run.memory_check import plan_run
     from titanrush.run.nonfinite import NonFiniteError
-    from titanrush.run.plan import build_plan
     from titanrush.run.preflight import check_files
     from titanrush.run.signals import end_with_launcher
     from titanrush.run.validate import config_warnings
@@ -161,14 +163,19 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
     said_lost = False
     try:
         try:
-            plan = build_plan(cfg, ranks.world_size)
+            # Auto levers chosen for this GPU's memory, and the plan held to it, before anything is built;
+            # the resolved config is the run's (its config.toml): a rerun is the same run.
+            choice = plan_run(cfg, ranks.world_size, local_rank=ranks.local_rank)
+            cfg, plan = choice.cfg, choice.plan
             if check:  # (quiet: the run itself logs what the data and checkpoint hold)
                 logging.getLogger("titanrush").setLevel(logging.WARNING)
                 check_files(cfg, plan)
                 for line in config_warnings(cfg):  # (stdout: run_train.sh's check before a launch is quiet)
                     print(f"warning: {line}")
-                print("config OK")
+                print("\n".join([*choice.report(), "config OK"]))
                 return 0
+            for line in choice.report():
+                logging.getLogger("titanrush").info(line)
             end_with_launcher()  # a worker of a launcher killed from here on ends too
             trainer = Trainer(cfg, plan)
         except ConfigError as e:  # (found by the trainer, e.g. a checkpoint that does not fit this run)

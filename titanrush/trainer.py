@@ -1,9 +1,9 @@
 """The trainer: builds everything from the config in one documented order, then runs the loop.
 
 Build order (each step only sees the values it needs):
- 0. the run plan (`titanrush.run.plan.build_plan`, built once by the caller: `titanrush.train`): every
-    check that needs no allocation, and every decision of the run, so bad input fails before anything
-    is built or written
+ 0. the run plan (`titanrush.run.plan.build_plan`, built once by the caller: `titanrush.train`, with the
+    auto levers chosen and the memory checked: `titanrush.run.memory_check`): every check that needs no
+    allocation, and every decision of the run, so bad input fails before anything is built or written
  1. the device, the process group and the DeviceMesh; the run folder checked (not yet written)
  2. the tokenizer, the model on the meta device -> (pipeline stages ->) parallelize_llama (float8 -> TP ->
     CP -> AC -> compile -> FSDP/DDP) -> to_empty on the device -> init_weights(seed), identical
@@ -64,7 +64,7 @@ from titanrush.parallel.context_parallel import cp_step_context, set_rotate_meth
 from titanrush.parallel.float8 import precompute_float8_scales
 from titanrush.parallel.grad_clip import clip_grad_norm_
 from titanrush.profiling import Profiler
-from titanrush.run import run_dir
+from titanrush.run import run_dir, validate
 from titanrush.run.nonfinite import NonFiniteError, NonFiniteGuard, poison
 from titanrush.run.plan import RunPlan, describe_mesh
 from titanrush.run.preflight import checkpoint_info
@@ -77,8 +77,10 @@ class Trainer:
     """Owns the model, optimizer, data and metrics of one run."""
 
     def __init__(self, cfg: JobConfig, plan: RunPlan) -> None:
-        """`plan`: the run's plan, `build_plan(cfg, world_size)` (the caller builds it once, before the
-        process group exists: a bad config fails there)."""
+        """`plan`: the run's plan, built once by the caller before the process group exists (a bad config
+        fails there): `build_plan(cfg, world_size)`, or `memory_check.plan_run`'s, whose `cfg` has its
+        auto levers resolved (this config is the run folder's config.toml: none may be left)."""
+        assert not validate.auto_levers(cfg), validate.auto_levers(cfg)
         self.cfg = cfg
         marks = [("start", time.perf_counter())]  # set-up stages, logged with their durations at the end
         ranks = distributed.ranks_from_env()

@@ -15,6 +15,8 @@ from torch.distributed.checkpoint import FileSystemReader
 SMALL = [
     "--config",
     str(ROOT / "train_configs" / "llama8b_fsdp.toml"),
+    "--activation_checkpoint.mode",  # (the config's auto would pick none for the debug model)
+    "selective",
     "--model.flavor",
     "debug",
     "--training.seq_len",

@@ -21,8 +21,9 @@ from titanrush.config import ConfigError
 from titanrush.models.llama import model_args
 from titanrush.models.llama.model import rope_cache
 from titanrush.parallel.context_parallel import context_parallel_step, cp_step_context
+from titanrush.run import memory_model
 from titanrush.run.plan import build_plan
-from titanrush.tools import memory_model, sweep
+from titanrush.tools import sweep
 
 P = "--parallelism."
 SEQ = ["--training.seq_len", "64", "--training.local_batch_size", "4"]

@@ -20,9 +20,7 @@ from titanrush.parallel.context_parallel import CPPlan
 from titanrush.parallel.float8 import Float8Plan
 from titanrush.parallel.fsdp import FSDPPlan
 from titanrush.parallel.tensor_parallel import TPPlan
-from titanrush.run.plan import RunPlan
-from titanrush.tools import estimate as est_mod
-from titanrush.tools.memory_model import (
+from titanrush.run.memory_model import (
     GIB,
     analyze,
     analyze_rank,
@@ -32,11 +30,21 @@ from titanrush.tools.memory_model import (
     rank_plans,
     states,
 )
+from titanrush.run.plan import RunPlan
+from titanrush.tools import estimate as est_mod
 from titanrush.tools.memory_trace import trace, trace_rank
 
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG = str(ROOT / "train_configs" / "debug.toml")
 LLAMA8B = str(ROOT / "train_configs" / "llama8b_fsdp.toml")
+# The shipped 8B config leaves these to the planner (auto); the tests below hold its plan of selective op
+# checkpointing (every matmul output kept) with FSDP's default reshard.
+OP_DEFAULT = [
+    "--activation_checkpoint.mode",
+    "selective",
+    "--parallelism.fsdp_reshard_after_forward",
+    "default",
+]
 P8B = 8_030_261_248  # Llama 3.1 8B: 32 x 218,112,000 + 2 x 128256 x 4096 + 4096
 
 
@@ -573,7 +581,7 @@ def test_pipelined_fsdp_keeps_unsharded_fp32_gradients():
     assert plain.moments["first block backward"]["grads"] == 4 * 14336 * 4096
     assert plain.moments["first block backward" + later]["grads"] == 4 * p0
     # The estimator turns the trainer's default into never under PP, as the trainer does.
-    cfg = config.load(LLAMA8B, ["--parallelism.pp", "2"])
+    cfg = config.load(LLAMA8B, [*OP_DEFAULT, "--parallelism.pp", "2"])
     assert est_mod.plan_for(cfg, 4)[0].fsdp_plan.reshard == "never"
     # ... and splits the layers as the trainer does: the embedding and the output projection costed, so
     # the first stage (the cheaper end) takes one block more.
@@ -583,7 +591,7 @@ def test_pipelined_fsdp_keeps_unsharded_fp32_gradients():
 
 
 def test_8b_fsdp_estimate_fits_h200_not_h100():
-    cfg = config.load(LLAMA8B)
+    cfg = config.load(LLAMA8B, OP_DEFAULT)
     e = est_mod.estimate(cfg, 4, 80.0)  # traced: the analytic model and the trace agree
     assert e.warning is None and abs(e.trace_vs_analytic_pct) < 10
     assert not e.fits and e.max_local_batch_size == 1
@@ -599,7 +607,7 @@ def test_collectives_add_to_the_allocator_slack():
     b = type("B", (), {"peak": 100 * GIB, "peak_phase": "loss forward", "first_backward_freed": 0})()
 
     def slack_of(ngpu: int, *over: str) -> int:
-        return est_mod.slack(est_mod.plan_for(config.load(LLAMA8B, list(over)), ngpu)[0], b)
+        return est_mod.slack(est_mod.plan_for(config.load(LLAMA8B, [*OP_DEFAULT, *over]), ngpu)[0], b)
 
     assert slack_of(1) == pytest.approx(0.05 * b.peak, rel=1e-6)
     fsdp = slack_of(4)

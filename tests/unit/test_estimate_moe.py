@@ -22,10 +22,10 @@ from titanrush.models.llama.parallelize import parallelize_llama
 from titanrush.models.llama4 import Llama4, model_args
 from titanrush.parallel.activation_checkpoint import ACPlan
 from titanrush.parallel.compile import CompilePlan
+from titanrush.run.memory_model import _units, analyze, block_saved, rank_plans, states
 from titanrush.run.plan import RunPlan, build_plan
 from titanrush.tools import estimate as est_mod
 from titanrush.tools import rush_runner, sweep
-from titanrush.tools.memory_model import _units, analyze, block_saved, rank_plans, states
 from titanrush.tools.memory_trace import trace, trace_rank
 
 ROOT = Path(__file__).resolve().parents[2]

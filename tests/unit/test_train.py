@@ -425,6 +425,10 @@ def test_the_8b_config_saves_and_resumes_at_the_debug_size(tmp_path):
     from it and repeats step 3 as the first had it (model, optimizer, schedule and data restored)."""
     path = str(ROOT / "train_configs" / "llama8b_fsdp.toml")
     small = [
+        "--activation_checkpoint.mode",  # (the config's auto picks none on CPU: nothing to fit)
+        "selective",
+        "--parallelism.fsdp_reshard_after_forward",
+        "default",
         "--model.flavor",
         "debug",
         "--training.seq_len",

@@ -110,10 +110,11 @@ class Training:
     """Seed for weights and data order; the same seed gives the same weights."""
     deterministic: bool = False
     """Use deterministic algorithms (slower; for bitwise-reproducible tests)."""
-    loss: Literal["plain", "chunked"] = "plain"
+    loss: Literal["plain", "chunked", "auto"] = "plain"
     """Cross-entropy: plain (full logits, fp32 unless compiled) or chunked (the output projection and the
     loss fused, both gradients computed in forward one token chunk at a time: no full logits, no
-    recomputation; 8B FSDP4 compiled: 3.6 GiB less at the same speed)."""
+    recomputation; 8B FSDP4 compiled: 3.6 GiB less at the same speed); auto: the planner picks (chunked
+    where the memory it saves lets a faster plan fit; [plan], docs/auto_plan.md)."""
     loss_chunk_size: int = 4096
     """Tokens per chunk when training.loss = chunked."""
     expandable_segments: bool = True
@@ -193,9 +194,10 @@ class Parallelism:
     """Pipeline-parallel degree."""
     cp: int = 1
     """Context-parallel degree (the sequence split over ranks; needs CUDA)."""
-    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    fsdp_reshard_after_forward: Literal["default", "always", "never", "auto"] = "default"
     """always = ZeRO-3, never = ZeRO-2 (keep gathered params until backward), default = always except
-    the last block."""
+    the last block; auto: the planner picks never where it fits, else default ([plan],
+    docs/auto_plan.md)."""
     fsdp_keep_gathered_last: int = 0
     """With fsdp_reshard_after_forward = default: the last N blocks also keep their gathered parameters
     from forward until their backward (ZeRO-2 for those blocks: no second all-gather), for N blocks'
@@ -261,8 +263,10 @@ class Compile:
 
 @dataclass
 class ActivationCheckpoint:
-    mode: Literal["none", "full", "selective"] = "none"
-    """none, full (recompute every block), or selective (see `selective`)."""
+    mode: Literal["none", "full", "selective", "auto"] = "none"
+    """none, full (recompute every block), or selective (see `selective`); auto: the planner picks the
+    policy that recomputes least among those that fit the GPU, with `selective`, `op_matmuls` and
+    `op_all_last` ([plan], docs/auto_plan.md)."""
     selective: str = "op"
     """selective mode: `op` (keep matmul and attention outputs, recompute the rest) or an integer N
     (checkpoint every N-th block)."""
@@ -392,6 +396,27 @@ class Profiling:
 
 
 @dataclass
+class Plan:
+    """How the levers set to "auto" are chosen, and the memory check before the model is built
+    (docs/auto_plan.md)."""
+
+    gpu_mem_gib: float = 0.0
+    """GPU memory per GPU, GiB, that the plan is held against; 0: the CUDA device's. Without a CUDA
+    device and without this key there is nothing to fit: auto levers take the least compute (no
+    checkpointing, ZeRO-2, the plain loss) and the memory check is skipped."""
+    margin: float = 0.05
+    """The share of the GPU memory an auto plan leaves free (the estimate errs by a few percent, and
+    fragmentation takes some); the memory check of an explicit plan holds it to the whole memory."""
+    offload: Literal["none", "activations", "all"] = "none"
+    """What the planner may add when no plan fits without it, at the cost of host-link traffic:
+    activations (activation offload of the first blocks: CUDA), all (also FSDP's CPU offload of
+    parameters, gradients and optimizer states: FSDP only, and much slower). none: neither."""
+    memory_check: bool = True
+    """Stop before the model is built when the estimated memory exceeds the GPU's (exit status 2, with
+    the nearest plan that fits); false: build and run anyway."""
+
+
+@dataclass
 class Experimental:
     """Levers that rely on private PyTorch options: off by default, refused on torch versions they were
     not run on."""
@@ -420,6 +445,7 @@ class JobConfig:
     data: Data = field(default_factory=Data)
     validation: Validation = field(default_factory=Validation)
     profiling: Profiling = field(default_factory=Profiling)
+    plan: Plan = field(default_factory=Plan)
     experimental: Experimental = field(default_factory=Experimental)
 
 

@@ -4,8 +4,9 @@
 leaves open or implies: the parallel degrees (`dp_shard = -1`), the model's arguments (flavor plus
 overrides, K/V heads repeated under fp32 context parallel), gradient accumulation, ZeRO-2 for pipelined
 stages, float8's all-gather, the compiled loss, the pipeline's micro-batches, stages per rank and the
-layers of every stage. The trainer builds the run from the plan; `tools/memory_model` counts the bytes
-of the same plan, so the two cannot drift apart. Tests may construct a `RunPlan` directly.
+layers of every stage. The trainer builds the run from the plan; `memory_model` counts the bytes of the
+same plan, so the two cannot drift apart. Levers left to the planner ("auto") are resolved before this
+(`autoplan`). Tests may construct a `RunPlan` directly.
 """
 
 from __future__ import annotations
@@ -286,6 +287,11 @@ def build_plan(cfg: JobConfig, world_size: int, *, machine: bool = True) -> RunP
         ConfigError: naming the key and the fix.
     """
     validate.check_values(cfg)
+    if auto := validate.auto_levers(cfg):
+        raise ConfigError(
+            f"{auto[0]} = 'auto' is chosen before the plan is built (titanrush.run.autoplan.resolve, which "
+            "titanrush train and titanrush estimate run): resolve the config first, or set a value"
+        )
     p, t, ac, f8 = cfg.parallelism, cfg.training, cfg.activation_checkpoint, cfg.float8
     validate.check_degrees(p, world_size)
     dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, world_size, p.ep)

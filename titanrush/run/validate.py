@@ -109,6 +109,8 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "validation.steps": (1, 2**63, True, False),
     "profiling.freq": (1, None, True, True),
     "profiling.active_steps": (1, None, True, True),
+    "plan.gpu_mem_gib": (0.0, None, True, True),  # 0: the CUDA device's
+    "plan.margin": (0.0, 0.5, True, False),
 }
 
 # Why a range is what it is, where a user may not guess it (added to the refusal).
@@ -116,6 +118,16 @@ RANGE_REASONS = {
     "training.seq_len": "with one token per sequence every prediction sees that token alone, and attention "
     "has nothing to attend to",
 }
+
+# The keys that may be "auto": `titanrush.run.autoplan` resolves them before the plan is built.
+AUTO_LEVERS = ("activation_checkpoint.mode", "parallelism.fsdp_reshard_after_forward", "training.loss")
+# With activation_checkpoint.mode = auto the planner sets these too: they must keep their defaults.
+AUTO_AC_KEYS = {"selective": "op", "op_matmuls": "all", "op_all_last": 0}
+
+
+def auto_levers(cfg: JobConfig) -> list[str]:
+    """The keys of `AUTO_LEVERS` that `cfg` leaves to the planner."""
+    return [key for key in AUTO_LEVERS if _value(cfg, key) == "auto"]
 
 
 def _value(cfg: JobConfig, key: str) -> Any:
@@ -214,8 +226,15 @@ def check_values(cfg: JobConfig) -> None:
         raise ConfigError(
             f"activation_checkpoint.selective = {sel!r}: use 'op' or a positive integer N (every N-th block)"
         )
+    if ac.mode == "auto":
+        for key, default in AUTO_AC_KEYS.items():
+            if getattr(ac, key) != default:
+                raise ConfigError(
+                    f"activation_checkpoint.{key} = {getattr(ac, key)!r} is the planner's choice with "
+                    f"mode = 'auto': remove it (or set mode to none, full or selective)"
+                )
     keep = p.fsdp_keep_gathered_last
-    if keep and p.fsdp_reshard_after_forward != "default":
+    if keep and p.fsdp_reshard_after_forward not in ("default", "auto"):
         raise ConfigError(
             f"parallelism.fsdp_keep_gathered_last = {keep} only applies to fsdp_reshard_after_forward = "
             f"default (not {p.fsdp_reshard_after_forward!r}): remove one of them"

@@ -27,10 +27,12 @@ import torch
 from titanrush import config as cfgmod
 from titanrush.config import ConfigError, JobConfig
 from titanrush.launch_env import whole_number
-from titanrush.run import validate
+from titanrush.run import autoplan, validate
+from titanrush.run import memory_model as mm
+from titanrush.run.memory_fit import GIB, gpu_memory, slack, unmodelled  # (gpu_memory: sweep's, rush's too)
+from titanrush.run.memory_fit import context_bytes as _context_bytes
+from titanrush.run.memory_moe import DEFAULT_IMBALANCE, shard_degrees
 from titanrush.run.plan import RunPlan, build_plan, describe_mesh
-from titanrush.tools import memory_model as mm
-from titanrush.tools.memory_moe import DEFAULT_IMBALANCE, shard_degrees
 
 USAGE = """usage: titanrush estimate --config FILE [--ngpu N] [--gpu-mem GiB] [--json] [--no-trace]
                           [--moe-imbalance X] [--section.key value ...]
@@ -49,11 +51,7 @@ activation checkpointing, bf16, more GPUs), each estimated the same way.
 
 Exit status: 0 the config fits, 1 it does not fit, 2 config error (one line on stderr).
 """
-GIB = mm.GIB
-CUDA_CONTEXT_GIB = 0.75  # CUDA context, kernels and cuBLAS workspace: outside PyTorch's allocator
-NCCL_GIB = 0.5  # NCCL communicators' buffers with more than one GPU
 TOLERANCE = 0.10  # the analytic model and the trace should agree within this on the traced part
-ASSUMED_GPU_MEM_GIB = 80.0  # without --gpu-mem and without a CUDA device: an 80 GiB GPU (H100, A100 80GB)
 
 
 @dataclass
@@ -107,6 +105,10 @@ class Estimate:
     # Llama 4: the busiest expert-parallel rank's routed rows over the balanced share that the estimate
     # assumes (`memory_moe`); None for a dense model
     moe_imbalance: float | None = None
+    # The config's auto levers: the planner's table (the chosen plan first) and the values it chose
+    # (`titanrush.run.autoplan`); empty without auto levers
+    auto_plan: list[str] = field(default_factory=list)
+    auto_settings: dict[str, Any] = field(default_factory=dict)
 
 
 def plan_for(cfg: JobConfig, ngpu: int) -> tuple[RunPlan, int, str]:
@@ -130,62 +132,6 @@ def plan_for(cfg: JobConfig, ngpu: int) -> tuple[RunPlan, int, str]:
     every = dataclasses.replace(plan, tp=1, ep=1)  # (the whole model: every expert, unsharded)
     n_params = sum(d0 * d1 for _, (d0, d1), _ in mm.param_shapes(every, whole))
     return plan, n_params, refused
-
-
-def gpu_memory(given_gib: float | None, device: dict[str, Any] | None = None) -> tuple[float, str]:
-    """The memory of one GPU that an estimate is held against, and the sentence that says where it came
-    from: the one rule of `titanrush estimate`, `sweep` and `rush`, dry run or not, on a CPU machine or a
-    GPU one.
-
-    1. `--gpu-mem` when given (planning for another GPU);
-    2. else the CUDA device's memory, where there is one;
-    3. else 80 GiB, said so (the host's RAM says nothing about the GPUs the job will run on).
-
-    Args:
-        given_gib: `--gpu-mem`, or None.
-        device: What the jobs will see: `cuda`, `name` and `mem_gib` (the rush's device probe, run in a
-            child so that the tool's own process makes no CUDA context); None: ask torch here.
-
-    Returns:
-        (GiB per GPU, the sentence every report prints).
-
-    Raises:
-        ConfigError: `given_gib` is not a positive number.
-    """
-    if given_gib is not None:
-        if not math.isfinite(given_gib) or given_gib <= 0:
-            raise ConfigError(f"--gpu-mem must be a positive number of GiB, got {given_gib}")
-        return given_gib, f"{given_gib:g} GiB per GPU (--gpu-mem)"
-    if device is None:
-        device = {"cuda": torch.cuda.is_available()}
-        if device["cuda"]:
-            props = torch.cuda.get_device_properties(0)
-            device.update(name=props.name, mem_gib=props.total_memory / GIB)
-    if device.get("cuda") and device.get("mem_gib"):
-        mem = float(device["mem_gib"])
-        return mem, f"{mem:.1f} GiB per GPU (this machine's {device.get('name')}; --gpu-mem for another GPU)"
-    return ASSUMED_GPU_MEM_GIB, (
-        f"assuming {ASSUMED_GPU_MEM_GIB:g} GiB per GPU (no CUDA device here; pass --gpu-mem)"
-    )
-
-
-def _context_bytes(ngpu: int) -> int:
-    return int((CUDA_CONTEXT_GIB + (NCCL_GIB if ngpu > 1 else 0.0)) * GIB)
-
-
-def slack(s: RunPlan, b: mm.Breakdown) -> int:
-    """Caching-allocator slack (reserved minus allocated at the peak): a heuristic fitted to H200 runs
-    (docs/estimator.md): 5% of the peak, 10% more with collectives (their streams keep their own blocks:
-    DDP's, TP's, PP's, CP's, and FSDP's sharded gradients), 8% more with fully checkpointed blocks
-    (recomputation churns block-sized temporaries);
-    under pipeline parallel with FSDP, at a later micro-batch's backward, the first backward's
-    activations stranded in the cache (`memory_model.stranded_after_first_backward`)."""
-    frac = 0.05
-    if s.fsdp or s.ddp or s.tp > 1 or s.pp > 1 or s.cp > 1:
-        frac += 0.10
-    if s.ac.mode == "full" or (s.ac.mode == "selective" and s.ac.selective != "op"):
-        frac += 0.08
-    return int(frac * b.peak) + mm.stranded_after_first_backward(b)
 
 
 def _total(s: RunPlan, b: mm.Breakdown, context: int) -> int:
@@ -241,13 +187,19 @@ def estimate(
     """
     if ngpu < 1:
         raise ConfigError(f"--ngpu must be >= 1, got {ngpu}")
-    s, n_params, refused = plan_for(cfg, ngpu)
-    if s.moe and (s.float8.enable or s.float8.experts):  # (its float8 terms follow the dense FFN's shapes)
-        raise ConfigError(
-            "titanrush estimate does not count float8 with mixture-of-experts layers yet; estimate the run "
-            "with float8.enable = false and float8.experts = false (float8 converts only the dense linears "
-            "and the shared expert; the experts' float8 copies and padded rows are not modelled)"
+    if gpu_mem_gib is None and cfg.plan.gpu_mem_gib:
+        gpu_mem_gib, gpu_mem_note = gpu_memory(cfg.plan.gpu_mem_gib, given_by="plan.gpu_mem_gib")
+    else:
+        gpu_mem_gib, gpu_mem_note = gpu_memory(gpu_mem_gib)
+    choice = None
+    if validate.auto_levers(cfg):  # chosen as `titanrush train` would for this GPU memory
+        choice = autoplan.resolve(
+            cfg, ngpu, gpu_mem_gib, gpu_mem_note, machine=False, moe_imbalance=moe_imbalance
         )
+        cfg = choice.cfg
+    s, n_params, refused = plan_for(cfg, ngpu)
+    if why := unmodelled(s):
+        raise ConfigError(why)
     if not (math.isfinite(moe_imbalance) and moe_imbalance >= 1.0) or (s.ep > 1 and moe_imbalance > s.ep):
         top = (
             f"ep = {s.ep} (every row on one rank)"
@@ -260,12 +212,12 @@ def estimate(
         )
     mesh = describe_mesh(s)
     notes: list[str] = [refused] if refused else []
-    gpu_mem_gib, gpu_mem_note = gpu_memory(gpu_mem_gib)
     ranks = [mm.analyze_rank(s, p, moe_imbalance=moe_imbalance) for p in mm.rank_plans(s)]
     b = max(ranks, key=lambda r: r.peak)  # as mm.analyze
     context = _context_bytes(ngpu)
     extra = slack(s, b)
     total = b.peak + extra + context
+    limit = choice.limit if choice else gpu_mem_gib * GIB  # (auto levers: the margin, as train holds them)
     est = Estimate(
         flavor=cfg.model.flavor,
         n_params=n_params,
@@ -281,8 +233,8 @@ def estimate(
         total_gib=total / GIB,
         gpu_mem_gib=gpu_mem_gib,
         gpu_mem_note=gpu_mem_note,
-        fits=total <= gpu_mem_gib * GIB,
-        max_local_batch_size=max_local_batch(s, gpu_mem_gib * GIB, context, moe_imbalance=moe_imbalance),
+        fits=total <= limit,
+        max_local_batch_size=max_local_batch(s, limit, context, moe_imbalance=moe_imbalance),
         peak_phase=b.peak_phase,
         peak_rank=b.rank,
         at_peak={k: v / GIB for k, v in b.at_peak.items()},
@@ -291,11 +243,18 @@ def estimate(
         details={k: _describe(s, k) for k in mm.COMPONENTS if _describe(s, k)},
         notes=notes,
         moe_imbalance=moe_imbalance if s.moe else None,
+        auto_plan=choice.report() if choice else [],
+        auto_settings=choice.chosen.settings if choice and choice.chosen else {},
     )
     if s.moe:
         notes.append(_moe_note(s, moe_imbalance))
     if est.fits and total > 0.95 * gpu_mem_gib * GIB:
         notes.append("within 5% of the GPU's memory: fragmentation may still run it out of memory")
+    if choice and not est.fits and total <= gpu_mem_gib * GIB:
+        notes.append(
+            f"an auto plan must leave plan.margin = {choice.margin:.0%} of the GPU's memory free "
+            f"({limit / GIB:.1f} GiB): titanrush train refuses this one"
+        )
     if trace:
         _add_trace(est, s, b, extra + context, moe_imbalance)
     return est
@@ -503,6 +462,7 @@ def format_report(est: Estimate) -> str:
     lines = [
         f"titanrush estimate: {est.flavor} ({est.n_params / 1e9:.2f}B params) on {est.ngpu} GPU(s), "
         f"{est.mesh}; local batch {est.local_batch_size} x seq {est.seq_len}, {est.precision}",
+        *est.auto_plan,
         f"{f'per-GPU memory, GiB (pipeline rank {est.peak_rank})':<{w + 2}} {'size':>8} {'at peak':>8}",
     ]
     lines += [f"  {label:<{w}} {size:8.2f} {peak:8.2f}" for label, size, peak in rows]

@@ -40,15 +40,15 @@ from titanrush.models.llama4.moe import GroupedExperts
 from titanrush.optim import build_optimizer
 from titanrush.parallel.activation_checkpoint import apply_ac
 from titanrush.parallel.grad_clip import clip_grad_norm_
-from titanrush.run.plan import RunPlan
-from titanrush.tools.memory_model import (
+from titanrush.run.memory_model import (
     LOWBIT,
     LOWBIT_MIN_NUMEL,
     RankPlan,
     keeps_all_matmuls,
     rank_plans,
 )
-from titanrush.tools.memory_moe import DEFAULT_IMBALANCE, shard_degrees
+from titanrush.run.memory_moe import DEFAULT_IMBALANCE, shard_degrees
+from titanrush.run.plan import RunPlan
 
 CATEGORIES = ("param", "param_copy", "grad", "optimizer", "buffer", "other")
 

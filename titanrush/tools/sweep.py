@@ -159,11 +159,12 @@ def check_shape(
     Returns:
         (the shape with dp_shard resolved where possible, ParallelDims or None, "" or the reason).
     """
+    from titanrush.run.autoplan import stand_in
     from titanrush.run.plan import build_plan
 
     try:
         cfg = cfgmod.load(config, to_args({**base, **settings_of(shape)}))
-        dims = build_plan(cfg, ngpu, machine=not assume_cuda).dims
+        dims = build_plan(stand_in(cfg), ngpu, machine=not assume_cuda).dims  # (auto levers: not the mesh)
     except ConfigError as e:
         others = shape["dp_replicate"] * shape["cp"] * shape["tp"] * shape["pp"]
         if shape["dp_shard"] == -1 and ngpu % others == 0:  # the dp_shard it would have had

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 from titanrush.models.llama import ModelArgs
 from titanrush.models.llama.loss import LOSS_CHUNK_ELEMENTS
 from titanrush.parallel.activation_offload import offloaded
+from titanrush.run import memory_moe as moe
 from titanrush.run.plan import RunPlan
-from titanrush.tools import memory_moe as moe
 
 GIB = 1024**3
 LOWBIT = {"adamw8bit": (1.0, 256, 256), "adamw4bit": (0.5, 128, 16)}  # code bytes, block size, qmap size
