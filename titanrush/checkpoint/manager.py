@@ -3,7 +3,7 @@
 A checkpoint is the folder `<run>/<checkpoint.folder>/step-<N>/`: a DCP checkpoint (keys `model.*`,
 `optimizer.*`, `lr_scheduler`, `dataloader`, `train_state`), `titanrush.json` (step, flavor, model
 arguments, schedule settings, the train data's fingerprint) and `integrity.json` (every file's size and
-CRC-32 checksums, `checkpoint_integrity.py`). It is written under `step-<N>.tmp/` and renamed once every
+CRC-32 checksums, `checkpoint/integrity.py`). It is written under `step-<N>.tmp/` and renamed once every
 rank has written its part and the record is written, so a folder named `step-<N>` is complete; a run
 killed mid-save leaves only a `.tmp` folder, which resumption ignores. DCP stores every tensor under its
 global name and shape, so a checkpoint saved on one mesh loads on any other (FSDP2 -> one process, ->

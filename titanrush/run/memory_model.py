@@ -10,7 +10,7 @@ moments of a step where memory can peak (the last block's forward, the end of fo
 loss's and the output layer's backward, the backward of the first and of the last block, the embedding's
 backward, the optimizer step; a pipelined rank's later micro-batches too), each a dict component ->
 bytes, so the breakdown shown is the one at the peak.
-docs/estimator.md derives the formulas. `as_traced=True` evaluates the model as `memory_trace` runs it
+docs/estimator_method.md derives the formulas. `as_traced=True` evaluates the model as `memory_trace` runs it
 (eager, no sequence parallel, no FSDP buffers, no ring attention, bf16 linears), so that the two methods
 are compared like for like.
 """
@@ -304,7 +304,7 @@ def _block_saved(
         if s.compile.enable and not as_traced:  # compiled: w2's output goes, unused by backward (measured)
             del out["w2 out"]
             if ring:  # compiled ring attention keeps the K/V it received and K, V made contiguous (the
-                # joint graph's CSE merges the backward's exchange into the forward's; see estimator.md),
+                # joint graph's CSE merges the backward's exchange into the forward's; see estimator_method.md),
                 # so wk's and wv's outputs are no longer needed to recompute K and V
                 out.pop("wk out", None), out.pop("wv out")
                 out |= {"k, v contiguous (CP)": pair, "K/V received (CP)": received}
@@ -314,7 +314,7 @@ def _block_saved(
     kv = hq if expands_kv(a, as_traced) else hkv
     if mode == "compiled":
         # What inductor's partitioner keeps (measured for 1B blocks on H200; float8 and CP from its runs on
-        # CPU, docs/estimator.md): the eager set less silu, norms fused, and wo's output (under autocast
+        # CPU, docs/estimator_method.md): the eager set less silu, norms fused, and wo's output (under autocast
         # the bf16 output, from which the fp32 residual sum is recomputed).
         out = {
             "block input": r * n_sp * d,
@@ -340,7 +340,7 @@ def _block_saved(
         if ring:  # the received K/V as above, and wo's (B, T, H x D) copy of the merged attention output
             out |= {"K/V received (CP)": received, "attention out copy (CP)": c * n * hq * dh}
         return out
-    # Eager, no checkpointing: what each op saves (see docs/estimator.md for the list).
+    # Eager, no checkpointing: what each op saves (see docs/estimator_method.md for the list).
     norm = 4 * n_sp * d + 4 * n_sp  # RMSNorm keeps its fp32 input and the fp32 1/rms
     # The matmul inputs under autocast: a Llama block casts each norm's output once (`to_matmul_dtype`:
     # one bf16 copy that wq, wk, wv, or w1, w3, keep); a Llama 4 block lets autocast cast it per matmul.

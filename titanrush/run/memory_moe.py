@@ -14,7 +14,7 @@ computes S = N x top_k rows. Under expert parallel the rows go to the ranks of t
 receives R = S x `imbalance` rows, where `imbalance` is the busiest EP rank's load over the balanced
 share (routing is capacity-free, so R varies step to step; the estimate assumes the figure it is given,
 `DEFAULT_IMBALANCE` unless told). Without expert parallel a rank's experts compute its own S rows, which
-no imbalance changes. docs/estimator.md derives every term.
+no imbalance changes. docs/estimator_method.md derives every term.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def moe_saved(
 
     `tokens`: the N tokens the layer routes on the rank. Modes as `memory_model.block_saved`'s (full keeps
     only the block input, which the block counts). Eager, what each op saves (read off autograd's saved
-    tensors on CPU, docs/estimator.md); compiled, what inductor's partitioner keeps (read off it on CPU).
+    tensors on CPU, docs/estimator_method.md); compiled, what inductor's partitioner keeps (read off it on CPU).
     """
     a, c, r = s.args, s.c, s.r
     d, h, n_exp, e_local = a.dim, a.expert_hidden, a.n_experts, a.n_experts // s.ep
