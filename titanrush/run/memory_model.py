@@ -304,8 +304,8 @@ def _block_saved(
         if s.compile.enable and not as_traced:  # compiled: w2's output goes, unused by backward (measured)
             del out["w2 out"]
             if ring:  # compiled ring attention keeps the K/V it received and K, V made contiguous (the
-                # joint graph's CSE merges the backward's exchange into the forward's; see estimator_method.md),
-                # so wk's and wv's outputs are no longer needed to recompute K and V
+                # joint graph's CSE merges the backward's exchange into the forward's; see
+                # estimator_method.md), so wk's and wv's outputs are no longer needed to recompute K and V
                 out.pop("wk out", None), out.pop("wv out")
                 out |= {"k, v contiguous (CP)": pair, "K/V received (CP)": received}
         return out
@@ -314,8 +314,8 @@ def _block_saved(
     kv = hq if expands_kv(a, as_traced) else hkv
     if mode == "compiled":
         # What inductor's partitioner keeps (measured for 1B blocks on H200; float8 and CP from its runs on
-        # CPU, docs/estimator_method.md): the eager set less silu, norms fused, and wo's output (under autocast
-        # the bf16 output, from which the fp32 residual sum is recomputed).
+        # CPU, docs/estimator_method.md): the eager set less silu, norms fused, and wo's output (under
+        # autocast the bf16 output, from which the fp32 residual sum is recomputed).
         out = {
             "block input": r * n_sp * d,
             "attention_norm out": c * n * d,

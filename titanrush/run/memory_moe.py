@@ -127,7 +127,8 @@ def moe_saved(
 
     `tokens`: the N tokens the layer routes on the rank. Modes as `memory_model.block_saved`'s (full keeps
     only the block input, which the block counts). Eager, what each op saves (read off autograd's saved
-    tensors on CPU, docs/estimator_method.md); compiled, what inductor's partitioner keeps (read off it on CPU).
+    tensors on CPU, docs/estimator_method.md); compiled, what inductor's partitioner keeps (read off it on
+    CPU).
     """
     a, c, r = s.args, s.c, s.r
     d, h, n_exp, e_local = a.dim, a.expert_hidden, a.n_experts, a.n_experts // s.ep
