@@ -1,11 +1,10 @@
 """Token-choice routing: each token picks its top-k experts by a sigmoid score, capacity-free.
 
 Llama 4 routes each token to k = 1 expert. The router is a linear layer `gate` (dim -> experts); a token's
-score for expert e is sigmoid(gate(x)_e), the gate's matmul and the sigmoid in fp32. Load balance
-(DeepSeek-V3's auxiliary-loss-free method) adds a per-expert bias to the scores for the choice only: the
-bias steers tokens away from overloaded experts, while the weight a chosen expert's output gets is its
-unbiased score, so the bias never enters the gradient. `titanrush.models.llama4.balance` moves the bias
-between steps.
+score for expert e is sigmoid(gate(x)_e), computed in fp32. Load balance (DeepSeek-V3's auxiliary-loss-free
+method) adds a per-expert bias to the scores for the choice only: the bias steers tokens away from
+overloaded experts, while the weight a chosen expert's output gets is its unbiased score, so the bias
+never enters the gradient. `titanrush.models.llama4.balance` moves the bias between steps.
 
 Two optional losses shape the router through its gradient only: the sequence-wise balance loss (the
 auxiliary loss of Switch / DeepSeek-V3: per sequence, the fraction of its tokens each expert receives times
@@ -20,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 
 @dataclass
@@ -31,7 +29,7 @@ class Routing:
     weights: torch.Tensor  # (N, k) fp32: the chosen experts' (unbiased) sigmoid scores
     counts: torch.Tensor  # (E,) int64: tokens routed to each expert
     scores: torch.Tensor  # (N, E) fp32: every score (the balance loss reads them)
-    logits: torch.Tensor  # (N, E) fp32: the gate's output (the z-loss reads them)
+    logits: torch.Tensor  # (N, E) the gate's output (the z-loss reads them)
 
 
 class Router(nn.Module):
@@ -45,11 +43,8 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> Routing:
         """Route tokens x (N, dim); `bias` (E,) fp32 only steers the choice."""
-        # fp32 even under bf16 autocast or FSDP's bf16 weights: near-equal experts are ranked by the
-        # logits' last bits, and bf16's 8 bits turn ties into one early winner (torchtitan does the same).
-        with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.gate.weight.float())  # (N, E) fp32
-        scores = torch.sigmoid(logits)
+        logits = self.gate(x)
+        scores = torch.sigmoid(logits.float())  # fp32: the ranking and weights of near-equal experts
         with torch.no_grad():
             biased = scores if bias is None else scores + bias
             experts = torch.topk(biased, self.top_k, dim=-1).indices  # (N, k)
