@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -141,6 +142,23 @@ def test_on_two_nodes_every_launcher_restarts_and_the_job_meets_again(tmp_path, 
         assert status == 0, out[-3000:]
         assert out.count("titanrush: restart 1 of 1 (job.max_restarts) after rank ") == 1, out[-3000:]
     assert losses(tmp_path / "nodes") == uninterrupted
+
+
+@pytest.mark.parallel
+def test_a_config_error_that_the_trainer_finds_is_not_restarted(tmp_path):
+    """A checkpoint to load that does not exist: every rank ends with 2 at start, and the job with it."""
+    child = launch(
+        tmp_path, "bad", "--job.max_restarts", "2", "--checkpoint.load_path", str(tmp_path / "none")
+    )
+    status, log = finish(child)
+    assert status == 2, log[-3000:]
+    lines = titanrush_lines(log)
+    assert re.fullmatch(  # (either rank may be the first to end: both refuse the config at once)
+        r"titanrush: the job ended with exit status 2 \(a config error\): rank [01] ended first, its lines "
+        r"above say why",
+        lines[-1],
+    ), lines
+    assert not [x for x in lines if "restart" in x] and "does not exist; check checkpoint.load_path" in log
 
 
 # ------------------------------------------------------------------------------------------------
