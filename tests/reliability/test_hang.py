@@ -128,3 +128,21 @@ def test_the_derived_timeout_follows_the_measured_steps():
         configured.close()
     finally:
         dog.close()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # (after the exit)
+def test_the_process_ends_even_when_its_report_fails(tmp_path, monkeypatch):
+    def broken(backend: str) -> list:
+        raise RuntimeError("the flight recorder is gone")
+
+    monkeypatch.setattr(wd, "pending_collectives", broken)
+    codes: list[int] = []
+    dog = StepWatchdog(0.2, rank=0, folder=tmp_path, backend="gloo", exit=codes.append)
+    try:
+        dog.begin(1)
+        dog.end()
+        dog.begin(2)
+        wait_for(codes, 10)
+    finally:
+        dog.close()
+    assert codes == [HANG_STATUS]

@@ -47,6 +47,7 @@ MIN_DERIVED_S = 120.0  # the derived timeout's floor
 FACTOR = 10.0  # the derived timeout: FACTOR x the median step time
 MEASURED = 5  # steps measured before the derived timeout applies
 LONG_PHASE_S = 1800.0  # a validation pass or a checkpoint save inside the loop
+REPORT_S = 60.0  # the most the report may take before the process ends anyway
 ERROR_PREFIX = "StepTimeout: "  # how the launcher finds the watchdog's report in torchrun's error file
 
 
@@ -152,7 +153,18 @@ class StepWatchdog:
             self._stop.wait(min(1.0, deadline - now) if deadline is not None else 1.0)
 
     def expire(self) -> None:
-        """The step did not finish: stacks, flight recorder, one line, the launcher told, the exit."""
+        """The step did not finish: stacks, flight recorder, one line, the launcher told, the exit (which
+        comes whatever the report meets: an error, or a lock it waits on for REPORT_S)."""
+        backstop = threading.Timer(REPORT_S, self._exit, (HANG_STATUS,))
+        backstop.daemon = True
+        backstop.start()
+        try:
+            self._report()
+        finally:
+            backstop.cancel()
+            self._exit(HANG_STATUS)
+
+    def _report(self) -> None:
         pending = pending_collectives(self.backend) if self.backend else []
         collective = describe_collective(pending, self.backend) if pending else ""
         waited = self.phase + (f", in {collective}" if collective else "")
@@ -170,7 +182,6 @@ class StepWatchdog:
         }
         tell_launcher(StepTimeout(json.dumps(report)))
         sys.stderr.flush()
-        self._exit(HANG_STATUS)
 
     def _write_report(self, line: str, pending: list[dict[str, Any]]) -> str:
         """`<folder>/rank<R>.txt` (the line, every thread's stack, the pending collectives) and the flight
