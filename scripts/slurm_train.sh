@@ -9,7 +9,10 @@
 #   PYTHON         interpreter (default python3); activate your environment before sbatch, srun inherits it
 # Every node runs ./run_train.sh with NNODES, NODE_RANK (= SLURM_NODEID) and RDZV_ENDPOINT set; the
 # rendezvous id is the SLURM job id, so two jobs never join each other. If a node fails, srun's
-# --kill-on-bad-exit ends the others instead of leaving them waiting in a collective.
+# --kill-on-bad-exit ends the others instead of leaving them waiting in a collective. With
+# --job.max_restarts N every node's launcher starts a failed job again in place (same nodes, resuming
+# from the newest checkpoint) before it gives up; a preempted job (SIGTERM) is SLURM's to requeue
+# (sbatch --requeue). docs/operations.md, "Restarts".
 #SBATCH --job-name=titanrush
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import torch
@@ -33,20 +34,43 @@ def init_device(local_rank: int, *, expandable: bool) -> torch.device:
     return device
 
 
-def init(device: torch.device, *, nccl_max_ctas: int = 0) -> None:
+def init(device: torch.device, *, nccl_max_ctas: int = 0, timeout_s: float = 1800.0) -> None:
     """Start the default process group (NCCL on GPUs, gloo on CPU) when the job has several processes.
 
     No device is bound at init: each group's NCCL communicator starts at its first collective, so the
     mesh's groups that nothing uses (size-1 dimensions, flattened views of the same ranks) never start
     one. `nccl_max_ctas` > 0 caps the thread blocks of one NCCL collective (NCCL_MAX_CTAS, read when a
     communicator starts; a value already in the environment wins).
+
+    `timeout_s` (`job.collective_timeout`) is the default group's: a collective that waits longer fails
+    on the ranks that wait. The flight recorder keeps each group's last `TRACE_ENTRIES` collectives (what
+    the step watchdog names when a step hangs, `titanrush.run.watchdog`), and under NCCL dumps them when
+    a collective times out; values already in the environment win.
     """
     if dist.is_initialized() or ranks_from_env().world_size == 1:
         return
     backend = "nccl" if device.type == "cuda" else "gloo"
+    for key, value in trace_env(backend).items():
+        os.environ.setdefault(key, value)
     if backend == "nccl" and nccl_max_ctas > 0:
         os.environ.setdefault("NCCL_MAX_CTAS", str(nccl_max_ctas))
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+
+
+TRACE_ENTRIES = 2000
+
+
+def trace_env(backend: str) -> dict[str, str]:
+    """The flight recorder's settings for `backend` (environment variables read when a group starts)."""
+    env = {"TORCH_FR_BUFFER_SIZE": str(TRACE_ENTRIES)}
+    if backend == "nccl":
+        env |= {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(TRACE_ENTRIES), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    return env
+
+
+def backend() -> str:
+    """The default process group's backend ("gloo", "nccl"), or "" without one."""
+    return dist.get_backend() if dist.is_initialized() else ""
 
 
 def barrier() -> None:

@@ -1,7 +1,10 @@
-"""The launcher's word on this process: RANK, WORLD_SIZE and LOCAL_RANK, checked before anything starts.
+"""The launcher's word on this process: RANK, WORLD_SIZE and LOCAL_RANK, checked before anything starts,
+and whether the launcher restarted the job after a failure.
 
 torchrun (or `run_train.sh`) sets them; a process started without them is rank 0 of 1. A value that is
 not a whole number in range is a `ConfigError` naming the variable, not a traceback from `int()`.
+titanrush's launcher (`titanrush.run.launch`) sets `TITANRUSH_RESTART` (the restart's number, from 1) and
+`TITANRUSH_RESTART_CAUSE` (what ended the attempt before) when it starts a job again (`restart_from_env`).
 This module imports no torch: the trainer reads it before torch's import.
 """
 
@@ -49,3 +52,20 @@ def ranks_from_env(environ: dict[str, str] | os._Environ = os.environ) -> Ranks:
     if ranks.rank >= ranks.world_size:
         raise ConfigError(f"RANK={ranks.rank} must be below WORLD_SIZE={ranks.world_size} ({_FIX})")
     return ranks
+
+
+RESTART_VARS = ("TITANRUSH_RESTART", "TITANRUSH_RESTART_CAUSE")
+
+
+@dataclass(frozen=True)
+class Restart:
+    """The launcher started this job again after a failure: its `count`-th restart, after `cause`."""
+
+    count: int
+    cause: str
+
+
+def restart_from_env(environ: dict[str, str] | os._Environ = os.environ) -> Restart | None:
+    """The launcher's restart of this job (`RESTART_VARS`), or None for a job's first start."""
+    count = whole_number(environ, RESTART_VARS[0], 0, 0, "set by titanrush's launcher only: unset it")
+    return Restart(count, environ.get(RESTART_VARS[1], "")) if count else None

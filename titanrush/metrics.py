@@ -316,6 +316,8 @@ _FORMATS = [
     ("data_wait_pct", "data {:.1f}%"),
     ("step_time", "step {:.3f}s"),
     ("stop", "stopped ({})"),
+    ("restart", "restart {}"),
+    ("cause", "after {}"),
     ("ckpt_mode", "checkpoint ({} save)"),
     ("ckpt_blocking_s", "training blocked {:.2f}s"),
     ("ckpt_save_s", "saved in {:.2f}s"),

@@ -10,9 +10,16 @@ Exit status (docs/operations.md):
            the file and the fix
   3        a non-finite loss or gradient norm stopped the run (training.on_nonfinite): one line naming
            the step; nothing of that step was saved
+  4        a hang: a step did not finish within training.step_timeout (titanrush/run/watchdog.py): every
+           thread's stack on stderr and in <run folder>/hang/, one line naming the step, the phase and
+           the collective waited in; the launcher's last line names the rank that stalled
   128 + N  signal N stopped the run after a step (143: SIGTERM, 130: SIGINT), with a checkpoint of that
            step when checkpoint.enable and checkpoint.save_on_signal; a second signal after a SIGINT
            stops at once (130)
+
+Under the launcher (a job of several processes), job.max_restarts > 0 starts the job again after a
+failure (1, 4, a worker killed by a signal other than SIGTERM/SIGINT), never after 0, 2, 3 or a stop by
+signal; the restarted job resumes from the newest complete checkpoint (titanrush/run/launch.py).
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import signal
 import sys
 
 from titanrush import config as cfgmod
-from titanrush.config import ConfigError
+from titanrush.config import ConfigError, split_args
 from titanrush.errors import RunError
 from titanrush.launch_env import Ranks, ranks_from_env
 from titanrush.logging_utils import init_logging
@@ -38,28 +45,6 @@ Trains a Llama from a TOML config (defaults < TOML < command line). --check vali
 data, the checkpoint to load and the output folders, and exits. Lists are comma-separated. --help lists
 every key (the sections last); --help SECTION one section's, --help WORD the keys whose name holds WORD.
 """
-
-
-def split_args(argv: list[str]) -> tuple[str | None, bool, list[str]]:
-    """Pull --config FILE and --check out of argv; the rest are overrides."""
-    path, check, rest = None, False, []
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        if arg == "--config" or arg == "--job.config_file":
-            if i + 1 >= len(argv):
-                raise ConfigError("--config needs a file path")
-            path = argv[i + 1]
-            i += 2
-            continue
-        if arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
-        elif arg == "--check":
-            check = True
-        else:
-            rest.append(arg)
-        i += 1
-    return path, check, rest
 
 
 def main(argv: list[str] | None = None) -> int:

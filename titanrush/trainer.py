@@ -14,7 +14,8 @@ Build order (each step only sees the values it needs):
 
 The loop's safeguards live in small modules: `titanrush.run.nonfinite` (a non-finite step stops the run or
 is skipped, and is never saved), `titanrush.run.signals` (SIGTERM/SIGINT stop at a step boundary all ranks
-agree on, after a checkpoint), `titanrush.run.run_dir` (the folder's lock and attempts).
+agree on, after a checkpoint), `titanrush.run.run_dir` (the folder's lock and attempts),
+`titanrush.run.watchdog` (a step that does not finish in time ends the job, with every rank's stacks).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from titanrush import distributed
 from titanrush.checkpoint.manager import CheckpointManager
 from titanrush.config import JobConfig
 from titanrush.data import build_dataloader, build_tokenizer
+from titanrush.launch_env import restart_from_env
 from titanrush.metrics import (
     MemoryMonitor,
     MetricsLogger,
@@ -69,6 +71,7 @@ from titanrush.run.nonfinite import NonFiniteError, NonFiniteGuard, poison
 from titanrush.run.plan import RunPlan, describe_mesh
 from titanrush.run.preflight import checkpoint_info
 from titanrush.run.signals import StopSignals, stop_message
+from titanrush.run.watchdog import StepWatchdog
 
 logger = logging.getLogger("titanrush")
 
@@ -91,7 +94,9 @@ class Trainer:
         self.device = distributed.init_device(ranks.local_rank, expandable=cfg.training.expandable_segments)
         if plan.ac.offload_first > 0 and self.device.type == "cuda":  # pinned host memory next to this GPU
             bind_near_gpu(self.device)
-        distributed.init(self.device, nccl_max_ctas=cfg.parallelism.nccl_max_ctas)
+        distributed.init(
+            self.device, nccl_max_ctas=cfg.parallelism.nccl_max_ctas, timeout_s=cfg.job.collective_timeout
+        )
         marks.append(("config and process group", time.perf_counter()))
         self.mesh = plan.dims.build_mesh(self.device.type) if self.world_size > 1 else None
         marks.append(("mesh", time.perf_counter()))
@@ -240,6 +245,8 @@ class Trainer:
             rank=self.rank,
             attempt=self.attempt,
         )
+        if (restart := restart_from_env()) is not None:  # the launcher restarted the job after a failure
+            self.metrics.log(self.step, {"restart": restart.count, "cause": restart.cause})
         self.memory = MemoryMonitor(self.device)
         pr = cfg.profiling
         self.profiler = Profiler(
@@ -348,6 +355,7 @@ class Trainer:
         t0 = time.perf_counter()
         batches = [next(data_iter).to(self.device, non_blocking=True) for _ in range(self.plan.accum)]
         data_wait = time.perf_counter() - t0
+        self.watchdog.mark("forward and backward")
         dp_group = self.mesh["dp"].get_group() if self.plan.dp > 1 else None  # (tp/cp/pp peers: same labels)
         norm = loss_divisor(
             [b.labels for b in batches], group=dp_group, averaged_over=self.plan.dp * self.plan.cp
@@ -357,6 +365,7 @@ class Trainer:
         for batch in batches:
             total += step_fn(batch, norm)
         pp_mesh = self.mesh["pp"] if self.pipeline is not None else None
+        self.watchdog.mark("gradient norm and optimizer step")
         grad_norm = clip_grad_norm_(self.model.parameters(), self.plan.max_norm, pp_mesh=pp_mesh)
         # This step's rate (torchao's low-bit AdamW keeps it as a tensor).
         self.lr = float(self.optimizer.param_groups[0]["lr"])
@@ -392,24 +401,33 @@ class Trainer:
         data_iter = iter(self.train_loader)
         self.throughput = Throughput(self.flops_per_token, self.peak)
         self.signals.install()
+        self.watchdog = StepWatchdog(
+            t.step_timeout, rank=self.rank, folder=self.run_dir / "hang", backend=distributed.backend()
+        )
         self._window, logged = (torch.zeros((), device=self.device), 0), []  # (loss sum, steps) since a log
         try:
             while self.step < last and self.stopped_by is None:
                 self.step += 1
+                self.watchdog.begin(self.step)  # (a step that does not finish in time ends the job)
                 if t.gc_freq > 0 and self.step % t.gc_freq == 0:
                     gc.collect(1)
                 for offloader in self.offloaders:  # the traffic of the step about to run
                     offloader.bytes_offloaded = 0
                 loss, grad_norm, data_wait, stepped = self.train_step(data_iter)
-                self.profiler.step()
+                with self.watchdog.apart("the profiler"):  # (writing a trace may take a while)
+                    self.profiler.step()
                 self.throughput.add(self.plan.tokens_per_gpu_step, data_wait)
                 if stepped:  # (a skipped step's loss stays out of the window's mean)
                     self._window = (self._window[0] + loss, self._window[1] + 1)
                 if self._should_log(self.step):
+                    self.watchdog.mark("logging")
                     logged.append(self._log_step(loss, grad_norm))
-                self._validate_and_save()
+                with self.watchdog.apart("validation or checkpoint save"):
+                    self._validate_and_save()
                 if self.step < last:  # (every rank polls at the same boundaries)
+                    self.watchdog.mark("the stop-signal agreement")
                     self.stopped_by = self.signals.poll()
+                self.watchdog.end()
             self.guard.settle()
             if self.stopped_by is not None:
                 self._stop_on_signal()
@@ -417,6 +435,7 @@ class Trainer:
             self.metrics.log(e.step, {"stop": "non-finite"})
             raise
         finally:
+            self.watchdog.close()
             if t.gc_freq > 0:
                 gc.enable()
         return logged

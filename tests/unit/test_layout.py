@@ -129,6 +129,9 @@ ALLOW = {
     "torch.backends.cudnn.allow_tf32": "public torch knob (docs: TF32), off: fp32 is measured as fp32",
     "warnings.showwarning": "the stdlib's documented hook; set only by init_logging, which the CLI calls",
     "torch._dynamo.config.recompile_limit": "the knob torch's recompile warning names; raised, never lowered",
+    # (the launcher's own environment, which torchrun hands to the workers it starts: a restart's word)
+    "os.environ[RESTART_VARS[0]]": "the launcher tells a restarted job its restart's number (launch.py)",
+    "os.environ[RESTART_VARS[1]]": "the launcher tells a restarted job its restart's cause (launch.py)",
 }
 # Writes that are problems (reported in #46): listed so that the check stays on, to be removed with them.
 TO_FIX: dict[str, str] = {}

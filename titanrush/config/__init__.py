@@ -5,7 +5,8 @@
 - `loader`: `load(config_path, overrides)`, `read_toml` (following `extends`), `toml_line` (where a key
   is set, for error messages).
 - `keys`: a section and key looked up (with a suggestion when unknown), a value converted to its type.
-- `overrides`: the command line's `--section.key value` parsed, and the keys it sets more than once.
+- `overrides`: the command line: `--config FILE` and `--check` split off, `--section.key value`
+  parsed, and the keys it sets more than once.
 - `help`: `help_text()` for `--help`, from the schema's field docstrings (docs/config.md too).
 - `write`: `to_toml`, the resolved config as the run folder's config.toml.
 
@@ -17,7 +18,7 @@ between this package's modules only. Values and their combinations are checked l
 
 from titanrush.config.help import help_text
 from titanrush.config.loader import load, read_toml, toml_line
-from titanrush.config.overrides import parse_overrides, repeated_overrides
+from titanrush.config.overrides import parse_overrides, repeated_overrides, split_args
 from titanrush.config.schema import (
     ActivationCheckpoint,
     Checkpoint,
@@ -68,6 +69,7 @@ __all__ = [
     "read_toml",
     "repeated_overrides",
     "sections",
+    "split_args",
     "to_toml",
     "toml_line",
 ]

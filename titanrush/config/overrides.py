@@ -1,5 +1,6 @@
-"""The command line's overrides: `--section.key value` and its other spellings, parsed into
-(section, key, value) with the section and key checked; the values are converted by `load`.
+"""The command line: `--config FILE` and `--check` pulled out (`split_args`), and the overrides
+(`--section.key value` and its other spellings) parsed into (section, key, value) with the section and
+key checked; the values are converted by `load`.
 """
 
 from __future__ import annotations
@@ -59,3 +60,25 @@ def repeated_overrides(args: list[str]) -> list[str]:
                 f"{values[-1]}, is used"
             )
     return lines
+
+
+def split_args(argv: list[str]) -> tuple[str | None, bool, list[str]]:
+    """Pull --config FILE and --check out of argv; the rest are overrides."""
+    path, check, rest = None, False, []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--config" or arg == "--job.config_file":
+            if i + 1 >= len(argv):
+                raise ConfigError("--config needs a file path")
+            path = argv[i + 1]
+            i += 2
+            continue
+        if arg.startswith("--config="):
+            path = arg.split("=", 1)[1]
+        elif arg == "--check":
+            check = True
+        else:
+            rest.append(arg)
+        i += 1
+    return path, check, rest

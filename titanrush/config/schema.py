@@ -29,6 +29,16 @@ class Job:
     overwrite: bool = True
     """Reuse an existing run folder: the run is a new attempt there (its metrics rows carry `attempt`,
     TensorBoard goes to tb/attempt-<n>; docs/operations.md). False refuses a folder that exists."""
+    max_restarts: int = 0
+    """How many times the launcher (a job of several processes: run_train.sh with NGPU > 1 or NNODES > 1)
+    starts the job again after a failure: a worker killed or crashed, a lost peer, a hang (exit status
+    4). Each restart resumes from the newest complete checkpoint (from step 1 without checkpoint.enable)
+    and is logged with its cause (a console line, a metrics.jsonl row). A config error (2), a non-finite
+    stop (3) and a stop by signal (128 + N) are never restarted. docs/operations.md."""
+    collective_timeout: float = 1800.0
+    """Seconds a collective of the default process group may wait for the other ranks before it fails
+    (init_process_group's timeout); the mesh's other groups keep torch's own (NCCL 600, gloo 1800). The
+    step watchdog (training.step_timeout) normally ends a hang first, with stacks and a line."""
 
 
 @dataclass
@@ -132,6 +142,12 @@ class Training:
     max_skips: int = 10
     """With on_nonfinite = skip: the most steps in a row that may be skipped; one more non-finite step
     in a row stops the run as `stop` would."""
+    step_timeout: float = 0.0
+    """Seconds a training step may take before the run is declared hung: every rank writes its stacks
+    (and the collectives it waits in) to <run folder>/hang/ and the job ends with exit status 4 and a
+    line naming the rank that stalled. 0 derives it: 10 x the median step time (at least 120 s) once 5
+    steps are measured, 600 s before. An attempt's first step (compilation) is given at least 600 s, a
+    validation pass or checkpoint save 1800 s. docs/operations.md."""
 
 
 @dataclass

@@ -10,6 +10,8 @@ The lock: rank 0 holds an exclusive `flock` on `<run folder>/.lock` (which recor
 the run's life, so a second run cannot write into the folder, or load a checkpoint from it that the
 first is still writing. The kernel releases it when the process ends, however it ends. A run refused at
 start lets it go and leaves no trace: the lock file and folders it made are removed (`RunLock.release`).
+A job the launcher restarts after a failure (`job.max_restarts`) waits up to `RESTART_LOCK_WAIT_S` for
+the failed attempt's lock: a process of it that the launcher killed may take a moment to be gone.
 
 Attempts: each run in a folder is an attempt, numbered from 1. Every metrics row carries its attempt,
 TensorBoard writes under `tb/attempt-<n>/`, and the config.toml of an earlier attempt is kept as
@@ -26,15 +28,18 @@ import logging
 import os
 import re
 import socket
+import time
 from pathlib import Path
 
 from titanrush.config import ConfigError
 from titanrush.distributed import from_rank0
 from titanrush.files import check_writable
+from titanrush.launch_env import restart_from_env
 
 CONFIG_FILE = "config.toml"
 LOCK_FILE = ".lock"
 METRICS_FILE = "metrics.jsonl"
+RESTART_LOCK_WAIT_S = 30.0
 logger = logging.getLogger("titanrush")
 _KEPT_CONFIG = re.compile(r"^config\.attempt-(\d+)\.toml$")
 
@@ -46,8 +51,9 @@ class RunLock:
         self.fd: int | None = None
         self.made: list[Path] = []  # what this run made for the lock (the file, new folders), to undo
 
-    def acquire(self, folder: Path) -> str:
-        """Lock `folder` (it exists); return "" or the reason it is refused (then nothing is held)."""
+    def acquire(self, folder: Path, wait: float = 0.0) -> str:
+        """Lock `folder` (it exists), trying for `wait` seconds while another process holds it; return ""
+        or the reason it is refused (then nothing is held)."""
         if self.fd is not None:
             return ""
         path = folder / LOCK_FILE
@@ -56,9 +62,7 @@ class RunLock:
                 fd, made = _open_lock(path)
             except OSError as e:
                 return own_file_problem(folder) or f"cannot lock the run folder {folder} ({e}); {_fix(e)}"
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+            if not _flock(fd, wait):
                 holder = os.read(fd, 256).decode(errors="replace").strip() or "unknown"
                 os.close(fd)
                 return (
@@ -92,6 +96,19 @@ class RunLock:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _flock(fd: int, wait: float) -> bool:
+    """Take the exclusive lock on fd, trying for `wait` seconds; whether it is held."""
+    end = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError:
+            if time.monotonic() >= end:
+                return False
+            time.sleep(0.2)
 
 
 def _open_lock(path: Path) -> tuple[int, bool]:
@@ -131,7 +148,8 @@ def check(path: Path, *, overwrite: bool, rank: int) -> RunLock:
     lock = RunLock()
     error = ""
     if rank == 0:
-        error = problem(path, overwrite=overwrite) or (lock.acquire(path) if path.is_dir() else "")
+        wait = RESTART_LOCK_WAIT_S if restart_from_env() is not None else 0.0
+        error = problem(path, overwrite=overwrite) or (lock.acquire(path, wait) if path.is_dir() else "")
     error = from_rank0(error)
     if error:
         lock.release(refused=True)

@@ -74,6 +74,9 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "training.loss_chunk_size": (1, None, True, True),
     "training.gc_freq": (0, None, True, True),
     "training.max_skips": (1, None, True, True),
+    "training.step_timeout": (0.0, None, True, True),  # 0: derived from the measured steps
+    "job.max_restarts": (0, None, True, True),
+    "job.collective_timeout": (0.0, None, False, True),
     "optimizer.lr": (0.0, None, False, True),
     "optimizer.beta1": (0.0, 1.0, True, False),
     "optimizer.beta2": (0.0, 1.0, True, False),
