@@ -71,7 +71,9 @@ def test_hsdp_and_tp_meshes_print_no_mesh_deprecation(tmp_path):
 
 
 def test_a_model_too_large_for_the_gpu_is_one_line_naming_the_fix(tmp_path):
-    # a 2e8-token table of width 256 (205 GB in fp32) is materialized on the GPU and does not fit it
+    # a 2e8-token table of width 256 (205 GB in fp32): the memory check refuses it before anything is built
+    # (exit 2, the estimate against this GPU's memory); started anyway, it is materialized on the GPU and
+    # runs out of memory (exit 1, one line naming the fix)
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     cmd = [
         "./run_train.sh",
@@ -83,6 +85,16 @@ def test_a_model_too_large_for_the_gpu_is_one_line_naming_the_fix(tmp_path):
         "200000000",
     ]
     res = subprocess.run(cmd, cwd=ROOT, env={**env, "NGPU": "1"}, capture_output=True, text=True, timeout=600)
+    err = res.stderr.strip().splitlines()
+    assert res.returncode == 2 and len(err) == 1, res.stderr[-4000:]
+    assert err[0].startswith("titanrush: config error: the run does not fit the GPU"), err
+    assert "GiB per GPU against" in err[0] and "CUDA out of memory" not in res.stderr
+    assert not (tmp_path / "debug").exists()  # refused before the run folder was made
+
+    anyway = [*cmd, "--plan.memory_check", "false"]
+    res = subprocess.run(
+        anyway, cwd=ROOT, env={**env, "NGPU": "1"}, capture_output=True, text=True, timeout=600
+    )
     err = res.stderr.strip().splitlines()
     assert res.returncode == 1, res.stderr[-4000:]
     assert err[-1].startswith("titanrush: error: out of memory on rank 0: CUDA out of memory"), err[-3:]
