@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "estimate": ("titanrush.tools.estimate", "will this config fit, and what uses the memory"),
     "rush": ("titanrush.tools.rush", "measure what each optimization buys (ladder, dist, moe)"),
     "sweep": ("titanrush.tools.sweep", "run mesh shapes (tp/pp/cp/...) and rank them"),
+    "plot": ("titanrush.tools.plot", "a PNG of a run's metrics (loss, tokens/s, MFU, memory, experts)"),
 }
 
 

@@ -11,7 +11,7 @@ import math
 import os
 import resource
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -201,20 +201,29 @@ class MetricsLogger:
     """One console line, one metrics.jsonl object and TensorBoard scalars per logged step.
 
     Every row carries the run's `attempt` (see `titanrush.run.run_dir`); TensorBoard writes under
-    `tb/attempt-<n>/`. Numbers that are not finite are written as null (JSON has no NaN) and skipped in
-    TensorBoard; the console shows them as they are. metrics.jsonl only ever holds whole rows
+    `tb/attempt-<n>/`, and `sinks` (Weights & Biases) take the same scalars at the same steps. Numbers
+    that are not finite are written as null (JSON has no NaN) and skipped in TensorBoard and the sinks;
+    the console shows them as they are. metrics.jsonl only ever holds whole rows
     (`titanrush.files.JsonLines`): a row that cannot be written (a full disk) stops the run with a
     `RunError`.
     """
 
     def __init__(
-        self, run_dir: Path, *, enabled: bool, tensorboard: bool, rank: int, attempt: int = 1
+        self,
+        run_dir: Path,
+        *,
+        enabled: bool,
+        tensorboard: bool,
+        rank: int,
+        attempt: int = 1,
+        sinks: Sequence[Any] = (),
     ) -> None:
         self.enabled = enabled
         self.rank = rank
         self.attempt = attempt
         self.jsonl: JsonLines | None = None
         self.tb = None
+        self.sinks = list(sinks)  # more scalar sinks, given each row's `scalars` (titanrush.run.wandb_sink)
         if not enabled:
             return
         path = run_dir / ("metrics.jsonl" if rank == 0 else f"metrics_rank{rank}.jsonl")
@@ -247,13 +256,13 @@ class MetricsLogger:
             self.jsonl.write(json.dumps(clean, allow_nan=False))
         except OSError as e:
             self._stop_writing(e)
-        if self.tb is not None:
-            for k, v in clean.items():
-                if k not in ("step", "attempt") and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.tb.add_scalar(k.replace("val_", "validation/"), v, step)
-                elif isinstance(v, list):  # one scalar per entry (e.g. the tokens of each expert)
-                    for i, x in enumerate(v):
-                        self.tb.add_scalar(f"{k}/{i}", x, step)
+        if self.tb is not None or self.sinks:
+            tags = scalars(clean)
+            if self.tb is not None:
+                for tag, v in tags.items():
+                    self.tb.add_scalar(tag, v, step)
+            for sink in self.sinks:
+                sink.add_scalars(tags, step)
 
     def flush(self) -> None:
         """Push what is written to disk (before an exit the process may not survive)."""
@@ -281,6 +290,21 @@ class MetricsLogger:
             self.jsonl.close()
         if self.tb is not None:
             self.tb.close()
+        for sink in self.sinks:
+            sink.close()
+
+
+def scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A row's TensorBoard scalars by tag: every number but `step` and `attempt` (`val_x` as
+    `validation/x`), and a list as one scalar per entry (`moe_tokens_l0/3`: the tokens of each expert);
+    null, text and booleans are left out."""
+    out: dict[str, float] = {}
+    for k, v in record.items():
+        if k not in ("step", "attempt") and isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[k.replace("val_", "validation/")] = v
+        elif isinstance(v, list):
+            out |= {f"{k}/{i}": x for i, x in enumerate(v)}
+    return out
 
 
 def _finite_or_none(value: Any) -> Any:

@@ -71,6 +71,7 @@ from titanrush.run.nonfinite import NonFiniteError, NonFiniteGuard, poison
 from titanrush.run.plan import RunPlan, describe_mesh
 from titanrush.run.preflight import checkpoint_info
 from titanrush.run.signals import StopSignals, stop_message
+from titanrush.run.wandb_sink import start_wandb
 from titanrush.run.watchdog import StepWatchdog
 
 logger = logging.getLogger("titanrush")
@@ -245,6 +246,17 @@ class Trainer:
             rank=self.rank,
             attempt=self.attempt,
         )
+        if cfg.metrics.wandb and self.rank == 0:  # (rank 0 alone, whatever metrics.all_ranks says)
+            self.metrics.sinks.append(
+                start_wandb(
+                    self.run_dir,
+                    project=cfg.metrics.wandb_project,
+                    name=cfg.metrics.wandb_name,
+                    job=cfg.job.name,
+                    attempt=self.attempt,
+                    config=dataclasses.asdict(cfg),
+                )
+            )
         if (restart := restart_from_env()) is not None:  # the launcher restarted the job after a failure
             self.metrics.log(self.step, {"restart": restart.count, "cause": restart.cause})
         self.memory = MemoryMonitor(self.device)

@@ -187,6 +187,16 @@ class Metrics:
     """Log every N steps (and the first and last step)."""
     tensorboard: bool = True
     """Write TensorBoard events under `<run folder>/tb/`."""
+    wandb: bool = False
+    """Also log TensorBoard's scalars to Weights & Biases, at the same steps, from rank 0 (needs the wandb
+    package: pip install wandb). Its files go under `<run folder>/wandb/`, one W&B run per attempt.
+    Offline (`wandb sync` uploads later) unless logged in (`wandb login`, WANDB_API_KEY); WANDB_MODE
+    decides where set. docs/operations.md."""
+    wandb_project: str = "titanrush"
+    """The W&B project of the run (WANDB_ENTITY sets the team)."""
+    wandb_name: str = ""
+    """The W&B run's name; empty: job.name (a later attempt adds `-attempt-<n>`). Its attempts form a
+    group named after job.name."""
     peak_tflops: float = 0.0
     """Peak TFLOP/s per device for MFU. 0 looks the device up in the built-in GPU table; an unknown
     device (or CPU) then gets no MFU."""

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import difflib
+import importlib
 import importlib.util
 import math
 import os
@@ -42,6 +43,9 @@ MAX_WEIGHT_ELEMENTS, MAX_LAYERS = 2**40, 2**14
 # An integer setting beyond a 64-bit integer is a typo, and no count the run keeps (steps, positions,
 # sizes in torch and in a checkpoint) could hold it: the bound of every integer key that has no other.
 MAX_INT = 2**63 - 1
+
+# The characters W&B refuses in a project's name.
+WANDB_BAD = "/\\#?%:"
 
 # The torch versions (major.minor) experimental.async_tp was run on, on the GPU machine.
 ASYNC_TP_TORCH = ("2.11",)
@@ -265,6 +269,12 @@ def check_values(cfg: JobConfig) -> None:
     if cfg.checkpoint.load_model_only and not cfg.checkpoint.load_path:
         raise ConfigError(
             "checkpoint.load_model_only applies to checkpoint.load_path: set the checkpoint to start from"
+        )
+    project = cfg.metrics.wandb_project
+    if cfg.metrics.wandb and (not project.strip() or len(project) > 128 or set(project) & set(WANDB_BAD)):
+        raise ConfigError(
+            f"metrics.wandb_project = {project!r}: a W&B project name has 1 to 128 characters, none of "
+            f"{' '.join(WANDB_BAD)}"
         )
 
 
@@ -640,6 +650,19 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims, args: Llama4Args) -> None:
             )
 
 
+def import_problem(module: str) -> str:
+    """Why `module` cannot be imported ('' where it can): not installed, or its import fails (a broken
+    install). Imports it: only for a module the run will import anyway."""
+    try:
+        importlib.import_module(module)
+    except ImportError as e:
+        if isinstance(e, ModuleNotFoundError) and e.name == module:
+            return "not installed"
+        text = str(e).strip().splitlines()
+        return f"its import fails: {type(e).__name__}: {text[0][:200] if text else ''}"
+    return ""
+
+
 def _has_moe_training() -> bool:
     """Whether torchao has the float8 grouped GEMM of its MoE training prototype (importing it is slow:
     only asked for when float8.experts is on)."""
@@ -707,6 +730,11 @@ def check_machine(cfg: JobConfig) -> None:
                 f"experimental.async_tp relies on a private torch.compile option and was run on torch "
                 f"{', '.join(ASYNC_TP_TORCH)} only, not {torch.__version__}; set it to false"
             )
+    if cfg.metrics.wandb and (why := import_problem("wandb")):
+        raise ConfigError(
+            f"metrics.wandb = true needs the wandb package ({why}): pip install wandb (or pip install -e "
+            "'.[wandb]' in the checkout); or set metrics.wandb = false"
+        )
     if cfg.optimizer.name != "adamw" and importlib.util.find_spec("torchao") is None:
         raise ConfigError(
             f"optimizer.name = {cfg.optimizer.name!r} needs torchao (pip install torchao); or use 'adamw'"
