@@ -15,6 +15,13 @@ for arg in "$@"; do
   if [ "$arg" = "--help" ] || [ "$arg" = "-h" ]; then exec "$PYTHON" -m titanrush.train "$@"; fi  # (--help [TOPIC])
 done
 
+# How this script was called, for the run's summary to print its next commands (resume, ...) as the same
+# command: the script's path, with the NGPU this call set.
+printf -v launcher '%q' "$0"
+case $0 in */*) ;; *) launcher=./$launcher ;; esac
+if [ -n "${NGPU:-}" ]; then launcher="NGPU=$(printf '%q' "$NGPU") $launcher"; fi
+export TITANRUSH_LAUNCHER=$launcher
+
 if [ -z "${NGPU:-}" ]; then
   NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 1)" 2>/dev/null || echo 1)
 fi

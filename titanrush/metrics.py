@@ -22,6 +22,7 @@ from torch import nn
 from titanrush.config import ConfigError
 from titanrush.errors import RunError
 from titanrush.files import JsonLines, free_bytes, is_disk_full
+from titanrush.logging_utils import format_line
 
 logger = logging.getLogger("titanrush")
 
@@ -82,10 +83,17 @@ def resolve_peak(device: torch.device, *, configured: float, precision: str, flo
 
 
 def log_header(
-    flavor: str, plan: Any, mesh: str, n_params: int, flops_per_token: float, run_dir: Path
+    flavor: str,
+    plan: Any,
+    mesh: str,
+    n_params: int,
+    flops_per_token: float,
+    run_dir: Path,
+    *,
+    peak: float | None = None,
 ) -> None:
     """The run's first lines: the model, the mesh (`mesh`: its description), the batch and the run folder
-    (`plan`: the run's RunPlan)."""
+    (`plan`: the run's RunPlan), and the peak that MFU is measured against."""
     a, batch = plan.args, plan.local_batch * plan.dp * plan.accum
     logger.info(
         f"titanrush: {flavor} ({n_params / 1e6:,.1f}M params, {a.n_layers} layers, dim {a.dim}) on "
@@ -95,6 +103,10 @@ def log_header(
         f"batch: local {plan.local_batch} x seq {plan.seq_len}, accumulation {plan.accum}, global {batch}; "
         f"{flops_per_token / 1e9:.3f} GFLOP/token; run folder {run_dir}"
     )
+    if peak is not None:
+        logger.info(
+            f"mfu: model TFLOP/s over a peak of {peak:,.0f} per device (TFLOP/s: metrics.jsonl's tflops)"
+        )
 
 
 def flops_per_token(model_args: Any, n_matmul_params: float, seq_len: int) -> float:
@@ -148,6 +160,7 @@ class MemoryMonitor:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._carried: DeviceMemory | None = None  # the interval's peak from before an `apart` block
+        self.run_peak: DeviceMemory | None = None  # the largest of every reading: the run's peak
         if device.type == "cuda":
             self.capacity = torch.cuda.get_device_properties(device).total_memory
             torch.cuda.reset_peak_memory_stats(device)
@@ -174,11 +187,14 @@ class MemoryMonitor:
             active = torch.cuda.max_memory_allocated(self.device)
             reserved = torch.cuda.max_memory_reserved(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            return DeviceMemory(
+            now = DeviceMemory(
                 active / gib, reserved / gib, 100 * active / self.capacity, 100 * reserved / self.capacity
             )
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS, kB on Linux
-        return DeviceMemory(rss / gib, None, 100 * rss / self.capacity, None)
+        else:
+            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak RSS, kB on Linux
+            now = DeviceMemory(rss / gib, None, 100 * rss / self.capacity, None)
+        self.run_peak = _peak(now, self.run_peak)
+        return now
 
 
 def _peak(a: DeviceMemory, b: DeviceMemory | None) -> DeviceMemory:
@@ -311,52 +327,6 @@ def _finite_or_none(value: Any) -> Any:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
-# How the console names each checkpoint mode (the config's "disabled" async mode is a synchronous save).
-_CKPT_MODES = {
-    "disabled": "sync",
-    "async": "async",
-    "async_pinned": "async, pinned",
-    "model_only": "model only",
-}
-
-_FORMATS = [
-    ("loss", "loss {:.4f}"),
-    ("loss_last", "(last {:.4f})"),
-    ("skipped", "skipped {} step(s)"),
-    ("val_loss", "val_loss {:.4f}"),
-    ("val_ppl", "val_ppl {:.2f}"),
-    ("val_time_s", "validation {:.2f}s"),
-    ("grad_norm", "gnorm {:.3f}"),
-    ("lr", "lr {:.2e}"),
-    ("tps", "tps {:,.0f}"),
-    ("tflops", "tflops {:.1f}"),
-    ("mfu", "mfu {:.1f}%"),
-    ("mem_active_gib", "mem {:.2f}GiB"),
-    ("mem_active_pct", "({:.0f}%)"),
-    ("mem_reserved_gib", "reserved {:.2f}GiB"),
-    ("offload_gib", "offload {:.1f}GiB"),
-    ("moe_imbalance_window", "experts max/mean {:.2f}"),
-    ("moe_imbalance", "(last {:.2f})"),
-    ("data_wait_pct", "data {:.1f}%"),
-    ("step_time", "step {:.3f}s"),
-    ("stop", "stopped ({})"),
-    ("restart", "restart {}"),
-    ("cause", "after {}"),
-    ("ckpt_mode", "checkpoint ({} save)"),
-    ("ckpt_blocking_s", "training blocked {:.2f}s"),
-    ("ckpt_save_s", "saved in {:.2f}s"),
-    ("ckpt_load_s", "checkpoint loaded in {:.2f}s"),
-]
-
-
-def format_line(record: dict[str, Any]) -> str:
-    """The console line of a metrics row."""
-    shown = {**record, "ckpt_mode": _CKPT_MODES.get(record.get("ckpt_mode"), record.get("ckpt_mode"))}
-    parts = [f"step {record['step']:>6}"]
-    parts += [fmt.format(shown[k]) for k, fmt in _FORMATS if shown.get(k) is not None]
-    return "  ".join(parts)
-
-
 class Throughput:
     """Accumulates tokens and training time between logs; turns them into tps, TFLOP/s and MFU.
 
@@ -367,9 +337,15 @@ class Throughput:
     def __init__(self, flops_per_token: float, peak: float | None) -> None:
         self.flops_per_token = flops_per_token
         self.peak = peak
+        self.run_tokens, self.run_seconds = 0, 0.0  # the windows before this one
+        self.steps = 0
         self.reset()
 
     def reset(self) -> None:
+        """Start a new window (the one ending is added to the run's totals)."""
+        if self.steps:
+            self.run_tokens += self.tokens
+            self.run_seconds += self._elapsed()
         self.t0 = time.perf_counter()
         self.tokens = 0
         self.steps = 0
@@ -393,8 +369,12 @@ class Throughput:
         self.steps += 1
         self.data_wait += data_wait
 
+    def _elapsed(self) -> float:
+        return max(time.perf_counter() - self.t0 - self.excluded, 1e-9)
+
     def read(self) -> dict[str, float | None]:
-        elapsed = max(time.perf_counter() - self.t0 - self.excluded, 1e-9)
+        """The window's figures (per device)."""
+        elapsed = self._elapsed()
         tps = self.tokens / elapsed
         tflops = tps * self.flops_per_token / 1e12
         return {
@@ -404,3 +384,9 @@ class Throughput:
             "data_wait_pct": 100 * self.data_wait / elapsed,
             "step_time": elapsed / max(self.steps, 1),
         }
+
+    def totals(self) -> tuple[int, float]:
+        """(tokens, seconds) of training over the whole run so far, this window included (per device)."""
+        if not self.steps:
+            return self.run_tokens, self.run_seconds
+        return self.run_tokens + self.tokens, self.run_seconds + self._elapsed()

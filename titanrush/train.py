@@ -24,18 +24,21 @@ signal; the restarted job resumes from the newest complete checkpoint (titanrush
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
 import re
 import signal
 import sys
+import time
+import traceback
 
 from titanrush import config as cfgmod
 from titanrush.config import ConfigError, split_args
 from titanrush.errors import RunError
 from titanrush.launch_env import Ranks, ranks_from_env
-from titanrush.logging_utils import init_logging
+from titanrush.logging_utils import ConsoleCopy, init_logging, run_heading
 
 USAGE = """usage: titanrush train [--config FILE] [--check] [--section.key value | --section.key=value
                        | --section.key | --no-section.key ...]
@@ -52,15 +55,16 @@ def main(argv: list[str] | None = None) -> int:
     # compile create millions of long-lived objects, and the collector's full passes over them cost
     # about a third of the import time. The trainer collects once before step 1 and then every
     # training.gc_freq steps; with gc_freq 0 (automatic) it is switched back on once the config is read.
+    started = time.perf_counter()  # (the run's summary counts its wall time from here)
     enabled = gc.isenabled()
     gc.disable()
     try:
-        return _main(sys.argv[1:] if argv is None else argv)
+        return _main(sys.argv[1:] if argv is None else argv, started)
     finally:
         gc.enable() if enabled else gc.disable()  # as it was, for a caller in the same process
 
 
-def _main(argv: list[str]) -> int:
+def _main(argv: list[str], started: float) -> int:
     if "-h" in argv or "--help" in argv:
         return _help(argv)
     try:
@@ -80,7 +84,17 @@ def _main(argv: list[str]) -> int:
 
     # Before anything starts CUDA (the plan's machine checks may): the allocator reads it at start-up.
     set_allocator_env(os.environ, expandable=cfg.training.expandable_segments)
-    return _check_or_train(cfg, check, ranks)
+    if check or ranks.rank != 0:
+        return _check_or_train(cfg, check, ranks, Launch(argv, started))
+    console = ConsoleCopy()  # rank 0's console, into the run folder once it exists (console.log)
+    console.start()
+    try:
+        return _check_or_train(cfg, check, ranks, Launch(argv, started, console))
+    except Exception:  # (a crash: Python prints the traceback once the copy has ended; the copy gets it too)
+        console.note(traceback.format_exc())
+        raise
+    finally:
+        console.close()
 
 
 def _help(argv: list[str]) -> int:
@@ -131,12 +145,24 @@ def lost_peer(e: BaseException, rank: int) -> str | None:
     )
 
 
-def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
+@dataclasses.dataclass
+class Launch:
+    """How this process was started: its arguments, when (`time.perf_counter()`), and rank 0's console
+    copy (None on the other ranks)."""
+
+    argv: list[str]
+    started: float
+    console: ConsoleCopy | None = None
+
+
+def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks, launch: Launch) -> int:
     from titanrush import distributed
     from titanrush.run.memory_check import plan_run
     from titanrush.run.nonfinite import NonFiniteError
     from titanrush.run.preflight import check_files
+    from titanrush.run.run_dir import CONSOLE_FILE
     from titanrush.run.signals import end_with_launcher
+    from titanrush.run.summary import command_line, command_prefix
     from titanrush.run.validate import config_warnings
     from titanrush.trainer import Trainer
 
@@ -167,11 +193,20 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
             print(f"titanrush: config error: {e}", file=sys.stderr)
             distributed.destroy()  # left up, gloo may abort the process at exit
             return 2
+        launcher = command_prefix(world_size=ranks.world_size)
+        console = None
+        if launch.console is not None:  # the run is accepted: its folder exists
+            heading = run_heading(trainer.attempt, trainer.step, command_line(launcher, launch.argv))
+            launch.console.attach(trainer.run_dir / CONSOLE_FILE, heading)
+            console = launch.console.path  # (None where the file cannot be written)
         for line in config_warnings(cfg) if ranks.rank == 0 else []:  # the run is accepted: once
             logging.getLogger("titanrush").warning(line)
         try:
             try:
                 trainer.train()
+                trainer.summarize(
+                    started=launch.started, launcher=launcher, args=launch.argv, console=console
+                )
             except NonFiniteError as e:  # every rank stops at the same step; rank 0 says why
                 # Said, and waited for, before close(): a rank that ended first would have the launcher
                 # stop rank 0 before its line.

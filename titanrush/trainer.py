@@ -36,6 +36,7 @@ import torch
 
 from titanrush import config as cfgmod
 from titanrush import distributed
+from titanrush.checkpoint.folder import scan
 from titanrush.checkpoint.manager import CheckpointManager
 from titanrush.config import JobConfig
 from titanrush.data import build_dataloader, build_tokenizer
@@ -71,6 +72,7 @@ from titanrush.run.nonfinite import NonFiniteError, NonFiniteGuard, poison
 from titanrush.run.plan import RunPlan, describe_mesh
 from titanrush.run.preflight import checkpoint_info
 from titanrush.run.signals import StopSignals, stop_message
+from titanrush.run.summary import RunSummary, summary_lines, with_setting, write_summary
 from titanrush.run.wandb_sink import start_wandb
 from titanrush.run.watchdog import StepWatchdog
 
@@ -234,6 +236,9 @@ class Trainer:
         self.step = self.checkpointer.resume(
             load_path=ck.load_path, model_only=ck.load_model_only, steps=cfg.training.steps
         )
+        self.start_step = self.step  # (this attempt trains the steps after it)
+        self.last_loss: tuple[int, float] | None = None  # (step, loss) of the last logged training row
+        self.validations: list[tuple[int, float]] = []  # (step, validation loss) of this attempt
 
         # 4. The run is accepted: its folder, metrics and profiler.
         self.attempt = run_dir.create(
@@ -280,10 +285,17 @@ class Trainer:
         )
         marks.append(("checkpoint, metrics, profiler", time.perf_counter()))
         log_header(
-            cfg.model.flavor, plan, describe_mesh(plan), self.n_params, self.flops_per_token, self.run_dir
+            cfg.model.flavor,
+            plan,
+            describe_mesh(plan),
+            self.n_params,
+            self.flops_per_token,
+            self.run_dir,
+            peak=self.peak,
         )
         stages = ", ".join(f"{name} {t1 - t0:.1f}" for (_, t0), (name, t1) in itertools.pairwise(marks))
-        logger.info(f"set-up {marks[-1][1] - marks[0][1]:.1f} s: {stages}")
+        self.setup_s = marks[-1][1] - marks[0][1]
+        logger.info(f"set-up {self.setup_s:.1f} s: {stages}")
 
     # ------------------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -459,6 +471,7 @@ class Trainer:
         dp_cp = self.plan.dp * self.plan.cp
         mean_sum, last = (self._global_sum(torch.stack([window, loss])) / dp_cp).tolist()
         mean = mean_sum / n if n else float("nan")
+        self.last_loss = (self.step, mean)
         record = {"loss": mean, "loss_last": last, "grad_norm": grad_norm.item(), "lr": self.lr}
         if self.guard.skipped:
             record["skipped"], self.guard.skipped = self.guard.skipped, 0
@@ -521,6 +534,7 @@ class Trainer:
             total, count = self._global_sum(sums).tolist()
         self.model.train()
         loss = total / max(count, 1.0)
+        self.validations.append((self.step, loss))
         self.metrics.log(
             self.step,
             {
@@ -531,6 +545,80 @@ class Trainer:
             },
         )
         return loss
+
+    def summarize(self, *, started: float, launcher: str, args: list[str], console: Path | None) -> None:
+        """After the loop (at training.steps, or stopped by a signal): wait for the save in flight (the
+        checkpoint the summary names must be complete), then on rank 0 the run's summary on the console
+        and in summary.json (`titanrush.run.summary`).
+
+        Args:
+            started: `time.perf_counter()` at the start of the process.
+            launcher: How the trainer was started (`summary.command_prefix`).
+            args: The trainer's arguments.
+            console: The copy of the console in the run folder, if there is one.
+        """
+        self.checkpointer.wait()
+        self._log_checkpoint_records()
+        if self.rank != 0:
+            return
+        s = self._summary(started, launcher, args, console)
+        logger.info("\n".join(summary_lines(s)))
+        try:
+            write_summary(s)
+        except OSError as e:
+            logger.warning(f"cannot write the summary into {self.run_dir} ({e.strerror}): the console has it")
+
+    def _summary(self, started: float, launcher: str, args: list[str], console: Path | None) -> RunSummary:
+        """This attempt's RunSummary (rank 0)."""
+        cfg, plan, ck = self.cfg, self.plan, self.cfg.checkpoint
+        tokens, seconds = self.throughput.totals()
+        tps = tokens / seconds if tokens else None
+        tflops = None if tps is None else tps * self.flops_per_token / 1e12
+        where = "a CPU" if self.device.type != "cuda" else torch.cuda.get_device_name(self.device)
+        peak = self.memory.run_peak
+        if peak is not None and peak.mem_reserved_gib is not None:
+            mem, pct = peak.mem_reserved_gib, peak.mem_reserved_pct
+            mem_note = f"reserved by the CUDA allocator; {peak.mem_active_gib:.2f} GiB allocated"
+        else:
+            mem, pct = (peak.mem_active_gib, peak.mem_active_pct) if peak is not None else (None, None)
+            mem_note = "the process's peak resident memory"
+        saved = [s for s in scan(self.run_dir / ck.folder) if s.complete] if ck.enable else []
+        full = [s for s in saved if not s.model_only]
+        if not cfg.job.overwrite:  # (every next command reuses this folder)
+            args = with_setting(args, "job.overwrite")
+        return RunSummary(
+            attempt=self.attempt,
+            first_step=self.start_step + 1,
+            last_step=self.step,
+            total_steps=cfg.training.steps,
+            stopped_by=None if self.stopped_by is None else signal.Signals(self.stopped_by).name,
+            devices=self.world_size,
+            tokens=(self.step - self.start_step) * plan.local_batch * plan.seq_len * plan.accum * plan.dp,
+            wall_s=time.perf_counter() - started,
+            setup_s=self.setup_s,
+            train_s=seconds,
+            tps=tps,
+            tflops=tflops,
+            mfu=None if tflops is None or not self.peak else 100 * tflops / self.peak,
+            mfu_note=f"no peak TFLOP/s for {where} (set metrics.peak_tflops)",
+            mem_gib=mem,
+            mem_pct=pct,
+            mem_note=mem_note,
+            mem_of="GPU" if self.device.type == "cuda" else "host's memory",
+            loss=None if self.last_loss is None else self.last_loss[1],
+            loss_step=None if self.last_loss is None else self.last_loss[0],
+            validation=list(self.validations),
+            run_dir=self.run_dir,
+            checkpoint=saved[-1].path if saved else None,
+            resumable=full[-1].path if full else None,
+            checkpoint_enable=ck.enable,
+            checkpoint_interval=ck.interval,
+            tensorboard=self.run_dir / "tb" if cfg.metrics.tensorboard else None,
+            console=console,
+            dense=not isinstance(plan.args, Llama4Args),
+            launcher=launcher,
+            args=args,
+        )
 
     def _log_checkpoint_records(self) -> None:
         """Log the timings of the saves that completed (and of a resume): own rows, no `loss`."""

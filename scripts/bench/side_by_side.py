@@ -312,7 +312,13 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
     return runs
 
 
-_STEP = {"torchtitan": r"step:\s*(\d+)\s+loss:", "titanrush": r"INFO step\s+(\d+)\s+loss"}
+# titanrush's line, as it is now (`12:00:00 step 40  loss ...  tok/s 1,234 ...  mem 41.2GiB (30%)`, memory
+# the reserved GiB) and as a base checkout before it may print it (`12:00:00 INFO step     40  loss ...
+# tps 1,234 ...  reserved 41.20GiB ...`).
+_STEP = {
+    "torchtitan": r"step:\s*(\d+)\s+loss:",
+    "titanrush": r"^\S+ (?:\[rank0\] )?(?:INFO )?step\s+(\d+)\s+loss",
+}
 _FIELDS = {
     "torchtitan": {
         "tps": r"tps: ([\d,.]+)",
@@ -321,11 +327,11 @@ _FIELDS = {
         "loss": r"loss:\s*([\d.]+)",
     },
     "titanrush": {
-        "tps": r"tps ([\d,.]+)",
-        "mem_gib": r"reserved ([\d.]+)GiB",
+        "tps": r"(?:tok/s|tps) ([\d,.]+)",
+        "mem_gib": (r"reserved ([\d.]+)GiB", r"  mem ([\d.]+)GiB"),  # (the older line's first)
         "mfu": r"mfu ([\d.]+)%",
         "loss": r"loss ([\d.]+)",
-        "imbalance": r"experts max/mean ([\d.]+)",
+        "imbalance": r"(?:experts max/mean|busiest expert) ([\d.]+)",
     },
 }
 
@@ -337,8 +343,9 @@ def parse_step(trainer: str, line: str) -> dict | None:
     if not m:
         return None
     out: dict = {"step": int(m[1])}
-    for key, pattern in _FIELDS[kind].items():
-        f = re.search(pattern, line)
+    for key, patterns in _FIELDS[kind].items():
+        found = (re.search(p, line) for p in ((patterns,) if isinstance(patterns, str) else patterns))
+        f = next((m for m in found if m), None)
         out[key] = float(f[1].replace(",", "")) if f else None
     return out
 

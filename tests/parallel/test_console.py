@@ -4,6 +4,7 @@ banner and no DeviceMesh deprecation; `metrics.verbose` gives every rank's outpu
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,17 +37,22 @@ WARNING = "UserWarning: a library warning every rank meets"
 
 
 def test_library_warnings_once_on_rank_0_unless_verbose():
-    err = torchrun(Path(__file__).parent / "console_probe.py").stderr
+    res = torchrun(Path(__file__).parent / "console_probe.py")
+    out, err = res.stdout, res.stderr
     assert err.count(WARNING) == 1, err
     assert err.count("a warning torch logs on every rank") == 1, err
-    assert err.count("titanrush info line") == 1 and "[rank0] INFO titanrush info line" in err, err
-    # A rank's own trouble still shows: titanrush's warnings come from every rank.
+    # titanrush's INFO lines: rank 0's, on stdout, with neither a level nor a rank (only rank 0 prints them)
+    assert out.count("titanrush info line") == 1 and "INFO" not in out and "[rank" not in out, out
+    assert "titanrush info line" not in err, err
+    # A rank's own trouble still shows: titanrush's warnings come from every rank, on stderr.
     assert "[rank0] WARNING titanrush warning line" in err and "[rank1] WARNING titanrush warning line" in err
+    assert "warning line" not in out, out
 
-    err = torchrun(Path(__file__).parent / "console_probe.py", "--verbose").stderr
+    res = torchrun(Path(__file__).parent / "console_probe.py", "--verbose")
+    out, err = res.stdout, res.stderr
     assert err.count(WARNING) == 4, err  # twice per rank: Python's own rule, reset by the filter change
     assert err.count("a warning torch logs on every rank") == 2, err
-    assert "[rank1] INFO titanrush info line" in err, err
+    assert "[rank0] titanrush info line" in out and "[rank1] titanrush info line" in out, out
 
 
 def test_two_process_run_prints_no_banner_and_no_mesh_deprecation(tmp_path):
@@ -73,5 +79,11 @@ def test_two_process_run_prints_no_banner_and_no_mesh_deprecation(tmp_path):
     assert res.returncode == 0, out
     assert "OMP_NUM_THREADS" not in out and "Slicing a flattened dim" not in out, out
     assert "Warning" not in out, out  # no library warning at all on this run
-    assert "[rank0] INFO step      2" in out and "[rank1] INFO" not in out, out
+    # rank 0's progress lines on stdout, once, through the launcher; and in the run folder's console.log
+    assert res.stdout.count("step 2  loss") == 1 and "[rank" not in res.stdout, res.stdout
     assert os.path.exists(tmp_path / "debug" / "metrics.jsonl")
+    console = (tmp_path / "debug" / "console.log").read_text()
+    steps = re.compile(r"^\S+ step \d+  ")
+    assert [x for x in console.splitlines() if steps.match(x)] == [
+        x for x in res.stdout.splitlines() if steps.match(x)
+    ], console

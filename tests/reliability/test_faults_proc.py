@@ -58,7 +58,7 @@ def test_a_rank_killed_during_a_save_is_named_with_its_signal_and_the_other_says
     """The launcher used to say `rank 1 ended first, its lines above say why` of a rank that could print
     nothing, under some 55 lines of gloo traceback from rank 0."""
     child = two_ranks(tmp_path, "killed", "--checkpoint.enable", "--checkpoint.interval", "2")
-    child.wait_for("step      2  loss")  # (both ranks go on into step 2's save)
+    child.wait_for("step 2  loss")  # (both ranks go on into step 2's save)
     workers = children(child.proc.pid)
     try:
         rank1 = [p for p in workers if "RANK=1" in Path(f"/proc/{p}/environ").read_text().split("\0")]
@@ -102,7 +102,7 @@ def test_a_second_ctrl_c_stops_a_job_of_two_processes_at_once(tmp_path):
     # (steps of a second or so: the second Ctrl-C comes well within the step that the first one ends)
     slower = ["--training.local_batch_size", "8"]
     child = two_ranks(tmp_path, "twice", "--checkpoint.enable", "--checkpoint.interval", "500", *slower)
-    child.wait_for("step      2  loss")
+    child.wait_for("step 2  loss")
     workers = children(child.proc.pid)
     try:
         child.proc.send_signal(signal.SIGINT)
@@ -187,7 +187,7 @@ def test_a_signal_to_a_tool_stops_its_run_and_every_process_of_it(tmp_path, tool
     run: list[int] = []
     try:
         deadline = time.monotonic() + 300
-        while "step      1  loss" not in run_log(out) and proc.poll() is None and time.monotonic() < deadline:
+        while "step 1  loss" not in run_log(out) and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         run = tree(proc.pid)
         assert run and proc.poll() is None, proc.communicate()

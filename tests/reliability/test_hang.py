@@ -25,7 +25,7 @@ def test_a_stopped_worker_ends_the_job_with_status_4_and_a_line_naming_it(tmp_pa
     args = small_args(tmp_path, "hang", "--training.steps", "1000", "--data.dataset", "synthetic")
     cmd = [sys.executable, "-m", "titanrush.run.launch", "--standalone", "--nproc_per_node=2"]
     child = Child([*cmd, "-m", "titanrush.train", *args, "--training.step_timeout", "5"])
-    child.wait_for("step      3  loss")
+    child.wait_for("step 3  loss")
     workers = children(child.proc.pid)
     try:
         rank1 = [p for p in workers if "RANK=1" in Path(f"/proc/{p}/environ").read_text().split("\0")][0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -220,7 +221,7 @@ def test_sigterm_finishes_the_step_saves_and_a_rerun_resumes_as_a_new_attempt(tm
         tmp_path, "term", "--training.steps", "1000", "--checkpoint.enable", "--checkpoint.interval", "500"
     )
     child = Child([sys.executable, "-m", "titanrush.train", *args])
-    child.wait_for("step      2  loss")
+    child.wait_for("step 2  loss")
     child.proc.send_signal(signal.SIGTERM)
     status, log = child.finish()
     assert status == 128 + signal.SIGTERM, log[-3000:]
@@ -231,6 +232,11 @@ def test_sigterm_finishes_the_step_saves_and_a_rerun_resumes_as_a_new_attempt(tm
     run = tmp_path / "term"
     assert (run / "checkpoint" / f"step-{step}").is_dir()
     assert read_rows(run)[-1] == {"step": step, "attempt": 1, "stop": "SIGTERM"}
+    # The run's summary names the step and the command that resumes: this one.
+    lines = log.splitlines()
+    assert any(f"run summary: attempt 1, stopped by SIGTERM after step {step} of 1000" in x for x in lines)
+    resume = lines[lines.index(f"  resume (from step-{step}): the same command:") + 1]
+    assert shlex.split(resume)[1:] == ["-m", "titanrush.train", *args], resume
     # The same command, to one step further: attempt 2 resumes the series after that step.
     more = small_args(
         tmp_path,
@@ -262,7 +268,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
         "--metrics.all_ranks",
     )
     child = Child(launcher(2, ["-m", "titanrush.train", *args]))
-    child.wait_for("step      2  loss")
+    child.wait_for("step 2  loss")
     workers = sorted(children(child.proc.pid))
     assert len(workers) == 2, workers
     rank1 = [p for p in workers if "RANK=1" in Path(f"/proc/{p}/environ").read_text().split("\0")]
@@ -291,7 +297,7 @@ def test_workers_end_when_their_launcher_is_killed(tmp_path):
         "--no-checkpoint.save_on_signal",
     )
     child = Child(launcher(2, ["-m", "titanrush.train", *args]))
-    child.wait_for("step      2  loss")
+    child.wait_for("step 2  loss")
     workers = children(child.proc.pid)
     assert len(workers) == 2, workers
     os.kill(child.proc.pid, signal.SIGKILL)

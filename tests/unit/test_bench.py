@@ -201,10 +201,14 @@ for step in range(1, 5):
     if kind == "torchtitan":
         print(f"[titan] INFO - step: {step}  loss: {8 - step / 4}  grad_norm: 1.0  "
               f"memory: {40 + step:.2f}GiB(30.00%)  tps: {1000 * step:,}  tflops: 1.00  mfu: {step}.00%")
-    else:
+    elif kind == "base":  # (a base checkout may print the line as titanrush did before)
         print(f"12:00:00 INFO step {step:>6}  loss {7 - step / 4:.4f}  gnorm 1.000  tps {1200 * step:,}  "
               f"tflops 1.0  mfu {step + 1:.1f}%  mem 1.00GiB  (1%)  reserved {30 + step:.2f}GiB  "
               f"experts max/mean {1 + step / 10:.2f}  step 0.050s")
+    else:
+        print(f"12:00:00 step {step}  loss {7 - step / 4:.4f}  lr 3.0e-04  gnorm 1.00  "
+              f"tok/s {1200 * step:,}  mfu {step + 1:.1f}%  mem {30 + step:.1f}GiB (40%)  "
+              f"busiest expert {1 + step / 10:.2f}x mean load")
 open(path, "a").write(f"{name} end {time.time()}\\n")
 """
 

@@ -86,7 +86,7 @@ def test_debug_run_learns_and_writes_every_sink(tmp_path):
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]
     assert "MFU: not reported (CPU" in res.stderr and "no mfu series" in res.stderr
     # The set-up's stages, each with its seconds.
-    setup = re.search(r"set-up ([\d.]+) s: (.*)", res.stderr)
+    setup = re.search(r"set-up ([\d.]+) s: (.*)", res.stdout)  # (progress: stdout)
     assert setup, res.stderr[-3000:]
     stages = dict(re.findall(r"(\D+?) ([\d.]+)(?:, |$)", setup[2]))
     assert {"config and process group", "mesh", "optimizer", "data"} <= set(stages), stages

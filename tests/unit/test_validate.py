@@ -235,8 +235,8 @@ def test_the_warmup_warning_is_said_once_and_only_for_an_accepted_config(tmp_pat
     out = capsys.readouterr().out.splitlines()
     assert len(out) == 2 and said in out[0] and out[0].startswith("warning: ") and out[1] == "config OK"
     assert cli.main(argv) == 0
-    err = capsys.readouterr().err
-    assert err.count(said) == 1 and "step      3" in err, err
+    out, err = capsys.readouterr()
+    assert err.count(said) == 1 and "step 3  loss" in out, err
     assert cli.main([*argv, "--model.vocab_size", "100"]) == 2
     assert said not in capsys.readouterr().err
 

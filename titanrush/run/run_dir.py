@@ -39,6 +39,9 @@ from titanrush.launch_env import restart_from_env
 CONFIG_FILE = "config.toml"
 LOCK_FILE = ".lock"
 METRICS_FILE = "metrics.jsonl"
+CONSOLE_FILE = (
+    "console.log"  # rank 0's console, each attempt's appended (titanrush.logging_utils.ConsoleCopy)
+)
 RESTART_LOCK_WAIT_S = 30.0
 logger = logging.getLogger("titanrush")
 _KEPT_CONFIG = re.compile(r"^config\.attempt-(\d+)\.toml$")
@@ -158,9 +161,9 @@ def check(path: Path, *, overwrite: bool, rank: int) -> RunLock:
 
 
 def own_file_problem(folder: Path) -> str:
-    """Why a file the run writes in its folder (the lock, config.toml, metrics.jsonl) cannot be one ('' where
-    each can): something else under its name."""
-    for name in (LOCK_FILE, CONFIG_FILE, METRICS_FILE):
+    """Why a file the run writes in its folder (the lock, config.toml, metrics.jsonl, console.log) cannot be
+    one ('' where each can): something else under its name."""
+    for name in (LOCK_FILE, CONFIG_FILE, METRICS_FILE, CONSOLE_FILE):
         path = folder / name
         if path.is_symlink() or (path.exists() and not path.is_file()):
             return (

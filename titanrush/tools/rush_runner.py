@@ -258,13 +258,13 @@ def run_training(
     Args:
         cmd: The training command (its `--job.dump_folder/--job.name` must point at `run_dir`).
         env: The child's environment.
-        run_dir: The run folder; emptied first, since metrics.jsonl is appended to.
+        run_dir: The run folder; emptied first, since metrics.jsonl and console.log are appended to.
         log_path: Where the child's output goes.
         warmup: Steps excluded from the means.
         timeout_s: The child's time limit.
     """
     if run_dir.exists():
-        for f in ("metrics.jsonl", "config.toml"):
+        for f in ("metrics.jsonl", "config.toml", "console.log", "summary.json"):
             (run_dir / f).unlink(missing_ok=True)
     t0 = time.perf_counter()
     rc, timed_out = run_child(cmd, env, log_path, timeout_s)
