@@ -16,6 +16,7 @@ The loop's safeguards live in small modules: `titanrush.run.nonfinite` (a non-fi
 is skipped, and is never saved), `titanrush.run.signals` (SIGTERM/SIGINT stop at a step boundary all ranks
 agree on, after a checkpoint), `titanrush.run.run_dir` (the folder's lock and attempts),
 `titanrush.run.watchdog` (a step that does not finish in time ends the job, with every rank's stacks).
+After the loop, `summarize` prints the run's summary and its next commands (`titanrush.run.summary`).
 """
 
 from __future__ import annotations
