@@ -134,3 +134,22 @@ def test_the_synchronous_checkpoint_mode_is_not_called_disabled():
     line = format_line({"step": 5, "ckpt_mode": "disabled", "ckpt_blocking_s": 1.16, "ckpt_save_s": 1.2})
     assert "disabled" not in line and "checkpoint (sync save)" in line and "training blocked 1.16s" in line
     assert "checkpoint (async save)" in format_line({"step": 5, "ckpt_mode": "async"})
+
+
+def test_throughput_totals_cover_every_window_of_the_run_paused_time_left_out():
+    """The run summary's tokens/s: every window's tokens over every window's training time (a validation
+    or a save left out), the window in progress included."""
+    import time
+
+    t = Throughput(flops_per_token=1e9, peak=None)
+    t.add(1000, 0.0)
+    time.sleep(0.05)
+    first = t.read()["step_time"]
+    t.reset()
+    t.add(3000, 0.0)
+    time.sleep(0.05)
+    with t.paused(torch.device("cpu")):
+        time.sleep(0.5)
+    tokens, seconds = t.totals()
+    assert tokens == 4000
+    assert first + 0.05 <= seconds < 0.45, (first, seconds)

@@ -372,7 +372,9 @@ def test_launch_builds_the_trainer_with_the_collector_off(monkeypatch, gc_freq, 
     from titanrush import train
 
     seen = []
-    monkeypatch.setattr(train, "_check_or_train", lambda cfg, check, ranks: seen.append(gc.isenabled()) or 0)
+    monkeypatch.setattr(
+        train, "_check_or_train", lambda cfg, check, ranks, launch: seen.append(gc.isenabled()) or 0
+    )
     monkeypatch.setattr(train, "init_logging", lambda **kw: None)
     assert gc.isenabled()
     assert train.main(["--training.gc_freq", gc_freq]) == 0

@@ -154,8 +154,9 @@ def summary_lines(s: RunSummary) -> list[str]:
     else:
         ended = f"reached step {s.last_step} (training.steps)"
     span = f"steps {s.first_step}-{s.last_step}" if count > 1 else f"step {s.last_step}"
+    trained = f"{count:,} ({span}), {s.tokens:,} tokens" if count else "none (resumed at training.steps)"
     rows = [
-        ("steps", f"{count:,} ({span}), {s.tokens:,} tokens"),
+        ("steps", trained),
         ("time", f"{_duration(s.wall_s)} (set-up {_duration(s.setup_s)}, training {_duration(s.train_s)})"),
     ]
     job = f" ({s.tps * s.devices:,.0f} for the {s.devices} devices)" if s.devices > 1 and s.tps else ""
