@@ -15,7 +15,7 @@ from pathlib import Path
 from titanrush import config
 from titanrush.config import split_args
 from titanrush.logging_utils import LINE_WIDTH, ConsoleCopy, format_line, run_heading, short
-from titanrush.run.summary import RunSummary, next_commands, with_setting
+from titanrush.run.summary import RunSummary, next_commands, summary_lines, with_setting
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP_LINE = re.compile(r"^\d\d:\d\d:\d\d step (\d+)  loss ([\d.]+)  ")  # a training row's console line
@@ -283,6 +283,15 @@ def test_a_stopped_run_resumes_with_the_same_command_and_a_moe_is_not_sent_to_ge
     moe = next_commands(summary(tmp_path, dense=False, stopped_by=None, last_step=10))
     assert [c for w, c in moe if w.startswith("generate")] == [None]
     assert any(c and c.startswith("titanrush convert --to-hf ") for _, c in moe)
+    # a GPU job's block: MFU, the job's tokens/s, the last and the best validation loss
+    gpu = summary(tmp_path, devices=4, tps=1000.0, mfu=51.25, mem_gib=70.1, mem_pct=50.0, mem_of="GPU")
+    gpu.validation = [(10, 3.5), (20, 3.25), (30, 3.375)]
+    rows = dict(re.match(r"  (\S+(?: memory)?) +(.*)", x).groups() for x in summary_lines(gpu)[1:9])
+    assert rows["MFU"] == "51.2%" and "(4,000 for the 4 devices)" in rows["throughput"], rows
+    assert (
+        rows["validation"] == "3.3750 (step 30); best 3.2500 (step 20)"
+        and "of the GPU" in rows["peak memory"]
+    )
     # a run stopped before its first checkpoint: from step 1 again, and it says so
     (what, command), *rest = next_commands(summary(tmp_path, checkpoint=None, resumable=None))
     assert "from step 1" in what and command.endswith("--training.steps 10") and not rest
