@@ -235,7 +235,7 @@ def test_sigterm_finishes_the_step_saves_and_a_rerun_resumes_as_a_new_attempt(tm
     # The run's summary names the step and the command that resumes: this one.
     lines = log.splitlines()
     assert any(f"run summary: attempt 1, stopped by SIGTERM after step {step} of 1000" in x for x in lines)
-    resume = lines[lines.index(f"  resume (from step-{step}): the same command:") + 1]
+    resume = lines[lines.index(f"  resume (from step-{step}):") + 1]
     assert shlex.split(resume)[1:] == ["-m", "titanrush.train", *args], resume
     # The same command, to one step further: attempt 2 resumes the series after that step.
     more = small_args(

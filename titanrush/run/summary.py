@@ -118,7 +118,7 @@ def next_commands(s: RunSummary) -> list[tuple[str, str | None]]:
         return [("save checkpoints (the same run, with checkpoint.enable)", command_line(s.launcher, more))]
     out: list[tuple[str, str | None]] = []
     if s.resumable is not None and s.stopped_by is not None:
-        out.append((f"resume (from {s.resumable.name}): the same command", s.command))
+        out.append((f"resume (from {s.resumable.name})", s.command))
     elif s.resumable is not None:
         steps = 2 * s.total_steps
         more = with_setting(s.args, "training.steps", str(steps))
