@@ -252,17 +252,18 @@ class Trainer:
             rank=self.rank,
             attempt=self.attempt,
         )
+        self.wandb_where: str | None = None  # where the W&B run went (the summary names it)
         if cfg.metrics.wandb and self.rank == 0:  # (rank 0 alone, whatever metrics.all_ranks says)
-            self.metrics.sinks.append(
-                start_wandb(
-                    self.run_dir,
-                    project=cfg.metrics.wandb_project,
-                    name=cfg.metrics.wandb_name,
-                    job=cfg.job.name,
-                    attempt=self.attempt,
-                    config=dataclasses.asdict(cfg),
-                )
+            sink = start_wandb(
+                self.run_dir,
+                project=cfg.metrics.wandb_project,
+                name=cfg.metrics.wandb_name,
+                job=cfg.job.name,
+                attempt=self.attempt,
+                config=dataclasses.asdict(cfg),
             )
+            self.metrics.sinks.append(sink)
+            self.wandb_where = sink.where
         if (restart := restart_from_env()) is not None:  # the launcher restarted the job after a failure
             self.metrics.log(self.step, {"restart": restart.count, "cause": restart.cause})
         self.memory = MemoryMonitor(self.device)
@@ -615,6 +616,7 @@ class Trainer:
             checkpoint_enable=ck.enable,
             checkpoint_interval=ck.interval,
             tensorboard=self.run_dir / "tb" if cfg.metrics.tensorboard else None,
+            wandb=self.wandb_where,
             console=console,
             dense=not isinstance(plan.args, Llama4Args),
             launcher=launcher,

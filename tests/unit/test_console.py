@@ -123,7 +123,17 @@ def test_a_run_talks_on_stdout_keeps_its_console_and_its_next_commands_work(tmp_
         f"train further (from {newest.name}, to step {2 * last})",
         "export to a Hugging Face folder",
         "generate",
+        "plot the metrics (into plot.png)",
     }, nexts
+    plot = subprocess.run(
+        titanrush_argv(nexts["plot the metrics (into plot.png)"]),
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert plot.returncode == 0 and (run_dir / "plot.png").exists(), plot.stdout + plot.stderr[-3000:]
     export = subprocess.run(
         titanrush_argv(nexts["export to a Hugging Face folder"]),
         cwd=ROOT,
@@ -174,8 +184,8 @@ def test_a_run_without_checkpoints_says_so_and_how_to_save_them(tmp_path, capsys
     out = capsys.readouterr().out
     _, summary, nexts = summary_block(out)
     assert summary["checkpoint"] == "none saved (checkpoint.enable = false)"
-    (what, command), *rest = nexts.items()
-    assert what.startswith("save checkpoints") and not rest, nexts
+    (what, command), plot = nexts.items()
+    assert what.startswith("save checkpoints") and plot[0].startswith("plot the metrics"), nexts
     words = shlex.split(command)
     assert words[1:3] == ["-m", "titanrush.train"] and "python" in Path(words[0]).name, command
     path, _, overrides = split_args(words[3:])
@@ -269,6 +279,7 @@ def summary(tmp_path: Path, **changes) -> RunSummary:
         checkpoint_enable=True,
         checkpoint_interval=5,
         tensorboard=None,
+        wandb=None,
         console=None,
         dense=True,
         launcher="NGPU=2 ./run_train.sh",
@@ -293,8 +304,8 @@ def test_a_stopped_run_resumes_with_the_same_command_and_a_moe_is_not_sent_to_ge
         and "of the GPU" in rows["peak memory"]
     )
     # a run stopped before its first checkpoint: from step 1 again, and it says so
-    (what, command), *rest = next_commands(summary(tmp_path, checkpoint=None, resumable=None))
-    assert "from step 1" in what and command.endswith("--training.steps 10") and not rest
+    (what, command), plot = next_commands(summary(tmp_path, checkpoint=None, resumable=None))
+    assert "from step 1" in what and command.endswith("--training.steps 10") and plot[0].startswith("plot")
 
 
 def test_the_console_copy_keeps_early_lines_and_writes_whole_lines(tmp_path, capsys):

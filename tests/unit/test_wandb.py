@@ -103,7 +103,10 @@ def test_offline_run_under_the_run_folder_logs_what_tensorboard_logs(tmp_path):
     run_dir = tmp_path / "wb"
     (offline,) = (run_dir / "wandb").glob("offline-run-*")  # one attempt, one W&B run, offline
     (run_file,) = offline.glob("run-*.wandb")
-    assert f"Weights & Biases: run wb, offline in {offline}" in res.stderr
+    assert f"Weights & Biases: run wb, offline in {offline}" in res.stdout
+    assert (
+        f"  W&B          offline in {offline}; `wandb sync {offline}` uploads it" in res.stdout
+    )  # (summary)
 
     history = _history(run_file, env)
     logged: dict[str, list[tuple[int, float]]] = {}

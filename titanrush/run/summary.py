@@ -55,6 +55,7 @@ class RunSummary:
     checkpoint_enable: bool
     checkpoint_interval: int
     tensorboard: Path | None
+    wandb: str | None  # where the Weights & Biases run went (metrics.wandb), None without one
     console: Path | None
     dense: bool  # a Llama (generate takes it), not a Llama 4
     launcher: str  # how the trainer was started (`command_prefix`), shell words
@@ -108,6 +109,12 @@ def with_setting(args: list[str], key: str, value: str | None = None) -> list[st
 def next_commands(s: RunSummary) -> list[tuple[str, str | None]]:
     """(what, its command) for what comes after this run; None where there is no command (`what` says
     why)."""
+    plot = ("plot the metrics (into plot.png)", f"titanrush plot {shlex.quote(str(s.run_dir))}")
+    return [*_checkpoint_commands(s), plot]
+
+
+def _checkpoint_commands(s: RunSummary) -> list[tuple[str, str | None]]:
+    """Resume or train further, export and generate: what the run's checkpoint is for."""
     if s.checkpoint is None:
         if s.checkpoint_enable:
             every = f"checkpoint.interval = {s.checkpoint_interval}"
@@ -185,6 +192,8 @@ def summary_lines(s: RunSummary) -> list[str]:
     rows.append(
         ("TensorBoard", f"tensorboard --logdir {shlex.quote(str(s.tensorboard))}" if s.tensorboard else tb)
     )
+    if s.wandb is not None:
+        rows.append(("W&B", s.wandb))
     if s.console is not None:
         rows.append(("console", str(s.console)))
     head = f"run summary: attempt {s.attempt}, {ended}"

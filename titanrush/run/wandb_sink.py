@@ -63,10 +63,12 @@ def choose_mode(environ: Mapping[str, str]) -> str | None:
 
 
 class WandbSink:
-    """A started W&B run: `add_scalars` logs a metrics row's scalars, `close` finishes the run."""
+    """A started W&B run: `add_scalars` logs a metrics row's scalars, `close` finishes the run; `where` says
+    where it goes (its URL, or its offline folder and how to upload it)."""
 
-    def __init__(self, run: Any) -> None:
+    def __init__(self, run: Any, where: str = "") -> None:
         self.run = run
+        self.where = where
 
     def add_scalars(self, scalars: dict[str, float], step: int) -> None:
         if scalars:
@@ -122,4 +124,4 @@ def start_wandb(
     else:  # (no URL: WANDB_MODE=disabled)
         where = run.url or "disabled (WANDB_MODE): nothing is logged"
     logger.info(f"Weights & Biases: run {run.name}, {where}")
-    return WandbSink(run)
+    return WandbSink(run, where)
