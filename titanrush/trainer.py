@@ -101,7 +101,7 @@ class Trainer:
         distributed.init(
             self.device, nccl_max_ctas=cfg.parallelism.nccl_max_ctas, timeout_s=cfg.job.collective_timeout
         )
-        marks.append(("config and process group", time.perf_counter()))
+        marks.append(("process group", time.perf_counter()))
         self.mesh = plan.dims.build_mesh(self.device.type) if self.world_size > 1 else None
         marks.append(("mesh", time.perf_counter()))
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
@@ -125,7 +125,7 @@ class Trainer:
             model = (Llama4 if isinstance(plan.args, Llama4Args) else Llama)(plan.args)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.flops_per_token = flops_per_token(plan.args, matmul_params(model), plan.seq_len)
-        marks.append(("tokenizer and model on meta", time.perf_counter()))
+        marks.append(("model on meta", time.perf_counter()))
         self.offloaders: list[ActivationOffloader] = []
 
         def parallelize(module: torch.nn.Module) -> torch.nn.Module:
@@ -161,7 +161,7 @@ class Trainer:
             part.to_empty(device=param_device)
             part.init_weights(seed=cfg.training.seed, buffer_device=self.device)
             part.train()
-        marks.append(("weights materialized and initialized", time.perf_counter()))
+        marks.append(("weights", time.perf_counter()))
         self.model = model
         # Llama 4: the experts' load, and the routing bias moved by it, once per step (summed over dp x cp,
         # and x tp where each tp rank routes its own sequence shard).
@@ -285,7 +285,7 @@ class Trainer:
             precision=plan.precision,
             float8=plan.float8.enable,
         )
-        marks.append(("checkpoint, metrics, profiler", time.perf_counter()))
+        marks.append(("checkpoint, metrics", time.perf_counter()))
         log_header(
             cfg.model.flavor,
             plan,
@@ -295,9 +295,11 @@ class Trainer:
             self.run_dir,
             peak=self.peak,
         )
-        stages = ", ".join(f"{name} {t1 - t0:.1f}" for (_, t0), (name, t1) in itertools.pairwise(marks))
+        # The stages that took a tenth of a second or more (the line fits a terminal).
+        spans = [(name, t1 - t0) for (_, t0), (name, t1) in itertools.pairwise(marks)]
+        stages = ", ".join(f"{name} {s:.1f}" for name, s in spans if s >= 0.05)
         self.setup_s = marks[-1][1] - marks[0][1]
-        logger.info(f"set-up {self.setup_s:.1f} s: {stages}")
+        logger.info(f"set-up {self.setup_s:.1f} s: {stages or 'each stage under 0.1 s'}")
 
     # ------------------------------------------------------------------------------------------
     def _autocast(self) -> contextlib.AbstractContextManager:
