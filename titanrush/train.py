@@ -37,14 +37,17 @@ from titanrush.errors import RunError
 from titanrush.launch_env import Ranks, ranks_from_env
 from titanrush.logging_utils import init_logging
 
-USAGE = """usage: titanrush train [--config FILE] [--check] [--section.key value | --section.key=value
-                       | --section.key | --no-section.key ...]
+USAGE = """usage: titanrush train [--config FILE] [--check [--assume-cuda]] [--section.key value
+                       | --section.key=value | --section.key | --no-section.key ...]
        titanrush train --help [SECTION | WORD]
 
 Trains a Llama from a TOML config (defaults < TOML < command line). --check validates the config, the
-data, the checkpoint to load and the output folders, and exits. Lists are comma-separated. --help lists
-every key (the sections last); --help SECTION one section's, --help WORD the keys whose name holds WORD.
+data, the checkpoint to load and the output folders, and exits. On a machine without CUDA a config that
+needs GPUs is refused; --check --assume-cuda checks it as on the GPUs (plan.gpu_mem_gib: their memory).
+Lists are comma-separated. --help lists every key (the sections last); --help SECTION one section's,
+--help WORD the keys whose name holds WORD.
 """
+ASSUME_CUDA = "--assume-cuda"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str]) -> int:
     if "-h" in argv or "--help" in argv:
         return _help(argv)
+    assume_cuda = ASSUME_CUDA in argv
     try:
-        path, check, overrides = split_args(argv)
+        path, check, overrides = split_args([a for a in argv if a != ASSUME_CUDA])
+        if assume_cuda and not check:
+            raise ConfigError(f"{ASSUME_CUDA} only checks (a run needs the GPUs): use it with --check")
         cfg = cfgmod.load(path, overrides)
         ranks = ranks_from_env()
     except ConfigError as e:
@@ -80,7 +86,7 @@ def _main(argv: list[str]) -> int:
 
     # Before anything starts CUDA (the plan's machine checks may): the allocator reads it at start-up.
     set_allocator_env(os.environ, expandable=cfg.training.expandable_segments)
-    return _check_or_train(cfg, check, ranks)
+    return _check_or_train(cfg, check, ranks, assume_cuda=assume_cuda)
 
 
 def _help(argv: list[str]) -> int:
@@ -131,7 +137,9 @@ def lost_peer(e: BaseException, rank: int) -> str | None:
     )
 
 
-def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
+def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks, *, assume_cuda: bool = False) -> int:
+    import torch
+
     from titanrush import distributed
     from titanrush.run.memory_check import plan_run
     from titanrush.run.nonfinite import NonFiniteError
@@ -150,14 +158,18 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks) -> int:
         try:
             # Auto levers chosen for this GPU's memory, and the plan held to it, before anything is built;
             # the resolved config is the run's (its config.toml): a rerun is the same run.
-            choice = plan_run(cfg, ranks.world_size, local_rank=ranks.local_rank)
+            choice = plan_run(cfg, ranks.world_size, local_rank=ranks.local_rank, assume_cuda=assume_cuda)
             cfg, plan = choice.cfg, choice.plan
             if check:  # (quiet: the run itself logs what the data and checkpoint hold)
                 logging.getLogger("titanrush").setLevel(logging.WARNING)
                 check_files(cfg, plan)
                 for line in config_warnings(cfg):  # (stdout: run_train.sh's check before a launch is quiet)
                     print(f"warning: {line}")
-                print("\n".join([*choice.report(), "config OK"]))
+                ok = "config OK"
+                if assume_cuda and not torch.cuda.is_available():
+                    gpus = f"{ranks.world_size} CUDA GPU{'s' if ranks.world_size > 1 else ''}"
+                    ok += f" as on {gpus} of {choice.gpu_note}"
+                print("\n".join([*choice.report(), ok]))
                 return 0
             for line in choice.report():
                 logging.getLogger("titanrush").info(line)

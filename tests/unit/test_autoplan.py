@@ -194,10 +194,10 @@ def check_args(tmp_path: Path, path: str, *extra: str) -> list[str]:
 
 
 def test_a_run_that_fits_nowhere_stops_before_the_build_with_the_nearest_plan(tmp_path, capsys):
-    """`NGPU=1 ./run_train.sh --config llama8b_fsdp.toml` on a 141 GiB GPU: one line, exit 2, nothing built
-    or written; the nearest plan that fits adds the chunked loss (a lever the config does not leave to the
-    planner) to the least memory checkpointing."""
-    assert train.main(check_args(tmp_path, LLAMA8B, "--plan.gpu_mem_gib", "141")) == 2
+    """`NGPU=1 ./run_train.sh --config llama8b_fsdp.toml` on a 141 GiB GPU (checked from here as on it:
+    --assume-cuda): one line, exit 2, nothing built or written; the nearest plan that fits adds the
+    chunked loss (a lever the config does not leave to the planner) to the least memory checkpointing."""
+    assert train.main(check_args(tmp_path, LLAMA8B, "--assume-cuda", "--plan.gpu_mem_gib", "141")) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("titanrush: config error: no plan of the auto levers fits the GPU with 5% to spare")
     assert (

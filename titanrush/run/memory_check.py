@@ -1,10 +1,11 @@
 """The memory check before the model is built: a run whose plan the estimate says does not fit the GPU stops
 with the estimate and the nearest plan that fits, instead of running out of memory after its first step.
 
-`plan_run` is what `titanrush train` (and `--check`) runs before building anything: the GPU memory of the
-run (`gpu_target`), the auto levers resolved (`autoplan.resolve`), then the check (`check_memory`), which
-`plan.memory_check = false` skips. Without a GPU memory to hold the plan against (no CUDA device, no
-`plan.gpu_mem_gib`) there is nothing to check.
+`plan_run` is what `titanrush train` (and `--check`) runs before building anything: on a machine without
+CUDA, the refusal of a GPU config (`machine.gpu_need`; `--assume-cuda` checks it as on the GPUs instead);
+the GPU memory of the run (`gpu_target`), the auto levers resolved (`autoplan.resolve`), then the check
+(`check_memory`), which `plan.memory_check = false` skips. Without a GPU memory to hold the plan against
+(no CUDA device, no `plan.gpu_mem_gib`) there is nothing to check.
 """
 
 from __future__ import annotations
@@ -12,22 +13,31 @@ from __future__ import annotations
 from titanrush.config import ConfigError, JobConfig
 from titanrush.run import autoplan
 from titanrush.run.autoplan import AC, LOSS, RESHARD, Candidate, Choice, resolve, with_settings
-from titanrush.run.memory_fit import GIB, fit, gpu_memory, this_device, unmodelled
+from titanrush.run.machine import gpu_need, this_host
+from titanrush.run.memory_fit import ASSUMED_GPU_MEM_GIB, GIB, fit, gpu_memory, this_device, unmodelled
 from titanrush.run.memory_moe import DEFAULT_IMBALANCE
 from titanrush.run.plan import RunPlan
 from titanrush.run.validate import AUTO_AC_KEYS
 
 NO_GPU = "no CUDA device here and no plan.gpu_mem_gib: no GPU memory to fit"
+ASSUMED_NOTE = f"{ASSUMED_GPU_MEM_GIB:g} GiB per GPU (assumed by --assume-cuda; plan.gpu_mem_gib sets it)"
+ASSUME_CUDA_FIX = (
+    "this machine has none: --check --assume-cuda checks it as on the GPUs (--plan.gpu_mem_gib for their "
+    "memory, NGPU for their number)"
+)
 MORE_GPUS = (2, 4, 8)  # the nearest plan may take this many times the GPUs
 
 
-def gpu_target(cfg: JobConfig, local_rank: int = 0) -> tuple[float | None, str]:
+def gpu_target(cfg: JobConfig, local_rank: int = 0, *, assume_cuda: bool = False) -> tuple[float | None, str]:
     """The GPU memory a run's plan is held against (GiB, or None: none) and the sentence saying whence:
-    `plan.gpu_mem_gib`, else this process's CUDA device."""
+    `plan.gpu_mem_gib`, else this process's CUDA device; with `assume_cuda` and no CUDA device, the
+    estimator's assumed GPU."""
     if cfg.plan.gpu_mem_gib:
         return gpu_memory(cfg.plan.gpu_mem_gib, given_by="plan.gpu_mem_gib")
     device = this_device(local_rank)
     if not device["cuda"]:
+        if assume_cuda:
+            return ASSUMED_GPU_MEM_GIB, ASSUMED_NOTE
         return None, NO_GPU
     return gpu_memory(None, device)
 
@@ -133,13 +143,29 @@ def check_memory(choice: Choice, *, machine: bool = True, moe_imbalance: float =
     )
 
 
-def plan_run(cfg: JobConfig, world_size: int, *, local_rank: int = 0, machine: bool = True) -> Choice:
+def plan_run(
+    cfg: JobConfig, world_size: int, *, local_rank: int = 0, machine: bool = True, assume_cuda: bool = False
+) -> Choice:
     """The run's plan: auto levers resolved for this GPU's memory, then held to it (`check_memory`).
 
+    Args:
+        cfg: The job config.
+        world_size: The job's processes (GPUs).
+        local_rank: This process's GPU (its memory, where plan.gpu_mem_gib is not set).
+        machine: Check what this machine must provide (False: plan for another machine).
+        assume_cuda: On a machine without CUDA, plan and check as on the GPUs (`--check --assume-cuda`):
+            no refusal of a GPU config, no check of this machine, plan.gpu_mem_gib else 80 GiB per GPU.
+
     Raises:
-        ConfigError: the config is invalid, or the plan does not fit (naming the nearest that does).
+        ConfigError: the config is invalid, a GPU config meets a machine without CUDA (`machine.gpu_need`),
+            or the plan does not fit (naming the nearest that does).
     """
-    gpu, note = gpu_target(cfg, local_rank)
+    if machine and not this_device(local_rank)["cuda"]:
+        if assume_cuda:
+            machine = False  # (what the GPU machine must provide is its own: flash-attn, torchao, ...)
+        elif need := gpu_need(cfg, world_size, this_host(world_size)):
+            raise ConfigError(f"{need}; {ASSUME_CUDA_FIX}")
+    gpu, note = gpu_target(cfg, local_rank, assume_cuda=assume_cuda)
     choice = resolve(cfg, world_size, gpu, note, machine=machine)
     if gpu is not None and cfg.plan.memory_check:
         checked = check_memory(choice, machine=machine)
