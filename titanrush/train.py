@@ -30,12 +30,17 @@ import os
 import re
 import signal
 import sys
+from typing import TYPE_CHECKING
 
 from titanrush import config as cfgmod
 from titanrush.config import ConfigError, split_args
 from titanrush.errors import RunError
 from titanrush.launch_env import Ranks, ranks_from_env
 from titanrush.logging_utils import init_logging
+
+if TYPE_CHECKING:
+    from titanrush.run.autoplan import Choice
+    from titanrush.run.plan import RunPlan
 
 USAGE = """usage: titanrush train [--config FILE] [--check [--assume-cuda]] [--section.key value
                        | --section.key=value | --section.key | --no-section.key ...]
@@ -165,6 +170,8 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks, *, assume_
                 check_files(cfg, plan)
                 for line in config_warnings(cfg):  # (stdout: run_train.sh's check before a launch is quiet)
                     print(f"warning: {line}")
+                if cfg.plan.probe and (first := _shortlist(choice)):
+                    print(f"plan.probe = {cfg.plan.probe}: the run measures these first: {'; '.join(first)}")
                 ok = "config OK"
                 if assume_cuda and not torch.cuda.is_available():
                     gpus = f"{ranks.world_size} CUDA GPU{'s' if ranks.world_size > 1 else ''}"
@@ -174,6 +181,9 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks, *, assume_
             for line in choice.report():
                 logging.getLogger("titanrush").info(line)
             end_with_launcher()  # a worker of a launcher killed from here on ends too
+            if cfg.plan.probe:  # the top plans measured on these GPUs, the fastest kept (config.toml)
+                choice = _probe(choice, ranks.rank)
+                cfg, plan = choice.cfg, choice.plan
             trainer = Trainer(cfg, plan)
         except ConfigError as e:  # (found by the trainer, e.g. a checkpoint that does not fit this run)
             print(f"titanrush: config error: {e}", file=sys.stderr)
@@ -223,6 +233,58 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks, *, assume_
         say(trainer.stop_reason)
         return 128 + trainer.stopped_by
     return 0
+
+
+def _shortlist(choice: Choice) -> list[str]:
+    """The plans `plan.probe` would measure (two or more), in words."""
+    from titanrush.run.probe import shortlist
+
+    found = shortlist(choice, choice.given.plan.probe)
+    return [c.label() for c in found] if len(found) > 1 else []
+
+
+def _probe(choice: Choice, rank: int) -> Choice:
+    """`plan.probe`: the top plans of the auto levers trained for a few steps each by the trainer itself
+    (`titanrush.run.probe`), the fastest kept; the process group stays up for the run."""
+    import torch
+
+    from titanrush.run import probe
+    from titanrush.trainer import Trainer
+
+    log = logging.getLogger("titanrush")
+    k = choice.given.plan.probe
+    if not choice.levers:
+        log.warning(f"plan.probe = {k}: no lever is auto (activation_checkpoint.mode, ...): nothing to probe")
+        return choice
+
+    def measure(cfg: cfgmod.JobConfig, plan: RunPlan) -> tuple[float | None, str]:
+        level = log.level
+        log.setLevel(logging.ERROR)  # (the probe's set-up and steps: its table says what they measured)
+        try:
+            trainer = Trainer(cfg, plan)
+            try:
+                trainer.train()
+            finally:
+                trainer.close(end_process_group=False)
+            return (probe.tokens_per_s(trainer.run_dir) if rank == 0 else 0.0), "ok"
+        except (MemoryError, RuntimeError) as e:
+            if (what := out_of_memory(e)) is None:
+                raise
+            return None, f"out of memory: {what}"
+        finally:
+            log.setLevel(level)
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            torch.compiler.reset()  # (the run compiles its own model afresh, as without a probe)
+
+    kept, measured = probe.run(choice, measure, rank=rank)
+    if not measured:
+        log.info(f"plan.probe = {k}: fewer than two plans fit, nothing to probe")
+        return choice
+    for line in probe.report(measured, kept.chosen, choice.given.plan.probe_steps):
+        log.info(line)
+    return kept
 
 
 if __name__ == "__main__":

@@ -60,18 +60,27 @@ def this_host(world_size: int) -> Host:
 
 
 def cuda_features(cfg: JobConfig) -> list[str]:
-    """What the config asks for that runs on CUDA GPUs only, each in a few words."""
+    """What the config asks for that runs on CUDA GPUs only, each with why (`validate.check_machine`
+    refuses each on a machine without CUDA)."""
     p, m, f8 = cfg.parallelism, cfg.model, cfg.float8
+    kernels = {
+        "flash": "flash-attn's kernels run on CUDA GPUs",
+        "flex": "FlexAttention has no backward on CPU",
+        "cudnn": "cuDNN attention is a GPU kernel",
+    }
     asked = [
-        (p.cp > 1, "parallelism.cp > 1: ring attention on GPU kernels"),
-        (m.attn_backend in ("flash", "flex", "cudnn"), f"model.attn_backend = {m.attn_backend!r}"),
+        (p.cp > 1, "parallelism.cp > 1: ring attention runs on SDPA's GPU kernels"),
+        (
+            m.attn_backend in kernels,
+            f"model.attn_backend = {m.attn_backend!r}: {kernels.get(m.attn_backend)}",
+        ),
         (
             cfg.activation_checkpoint.offload_first > 0,
-            "activation_checkpoint.offload_first: activation offload",
+            "activation_checkpoint.offload_first: activation offload moves a GPU's activations to the host",
         ),
         (f8.enable and not f8.emulate, "float8.enable without float8.emulate: float8 tensor cores"),
-        (f8.experts, "float8.experts"),
-        (cfg.experimental.async_tp, "experimental.async_tp"),
+        (f8.experts, "float8.experts: float8 grouped GEMMs"),
+        (cfg.experimental.async_tp, "experimental.async_tp: symmetric memory over NVLink"),
     ]
     return [words for on, words in asked if on]
 

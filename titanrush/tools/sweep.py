@@ -37,7 +37,7 @@ from typing import Any
 
 from titanrush import config as cfgmod
 from titanrush.config import ConfigError
-from titanrush.run import validate
+from titanrush.run import mesh, validate
 from titanrush.run.machine import NEEDS, Host, gpu_need, host_memory_gib
 from titanrush.tools import rush_report, sweep_report
 from titanrush.tools import rush_runner as runner
@@ -116,7 +116,7 @@ def _grid_value(dim: str, value: str) -> Any:
 def default_grid(ngpu: int) -> str:
     """tp, pp and cp each over the divisors of N: with dp_shard taking what they leave, the grid holds
     every 4-D shape (tp x pp x cp x dp) of N GPUs, powers of two or not (N = 6: tp = 3)."""
-    divisors = ",".join(str(d) for d in range(1, ngpu + 1) if ngpu % d == 0)
+    divisors = ",".join(str(d) for d in mesh.divisors(ngpu))  # (the mesh proposals' shapes too)
     return f"tp={divisors} pp={divisors} cp={divisors}"
 
 
