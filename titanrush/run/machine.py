@@ -9,6 +9,7 @@ A config is a *GPU config* when either
 - its plan that needs least memory (its auto levers at their most frugal) does not fit this machine: the
   analytic estimate's peak allocated of one process, times the processes on this machine, is above its
   memory (the cgroup's limit where lower). The 8B at seq 8192 is one; the debug model is not.
+  `plan.memory_check = false` leaves this test out, as it leaves out the GPU's.
 
 `titanrush train` (a run or `--check`) and `titanrush sweep` refuse a GPU config where no CUDA device is
 visible (exit status 2, one line: `gpu_need`'s sentence and the tool's way out); `--assume-cuda` (with
@@ -106,16 +107,23 @@ def _least_memory(cfg: JobConfig, world_size: int, moe_imbalance: float) -> tupl
     return need.breakdown.peak, need.total
 
 
-def gpu_need(cfg: JobConfig, world_size: int, host: Host, *, moe_imbalance: float = DEFAULT_IMBALANCE) -> str:
+def gpu_need(
+    cfg: JobConfig,
+    world_size: int,
+    host: Host,
+    *,
+    memory: bool = True,
+    moe_imbalance: float = DEFAULT_IMBALANCE,
+) -> str:
     """'' where `cfg` on `world_size` processes can run on this machine without GPUs; else the sentence
     `this config needs N CUDA GPUs of ~X GiB (why)`, X the estimate per GPU of its plan that needs least
-    memory.
+    memory. `memory` false (`plan.memory_check = false`): CUDA-only features alone make a GPU config.
 
     Raises:
         ConfigError: the config is invalid (as `build_plan` says, the machine's own checks aside).
     """
     features = cuda_features(cfg)
-    least = _least_memory(cfg, world_size, moe_imbalance)
+    least = _least_memory(cfg, world_size, moe_imbalance) if memory else None
     why = list(features)
     if least is not None:
         peak, _ = least

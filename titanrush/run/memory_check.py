@@ -113,7 +113,7 @@ def plan_run(
     if machine and not this_device(local_rank)["cuda"]:
         if assume_cuda:
             machine = False  # (what the GPU machine must provide is its own: flash-attn, torchao, ...)
-        elif need := gpu_need(cfg, world_size, this_host(world_size)):
+        elif need := gpu_need(cfg, world_size, this_host(world_size), memory=cfg.plan.memory_check):
             raise ConfigError(f"{need}; {ASSUME_CUDA_FIX}")
     gpu, note = gpu_target(cfg, local_rank, assume_cuda=assume_cuda)
     choice = resolve(cfg, world_size, gpu, note, machine=machine)

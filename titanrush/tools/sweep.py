@@ -19,10 +19,12 @@ TensorBoard hparams (tb/); an output folder that holds an earlier sweep's result
 
 Each valid shape gets the memory estimator's verdict against one GPU memory (`titanrush estimate`'s rule:
 --gpu-mem, else the GPU here, else 80 GiB, said so); --skip-unfit skips the shapes it says will not fit.
---assume-cuda validates as on a GPU machine (context parallel needs CUDA), to plan a GPU sweep here.
+On a machine without CUDA a shape that needs GPUs (`titanrush.run.machine`: context parallel, or more
+memory than this machine has) is invalid, and a config whose every valid shape needs them is refused;
+--assume-cuda (with --dry-run) validates and plans as on a GPU machine, to plan a GPU sweep here.
 Exit status: 0 when the sweep ran (whatever its shapes did), 1 when no shape is valid (or, in a dry
-run with --skip-unfit, none would run), 2 on bad input, 128 + N when signal N stopped it (passed on to
-the run in progress first: titanrush/tools/tool_signals.py).
+run with --skip-unfit, none would run), 2 on bad input (a config that needs GPUs, without them, too),
+128 + N when signal N stopped it (passed on to the run in progress first: titanrush/tools/tool_signals.py).
 """
 
 from __future__ import annotations
@@ -313,7 +315,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     add("--output", type=Path, default=Path("outputs/sweep"), help="output folder")
     add("--dry-run", action="store_true", help="print the valid shapes and run nothing")
     add("--skip-unfit", action="store_true", help="skip shapes the memory estimator says won't fit")
-    add("--assume-cuda", action="store_true", help="dry run: validate as if CUDA were here (plan GPU sweeps)")
+    add(
+        "--assume-cuda",
+        action="store_true",
+        help="dry run: validate and plan as on GPUs (from a CPU machine)",
+    )
     add("--gpu-mem", type=float, help="GiB per GPU for the estimator (default: the GPU here, else 80 GiB)")
     add("--timeout", type=float, default=1800, help="seconds per shape before it is killed")
     return runner.parse_with_overrides(ap, argv)
