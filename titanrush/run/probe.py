@@ -77,6 +77,7 @@ def probe_config(choice: Choice, candidate: Candidate, index: int) -> JobConfig:
             "metrics.all_ranks": False,
             "checkpoint.enable": False,
             "checkpoint.load_path": "",
+            "checkpoint.load_model_only": False,
             "validation.freq": 0,
             "profiling.enable": False,
             "job.dump_folder": str(folder(cfg)),
