@@ -257,26 +257,32 @@ def _probe(choice: Choice, rank: int) -> Choice:
         log.warning(f"plan.probe = {k}: no lever is auto (activation_checkpoint.mode, ...): nothing to probe")
         return choice
 
+    def train_one(cfg: cfgmod.JobConfig, plan: RunPlan) -> float:
+        trainer = Trainer(cfg, plan)
+        try:
+            trainer.train()
+        finally:
+            trainer.close(end_process_group=False)
+        return probe.tokens_per_s(trainer.run_dir) if rank == 0 else 0.0
+
     def measure(cfg: cfgmod.JobConfig, plan: RunPlan) -> tuple[float | None, str]:
         level = log.level
         log.setLevel(logging.ERROR)  # (the probe's set-up and steps: its table says what they measured)
         try:
-            trainer = Trainer(cfg, plan)
-            try:
-                trainer.train()
-            finally:
-                trainer.close(end_process_group=False)
-            return (probe.tokens_per_s(trainer.run_dir) if rank == 0 else 0.0), "ok"
+            result: tuple[float | None, str] = (train_one(cfg, plan), "ok")
         except (MemoryError, RuntimeError) as e:
             if (what := out_of_memory(e)) is None:
                 raise
-            return None, f"out of memory: {what}"
+            result = (None, f"out of memory: {what}")
         finally:
             log.setLevel(level)
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            torch.compiler.reset()  # (the run compiles its own model afresh, as without a probe)
+        # The probe's trainer is gone with train_one's frame (and the error's traceback): free its memory
+        # before the next one, and let the run compile its own model afresh, as without a probe.
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        torch.compiler.reset()
+        return result
 
     kept, measured = probe.run(choice, measure, rank=rank)
     if not measured:
