@@ -53,9 +53,11 @@ fi
 # Several processes: validate the config once first, so that a typo exits 2 before any launch (and
 # --check itself is that one process: nothing to launch).
 for arg in "$@"; do
-  if [ "$arg" = "--check" ]; then WORLD_SIZE=$((NGPU * NNODES)) exec "$PYTHON" -m titanrush.train "$@"; fi
+  if [ "$arg" = "--check" ]; then
+    WORLD_SIZE=$((NGPU * NNODES)) LOCAL_WORLD_SIZE=$NGPU exec "$PYTHON" -m titanrush.train "$@"
+  fi
 done
-WORLD_SIZE=$((NGPU * NNODES)) "$PYTHON" -m titanrush.train --check "$@" >/dev/null
+WORLD_SIZE=$((NGPU * NNODES)) LOCAL_WORLD_SIZE=$NGPU "$PYTHON" -m titanrush.train --check "$@" >/dev/null
 
 # CPU threads per process: this node's cores shared by its NGPU processes (torchrun would set 1, with a
 # banner saying so). A value in the environment wins.

@@ -33,6 +33,7 @@ import signal
 import sys
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 from titanrush import config as cfgmod
 from titanrush.config import ConfigError, split_args
@@ -40,14 +41,21 @@ from titanrush.errors import RunError
 from titanrush.launch_env import Ranks, ranks_from_env
 from titanrush.logging_utils import ConsoleCopy, init_logging, run_heading
 
-USAGE = """usage: titanrush train [--config FILE] [--check] [--section.key value | --section.key=value
-                       | --section.key | --no-section.key ...]
+if TYPE_CHECKING:
+    from titanrush.run.autoplan import Choice
+    from titanrush.run.plan import RunPlan
+
+USAGE = """usage: titanrush train [--config FILE] [--check [--assume-cuda]] [--section.key value
+                       | --section.key=value | --section.key | --no-section.key ...]
        titanrush train --help [SECTION | WORD]
 
 Trains a Llama from a TOML config (defaults < TOML < command line). --check validates the config, the
-data, the checkpoint to load and the output folders, and exits. Lists are comma-separated. --help lists
-every key (the sections last); --help SECTION one section's, --help WORD the keys whose name holds WORD.
+data, the checkpoint to load and the output folders, and exits. On a machine without CUDA a config that
+needs GPUs is refused; --check --assume-cuda checks it as on the GPUs (plan.gpu_mem_gib: their memory).
+Lists are comma-separated. --help lists every key (the sections last); --help SECTION one section's,
+--help WORD the keys whose name holds WORD.
 """
+ASSUME_CUDA = "--assume-cuda"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,8 +75,11 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str], started: float) -> int:
     if "-h" in argv or "--help" in argv:
         return _help(argv)
+    assume_cuda = ASSUME_CUDA in argv
     try:
-        path, check, overrides = split_args(argv)
+        path, check, overrides = split_args([a for a in argv if a != ASSUME_CUDA])
+        if assume_cuda and not check:
+            raise ConfigError(f"{ASSUME_CUDA} only checks (a run needs the GPUs): use it with --check")
         cfg = cfgmod.load(path, overrides)
         ranks = ranks_from_env()
     except ConfigError as e:
@@ -85,7 +96,7 @@ def _main(argv: list[str], started: float) -> int:
     # Before anything starts CUDA (the plan's machine checks may): the allocator reads it at start-up.
     set_allocator_env(os.environ, expandable=cfg.training.expandable_segments)
     if check or ranks.rank != 0:
-        return _check_or_train(cfg, check, ranks, Launch(argv, started))
+        return _check_or_train(cfg, check, ranks, Launch(argv, started), assume_cuda=assume_cuda)
     console = ConsoleCopy()  # rank 0's console, into the run folder once it exists (console.log)
     console.start()
     try:
@@ -155,7 +166,11 @@ class Launch:
     console: ConsoleCopy | None = None
 
 
-def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks, launch: Launch) -> int:
+def _check_or_train(
+    cfg: cfgmod.JobConfig, check: bool, ranks: Ranks, launch: Launch, *, assume_cuda: bool = False
+) -> int:
+    import torch
+
     from titanrush import distributed
     from titanrush.run.memory_check import plan_run
     from titanrush.run.nonfinite import NonFiniteError
@@ -176,18 +191,27 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks, launch: La
         try:
             # Auto levers chosen for this GPU's memory, and the plan held to it, before anything is built;
             # the resolved config is the run's (its config.toml): a rerun is the same run.
-            choice = plan_run(cfg, ranks.world_size, local_rank=ranks.local_rank)
+            choice = plan_run(cfg, ranks.world_size, local_rank=ranks.local_rank, assume_cuda=assume_cuda)
             cfg, plan = choice.cfg, choice.plan
             if check:  # (quiet: the run itself logs what the data and checkpoint hold)
                 logging.getLogger("titanrush").setLevel(logging.WARNING)
                 check_files(cfg, plan)
                 for line in config_warnings(cfg):  # (stdout: run_train.sh's check before a launch is quiet)
                     print(f"warning: {line}")
-                print("\n".join([*choice.report(), "config OK"]))
+                if cfg.plan.probe and (first := _shortlist(choice)):
+                    print(f"plan.probe = {cfg.plan.probe}: the run measures these first: {'; '.join(first)}")
+                ok = "config OK"
+                if assume_cuda and not torch.cuda.is_available():
+                    gpus = f"{ranks.world_size} CUDA GPU{'s' if ranks.world_size > 1 else ''}"
+                    ok += f" as on {gpus} of {choice.gpu_note}"
+                print("\n".join([*choice.report(), ok]))
                 return 0
             for line in choice.report():
                 logging.getLogger("titanrush").info(line)
             end_with_launcher()  # a worker of a launcher killed from here on ends too
+            if cfg.plan.probe:  # the top plans measured on these GPUs, the fastest kept (config.toml)
+                choice = _probe(choice, ranks.rank)
+                cfg, plan = choice.cfg, choice.plan
             trainer = Trainer(cfg, plan)
         except ConfigError as e:  # (found by the trainer, e.g. a checkpoint that does not fit this run)
             print(f"titanrush: config error: {e}", file=sys.stderr)
@@ -246,6 +270,64 @@ def _check_or_train(cfg: cfgmod.JobConfig, check: bool, ranks: Ranks, launch: La
         say(trainer.stop_reason)
         return 128 + trainer.stopped_by
     return 0
+
+
+def _shortlist(choice: Choice) -> list[str]:
+    """The plans `plan.probe` would measure (two or more), in words."""
+    from titanrush.run.probe import shortlist
+
+    found = shortlist(choice, choice.given.plan.probe)
+    return [c.label() for c in found] if len(found) > 1 else []
+
+
+def _probe(choice: Choice, rank: int) -> Choice:
+    """`plan.probe`: the top plans of the auto levers trained for a few steps each by the trainer itself
+    (`titanrush.run.probe`), the fastest kept; the process group stays up for the run."""
+    import torch
+
+    from titanrush.run import probe
+    from titanrush.trainer import Trainer
+
+    log = logging.getLogger("titanrush")
+    k = choice.given.plan.probe
+    if not choice.levers:
+        log.warning(f"plan.probe = {k}: no lever is auto (activation_checkpoint.mode, ...): nothing to probe")
+        return choice
+
+    def train_one(cfg: cfgmod.JobConfig, plan: RunPlan) -> float:
+        trainer = Trainer(cfg, plan)
+        try:
+            trainer.train()
+        finally:
+            trainer.close(end_process_group=False)
+        return probe.tokens_per_s(trainer.run_dir) if rank == 0 else 0.0
+
+    def measure(cfg: cfgmod.JobConfig, plan: RunPlan) -> tuple[float | None, str]:
+        level = log.level
+        log.setLevel(logging.ERROR)  # (the probe's set-up and steps: its table says what they measured)
+        try:
+            result: tuple[float | None, str] = (train_one(cfg, plan), "ok")
+        except (MemoryError, RuntimeError) as e:
+            if (what := out_of_memory(e)) is None:
+                raise
+            result = (None, f"out of memory: {what}")
+        finally:
+            log.setLevel(level)
+        # The probe's trainer is gone with train_one's frame (and the error's traceback): free its memory
+        # before the next one, and let the run compile its own model afresh, as without a probe.
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        torch.compiler.reset()
+        return result
+
+    kept, measured = probe.run(choice, measure, rank=rank)
+    if not measured:
+        log.info(f"plan.probe = {k}: fewer than two plans fit, nothing to probe")
+        return choice
+    for line in probe.report(measured, kept.chosen, choice.given.plan.probe_steps):
+        log.info(line)
+    return kept
 
 
 if __name__ == "__main__":

@@ -631,12 +631,14 @@ class Trainer:
             self.metrics.log(step, values)
         self.checkpointer.records.clear()
 
-    def close(self) -> None:
-        """Wait for a save in flight, flush the metrics, let the run folder go, end the process group."""
+    def close(self, *, end_process_group: bool = True) -> None:
+        """Wait for a save in flight, flush the metrics, let the run folder go, end the process group
+        (`end_process_group` false: keep it for the next trainer of this process: the probe's)."""
         self.profiler.close()
         self.checkpointer.close()  # waits for a save in flight
         self._log_checkpoint_records()
         self.metrics.close()
         self.signals.close()
         self.lock.release()
-        distributed.destroy()
+        if end_process_group:
+            distributed.destroy()

@@ -10,7 +10,7 @@ import pytest
 
 from titanrush import config, train
 from titanrush.config import ConfigError
-from titanrush.run import autoplan, memory_check, plan_cost, validate
+from titanrush.run import autoplan, memory_check, nearest, plan_cost, validate
 from titanrush.run.memory_fit import GIB
 from titanrush.run.plan import build_plan
 from titanrush.tools import estimate as est_mod
@@ -194,10 +194,10 @@ def check_args(tmp_path: Path, path: str, *extra: str) -> list[str]:
 
 
 def test_a_run_that_fits_nowhere_stops_before_the_build_with_the_nearest_plan(tmp_path, capsys):
-    """`NGPU=1 ./run_train.sh --config llama8b_fsdp.toml` on a 141 GiB GPU: one line, exit 2, nothing built
-    or written; the nearest plan that fits adds the chunked loss (a lever the config does not leave to the
-    planner) to the least memory checkpointing."""
-    assert train.main(check_args(tmp_path, LLAMA8B, "--plan.gpu_mem_gib", "141")) == 2
+    """`NGPU=1 ./run_train.sh --config llama8b_fsdp.toml` on a 141 GiB GPU (checked from here as on it:
+    --assume-cuda): one line, exit 2, nothing built or written; the nearest plan that fits adds the
+    chunked loss (a lever the config does not leave to the planner) to the least memory checkpointing."""
+    assert train.main(check_args(tmp_path, LLAMA8B, "--assume-cuda", "--plan.gpu_mem_gib", "141")) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("titanrush: config error: no plan of the auto levers fits the GPU with 5% to spare")
     assert (
@@ -217,19 +217,23 @@ def test_a_run_that_fits_nowhere_stops_before_the_build_with_the_nearest_plan(tm
     text = str(e.value)
     assert text.startswith("the run does not fit the GPU: its plan (AC none; ZeRO-3 (default); plain loss)")
     assert "the nearest plan that fits" in text and "--activation_checkpoint.mode selective" in text
-    near = memory_check.nearest(c, build_plan(c, 4, machine=False), 95 * GIB, machine=False)
-    assert near is not None and near[1].total <= 95 * GIB and near[0] in text
+    [near] = nearest.fixes(c, build_plan(c, 4, machine=False), 95 * GIB, machine=False)
+    assert near.kind == "levers" and near.found.total <= 95 * GIB and near.flags(c, 4) in text
     # plan.memory_check = false starts it anyway, with the plan that needs least memory.
     off = config.load(LLAMA8B, ["--plan.gpu_mem_gib", "141", "--plan.memory_check", "false"])
     assert "no plan fits" in memory_check.plan_run(off, 1, machine=False).note
 
 
 def test_the_nearest_plan_may_be_a_smaller_batch_with_the_global_batch_kept():
+    """... and where no lever fits at this mesh, the fastest mesh of these GPUs that fits is named beside
+    it, the global batch kept."""
     c = config.load(LLAMA8B, ["--training.local_batch_size", "8", "--plan.gpu_mem_gib", "60"])
-    with pytest.raises(
-        ConfigError, match=r": --training.local_batch_size 2 --training.global_batch_size 32\."
-    ):
+    with pytest.raises(ConfigError) as e:
         memory_check.plan_run(c, 4, machine=False)
+    text = str(e.value)
+    assert ": --training.local_batch_size 2 --training.global_batch_size 32; or the fastest mesh" in text
+    mesh = text[text.index("the fastest mesh of these GPUs that fits") :]
+    assert "--parallelism." in mesh and "--training.global_batch_size 32 (at dp_shard=4 every plan" in mesh
 
 
 def test_check_prints_the_plan_it_would_run(tmp_path, capsys):

@@ -802,46 +802,46 @@ def test_keep_gathered_last_holds_that_many_blocks_weights_at_the_peak():
 EIGHT_B = str(ROOT / "train_configs" / "llama8b_fsdp.toml")
 
 
-def suggested(text: str) -> list[list[str]]:
-    """The flags of each line under `what would fit` (the GiB column dropped)."""
-    lines = text[text.index("what would fit in ") :].splitlines()[1:]
-    return [line.split()[:-2] for line in lines if line.startswith("  --")]
+def suggested(argv: list[str], capsys) -> list[dict]:
+    """The nearest plans `estimate --json` gives (kind, flags, total_gib, note), nearest first."""
+    assert est_mod.main([*argv, "--no-trace", "--json"]) == 1
+    return json.loads(capsys.readouterr().out)["would_fit"]
 
 
 @pytest.mark.parametrize(
-    "argv, first",
+    "argv, kinds",
     [
-        # The debug model against 1 GiB: a smaller batch, or full AC at a larger one.
-        (["--config", DEBUG, "--ngpu", "1", "--gpu-mem", "1"], ["--training.local_batch_size"]),
-        # A fixed global batch of 8: the batch that fits must divide it (accumulation keeps it).
+        # The debug model against 1 GiB: its levers (full checkpointing, the chunked loss), or a smaller
+        # local batch with the global batch kept.
+        (["--config", DEBUG, "--ngpu", "1", "--gpu-mem", "1"], ["levers", "batch"]),
+        # The 8B on 4 x 40 GiB: no lever, batch or mesh of 4 GPUs; offload, or twice the GPUs.
+        (["--config", EIGHT_B, "--ngpu", "4", "--gpu-mem", "40"], ["offload", "gpus"]),
+        # ... and its local batch 8 on 4 x 60 GiB: a smaller batch, or another mesh of the same GPUs.
         (
-            ["--config", DEBUG, "--ngpu", "1", "--gpu-mem", "1", "--training.global_batch_size", "8"],
-            ["--training.local_batch_size", "2"],
+            ["--config", EIGHT_B, "--ngpu", "4", "--gpu-mem", "60", "--training.local_batch_size", "8"],
+            ["batch", "mesh", "offload", "gpus"],
         ),
-        # The 8B on 4 x 40 GiB: no one change is enough; all together on the fewest GPUs.
-        (["--config", EIGHT_B, "--ngpu", "4", "--gpu-mem", "40"], ["--ngpu", "8"]),
     ],
-    ids=["debug", "fixed_global_batch", "8b_combined"],
+    ids=["debug", "8b_40", "8b_batch8"],
 )
-def test_does_not_fit_says_what_would_and_each_does(capsys, argv, first):
-    """Exit 1 and the nearest changes that fit; each, added to the same command, fits (exit 0)."""
+def test_does_not_fit_says_what_would_and_each_does(capsys, argv, kinds):
+    """Exit 1 and the nearest plans that fit, one of each kind, in the run's order; each, added to the same
+    command, fits (exit 0)."""
     assert est_mod.main([*argv, "--no-trace"]) == 1
     text = capsys.readouterr().out
-    assert "does not fit" in text and "NOT" not in text
-    changes = suggested(text)
-    assert changes and changes[0][: len(first)] == first, text
-    for flags in changes:
-        assert est_mod.main([*argv, "--no-trace", *flags]) == 0, flags
-        assert "what would fit" not in capsys.readouterr().out
-    assert est_mod.main([*argv, "--no-trace", "--json"]) == 1
-    out = json.loads(capsys.readouterr().out)
-    assert [flags.split() for flags, _ in out["would_fit"]] == changes
+    assert "does not fit" in text and "the nearest plans that fit in" in text
+    found = suggested(argv, capsys)
+    assert [f["kind"] for f in found] == kinds
+    for f in found:
+        assert f["flags"] in text
+        assert est_mod.main([*argv, "--no-trace", *f["flags"].split()]) == 0, f
+        assert "nearest plans" not in capsys.readouterr().out
 
 
 def test_nothing_near_fits_is_said_so(capsys):
-    argv = ["--config", EIGHT_B, "--ngpu", "4", "--gpu-mem", "8"]
+    argv = ["--config", EIGHT_B, "--ngpu", "4", "--gpu-mem", "3"]  # (on 32 GPUs its states alone need 3.7)
     assert est_mod.main([*argv, "--no-trace"]) == 1
     text = capsys.readouterr().out
-    assert "nothing near fits in 8 GiB" in text and "what would fit" not in text
+    assert "nothing near fits in 3 GiB" in text and "the nearest plans" not in text
     cfg = config.load(DEBUG)
     assert est_mod.what_fits(cfg, 1, est_mod.estimate(cfg, 1, 0.5, trace=False)) == []  # the context alone

@@ -483,8 +483,13 @@ def test_dry_run_flags_and_skips_what_the_estimator_says_will_not_fit(fake_cpu, 
     "device, extra, rule",
     [
         # A CPU machine: its host RAM (64 GiB in FAKE_CPU) says nothing about the GPUs: 80 GiB, said so.
-        (FAKE_CPU, [], ("assuming 80 GiB per GPU (no CUDA device here; pass --gpu-mem)", 80.0)),
-        (FAKE_CPU, ["--gpu-mem", "141"], ("141 GiB per GPU (--gpu-mem)", 141.0)),
+        # (--assume-cuda: the 8B needs GPUs, which this machine has not: planned as on them)
+        (
+            FAKE_CPU,
+            ["--assume-cuda"],
+            ("assuming 80 GiB per GPU (no CUDA device here; pass --gpu-mem)", 80.0),
+        ),
+        (FAKE_CPU, ["--assume-cuda", "--gpu-mem", "141"], ("141 GiB per GPU (--gpu-mem)", 141.0)),
         (
             {**FAKE_CPU, "cuda": True, "name": "NVIDIA H200", "count": 4, "mem_gib": 139.8},
             [],
@@ -553,10 +558,12 @@ def test_dry_run_prints_the_commands_it_would_run_and_ranks_the_shapes(
 
 @pytest.mark.parametrize("config, flavor", [(DEBUG, "debug"), (EIGHT_B, "8B")])
 def test_results_md_gives_the_command_that_trains_this_config_with_the_best_shape(
-    fake_cpu, monkeypatch, tmp_path, config, flavor
+    monkeypatch, tmp_path, config, flavor
 ):
     """The best shape trains *this* config (the command is in results.md); the rush's 8B run is offered
-    only for a sweep of the 8B."""
+    only for a sweep of the 8B (on GPUs: here it would be refused)."""
+    device = FAKE_CPU if flavor == "debug" else {**FAKE_CPU, "cuda": True, "name": "H200", "count": 2}
+    monkeypatch.setattr(rush_runner, "probe_device", lambda: dict(device))
     monkeypatch.setattr(rush_runner, "run_child", fake_child)
     out = tmp_path / "sweep"
     argv = ["--config", config, "--ngpu", "2", "--grid", "tp=1,2", "--steps", "3", "--warmup", "1"]

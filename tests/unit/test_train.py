@@ -336,7 +336,9 @@ def test_a_model_too_large_for_the_host_is_one_line_with_the_fix(tmp_path, capsy
     # a 4e9-token table of width 256 (4 TB, within the config's bound on one weight) cannot be allocated
     # on this host: the trainer says so, no traceback
     argv = ["--model.vocab_size", "4000000000", "--job.dump_folder", str(tmp_path), "--training.steps", "1"]
-    assert train.main(argv) == 1
+    assert train.main(argv) == 2  # (refused before the build: a GPU config, titanrush.run.machine)
+    assert "this config needs 1 CUDA GPU of ~" in capsys.readouterr().err
+    assert train.main([*argv, "--plan.memory_check", "false"]) == 1  # (built anyway)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(
         "titanrush: error: out of memory on rank 0: DefaultCPUAllocator"
@@ -376,7 +378,7 @@ def test_launch_builds_the_trainer_with_the_collector_off(monkeypatch, gc_freq, 
 
     seen = []
     monkeypatch.setattr(
-        train, "_check_or_train", lambda cfg, check, ranks, launch: seen.append(gc.isenabled()) or 0
+        train, "_check_or_train", lambda cfg, check, ranks, launch, **kw: seen.append(gc.isenabled()) or 0
     )
     monkeypatch.setattr(train, "init_logging", lambda **kw: None)
     assert gc.isenabled()

@@ -440,6 +440,15 @@ class Plan:
     memory_check: bool = True
     """Stop before the model is built when the estimated memory exceeds the GPU's (exit status 2, with
     the nearest plan that fits); false: build and run anyway."""
+    probe: int = 0
+    """Measure the top K plans of the auto levers (the chosen one and the next that fit) for
+    probe_steps steps each on this run's GPUs and keep the fastest (written into config.toml); the run
+    then starts fresh from the same seed. 0: take the cost model's choice. Nothing to probe without an
+    auto lever."""
+    probe_steps: int = 3
+    """Steps measured per probed plan, after one warm-up step (compile, allocator)."""
+    probe_seconds: float = 600.0
+    """The probe's time budget: no further plan is started once it is spent (the first always runs)."""
 
 
 @dataclass

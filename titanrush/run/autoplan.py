@@ -9,8 +9,9 @@ memory model (`memory_fit`) says whether it fits the GPU with `plan.margin` to s
 (`plan_cost`) ranks those that fit. The chosen values are written into the config (the run folder's
 config.toml holds them: a rerun is the same run); an explicit value is never changed.
 
-`resolve` makes the choice; `check_memory` is the verdict before the build (a plan that does not fit
-stops with the estimate and the nearest plan that fits: `nearest`); `plan_run` is both, for the trainer.
+`resolve` makes the choice; `memory_check.check_memory` is the verdict before the build (a plan that does
+not fit stops with the estimate and the nearest plan that fits: `nearest.fixes`); `memory_check.plan_run`
+is both, for the trainer.
 docs/auto_plan.md is the user's manual.
 """
 
@@ -147,7 +148,9 @@ class Choice:
             mark = "*" if c is self.chosen else " "
             fits = "" if self.limit is None or c.total <= self.limit else "  does not fit"
             lines.append(f"  {mark} {c.label():<{width}} {c.gib:7.1f} {100 * c.cost.relative:+9.1f}%{fits}")
-        lines.append("resolved: " + ", ".join(f"{k} = {_toml(v)}" for k, v in self.chosen.settings.items()))
+        lines.append(
+            "resolved: " + ", ".join(f"{k} = {toml_value(v)}" for k, v in self.chosen.settings.items())
+        )
         if self.note:
             lines.append(f"note: {self.note}")
         return lines
@@ -158,7 +161,7 @@ def _get(cfg: JobConfig, key: str) -> Any:
     return getattr(getattr(cfg, section), name)
 
 
-def _toml(value: Any) -> str:
+def toml_value(value: Any) -> str:
     """A config value as TOML writes it."""
     if isinstance(value, bool):
         return str(value).lower()

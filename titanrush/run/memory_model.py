@@ -893,15 +893,12 @@ def _autocast_copies(
     f8 = frozenset() if as_traced else float8_linears(s)
     # each block's cast weights (a MoE block's router and shared expert; not its experts, which the grouped
     # GEMM casts at each call: `memory_moe.moe_saved`)
-    block = [
-        2
-        * sum(
-            d0 * d1
-            for name, (d0, d1), lin in shapes
-            if lin and name.startswith(f"layers.{i}.") and _weight_name(name) not in f8
-        )
-        for i in plan.layers
-    ]
+    per_layer: dict[int, int] = {}  # (one pass over the weights: the 405B has 126 blocks of them)
+    for name, (d0, d1), lin in shapes:
+        if lin and name.startswith("layers.") and _weight_name(name) not in f8:
+            i = int(name.split(".")[1])
+            per_layer[i] = per_layer.get(i, 0) + d0 * d1
+    block = [2 * per_layer.get(i, 0) for i in plan.layers]
     out = 0 if "output" in f8 else 2 * sum(d0 * d1 for name, (d0, d1), _ in shapes if name == "output")
     if s.args.tie_embeddings and plan.embedding and plan.head and "output" not in f8:
         out += 2 * shapes[0][1][0] * shapes[0][1][1]

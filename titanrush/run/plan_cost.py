@@ -1,13 +1,15 @@
 """The planner's cost model: how much longer a step takes under one plan than the same step with nothing
-recomputed, nothing re-gathered and nothing moved to the host.
+recomputed, nothing re-gathered, nothing moved to the host and no model parallel.
 
 Plans that compute the same update differ in what they do besides the step's own FLOPs: activation
 checkpointing runs part of each block's forward again in backward, ZeRO-3 gathers the weights a second time
 for backward, the chunked loss runs its chunks one after another, activation offload copies activations
 over the host link, and FSDP's CPU offload moves the sharded states across it and steps the optimizer on
-the CPU. Each is converted to seconds per optimizer step per GPU with the constants below; the planner
-ranks plans by the sum (`Cost.extra_s`), and only the ranking matters. Each constant says where it comes
-from; docs/auto_plan.md lists them.
+the CPU. The mesh adds its own (`mesh_s`): tensor parallel's collectives, the pipeline's bubble, context
+parallel's ring exchange beyond the attention it overlaps, FSDP's gathers beyond the compute that hides
+them. Each is converted to seconds per optimizer step per GPU with the constants below; the planner ranks
+plans by the sum (`Cost.extra_s`), and only the ranking matters. Each constant says where it comes from;
+docs/auto_plan.md lists them.
 """
 
 from __future__ import annotations
@@ -48,6 +50,14 @@ CPU_ADAM_PARAMS_S = 1e9
 # The chunked loss ran at the same speed as the plain one on the 8B (FSDP 4, compiled); counted as 0.2% of
 # the step, so that the plain loss is kept where memory does not call for the chunked one.
 CHUNKED_LOSS_SHARE = 0.002
+# Tensor parallel's collectives per block and micro-batch (sequence parallel: an all-gather before attention
+# and the MLP, a reduce-scatter after each, in forward and again in backward; without it two all-reduces
+# each way, the same bytes), each of the micro-batch's activations; a block recomputed in full runs its
+# forward's four again. On the critical path (async TP, which overlaps them, is not counted).
+TP_COLLECTIVES = 8
+# Zero-bubble schedules fill most of 1F1B's bubble with the weight-gradient passes (Qi et al., 2023);
+# counted as a third of it (not measured here).
+ZERO_BUBBLE_SHARE = 1 / 3
 
 
 @dataclass(frozen=True)
@@ -60,10 +70,11 @@ class Cost:
     host_s: float = 0.0  # activation offload's copies not hidden, CPU offload's traffic
     cpu_step_s: float = 0.0  # CPU offload's optimizer step on the host
     loss_s: float = 0.0  # the chunked loss's chunks
+    mesh_s: float = 0.0  # TP's collectives, the pipeline's bubble, CP's ring and FSDP's gathers, not hidden
 
     @property
     def extra_s(self) -> float:
-        return self.recompute_s + self.regather_s + self.host_s + self.cpu_step_s + self.loss_s
+        return self.recompute_s + self.regather_s + self.host_s + self.cpu_step_s + self.loss_s + self.mesh_s
 
     @property
     def relative(self) -> float:
@@ -191,7 +202,43 @@ def step_cost(s: RunPlan) -> Cost:
         host_s=host,
         cpu_step_s=cpu_step,
         loss_s=CHUNKED_LOSS_SHARE * compute if s.loss == "chunked" else 0.0,
+        mesh_s=_mesh_s(s, blocks, compute, per_rank),
     )
+
+
+def _mesh_s(s: RunPlan, blocks: list[float], compute: float, per_rank: int) -> float:
+    """What the mesh adds to a step (seconds per optimizer step per GPU): tensor parallel's collectives,
+    the pipeline's bubble, context parallel's ring exchange and FSDP's gather and reduce-scatter, each
+    less the compute it overlaps with."""
+    a, rate, micro = s.args, _rate(s), s.accum * s.microbatches
+    mb_tokens = s.local_batch / s.microbatches * s.seq_len / s.cp  # one micro-batch's sequence part
+    layers = range(a.n_layers)
+    out = 0.0
+    if s.tp > 1:
+        link = NVLINK_BYTES_S if s.tp <= GPUS_PER_NODE else NETWORK_BYTES_S
+        one = mb_tokens * a.dim * s.c * (s.tp - 1) / s.tp / link
+        full = sum(mm.layer_mode(s, i % per_rank, as_traced=False) == "full" for i in layers)
+        out += one * (TP_COLLECTIVES * a.n_layers + TP_COLLECTIVES // 2 * full) / s.pp * micro
+    if s.pp > 1:
+        bubble = (s.pp - 1) / (s.microbatches * s.stages_per_rank)
+        out += compute * bubble * (ZERO_BUBBLE_SHARE if "ZeroBubble" in s.pp_schedule else 1.0)
+    if s.cp > 1:  # K and V round the ring in forward; K, V and their gradients in backward
+        link = NVLINK_BYTES_S if s.cp * s.tp <= GPUS_PER_NODE else NETWORK_BYTES_S
+        heads = a.n_heads if a.expand_kv else a.kv_heads
+        kv = 2 * mb_tokens / s.tp * heads * a.head_dim * s.c  # (heads split over tp)
+        ring = 3 * (s.cp - 1) * kv / link
+        attention = 3 * 2 * a.n_heads * a.head_dim * s.seq_len * mb_tokens / s.tp / rate
+        out += max(ring - attention, 0.0) * a.n_layers / s.pp * micro
+    if s.fsdp and s.fsdp_shard > 1:  # each block gathered in forward, its gradients reduced in backward
+        shard = s.fsdp_shard
+        gathered = 1 if s.float8.all_gather else s.c
+        for i in layers:
+            params = _block_params(s, [i]) * (shard - 1) / shard
+            fwd = blocks[i] * mb_tokens / s.tp / rate  # (per micro-batch)
+            out += (
+                max(params * gathered / _link(s) - fwd, 0.0) + max(params * 4 / _link(s) - 2 * fwd, 0.0)
+            ) * (micro / s.pp)
+    return out
 
 
 def recompute_share(s: RunPlan) -> float:

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 import importlib.util
 import math
@@ -118,6 +119,9 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "profiling.active_steps": (1, None, True, True),
     "plan.gpu_mem_gib": (0.0, None, True, True),  # 0: the CUDA device's
     "plan.margin": (0.0, 0.5, True, False),
+    "plan.probe": (0, None, True, True),
+    "plan.probe_steps": (1, None, True, True),
+    "plan.probe_seconds": (0.0, None, False, True),
 }
 
 # Why a range is what it is, where a user may not guess it (added to the refusal).
@@ -425,11 +429,9 @@ def check_degrees(p: Parallelism, world_size: int) -> None:
 
 def check_run(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
     """What needs the model's shape and the mesh: fit, batch arithmetic and combinations."""
-    from titanrush.data import build_tokenizer  # (reads the tokenizer file: a missing one is a ConfigError)
-
     t, p, m = cfg.training, cfg.parallelism, cfg.model
     check_model_args(args)
-    words = build_tokenizer(cfg.data.tokenizer).n_words
+    words = tokenizer_words(cfg.data.tokenizer)
     if args.vocab_size < words:
         # (a vocabulary the weights to load fix: a larger one would not load them)
         source = (m.from_checkpoint if not m.vocab_size else "") or cfg.checkpoint.load_path
@@ -493,6 +495,26 @@ def check_run(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         raise ConfigError("parallelism.fsdp_cpu_offload needs FSDP: parallelism.dp_shard > 1")
     if cfg.experimental.async_tp:
         _check_async_tp(cfg, dims)
+
+
+def tokenizer_words(spec: str) -> int:
+    """The ids of the tokenizer `data.tokenizer` names (read once per file version: the planner builds
+    hundreds of plans of one config)."""
+    from titanrush.data.tokenizer import tokenizer_path  # (a missing file: build_tokenizer's ConfigError)
+
+    try:
+        path = tokenizer_path(spec)
+        version = (str(path.resolve()), path.stat().st_mtime_ns, path.stat().st_size)
+    except (OSError, ConfigError):
+        version = None
+    return _tokenizer_words(spec, version) if version else _tokenizer_words.__wrapped__(spec, None)
+
+
+@functools.lru_cache(maxsize=16)
+def _tokenizer_words(spec: str, version: tuple[str, int, int] | None) -> int:
+    from titanrush.data import build_tokenizer  # (reads the tokenizer file: a missing one is a ConfigError)
+
+    return build_tokenizer(spec).n_words
 
 
 def _check_async_tp(cfg: JobConfig, dims: ParallelDims) -> None:

@@ -7,13 +7,12 @@ shapes and the parallel layout; the trace (`memory_trace`) runs one real step of
 fake tensors and follows the live bytes. Where they disagree by more than 10% on the part the trace runs,
 the report says so. `estimate()` is the function the sweep and the rush call to skip shapes that will not
 fit; `gpu_memory()` is the one rule all three use for the memory of a GPU. Exit status: 0 when the config
-fits, 1 when it does not (the report then lists the nearest changes that would: `what_fits`), 2 on a
-config error (one line on stderr).
+fits, 1 when it does not (the report then lists the nearest plans that would: `what_fits`, the run's own
+`titanrush.run.nearest`), 2 on a config error (one line on stderr).
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -32,6 +31,7 @@ from titanrush.run import memory_model as mm
 from titanrush.run.memory_fit import GIB, gpu_memory, slack, unmodelled  # (gpu_memory: sweep's, rush's too)
 from titanrush.run.memory_fit import context_bytes as _context_bytes
 from titanrush.run.memory_moe import DEFAULT_IMBALANCE, shard_degrees
+from titanrush.run.nearest import Fix, fixes
 from titanrush.run.plan import RunPlan, build_plan, describe_mesh
 
 USAGE = """usage: titanrush estimate --config FILE [--ngpu N] [--gpu-mem GiB] [--json] [--no-trace]
@@ -46,12 +46,13 @@ parameters, gradients, optimizer states, activations, logits, FSDP buffers, and 
   --moe-imbalance X  Llama 4 with expert parallel: the busiest EP rank's routed rows over the balanced
                  share (default 1.25; 1 = perfect balance)
 
-When it does not fit, the report ends with the nearest changes that would (a smaller local batch, full
-activation checkpointing, bf16, more GPUs), each estimated the same way.
+When it does not fit, the report ends with the nearest plans that would, one of each kind (the levers, a
+smaller local batch, another mesh of these GPUs, offload, bf16, more GPUs), as titanrush train names them.
 
 Exit status: 0 the config fits, 1 it does not fit, 2 config error (one line on stderr).
 """
 TOLERANCE = 0.10  # the analytic model and the trace should agree within this on the traced part
+NGPU_FLAG = "--ngpu {}"  # how the nearest plans spell a change of the GPU count
 
 
 @dataclass
@@ -262,91 +263,33 @@ def estimate(
 
 def what_fits(
     cfg: JobConfig, ngpu: int, est: Estimate, *, moe_imbalance: float = DEFAULT_IMBALANCE
-) -> list[tuple[str, float]]:
-    """The nearest changes that fit, when `est` (of `cfg` on `ngpu` GPUs) does not: each estimated by
-    `estimate()` (without the trace) against the same GPU memory, one change at a time.
-
-    The changes: the largest local batch that fits (under a fixed global batch, one that divides it:
-    gradient accumulation keeps it); full activation checkpointing (with the largest batch it allows);
-    bf16 instead of fp32; 2, 4 or 8 times the GPUs, FSDP taking what the other degrees leave (the fewest
-    that fit). Where none fits alone, all of them together (the fewest GPUs, the largest batch).
-
-    Returns:
-        (the flags that make the change, the total GiB per GPU it gives) for each change that fits.
-    """
-    found: list[tuple[str, float]] = []
-
-    def estimated(flags: dict[str, Any], gpus: int = ngpu) -> Estimate | None:
-        """The estimate with these changes, or None where the trainer would refuse them (a global batch
-        that the local batch does not divide, degrees that do not divide the GPUs, ...)."""
-        try:
-            changed = _changed(cfg, flags)
-            return estimate(changed, gpus, est.gpu_mem_gib, trace=False, moe_imbalance=moe_imbalance)
-        except ConfigError:
-            return None
-
-    def add(flags: dict[str, Any], e: Estimate | None, gpus: int = ngpu) -> bool:
-        if e is None or not e.fits:
-            return False
-        more = [f"--ngpu {gpus}"] if gpus != ngpu else []
-        found.append((" ".join([*more, _flags(flags)]).strip(), e.total_gib))
-        return True
-
-    def with_batch(flags: dict[str, Any], largest: int, gpus: int = ngpu) -> bool:
-        """Add the change with the largest local batch below the config's that fits, if any."""
-        for k in range(min(largest, cfg.training.local_batch_size - 1), 0, -1):
-            changed = {**flags, "training.local_batch_size": k}
-            if add(changed, estimated(changed, gpus), gpus):
-                return True
-        return False
-
-    with_batch({}, est.max_local_batch_size)
-    full = {"activation_checkpoint.mode": "full"}
-    if cfg.activation_checkpoint.mode != "full" and (e := estimated(full)) and not add(full, e):
-        with_batch(full, e.max_local_batch_size)
-    if cfg.training.precision == "fp32":
-        add({"training.precision": "bf16"}, estimated({"training.precision": "bf16"}))
-    wider = {} if cfg.parallelism.dp_shard == -1 else {"parallelism.dp_shard": -1}  # FSDP takes the rest
-    for gpus in (ngpu * 2, ngpu * 4, ngpu * 8):
-        if add(wider, estimated(wider, gpus), gpus):
-            break
-    if found:
-        return found
-    # No one change is enough: all of them together, on the fewest GPUs that fit.
-    every = {**full, "training.precision": "bf16"} if cfg.training.precision == "fp32" else dict(full)
-    for gpus in (ngpu, ngpu * 2, ngpu * 4, ngpu * 8):
-        flags = every if gpus == ngpu else {**every, **wider}
-        if (e := estimated(flags, gpus)) is None:
-            continue
-        if add(flags, e, gpus) or with_batch(flags, e.max_local_batch_size, gpus):
-            break
-    return found
+) -> list[Fix]:
+    """The nearest plans that fit, when `est` (of `cfg` on `ngpu` GPUs) does not: one of each kind of change
+    that has one, the nearest first, as the run's verdict decides them (`titanrush.run.nearest.fixes`:
+    the levers, a smaller batch with the global batch kept, another mesh of the same GPUs, offload, bf16,
+    more GPUs), each with `plan.margin` of the memory left free and its levers the planner's cheapest."""
+    plan = build_plan(autoplan.stand_in(cfg), ngpu, machine=False)
+    limit = est.gpu_mem_gib * (1 - cfg.plan.margin) * GIB
+    return fixes(cfg, plan, limit, machine=False, moe_imbalance=moe_imbalance, every=True)
 
 
-def _flags(changes: dict[str, Any]) -> str:
-    return " ".join(f"--{key} {value}" for key, value in changes.items())
-
-
-def _changed(cfg: JobConfig, flags: dict[str, Any]) -> JobConfig:
-    """A copy of cfg with `section.key` values changed."""
-    out = copy.deepcopy(cfg)
-    for key, value in flags.items():
-        section, name = key.split(".")
-        setattr(getattr(out, section), name, value)
-    return out
-
-
-def _fits_text(found: list[tuple[str, float]], est: Estimate) -> list[str]:
+def _fits_text(cfg: JobConfig, found: list[Fix], est: Estimate) -> list[str]:
     """The lines under a `does not fit`: what would, or that none of the nearest changes does."""
     if not found:
         return [
-            f"nothing near fits in {est.gpu_mem_gib:g} GiB (a smaller local batch, full activation "
-            "checkpointing, bf16, up to 8x the GPUs, alone or together): a GPU with more memory, model "
-            "parallelism (parallelism.tp, pp), or a smaller model"
+            f"nothing near fits in {est.gpu_mem_gib:g} GiB (the levers, a smaller local batch, another mesh "
+            "of these GPUs, offload, bf16, up to 8x the GPUs): a GPU with more memory, or a smaller model"
         ]
-    w = max(len(flags) for flags, _ in found)
-    lines = [f"what would fit in {est.gpu_mem_gib:g} GiB (the same estimate, each line on its own):"]
-    return lines + [f"  {flags:<{w}}  {total:6.2f} GiB" for flags, total in found]
+    flags = [f.flags(cfg, est.ngpu, gpus=NGPU_FLAG) for f in found]
+    w = max(len(x) for x in flags)
+    lines = [
+        f"the nearest plans that fit in {est.gpu_mem_gib:g} GiB with {cfg.plan.margin:.0%} kept free "
+        "(plan.margin), nearest first; add a line's flags to the same command:"
+    ]
+    for f, text in zip(found, flags):
+        note = f"  ({f.note})" if f.note else ""
+        lines.append(f"  {f.kind:<7} {text:<{w}}  {f.gib:6.2f} GiB{note}")
+    return lines
 
 
 def _add_trace(est: Estimate, s: RunPlan, b: mm.Breakdown, extra: int, moe_imbalance: float) -> None:
@@ -547,10 +490,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     found = [] if est.fits else what_fits(cfg, ngpu, est, moe_imbalance=opts["moe_imbalance"])
     if opts["json"]:
-        out = dataclasses.asdict(est) | ({} if est.fits else {"would_fit": [list(f) for f in found]})
+        would = [
+            {"kind": f.kind, "flags": f.flags(cfg, ngpu, gpus=NGPU_FLAG), "total_gib": f.gib, "note": f.note}
+            for f in found
+        ]
+        out = dataclasses.asdict(est) | ({} if est.fits else {"would_fit": would})
         print(json.dumps(out, indent=2))
     else:
-        print("\n".join([format_report(est), *([] if est.fits else _fits_text(found, est))]))
+        print("\n".join([format_report(est), *([] if est.fits else _fits_text(cfg, found, est))]))
     return 0 if est.fits else 1
 
 

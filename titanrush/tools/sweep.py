@@ -19,10 +19,12 @@ TensorBoard hparams (tb/); an output folder that holds an earlier sweep's result
 
 Each valid shape gets the memory estimator's verdict against one GPU memory (`titanrush estimate`'s rule:
 --gpu-mem, else the GPU here, else 80 GiB, said so); --skip-unfit skips the shapes it says will not fit.
---assume-cuda validates as on a GPU machine (context parallel needs CUDA), to plan a GPU sweep here.
+On a machine without CUDA a shape that needs GPUs (`titanrush.run.machine`: context parallel, or more
+memory than this machine has) is invalid, and a config whose every valid shape needs them is refused;
+--assume-cuda (with --dry-run) validates and plans as on a GPU machine, to plan a GPU sweep here.
 Exit status: 0 when the sweep ran (whatever its shapes did), 1 when no shape is valid (or, in a dry
-run with --skip-unfit, none would run), 2 on bad input, 128 + N when signal N stopped it (passed on to
-the run in progress first: titanrush/tools/tool_signals.py).
+run with --skip-unfit, none would run), 2 on bad input (a config that needs GPUs, without them, too),
+128 + N when signal N stopped it (passed on to the run in progress first: titanrush/tools/tool_signals.py).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from typing import Any
 
 from titanrush import config as cfgmod
 from titanrush.config import ConfigError
-from titanrush.run import validate
+from titanrush.run import mesh, validate
+from titanrush.run.machine import NEEDS, Host, gpu_need, host_memory_gib
 from titanrush.tools import rush_report, sweep_report
 from titanrush.tools import rush_runner as runner
 from titanrush.tools.estimate import gpu_memory
@@ -57,6 +60,7 @@ DIMS: dict[str, tuple[str, tuple[str, ...] | None]] = {
     "batch": ("training.local_batch_size", None),
 }
 INVALID = "invalid"  # the status of a shape the trainer refuses (or that repeats an earlier run)
+NO_GPUS_HERE = "this machine has none: --dry-run --assume-cuda plans the sweep as on the GPUs"
 _NAME = {"dp_replicate": "rep", "dp_shard": "shard", "reshard": "reshard_", "ac": "ac_", "batch": "batch"}
 
 
@@ -114,7 +118,7 @@ def _grid_value(dim: str, value: str) -> Any:
 def default_grid(ngpu: int) -> str:
     """tp, pp and cp each over the divisors of N: with dp_shard taking what they leave, the grid holds
     every 4-D shape (tp x pp x cp x dp) of N GPUs, powers of two or not (N = 6: tp = 3)."""
-    divisors = ",".join(str(d) for d in range(1, ngpu + 1) if ngpu % d == 0)
+    divisors = ",".join(str(d) for d in mesh.divisors(ngpu))  # (the mesh proposals' shapes too)
     return f"tp={divisors} pp={divisors} cp={divisors}"
 
 
@@ -145,7 +149,13 @@ def settings_of(shape: Shape) -> dict[str, str]:
 
 
 def check_shape(
-    config: str | None, base: dict[str, str], shape: Shape, ngpu: int, *, assume_cuda: bool = False
+    config: str | None,
+    base: dict[str, str],
+    shape: Shape,
+    ngpu: int,
+    *,
+    assume_cuda: bool = False,
+    host: Host | None = None,
 ) -> tuple[Shape, Any, str]:
     """Validate one shape as the trainer would at world size N.
 
@@ -155,6 +165,8 @@ def check_shape(
         shape: The shape (dp_shard -1: the rest).
         ngpu: The world size.
         assume_cuda: Validate as if CUDA were available.
+        host: The machine without CUDA that would run it: a shape that needs GPUs is refused
+            (`titanrush.run.machine.gpu_need`); None: no such check (CUDA here, or --assume-cuda).
 
     Returns:
         (the shape with dp_shard resolved where possible, ParallelDims or None, "" or the reason).
@@ -164,6 +176,8 @@ def check_shape(
 
     try:
         cfg = cfgmod.load(config, to_args({**base, **settings_of(shape)}))
+        if host is not None and (need := gpu_need(cfg, ngpu, host)):
+            raise ConfigError(f"{need}; {NO_GPUS_HERE}")
         dims = build_plan(stand_in(cfg), ngpu, machine=not assume_cuda).dims  # (auto levers: not the mesh)
     except ConfigError as e:
         others = shape["dp_replicate"] * shape["cp"] * shape["tp"] * shape["pp"]
@@ -180,6 +194,7 @@ def plan(
     ngpu: int,
     *,
     assume_cuda: bool = False,
+    host: Host | None = None,
 ) -> tuple[list[Shape], list[tuple[Shape, str]]]:
     """The valid shapes of the grid on N GPUs, and the invalid ones with the reason.
 
@@ -192,6 +207,7 @@ def plan(
         grid: parse_grid's output.
         ngpu: The world size.
         assume_cuda: Validate as if CUDA were available.
+        host: A machine without CUDA: the shapes that need GPUs are invalid there (`check_shape`).
 
     Returns:
         (valid shapes with dp_shard resolved, [(invalid shape, reason)]).
@@ -203,7 +219,7 @@ def plan(
     invalid: list[tuple[Shape, str]] = []
     seen: dict[tuple, Shape] = {}
     for shape in candidates(grid, degrees):
-        shape, dims, reason = check_shape(config, base, shape, ngpu, assume_cuda=assume_cuda)
+        shape, dims, reason = check_shape(config, base, shape, ngpu, assume_cuda=assume_cuda, host=host)
         if reason:
             invalid.append((shape, reason))
             continue
@@ -299,7 +315,11 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     add("--output", type=Path, default=Path("outputs/sweep"), help="output folder")
     add("--dry-run", action="store_true", help="print the valid shapes and run nothing")
     add("--skip-unfit", action="store_true", help="skip shapes the memory estimator says won't fit")
-    add("--assume-cuda", action="store_true", help="dry run: validate as if CUDA were here (plan GPU sweeps)")
+    add(
+        "--assume-cuda",
+        action="store_true",
+        help="dry run: validate and plan as on GPUs (from a CPU machine)",
+    )
     add("--gpu-mem", type=float, help="GiB per GPU for the estimator (default: the GPU here, else 80 GiB)")
     add("--timeout", type=float, default=1800, help="seconds per shape before it is killed")
     return runner.parse_with_overrides(ap, argv)
@@ -385,18 +405,26 @@ def main(argv: list[str] | None = None) -> int:
         gpu_mem_gib=gpu_mem_gib,
         gpu_mem_note=gpu_mem_note,
     )
+    # Without CUDA here the shapes that need GPUs are refused (--assume-cuda: planned as on the GPUs).
+    cpu = not dev.get("cuda") and not args.assume_cuda
+    host = Host(args.ngpu, dev.get("host_mem_gib") or host_memory_gib()) if cpu else None
     try:
         user = base_settings(config, {}, overrides)
         fixed = {k: v for k, v in runner.forced(ctx, "check").items() if not k.startswith("job.")}
-        shapes, invalid = plan(config, {**user, **fixed}, grid, args.ngpu, assume_cuda=args.assume_cuda)
+        shapes, invalid = plan(
+            config, {**user, **fixed}, grid, args.ngpu, assume_cuda=args.assume_cuda, host=host
+        )
     except ConfigError as e:
         return _fail(f"config error: {e}")
+    needs_gpus = [reason for _, reason in invalid if reason.startswith(NEEDS)]
+    if needs_gpus and not shapes:  # the config itself needs GPUs: one line, as `titanrush train` says it
+        return _fail(needs_gpus[0])
     grid_text = " ".join(f"{d}={','.join(map(str, v))}" for d, v in grid.items())
     notes: list[str] = []
     if warmup != args.warmup:
         notes.append(f"--warmup {args.warmup} clamped to {warmup} (below --steps {args.steps})")
-    if any("needs CUDA" in reason for _, reason in invalid):
-        notes.append("cp > 1 needs CUDA: pass --dry-run --assume-cuda to plan a GPU sweep from this machine")
+    if needs_gpus or any("needs CUDA" in reason for _, reason in invalid):
+        notes.append("shapes that need GPUs are invalid here: --dry-run --assume-cuda plans them as on GPUs")
     what = "dry run: nothing runs" if args.dry_run else f"output {ctx.out}"
     head = (
         f"titanrush sweep on {dev.get('name')} (torch {dev.get('torch')}): {args.ngpu} GPUs, grid "
