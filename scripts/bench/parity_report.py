@@ -128,6 +128,7 @@ def compare(tr: Trace, tt: Trace, steps: int, moe: bool) -> dict[str, Any]:
         s: _rel(tr.grad_norm[s], tt.grad_norm[s]) for s in both if s in tr.grad_norm and s in tt.grad_norm
     }
     early = [s for s in both if first[0] <= s <= first[1]]
+    g_early = [g_rel[s] for s in early if s in g_rel]
     peak = max(max(tt.lr.values(), default=0), 1e-30)
     lr_diff = {s: abs(tr.lr[s] - tt.lr[s]) / peak for s in both if s in tr.lr and s in tt.lr}
     windows = [(lo, min(lo + q - 1, steps)) for lo in range(1, steps + 1, q)]
@@ -139,8 +140,8 @@ def compare(tr: Trace, tt: Trace, steps: int, moe: bool) -> dict[str, Any]:
         "last": last,
         "loss_first_max_rel": max((rel[s] for s in early), default=None),
         "loss_first_max_step": max(early, key=lambda s: rel[s]) if early else None,
-        "grad_norm_first_median_rel": median([g_rel[s] for s in early if s in g_rel]) if early else None,
-        "grad_norm_first_max_rel": max((g_rel[s] for s in early if s in g_rel), default=None),
+        "grad_norm_first_median_rel": median(g_early) if g_early else None,
+        "grad_norm_first_max_rel": max(g_early, default=None),
         "lr_max_diff_of_peak": max(lr_diff.values(), default=None),
         "lr_steps_equal": sum(d < 1e-6 for d in lr_diff.values()),
         "windows": [],
@@ -187,13 +188,16 @@ _EXPERTS_HEAD = (
 )
 
 
-def markdown(name: str, inputs: dict[str, Any], fig: dict[str, Any], moe: bool, extra: str = "") -> str:
-    """One row's section of parity.md."""
+def markdown(
+    name: str, inputs: dict[str, Any], fig: dict[str, Any], moe: bool, extra: str = "", runs: str = ""
+) -> str:
+    """One row's section of parity.md (`runs`: a line on how each run ended)."""
     ok = "identical" if inputs["identical"] else "**NOT identical**"
     tok_bad, w_bad = inputs["token_steps_differing"], inputs["weights_differing"]
     lines = [
         f"### {name}",
         "",
+        *([runs, ""] if runs else []),
         f"Inputs {ok}: {inputs['token_batches']} token batches (dump = titanrush = torchtitan), steps "
         f"differing: {tok_bad[:10] or 'none'}; {inputs['weights']} weight tensors (export = titanrush = "
         f"torchtitan), differing: {w_bad[:6] or 'none'}.",

@@ -638,7 +638,13 @@ def parity_main(a: argparse.Namespace, work: Path) -> int:
         shutil.rmtree(scratch, ignore_errors=True)
         dp = row.ngpu // (row.tp * row.cp * row.pp)
         flags = parity_flags(row, a.steps, "-", work, cpu)
-        prep = parity.prepare(flags, steps=a.steps, dp=dp, scratch=scratch)
+        try:
+            prep = parity.prepare(flags, steps=a.steps, dp=dp, scratch=scratch)
+        except Exception as e:  # (a full disk, say: the next row may still run)
+            print(f"[parity] {row.name}: preparing the inputs failed: {e!r}", flush=True)
+            records.append({"row": row.name, "status": f"prepare failed: {e!r}", "env": env})
+            shutil.rmtree(scratch, ignore_errors=True)
+            continue
         print(f"[parity] {row.name}: weights and batches in {time.monotonic() - t0:.0f} s", flush=True)
         status = {}
         for run in parity_runs(row, a, work, prep, cpu):
@@ -661,7 +667,8 @@ def parity_main(a: argparse.Namespace, work: Path) -> int:
                 report.compare(ab, tr, a.steps, moe), report.compare(ab, tt, a.steps, moe)
             )
         where = "CPU, fp32, not compiled" if cpu else f"{row.ngpu} x {env['device']}, bf16, compiled"
-        sections.append(report.markdown(f"{row.name}: {row.flavor}, {where}", inputs, fig, moe, extra))
+        runs = "Runs: " + ", ".join(f"{k} {v}" for k, v in status.items()) + "."
+        sections.append(report.markdown(f"{row.name}: {row.flavor}, {where}", inputs, fig, moe, extra, runs))
         records.append({"row": row.name, "status": status, "inputs": inputs, **fig, "env": env})
         print(sections[-1], flush=True)
     header = (
@@ -670,7 +677,9 @@ def parity_main(a: argparse.Namespace, work: Path) -> int:
         f"{parity.SETTINGS}"
     )
     report.write(work, sections, header, records)
-    ok = [r["inputs"]["identical"] and r["goal_first"] and r["goal_last"] for r in records]
+    ok = [
+        r.get("inputs", {}).get("identical") and r.get("goal_first") and r.get("goal_last") for r in records
+    ]
     return 0 if ok and all(ok) else 1
 
 
