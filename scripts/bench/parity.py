@@ -53,6 +53,7 @@ SETTINGS: dict[str, Any] = {
     "decay": "linear",
     "min_lr_factor": 0.1,
     "max_norm": 1.0,
+    "bias_update_rate": 1e-3,  # Llama 4's routing bias step (torchtitan's: TT_LOAD_BALANCE_COEFF)
 }
 # The settings row_flags does not set, as titanrush flags.
 _EXTRA_FLAGS = {
@@ -79,9 +80,11 @@ LLAMA4_PREFIX = "language_model."
 reads and titanrush's import strips."""
 
 
-def titanrush_flags() -> list[str]:
-    """The settings side_by_side.row_flags leaves to titanrush's defaults, set explicitly."""
-    return [x for key, flag in _EXTRA_FLAGS.items() for x in (f"--{flag}", str(SETTINGS[key]))]
+def titanrush_flags(moe: bool = False) -> list[str]:
+    """The settings side_by_side.row_flags leaves to titanrush's defaults, set explicitly (`moe`: and the
+    routing bias step)."""
+    flags = [x for key, flag in _EXTRA_FLAGS.items() for x in (f"--{flag}", str(SETTINGS[key]))]
+    return flags + (["--moe.bias_update_rate", str(SETTINGS["bias_update_rate"])] if moe else [])
 
 
 def torchtitan_settings(cfg: dict[str, dict[str, Any]]) -> None:

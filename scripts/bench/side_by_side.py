@@ -562,7 +562,8 @@ def parity_flags(row: Row, steps: int, tag: str, work: Path, cpu: bool = False) 
     AC policy, parity.SETTINGS, every step logged; on the CPU in fp32, not compiled."""
     import parity
 
-    flags = [*row_flags(row), *setting_flags(row)["same"], *parity.titanrush_flags()]
+    moe = row.flavor.startswith("llama4")
+    flags = [*row_flags(row), *setting_flags(row)["same"], *parity.titanrush_flags(moe)]
     if cpu:
         flags = [f for f in flags if f != "--compile.enable"]
         flags[flags.index("--training.precision") + 1] = "fp32"
@@ -587,7 +588,10 @@ def parity_runs(row: Row, a: argparse.Namespace, work: Path, prep: Any, cpu: boo
     toml.write_text(toml_text(cfg))
     obs = work / "parity" / row.name
     env = {"PYTHONPATH": torchtitan_pythonpath(), "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
-    env |= {"TT_LOAD_BALANCE_COEFF": "1e-3", "TT_PARITY_OUT": str(obs / "torchtitan")}
+    env |= {
+        "TT_LOAD_BALANCE_COEFF": str(parity.SETTINGS["bias_update_rate"]),
+        "TT_PARITY_OUT": str(obs / "torchtitan"),
+    }
     trainer = [str(COMPAT / "tt_cpu.py")] if cpu else ["-m", "torchtitan.train"]
     tt = [*launch, *trainer, "--job.config_file", str(toml)]
     runs = [
@@ -720,7 +724,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             ap.error("--parity runs both trainers at the same settings: no --base, --flags, --balance, ...")
         if bad := [r for r in a.rows if ROWS[r].pp > 1 or not ROWS[r].tt]:
             ap.error(f"--parity: rows {bad} have a pipeline or no torchtitan run")
-        a.log_freq, a.settings = a.log_freq or 1, ["same"]
+        a.log_freq, a.settings, a.measure_from = a.log_freq or 1, ["same"], 1  # (no speed figures)
     elif a.ablate_schedule:
         ap.error("--ablate-schedule is part of --parity")
     if a.base and not (a.base / "run_train.sh").exists():

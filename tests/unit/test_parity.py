@@ -154,6 +154,7 @@ def test_both_trainers_configs_carry_the_parity_settings(tmp_path):
         )
         assert cfg.training.max_norm == s["max_norm"] and o.implementation == "fused"
         assert cfg.metrics.log_freq == 1 and cfg.training.global_batch_size == -1
+        assert cfg.moe.bias_update_rate == s["bias_update_rate"]
         tt = sbs.torchtitan_config(row, 200, tmp_path, tmp_path, tmp_path)
         parity.torchtitan_parity(tt, parity.Prepared.at(tmp_path))
         tt = tomllib.loads(sbs.toml_text(tt))
@@ -238,11 +239,13 @@ def test_parity_dry_run_prints_torchtitan_then_titanrush_runs(tmp_path, capsys):
     assert "tt_cpu.py" in lines[0] and "TT_PARITY_OUT=" in lines[0]  # (no GPU here: the CPU check)
     assert all("parity_observe.py" in x and "--checkpoint.load_model_only" in x for x in lines[1:])
     assert "--lr-schedule torchtitan" in lines[2] and "--compile.enable" not in lines[1]
+    assert f"TT_LOAD_BALANCE_COEFF={parity.SETTINGS['bias_update_rate']}" in lines[0]
     a = sbs.parse_args(["--out", str(tmp_path), "--parity", "--rows", "1b"])
     gpu = sbs.parity_runs(sbs.ROWS["1b"], a, tmp_path, parity.Prepared.at(tmp_path), cpu=False)
     assert "-m torchtitan.train" in gpu[0].shell() and "--compile.enable" in gpu[1].shell()
     toml = tomllib.loads((tmp_path / "configs" / "torchtitan_parity_1b.toml").read_text())
     assert toml["model"]["name"] == "llama3_parity" and toml["training"]["steps"] == 200
+    assert sbs.parse_args(["--out", str(tmp_path), "--parity", "--steps", "8"]).steps == 8  # (any length)
     with pytest.raises(SystemExit):
         sbs.parse_args(["--out", str(tmp_path), "--parity", "--rows", "8b_pp2_fsdp2"])
     with pytest.raises(SystemExit):
