@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check in one GPU-machine call: the GPU tests, then titanrush beside torchtitan 0.2.2. From the
-# repo root there: bash scripts/bench/gpu_check.sh [all|tests|bench] [ROWS] [SETTINGS] (logs, results: $OUT,
-# default /tmp/gpu_check). all: tests/gpu, then ROWS (default 1b); tests; bench: ROWS (default auto: the
-# machine's row, see side_by_side.py). ROWS, SETTINGS (same,defaults,best) as side_by_side.py's. Environment:
-# BASE=DIR (another checkout), STEPS, MEASURE_FROM, BUDGET (s, 540), TITANRUSH_COMMIT, TITANRUSH_BASE_COMMIT.
+# repo root there: bash scripts/bench/gpu_check.sh [all|tests|bench|parity] [ROWS] [SETTINGS] (logs, results:
+# $OUT, default /tmp/gpu_check). all: tests/gpu, then ROWS (default 1b); tests; bench: ROWS (default auto: the
+# machine's row, see side_by_side.py); parity: ROWS (default auto: 1b, 1b_fsdp2 on 2 GPUs) in the parity mode
+# (the same weights, batches and settings; STEPS 200; ABLATE=1 adds titanrush on torchtitan's schedule).
+# ROWS, SETTINGS (same,defaults,best) as side_by_side.py's. Environment: BASE=DIR (another checkout), STEPS,
+# MEASURE_FROM, BUDGET (s, 540), ABLATE, TITANRUSH_COMMIT, TITANRUSH_BASE_COMMIT.
 set -u
 MODE=${1:-all}
 [ "$MODE" = all ] && ROWS=${2:-1b} || ROWS=${2:-auto}
@@ -35,7 +37,16 @@ if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
     ${BASE:+--base "$BASE"} > "$OUT/bench.log" 2>&1
   echo "side_by_side.py exit $? (log: $OUT/bench.log)" >> "$OUT/env.txt"
 fi
+if [ "$MODE" = parity ]; then
+  left=$((BUDGET - SECONDS))
+  [ "$left" -gt 1 ] || left=1
+  timeout $((left + 30)) python3 scripts/bench/side_by_side.py --parity --out "$OUT/parity" --rows "$ROWS" \
+    --steps "${STEPS:-200}" --time-limit "$left" --timeout-per-run 420 ${ABLATE:+--ablate-schedule} \
+    > "$OUT/parity.log" 2>&1
+  echo "side_by_side.py --parity exit $? (log: $OUT/parity.log)" >> "$OUT/env.txt"
+fi
 
 echo "== $(tr '\n' ' ' < "$OUT/env.txt")"
 echo "== GPU tests: $tests"
 if [ -f "$OUT/bench/results.md" ]; then sed '/^Commands:/,$d' "$OUT/bench/results.md"; fi
+if [ -f "$OUT/parity/parity.md" ]; then cat "$OUT/parity/parity.md"; else tail -n 20 "$OUT/parity.log" 2>/dev/null; fi

@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
@@ -26,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import fmean
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPAT = Path(__file__).resolve().parent / "torchtitan_compat"
@@ -74,6 +76,7 @@ ROWS = {
     r.name: r
     for r in (
         Row("1b", "1B", 1, 2048, 8, ac=False),
+        Row("1b_fsdp2", "1B", 2, 2048, 4, ac=False),  # the 1b row's 8 sequences a step over FSDP 2
         Row("3b_fsdp2", "3B", 2, 8192, 2, best=(*_NO_AC, *_CHUNKED)),  # estimated 68 GiB: fits 80 GB
         Row("8b_fsdp2", "8B", 2, 8192, 2, best=(*_OP_AC, *_CHUNKED)),  # no AC: does not fit 2 x 141 GB
         Row("8b_fsdp4", "8B", 4, 8192, 2, best=_8B_BEST),
@@ -84,10 +87,14 @@ ROWS = {
         Row("8b_cp2", "8B", 2, 8192, 2, cp=2, best=(*_NO_AC, *_CHUNKED)),  # FSDP over the cp ranks (both)
         Row("8b_cp2_fsdp2", "8B", 4, 8192, 2, cp=2, best=_8B_BEST),
         Row("8b_pp2_fsdp2", "8B", 4, 8192, 4, pp=2, best=_NO_AC),  # PP keeps the weights gathered anyway
-        # Llama 4 (MoE, 1.0B active): FSDP, EP2 on the same 2 GPUs, EP2 x FSDP2 on 4 (tt_flavors.py).
+        # Llama 4 (MoE, 1.0B active; tt_flavors.py): 8 experts on 1 GPU; 16: FSDP, EP2 on 2, EP2 x FSDP2 on 4.
+        Row("moe", "llama4_1Bx8E", 1, 4096, 2, ac=False),
         Row("moe_fsdp2", "llama4_1Bx16E", 2, 4096, 2, ac=False),
         Row("moe_ep2", "llama4_1Bx16E", 2, 4096, 2, ac=False, ep=2),
         Row("moe_ep2_fsdp4", "llama4_1Bx16E", 4, 4096, 2, ac=False, ep=2),
+        # The debug models, for the parity mode on the CPU (tt_flavors.py, tt_cpu.py).
+        Row("debug", "debug", 1, 128, 4, ac=False),
+        Row("moe_debug", "llama4_debug", 1, 128, 4, ac=False),
     )
 }
 SETTINGS = ("same", "defaults", "best")
@@ -144,7 +151,7 @@ def setting_flags(row: Row) -> dict[str, list[str]]:
     return {"same": same, "defaults": defaults, "best": list(row.best) or defaults}
 
 
-def torchtitan_toml(
+def torchtitan_config(
     row: Row,
     steps: int,
     assets: Path,
@@ -153,9 +160,9 @@ def torchtitan_toml(
     profile_step: int = 0,
     warmup: int = 10,
     log_freq: int = 1,
-) -> str:
-    """torchtitan's job config for the row (JSON values are TOML values here); with `profile_step`, its
-    profiler records that step (after one warm-up step, as titanrush's)."""
+) -> dict[str, dict]:
+    """torchtitan's job config for the row, by TOML section; with `profile_step`, its profiler records
+    that step (after one warm-up step, as titanrush's)."""
     ac = {"mode": "selective", "selective_ac_option": "op"} if row.ac else {"mode": "none"}
     cfg = {
         "job": {"dump_folder": str(dump)},
@@ -201,9 +208,19 @@ def torchtitan_toml(
     if profile_step:
         prof = {"enable_profiling": True, "profiler_active": 1, "profile_freq": profile_step}
         cfg["profiling"] = {**prof, "profiler_warmup": 1}  # traces: profile_traces/
+    return cfg
+
+
+def toml_text(cfg: dict[str, dict]) -> str:
+    """A config of TOML sections as TOML (JSON values are TOML values here)."""
     return "\n".join(
         f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in kv.items()) for name, kv in cfg.items()
     )
+
+
+def torchtitan_toml(row: Row, steps: int, assets: Path, corpus: Path, dump: Path, **kwargs: int) -> str:
+    """`torchtitan_config` as TOML."""
+    return toml_text(torchtitan_config(row, steps, assets, corpus, dump, **kwargs))
 
 
 # ---------------------------------------------------------------- planning
@@ -228,10 +245,16 @@ class Run:
         return f"{cd}{env} {shlex.join(self.cmd)}".strip()
 
 
+def torchtitan_pythonpath() -> str:
+    """torchtitan's PYTHONPATH: torchtitan_compat (flavors, parity spec), the `datasets` stand-in where the
+    package is missing, then ours."""
+    shim = [] if importlib.util.find_spec("datasets") else [str(COMPAT / "shim")]
+    return os.pathsep.join([str(COMPAT), *shim, *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -> list[Run]:
     """The runs in order: per row torchtitan, then per setting titanrush and the base checkout."""
-    shim = [] if importlib.util.find_spec("datasets") else [str(COMPAT / "shim")]
-    tt_path = os.pathsep.join([str(COMPAT), *shim, *filter(None, [os.environ.get("PYTHONPATH")])])
+    tt_path = torchtitan_pythonpath()
     trainers = {"titanrush": ROOT, **({"base": a.base.resolve()} if a.base else {})}
     runs, profile = [], f"--profiling.enable --profiling.freq {a.profile_step} --profiling.active_steps 1"
     profile = profile.split() if a.profile_step else []  # titanrush's profiler: a warm-up step, then step N
@@ -246,9 +269,9 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
                 work / "tokenizer",
                 work / "corpus",
                 work / "tt" / row.name,
-                a.profile_step,
-                100 if balance else 10,
-                a.log_freq,
+                profile_step=a.profile_step,
+                warmup=100 if balance else 10,
+                log_freq=a.log_freq,
             )
             toml.write_text(tt)
             nproc = [f"--nproc_per_node={row.ngpu}", "--local-ranks-filter", "0"]  # rank 0 logs, as ours
@@ -330,7 +353,8 @@ _FIELDS = {
         "tps": r"(?:tok/s|tps) ([\d,.]+)",
         "mem_gib": (r"reserved ([\d.]+)GiB", r"  mem ([\d.]+)GiB"),  # (the older line's first)
         "mfu": r"mfu ([\d.]+)%",
-        "loss": r"loss ([\d.]+)",
+        "loss": r"loss ([\d.]+)",  # the mean since the last logged step (its own step: metrics.jsonl)
+        "loss_last": r"\(last ([\d.]+)\)",  # (the older line's step loss)
         "imbalance": r"(?:experts max/mean|busiest expert) ([\d.]+)",
     },
 }
@@ -401,7 +425,9 @@ def summarize(run: Run, result: dict, measure_from: int, profile_step: int = 0) 
         out[key] = max(v for v, _ in values) if values and key == "mem_gib" else mean
     if out["status"] == "ok" and not steady:
         out["status"] = "no steps logged"
-    out["loss_curve"] = [[s["step"], s["loss"]] for s in logged if s.get("loss") is not None]
+    # Each logged step's own loss, as torchtitan logs it (titanrush's `loss` is the window's mean).
+    own = [[s["step"], s.get("loss_last") or s["loss"]] for s in logged if s.get("loss") is not None]
+    out["loss_curve"] = own
     out["imbalance_curve"] = [[s["step"], s["imbalance"]] for s in logged if s.get("imbalance") is not None]
     return out
 
@@ -515,11 +541,14 @@ def environment(base: Path | None) -> dict[str, str]:
     return env
 
 
-def auto_rows() -> list[str]:
-    """This machine's row: by the number of GPUs and, on two, their memory."""
+def auto_rows(parity: bool = False) -> list[str]:
+    """This machine's row: by the number of GPUs and, on two, their memory (parity: debug on the CPU, 1b,
+    1b_fsdp2)."""
     import torch
 
     count = torch.cuda.device_count()
+    if parity:
+        return ["1b_fsdp2" if count >= 2 else "1b" if count else "debug"]
     big = count >= 2 and torch.cuda.get_device_properties(0).total_memory >= 120 * 2**30
     return ["8b_fsdp4"] if count >= 4 else ["8b_fsdp2" if big else "3b_fsdp2"] if count >= 2 else ["1b"]
 
@@ -532,12 +561,147 @@ def write_corpus(path: Path) -> None:
     path.write_text("".join(json.dumps({"text": d.text}) + "\n" for d in embedded_documents("train")))
 
 
+# ---------------------------------------------------------------- parity mode (parity.py)
+
+
+def parity_flags(row: Row, steps: int, tag: str, work: Path, cpu: bool = False) -> list[str]:
+    """titanrush's flags of a row's parity run (its checkpoint to load apart): the row's work, torchtitan's
+    AC policy, parity.SETTINGS, every step logged; on the CPU in fp32, not compiled."""
+    import parity
+
+    moe = row.flavor.startswith("llama4")
+    flags = [*row_flags(row), *setting_flags(row)["same"], *parity.titanrush_flags(moe)]
+    if cpu:
+        flags = [f for f in flags if f != "--compile.enable"]
+        flags[flags.index("--training.precision") + 1] = "fp32"
+    fixed = ["--training.steps", str(steps), "--job.name", tag, "--job.dump_folder", str(work / "runs")]
+    return [*flags, *fixed, "--metrics.log_freq", "1", "--metrics.tensorboard", "false"]
+
+
+def parity_runs(row: Row, a: argparse.Namespace, work: Path, prep: Any, cpu: bool = False) -> list[Run]:
+    """A row's parity runs: torchtitan, titanrush, and with --ablate-schedule titanrush on torchtitan's
+    learning-rate schedule; each writes its hashes under work/parity/<row>/<run>. On the CPU: fp32, not
+    compiled, torchtitan through torchtitan_compat/tt_cpu.py."""
+    import parity
+
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={row.ngpu}"]
+    launch += ["--local-ranks-filter", "0"]
+    cfg = torchtitan_config(row, a.steps, prep.hf_dir, prep.dump, work / "tt" / f"parity_{row.name}")
+    parity.torchtitan_parity(cfg, prep)
+    if cpu:
+        cfg["compile"]["enable"], cfg["training"]["mixed_precision_param"] = False, "float32"
+    toml = work / "configs" / f"torchtitan_parity_{row.name}.toml"
+    toml.parent.mkdir(parents=True, exist_ok=True)
+    toml.write_text(toml_text(cfg))
+    obs = work / "parity" / row.name
+    env = {"PYTHONPATH": torchtitan_pythonpath(), "PYTORCH_ALLOC_CONF": "expandable_segments:True"}
+    env |= {
+        "TT_LOAD_BALANCE_COEFF": str(parity.SETTINGS["bias_update_rate"]),
+        "TT_PARITY_OUT": str(obs / "torchtitan"),
+    }
+    trainer = [str(COMPAT / "tt_cpu.py")] if cpu else ["-m", "torchtitan.train"]
+    tt = [*launch, *trainer, "--job.config_file", str(toml)]
+    runs = [
+        Run(
+            "torchtitan",
+            row.name,
+            "parity",
+            tt,
+            env,
+            ROOT,
+            work / "logs" / f"torchtitan_parity_{row.name}.log",
+        )
+    ]
+    load = ["--checkpoint.load_path", str(prep.checkpoint), "--checkpoint.load_model_only"]
+    paths = [str(ROOT), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    ours = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(filter(None, paths)))}
+    for schedule in ("titanrush", "torchtitan")[: 1 + a.ablate_schedule]:
+        tag = f"titanrush_parity_{row.name}" + ("_tt_schedule" if schedule == "torchtitan" else "")
+        observer = [str(ROOT / "scripts/bench/parity_observe.py"), "--parity-out", str(obs / tag)]
+        flags = parity_flags(row, a.steps, tag, work, cpu)
+        cmd = [*launch, *observer, "--lr-schedule", schedule, *flags, *load]
+        setting = "parity" if schedule == "titanrush" else "parity, torchtitan's lr schedule"
+        runs.append(Run("titanrush", row.name, setting, cmd, ours, ROOT, work / "logs" / f"{tag}.log"))
+    return runs
+
+
+def parity_main(a: argparse.Namespace, work: Path) -> int:
+    """Per row: its inputs (`parity.prepare`), its runs one at a time, the report (`parity_report`):
+    work/parity.md, parity.jsonl; the weights and batches under --scratch, removed after the row."""
+    import parity
+    import parity_report as report
+    import torch
+
+    rows, gpus = [ROWS[r] for r in a.rows], torch.cuda.device_count()
+    cpu = gpus == 0
+    if a.dry_run:
+        for row in rows:
+            for r in parity_runs(row, a, work, parity.Prepared.at(a.scratch / row.name), cpu):
+                print(f"[{r.trainer} {r.row} {r.setting}] {r.shell()}")
+        return 0
+    env, sections, records = environment(None), [], []
+    deadline = time.monotonic() + a.time_limit if a.time_limit else float("inf")
+    for row in rows:
+        if row.ngpu > max(gpus, 1):
+            print(f"[parity] {row.name}: skipped (needs {row.ngpu} GPUs, {gpus} present)", flush=True)
+            continue
+        t0, scratch = time.monotonic(), a.scratch / row.name
+        shutil.rmtree(scratch, ignore_errors=True)
+        dp = row.ngpu // (row.tp * row.cp * row.pp)
+        flags = parity_flags(row, a.steps, "-", work, cpu)
+        try:
+            prep = parity.prepare(flags, steps=a.steps, dp=dp, scratch=scratch)
+        except Exception as e:  # (a full disk, say: the next row may still run)
+            print(f"[parity] {row.name}: preparing the inputs failed: {e!r}", flush=True)
+            records.append({"row": row.name, "status": f"prepare failed: {e!r}", "env": env})
+            shutil.rmtree(scratch, ignore_errors=True)
+            continue
+        print(f"[parity] {row.name}: weights and batches in {time.monotonic() - t0:.0f} s", flush=True)
+        status = {}
+        for run in parity_runs(row, a, work, prep, cpu):
+            left = deadline - time.monotonic()
+            print(f"[parity] {run.trainer} {row.name} {run.setting} ...", flush=True)
+            result = execute(run, min(a.timeout_per_run, left)) if left >= 60 else {"status": "skipped"}
+            status[run.log.stem] = result["status"]
+            print(f"[parity] {run.trainer} {row.name} {run.setting}: {result['status']}", flush=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+        obs, moe = work / "parity" / row.name, row.flavor.startswith("llama4")
+        tt = report.torchtitan_trace(obs / "torchtitan")
+        tag = f"titanrush_parity_{row.name}"
+        tr = report.titanrush_trace(work / "runs" / tag, obs / tag)
+        inputs = report.check_inputs(tr, tt, prep.tokens, prep.weights)
+        fig = report.compare(tr, tt, a.steps, moe)
+        extra = ""
+        if a.ablate_schedule:
+            ab = report.titanrush_trace(work / "runs" / f"{tag}_tt_schedule", obs / f"{tag}_tt_schedule")
+            extra = report.ablation(
+                report.compare(ab, tr, a.steps, moe), report.compare(ab, tt, a.steps, moe)
+            )
+        where = "CPU, fp32, not compiled" if cpu else f"{row.ngpu} x {env['device']}, bf16, compiled"
+        runs = "Runs: " + ", ".join(f"{k} {v}" for k, v in status.items()) + "."
+        sections.append(report.markdown(f"{row.name}: {row.flavor}, {where}", inputs, fig, moe, extra, runs))
+        records.append({"row": row.name, "status": status, "inputs": inputs, **fig, "env": env})
+        print(sections[-1], flush=True)
+    header = (
+        f"{env['date']}, {f'{gpus} x ' if gpus else ''}{env['device']}, torch {env['torch']}, titanrush "
+        f"commit {env['commit']}, torchtitan {env['torchtitan']}; {a.steps} steps, parity settings "
+        f"{parity.SETTINGS}"
+    )
+    report.write(work, sections, header, records)
+    ok = [
+        r.get("inputs", {}).get("identical") and r.get("goal_first") and r.get("goal_last") for r in records
+    ]
+    return 0 if ok and all(ok) else 1
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--rows", default="auto", help=f"auto, or comma-separated from: {', '.join(ROWS)}")
     ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated: {', '.join(SETTINGS)}")
-    ap.add_argument("--steps", type=int, default=30, help="a multiple of --log-freq (torchtitan's last log)")
+    ap.add_argument(
+        "--steps", type=int, help="a multiple of --log-freq (torchtitan's last log); 30, parity 200"
+    )
     ap.add_argument("--measure-from", type=int, default=10)
     ap.add_argument("--log-freq", type=int, help="both log every N steps (10; 1 with --profile-step)")
     ap.add_argument("--base", type=Path, help="another titanrush checkout, run at the same rows and settings")
@@ -548,12 +712,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--balance", action="store_true", help="Llama 4 rows: warm-up 100, bias step 1e-2")
     ap.add_argument("--flags", default="", help='--flags="...": more titanrush flags on its runs')
     ap.add_argument("--dry-run", action="store_true", help="print the commands in order, run nothing")
+    ap.add_argument("--parity", action="store_true", help="parity mode: the same weights, batches, settings")
+    ap.add_argument(
+        "--ablate-schedule", action="store_true", help="parity: also titanrush on torchtitan's lr"
+    )
+    ap.add_argument(
+        "--scratch", type=Path, default=Path("/tmp/titanrush_parity"), help="parity: weights, batches"
+    )
     a = ap.parse_args(argv)
-    a.rows = auto_rows() if a.rows == "auto" else a.rows.split(",")
+    a.rows = auto_rows(a.parity) if a.rows == "auto" else a.rows.split(",")
     a.settings, a.trainers = a.settings.split(","), a.trainers.split(",")
     for given, known, what in ((a.rows, ROWS, "rows"), (a.settings, SETTINGS, "settings")):
         if bad := [x for x in given if x not in known]:
             ap.error(f"unknown {what} {bad}; choose from {', '.join(known)}")
+    a.steps = a.steps or (200 if a.parity else 30)
+    if a.parity:
+        if a.base or a.flags or a.balance or a.profile_step or a.trainers != ["torchtitan", "titanrush"]:
+            ap.error("--parity runs both trainers at the same settings: no --base, --flags, --balance, ...")
+        if bad := [r for r in a.rows if ROWS[r].pp > 1 or not ROWS[r].tt]:
+            ap.error(f"--parity: rows {bad} have a pipeline or no torchtitan run")
+        a.log_freq, a.settings, a.measure_from = a.log_freq or 1, ["same"], 1  # (no speed figures)
+    elif a.ablate_schedule:
+        ap.error("--ablate-schedule is part of --parity")
     if a.base and not (a.base / "run_train.sh").exists():
         ap.error(f"--base {a.base}: no titanrush checkout there (no run_train.sh)")
     if a.profile_step and not 4 <= a.profile_step <= a.steps:
@@ -571,6 +751,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     work = a.out.resolve()
+    if a.parity:
+        return parity_main(a, work)
     runs = plan([ROWS[r] for r in a.rows], a.settings, a, work)
     if a.dry_run:
         return print("\n".join(f"[{r.trainer} {r.row} {r.setting}] {r.shell()}" for r in runs)) or 0

@@ -76,6 +76,15 @@ def test_profiled_steps_are_left_out_of_the_figures():
     assert every["tps"] == pytest.approx((6 * 10 + 4 * 100) / 10)
 
 
+def test_the_loss_curve_holds_each_logged_steps_own_loss_as_torchtitan_logs_it():
+    """titanrush's `loss` is the mean since the previous logged step; `(last ...)` is the step's own."""
+    line = "10:31:32 INFO step     10  loss 9.5000  (last 9.2637)  gnorm 1.779  lr 2.19e-04  tps 338"
+    step = sbs.parse_step("titanrush", line)
+    assert (step["loss"], step["loss_last"]) == (9.5, 9.2637)
+    run = sbs.Run("titanrush", "1b", "same", ["x"], {}, sbs.ROOT, sbs.ROOT / "log")
+    assert sbs.summarize(run, {"status": "ok", "steps": [step]}, 1)["loss_curve"] == [[10, 9.2637]]
+
+
 def test_a_logged_line_counts_for_the_steps_since_the_line_before_it():
     """Logging every 10 steps: the line at step 10 stands for steps 2-10 (compile warm-up), left out when
     measuring from 11; lines count for their number of steps (step 1's: one)."""

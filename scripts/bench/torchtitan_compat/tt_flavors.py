@@ -31,3 +31,14 @@ for _experts in (8, 16):
         moe_args=MoEArgs(num_experts=_experts, load_balance_coeff=_COEFF),
         interleave_moe_layer_step=1,
     )
+
+# titanrush's debug shapes (its `debug` and `llama4_debug` flavors), for checks on the CPU. A scaling factor
+# of 1 leaves torchtitan's RoPE frequencies unscaled (titanrush's debug model has no scaling).
+_UNSCALED = RoPEScalingArgs(scaling_factor=1.0)
+_DEBUG = dict(
+    dim=256, n_layers=4, n_heads=8, n_kv_heads=4, vocab_size=8192, multiple_of=64, rope_theta=500000
+)
+llama3_args["debug"] = TransformerModelArgs(**_DEBUG, rope_scaling_args=_UNSCALED)
+llama4_args["llama4_debug"] = Llama4Args(
+    **_DEBUG, moe_args=MoEArgs(num_experts=8, load_balance_coeff=_COEFF), interleave_moe_layer_step=1
+)
