@@ -373,3 +373,12 @@ def test_no_private_attribute_of_another_object_or_imported_module_is_written():
     assert not unexpected, "\n".join(unexpected)
     stale = (set(ALLOW) | set(TO_FIX)) - seen
     assert not stale, f"entries that match no write any more: remove them from ALLOW / TO_FIX: {stale}"
+
+
+def test_test_files_have_distinct_names():
+    """pytest imports test modules by their file name (the test folders are not packages): two files of
+    one name in different folders stop the whole suite at collection."""
+    seen: dict[str, Path] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        assert path.name not in seen, f"{path} and {seen[path.name]}: rename one"
+        seen[path.name] = path
