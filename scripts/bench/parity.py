@@ -41,8 +41,9 @@ from titanrush.models.llama4 import Llama4, Llama4Args  # noqa: E402
 from titanrush.run.plan import resolve_model_args  # noqa: E402
 
 # Optimizer, schedule and clipping of both trainers in parity mode. Both apply weight decay to every
-# parameter (norms and embeddings too) and clip the global norm of all gradients. lr, eps, warmup and
-# max_norm are side_by_side.row_flags' values (tests/unit/test_bench_parity.py holds both configs to this table).
+# parameter (norms and embeddings too) and clip the global norm of all gradients. lr, eps and max_norm
+# are side_by_side.row_flags' values; the others are set by titanrush_flags (tests/unit/test_bench_parity.py
+# holds both configs to this table).
 SETTINGS: dict[str, Any] = {
     "lr": 3e-4,
     "beta1": 0.9,
