@@ -350,6 +350,7 @@ def test_continued_pretraining_of_a_converted_llama_in_one_command(tmp_path, cap
     step = tmp_path / "cpt" / "checkpoint" / "step-2"
     assert json.loads((step / "titanrush.json").read_text())["flavor"] == "custom"
     assert Path(hf.training_tokenizer(step)) == (tmp_path / "ckpt" / "tokenizer.json").resolve()
+    capsys.readouterr()  # (the run's own progress lines, on stdout)
     assert generate.main(["--checkpoint", str(step), "--prompt", "the cat", "--max-new-tokens", "5"]) == 0
     assert capsys.readouterr().out.startswith("the cat")
 
