@@ -63,8 +63,9 @@ MESHES = {
 ROUTER_LOSSES = {
     # name: (mesh, data-parallel degree, losses)
     "ep2_aux_z": ([P + "ep", "2"], 2, ("--moe.aux_loss_coeff", "0.01", "--moe.z_loss_coeff", "0.001")),
-    # each tp rank's z-loss covers its sequence shard: weighed 1/tp, the sum over tp is the mean
-    "tp2_z": ([P + "tp", "2"], 1, ("--moe.z_loss_coeff", "0.001")),
+    # each tp rank's losses cover its sequence shard, the balance loss's counts summed over the shards:
+    # weighed 1/tp, their sum over tp is the whole sequences' loss
+    "tp2_aux_z": ([P + "tp", "2"], 1, ("--moe.aux_loss_coeff", "0.01", "--moe.z_loss_coeff", "0.001")),
 }
 RESUME = {"ep1_one_process": (1, 1, []), "ep4": (4, 4, [P + "ep", "4"]), "tp2": (2, 1, [P + "tp", "2"])}
 

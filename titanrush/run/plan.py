@@ -252,14 +252,13 @@ def resolve_model_args(cfg: JobConfig) -> ModelArgs:
 def _moe_decisions(cfg: JobConfig, args: ModelArgs, accum: int, microbatches: int, tp: int) -> ModelArgs:
     """Llama 4: the router losses' weights per micro-batch (the coefficients are per optimizer step, whose
     loss is the mean over accum x pipeline micro-batches). Under tensor and sequence parallel each tp rank
-    routes 1/tp of the tokens and the router's gradients are summed over the tp ranks: the z-loss (a mean
-    over tokens) weighs 1/tp on each (validation refuses the balance loss there)."""
+    routes 1/tp of the tokens and the router's gradients are summed over the tp ranks: both losses (each a
+    mean over its shard's tokens, the balance loss's counts summed over the shards) weigh 1/tp on each."""
     if not isinstance(args, Llama4Args):
         return args
-    per = accum * microbatches
-    split = tp if cfg.parallelism.sequence_parallel else 1
+    per = accum * microbatches * (tp if cfg.parallelism.sequence_parallel else 1)
     return dataclasses.replace(
-        args, aux_loss_weight=cfg.moe.aux_loss_coeff / per, z_loss_weight=cfg.moe.z_loss_coeff / (per * split)
+        args, aux_loss_weight=cfg.moe.aux_loss_coeff / per, z_loss_weight=cfg.moe.z_loss_coeff / per
     )
 
 
