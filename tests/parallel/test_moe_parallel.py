@@ -47,6 +47,26 @@ MESHES = {
     # full activation checkpointing recomputes the dispatch, all-to-alls included, in backward
     "ep2_ac_full": (2, 2, [P + "ep", "2", "--activation_checkpoint.mode", "full"]),
     "fsdp2_ac_op": (2, 2, ["--activation_checkpoint.mode", "selective"]),
+    # per-op checkpointing by parts where the MoE layer holds FSDP units of its own (EP, TP): attention,
+    # router and shared expert per op, the experts and their exchange not recomputed
+    "ep2_ac_op": (
+        2,
+        2,
+        [
+            P + "ep",
+            "2",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.op_matmuls",
+            "alternate",
+        ],
+    ),
+    "ep2_compiled_ac_op": (
+        2,
+        2,
+        [P + "ep", "2", "--compile.enable", "--activation_checkpoint.mode", "selective"],
+    ),
+    "tp2_ac_op": (2, 1, [P + "tp", "2", "--activation_checkpoint.mode", "selective"]),
     # TP shards attention; each tp rank routes its sequence shard (sequence parallel) or all of it
     "tp2": (2, 1, [P + "tp", "2"]),
     "tp2_no_sp": (2, 1, [P + "tp", "2", "--no-parallelism.sequence_parallel"]),

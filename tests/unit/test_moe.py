@@ -17,6 +17,7 @@ from titanrush.models.llama4.balance import balance_experts, moe_modules
 from titanrush.models.llama4.grouped_gemm import ALIGN, KERNEL, grouped_mm, loop_mm, pad_groups
 from titanrush.models.llama4.moe import MoE
 from titanrush.models.llama4.router import Router, add_loss_grad, balance_loss
+from titanrush.parallel.activation_checkpoint import ACPlan, SelectiveOpCheckpoint, apply_ac
 from titanrush.parallel.expert_parallel import regroup_index
 from titanrush.run.plan import build_plan
 
@@ -312,6 +313,31 @@ def test_window_imbalance_sums_the_load_of_every_step_since_the_last_log():
     assert balance.stats()["moe_imbalance_window"] == pytest.approx(4.0)  # one step: expert 1 alone
 
 
+@pytest.mark.parametrize("op_matmuls", ["all", "alternate"])
+def test_op_checkpointing_by_parts_wraps_the_attention_router_and_shared_expert_only(op_matmuls):
+    """Per-op checkpointing by parts (a MoE layer with FSDP units of its own, under EP or TP): the block
+    itself and the experts stay unwrapped, the checkpoint's names and the step's numbers those of the
+    model without checkpointing."""
+    args = dataclasses.replace(model_args("llama4_debug"), n_layers=2, aux_loss_weight=0.01)
+    plain, parts = Llama4(args), Llama4(args)
+    for m in (plain, parts):
+        m.init_weights(seed=0)
+    apply_ac(parts, ACPlan(mode="selective", op_matmuls=op_matmuls, moe_by_parts=True))
+    for block in parts.layers.values():
+        assert type(block).__name__ == "Llama4Block" and isinstance(block.attention, SelectiveOpCheckpoint)
+        assert isinstance(block.moe.router, SelectiveOpCheckpoint) and block.moe.router.op_matmuls == "all"
+        assert isinstance(block.moe.shared_expert, SelectiveOpCheckpoint)
+        assert (
+            block.attention.op_matmuls == op_matmuls and type(block.moe.experts).__name__ == "GroupedExperts"
+        )
+    assert list(parts.state_dict()) == list(plain.state_dict())
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    for m in (plain, parts):
+        m(tokens).float().square().mean().backward()
+    for (name, p), q in zip(plain.named_parameters(), parts.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
 def test_dense_and_moe_checkpoints_are_named_incompatible_and_not_taken_as_a_shape(tmp_path):
     import dataclasses
     import json
@@ -414,7 +440,6 @@ def test_plan_resolves_moe_decisions():
             ["--parallelism.tp", "2", "--float8.enable", "--training.precision", "bf16"],
             r"float8.enable does not compose .*tp",
         ),
-        (2, ["--parallelism.tp", "2", "--activation_checkpoint.mode", "selective"], "ep > 1 or tp > 1"),
         (
             1,
             [
@@ -429,7 +454,6 @@ def test_plan_resolves_moe_decisions():
         ),
         (1, ["--moe.bias_update_rate", "-1"], "moe.bias_update_rate must be"),
         (1, ["--parallelism.ep", "0"], "parallelism.ep must be"),
-        (2, ["--parallelism.ep", "2", "--activation_checkpoint.mode", "selective"], "does not compose"),
         (1, ["--model.flavor", "debug", "--float8.experts"], "float8.experts needs a Llama 4"),
         (
             2,

@@ -110,6 +110,13 @@ class RunPlan:
         return self.moe and self.tp > 1
 
     @property
+    def moe_by_parts(self) -> bool:
+        """Whether per-op checkpointing takes the MoE blocks by parts (`wrap_moe_parts` in
+        `parallel/activation_checkpoint.py`): where the MoE layer holds FSDP units of its own (the experts
+        under EP, the layer under TP), whose hooks no per-op checkpointed region may hold."""
+        return self.moe and (self.ep > 1 or self.moe_tp)
+
+    @property
     def ddp(self) -> bool:
         return self.dp_replicate > 1 and not self.fsdp
 
@@ -148,7 +155,7 @@ class RunPlan:
             precision=self.precision,
             float8=self.float8,
             tp_plan=self.tp_plan,
-            ac=self.ac,
+            ac=dataclasses.replace(self.ac, moe_by_parts=self.moe_by_parts),
             compile=self.compile,
             fsdp_plan=self.fsdp_plan,
         )

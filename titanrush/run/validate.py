@@ -595,16 +595,6 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims, args: Llama4Args) -> None:
                 f"{what} does not compose with parallelism.tp > 1 on mixture-of-experts layers yet "
                 f"({m.flavor}); drop it, or shard with dp_shard and parallelism.ep instead of tp"
             )
-    ac = cfg.activation_checkpoint
-    if (dims.ep > 1 or dims.tp > 1) and ac.mode == "selective" and ac.selective == "op":
-        # The MoE layer's FSDP units (the experts' with EP, the whole layer's with TP) run their hooks
-        # inside the checkpointed block, and their recomputation does not replay the forward's ops one
-        # for one, which per-op checkpointing requires.
-        raise ConfigError(
-            "activation_checkpoint.selective = 'op' does not compose with parallelism.ep > 1 or tp > 1 on "
-            "mixture-of-experts layers yet; use activation_checkpoint.mode = 'full' (or selective = N, "
-            "every N-th block in full) or 'none'"
-        )
     f8 = cfg.float8
     if f8.experts and (dims.pp > 1 or dims.cp > 1 or cfg.training.precision != "bf16" or f8.emulate):
         raise ConfigError(
