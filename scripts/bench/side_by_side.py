@@ -127,6 +127,8 @@ def row_flags(row: Row) -> list[str]:
     ]
     if row.flavor != "8B":  # Llama 3.2 ties its embeddings; torchtitan's llama3 never does
         flags += ["--model.tie_embeddings", "untied"]
+    if row.flavor.startswith("llama4"):  # torchtitan 0.2.2's routing: bias step 1e-3, no balance loss
+        flags += ["--moe.bias_update_rate", "1e-3", "--moe.aux_loss_coeff", "0"]
     for key, degree in (("tp", row.tp), ("cp", row.cp), ("pp", row.pp), ("ep", row.ep)):
         flags += [f"--parallelism.{key}", str(degree)] if degree > 1 else []
     if row.pp > 1:  # torchtitan's default: 1F1B, micro-batches of one sequence

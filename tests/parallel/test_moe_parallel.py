@@ -47,6 +47,26 @@ MESHES = {
     # full activation checkpointing recomputes the dispatch, all-to-alls included, in backward
     "ep2_ac_full": (2, 2, [P + "ep", "2", "--activation_checkpoint.mode", "full"]),
     "fsdp2_ac_op": (2, 2, ["--activation_checkpoint.mode", "selective"]),
+    # per-op checkpointing by parts where the MoE layer holds FSDP units of its own (EP, TP): attention,
+    # router and shared expert per op, the experts and their exchange not recomputed
+    "ep2_ac_op": (
+        2,
+        2,
+        [
+            P + "ep",
+            "2",
+            "--activation_checkpoint.mode",
+            "selective",
+            "--activation_checkpoint.op_matmuls",
+            "alternate",
+        ],
+    ),
+    "ep2_compiled_ac_op": (
+        2,
+        2,
+        [P + "ep", "2", "--compile.enable", "--activation_checkpoint.mode", "selective"],
+    ),
+    "tp2_ac_op": (2, 1, [P + "tp", "2", "--activation_checkpoint.mode", "selective"]),
     # TP shards attention; each tp rank routes its sequence shard (sequence parallel) or all of it
     "tp2": (2, 1, [P + "tp", "2"]),
     "tp2_no_sp": (2, 1, [P + "tp", "2", "--no-parallelism.sequence_parallel"]),
@@ -63,8 +83,9 @@ MESHES = {
 ROUTER_LOSSES = {
     # name: (mesh, data-parallel degree, losses)
     "ep2_aux_z": ([P + "ep", "2"], 2, ("--moe.aux_loss_coeff", "0.01", "--moe.z_loss_coeff", "0.001")),
-    # each tp rank's z-loss covers its sequence shard: weighed 1/tp, the sum over tp is the mean
-    "tp2_z": ([P + "tp", "2"], 1, ("--moe.z_loss_coeff", "0.001")),
+    # each tp rank's losses cover its sequence shard, the balance loss's counts summed over the shards:
+    # weighed 1/tp, their sum over tp is the whole sequences' loss
+    "tp2_aux_z": ([P + "tp", "2"], 1, ("--moe.aux_loss_coeff", "0.01", "--moe.z_loss_coeff", "0.001")),
 }
 RESUME = {"ep1_one_process": (1, 1, []), "ep4": (4, 4, [P + "ep", "4"]), "tp2": (2, 1, [P + "tp", "2"])}
 

@@ -62,7 +62,9 @@ def test_balance_sets_the_same_warmup_and_bias_step_in_both_trainers_on_llama4_r
         warmup = 100 if balanced else 10
         assert cfg.lr_scheduler.warmup_steps == tt["lr_scheduler"]["warmup_steps"] == warmup
         rate = 1e-2 if balanced else 1e-3
-        assert cfg.moe.bias_update_rate == float(runs["torchtitan", row].env["TT_LOAD_BALANCE_COEFF"]) == rate
+        assert float(runs["torchtitan", row].env["TT_LOAD_BALANCE_COEFF"]) == rate
+        if row == "moe_ep2":  # torchtitan 0.2.2 has no balance loss
+            assert (cfg.moe.bias_update_rate, cfg.moe.aux_loss_coeff) == (rate, 0.0)
 
 
 def test_profiled_steps_are_left_out_of_the_figures():

@@ -99,8 +99,9 @@ def test_states_equal_the_parameters_a_rank_holds(fake_world, world, par, over):
         ({"precision": "bf16", "ac": ACPlan(mode="selective")}, {"top_k": 2}),
         ({"precision": "bf16", "dp_shard": 4, "ep": 2}, {"moe_every": 2}),  # the exchange, bf16 kernel
         ({"dp_shard": 2, "ep": 2, "ac": ACPlan(mode="full")}, {}),
+        ({"dp_shard": 2, "ep": 2, "ac": ACPlan(mode="selective")}, {}),  # op by parts
     ],
-    ids=["fp32", "autocast_op_top2", "fsdp_ep2_every2", "ep2_full"],
+    ids=["fp32", "autocast_op_top2", "fsdp_ep2_every2", "ep2_full", "ep2_op_parts"],
 )
 def test_fake_trace_equals_real_cpu_step(kw, over):
     """The fake trace of llama4_debug gives the peak the same tracker measures on real tensors through
@@ -138,6 +139,10 @@ MESHES = [
     ),
     dict(precision="bf16", tp=2, ac=ACPlan(mode="full")),
     dict(precision="bf16", tp=2, dp_shard=2, ep=2, ac=ACPlan(mode="full")),
+    # per-op checkpointing by parts (the MoE layer's FSDP units: the experts' under EP, the layer's under TP)
+    dict(precision="bf16", dp_shard=4, ep=2, ac=ACPlan(mode="selective")),
+    dict(dp_shard=2, ep=2, ac=ACPlan(mode="selective", op_matmuls="alternate")),
+    dict(precision="bf16", tp=2, ac=ACPlan(mode="selective")),
     dict(precision="bf16", dp_shard=2, pp=2, pp_microbatches=2),
     dict(precision="bf16", pp=2, pp_microbatches=2),  # autocast: the experts' casts per micro-batch
 ]
@@ -152,6 +157,9 @@ IDS = [
     "ep2_sel2",
     "tp2_full",
     "tp2_fsdp2_ep2_full",
+    "fsdp4_ep2_op_parts",
+    "ep2_op_alt_parts",
+    "tp2_op_parts",
     "pp2_fsdp2",
     "pp2_autocast",
 ]

@@ -17,6 +17,7 @@ from titanrush.models.llama4.balance import balance_experts, moe_modules
 from titanrush.models.llama4.grouped_gemm import ALIGN, KERNEL, grouped_mm, loop_mm, pad_groups
 from titanrush.models.llama4.moe import MoE
 from titanrush.models.llama4.router import Router, add_loss_grad, balance_loss
+from titanrush.parallel.activation_checkpoint import ACPlan, SelectiveOpCheckpoint, apply_ac
 from titanrush.parallel.expert_parallel import regroup_index
 from titanrush.run.plan import build_plan
 
@@ -147,14 +148,34 @@ def test_balance_loss_is_one_when_balanced_and_more_when_skewed():
     router = Router(8, 4, top_k=1)
     nn.init.zeros_(router.gate.weight)  # every score 0.5: the normalized scores are uniform
     x = torch.randn(2 * 8, 8)
-    balanced = router(x, torch.tensor([0.0, 0.0, 0.0, 0.0]))
-    balanced.experts = torch.arange(16).remainder(4).reshape(16, 1)  # each expert 2 tokens per sequence
-    assert balance_loss(balanced, n_seqs=2).item() == pytest.approx(1.0)
-    skewed = router(x, torch.tensor([1.0, 0.0, 0.0, 0.0]))
-    assert balance_loss(skewed, n_seqs=2).item() == pytest.approx(1.0)  # uniform scores: P_e = 1/4
+    balanced = router(x, torch.tensor([0.0, 0.0, 0.0, 0.0]), n_seqs=2)
+    balanced.seq_counts = torch.full((2, 4), 2.0)  # each expert 2 tokens per sequence
+    assert balance_loss(balanced).item() == pytest.approx(1.0)
+    skewed = router(x, torch.tensor([1.0, 0.0, 0.0, 0.0]), n_seqs=2)
+    assert skewed.seq_counts.tolist() == [[8, 0, 0, 0], [8, 0, 0, 0]]
+    assert balance_loss(skewed).item() == pytest.approx(1.0)  # uniform scores: P_e = 1/4
     router.gate.weight.data[0] = 1.0
-    skewed = router(x.abs(), torch.tensor([1.0, 0.0, 0.0, 0.0]))  # expert 0 scores highest and is picked
-    assert balance_loss(skewed, n_seqs=2).item() > 1.4
+    skewed = router(x.abs(), torch.tensor([1.0, 0.0, 0.0, 0.0]), n_seqs=2)  # expert 0 scores highest
+    assert balance_loss(skewed).item() > 1.4
+
+
+def test_balance_loss_of_sequence_shards_sums_to_the_whole_sequences():
+    """Under sequence (or context) parallel each rank routes a shard of every sequence: with the counts
+    per sequence summed over the shards, the shards' losses average to the whole sequences' loss, in
+    value and in gradient."""
+    torch.manual_seed(0)
+    router = Router(8, 4, top_k=1)
+    x = torch.randn(2, 12, 8)  # (B, T, dim)
+    whole = router(x.reshape(-1, 8), n_seqs=2)
+    loss = balance_loss(whole)
+    (grad,) = torch.autograd.grad(loss, router.gate.weight)
+    shards = [router(part.reshape(-1, 8), n_seqs=2) for part in x.chunk(3, dim=1)]
+    total = sum(s.seq_counts for s in shards)
+    for s in shards:
+        s.seq_counts = total
+    sharded = sum(balance_loss(s) for s in shards) / 3
+    torch.testing.assert_close(sharded, loss)
+    torch.testing.assert_close(torch.autograd.grad(sharded, router.gate.weight)[0], grad)
 
 
 def test_added_loss_has_the_gradient_of_a_loss_added_to_the_total():
@@ -292,6 +313,31 @@ def test_window_imbalance_sums_the_load_of_every_step_since_the_last_log():
     assert balance.stats()["moe_imbalance_window"] == pytest.approx(4.0)  # one step: expert 1 alone
 
 
+@pytest.mark.parametrize("op_matmuls", ["all", "alternate"])
+def test_op_checkpointing_by_parts_wraps_the_attention_router_and_shared_expert_only(op_matmuls):
+    """Per-op checkpointing by parts (a MoE layer with FSDP units of its own, under EP or TP): the block
+    itself and the experts stay unwrapped, the checkpoint's names and the step's numbers those of the
+    model without checkpointing."""
+    args = dataclasses.replace(model_args("llama4_debug"), n_layers=2, aux_loss_weight=0.01)
+    plain, parts = Llama4(args), Llama4(args)
+    for m in (plain, parts):
+        m.init_weights(seed=0)
+    apply_ac(parts, ACPlan(mode="selective", op_matmuls=op_matmuls, moe_by_parts=True))
+    for block in parts.layers.values():
+        assert type(block).__name__ == "Llama4Block" and isinstance(block.attention, SelectiveOpCheckpoint)
+        assert isinstance(block.moe.router, SelectiveOpCheckpoint) and block.moe.router.op_matmuls == "all"
+        assert isinstance(block.moe.shared_expert, SelectiveOpCheckpoint)
+        assert (
+            block.attention.op_matmuls == op_matmuls and type(block.moe.experts).__name__ == "GroupedExperts"
+        )
+    assert list(parts.state_dict()) == list(plain.state_dict())
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    for m in (plain, parts):
+        m(tokens).float().square().mean().backward()
+    for (name, p), q in zip(plain.named_parameters(), parts.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, msg=name)
+
+
 def test_dense_and_moe_checkpoints_are_named_incompatible_and_not_taken_as_a_shape(tmp_path):
     import dataclasses
     import json
@@ -373,15 +419,13 @@ def test_plan_resolves_moe_decisions():
     assert plan_of(1, "--compile.enable", "--training.precision", "bf16").compile.fullgraph
     assert not plan_of(1, "--compile.enable").compile.fullgraph  # fp32: the per-expert loop
     # TP with sequence parallel: each tp rank routes 1/tp of the tokens, and the router's gradients are
-    # summed over them: the z-loss weighs 1/tp on each; without sequence parallel every rank routes all
-    z = ("--moe.z_loss_coeff", "0.004")
-    assert plan_of(2, "--parallelism.tp", "2", *z).args.z_loss_weight == pytest.approx(0.002)
-    no_sp = plan_of(2, "--parallelism.tp", "2", "--no-parallelism.sequence_parallel", *z)
+    # summed over them: both losses weigh 1/tp on each; without sequence parallel every rank routes all
+    losses = ("--moe.z_loss_coeff", "0.004", "--moe.aux_loss_coeff", "0.01")
+    sp = plan_of(2, "--parallelism.tp", "2", *losses).args
+    assert (sp.z_loss_weight, sp.aux_loss_weight) == (pytest.approx(0.002), pytest.approx(0.005))
+    no_sp = plan_of(2, "--parallelism.tp", "2", "--no-parallelism.sequence_parallel", *losses)
     assert no_sp.moe_tp and no_sp.args.z_loss_weight == pytest.approx(0.004)
-    aux = plan_of(
-        2, "--parallelism.tp", "2", "--no-parallelism.sequence_parallel", "--moe.aux_loss_coeff", "0.01"
-    )
-    assert aux.args.aux_loss_weight == pytest.approx(0.01)
+    assert no_sp.args.aux_loss_weight == pytest.approx(0.01)
 
 
 @pytest.mark.parametrize(
@@ -396,8 +440,6 @@ def test_plan_resolves_moe_decisions():
             ["--parallelism.tp", "2", "--float8.enable", "--training.precision", "bf16"],
             r"float8.enable does not compose .*tp",
         ),
-        (2, ["--parallelism.tp", "2", "--moe.aux_loss_coeff", "0.01"], "splits over the tp ranks"),
-        (2, ["--parallelism.tp", "2", "--activation_checkpoint.mode", "selective"], "ep > 1 or tp > 1"),
         (
             1,
             [
@@ -412,7 +454,6 @@ def test_plan_resolves_moe_decisions():
         ),
         (1, ["--moe.bias_update_rate", "-1"], "moe.bias_update_rate must be"),
         (1, ["--parallelism.ep", "0"], "parallelism.ep must be"),
-        (2, ["--parallelism.ep", "2", "--activation_checkpoint.mode", "selective"], "does not compose"),
         (1, ["--model.flavor", "debug", "--float8.experts"], "float8.experts needs a Llama 4"),
         (
             2,

@@ -196,6 +196,25 @@ def wrap_block(block: nn.Module, *, selective_op: bool = False, op_matmuls: str 
     return CheckpointedBlock(block)
 
 
+def wrap_moe_parts(block: nn.Module, op_matmuls: str) -> None:
+    """Selective op checkpointing of a mixture-of-experts block by parts, in place: its `attention` per
+    `op_matmuls`, its MoE layer's `router` and `shared_expert` keeping every matmul output; the rest of
+    the MoE layer (the permutation, the experts and, under expert parallel, their exchange) and the norms
+    are not checkpointed.
+
+    For MoE layers that hold FSDP units of their own (the experts under expert parallel, the whole layer
+    under tensor parallel): a unit's hooks inside a per-op checkpointed region run differently when it
+    is recomputed (the unit is already gathered for its backward), and per-op checkpointing requires the
+    recomputation to repeat the forward's operations one for one (torch raises). No region here holds a
+    unit's hooks, and the experts' all-to-alls are never repeated.
+    """
+    block.register_module("attention", wrap_block(block.attention, selective_op=True, op_matmuls=op_matmuls))
+    moe = block.moe
+    for name in ("router", "shared_expert"):
+        if getattr(moe, name) is not None:
+            moe.register_module(name, wrap_block(getattr(moe, name), selective_op=True, op_matmuls="all"))
+
+
 @dataclass(frozen=True)
 class ACPlan:
     """Activation checkpointing and offload of the run ([activation_checkpoint]).
@@ -212,6 +231,9 @@ class ACPlan:
     offload_first, offload_every: Every `offload_every`-th of the model's first `offload_first` blocks
         (global indices), whose saved tensors activation offload moves to the host
         (`activation_offload.apply_offload`), whatever `mode` says (see `apply_ac`).
+    moe_by_parts: With `op`: the blocks with a mixture-of-experts layer (`block.moe`) are checkpointed
+        by parts (`wrap_moe_parts`), for MoE layers with FSDP units of their own (expert or tensor
+        parallel).
     """
 
     mode: str = "none"
@@ -220,6 +242,7 @@ class ACPlan:
     op_all_last: int = 0
     offload_first: int = 0
     offload_every: int = 1
+    moe_by_parts: bool = False
 
 
 def apply_ac(model: nn.Module, plan: ACPlan, *, compiled: bool = False) -> None:
@@ -241,9 +264,14 @@ def apply_ac(model: nn.Module, plan: ACPlan, *, compiled: bool = False) -> None:
     elif plan.mode == "selective" and plan.selective == "op":
         last = plan.op_all_last
         keep_all = _last_blocks(model, last) if last and plan.op_matmuls == "alternate" else set()
-        wrap = lambda i, name, b: wrap_block(
-            b, selective_op=True, op_matmuls="all" if name in keep_all else plan.op_matmuls
-        )
+
+        def wrap(i: int, name: str, b: nn.Module) -> nn.Module | None:
+            op_matmuls = "all" if name in keep_all else plan.op_matmuls
+            if plan.moe_by_parts and getattr(b, "moe", None) is not None:
+                wrap_moe_parts(b, op_matmuls)  # (in place: the block itself stays as it is)
+                return None
+            return wrap_block(b, selective_op=True, op_matmuls=op_matmuls)
+
     else:  # (titanrush.run.validate: mode is none, full or selective; selective is op or a positive N)
         assert plan.mode == "selective" and int(plan.selective) > 0, plan
         every = int(plan.selective)

@@ -19,11 +19,13 @@ The plan itself (which module is column-wise, row-wise, sequence-parallel) belon
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
@@ -96,6 +98,21 @@ def enable_async_tp(tp_mesh: DeviceMesh) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         enable_symm_mem_for_group(tp_mesh.get_group().group_name)
+
+
+def sum_output_over(module: nn.Module, mesh: DeviceMesh, field: str) -> None:
+    """After each forward of `module`, sum its output's `field` over the ranks of `mesh`, in place.
+
+    For a statistic of whole sequences computed by a module that sees only this rank's shard of each
+    (sequence parallel's tp ranks, context parallel's cp ranks): Llama 4's router counts each sequence's
+    choices per expert, which its balance loss needs whole. The output is a dataclass and `field` a
+    tensor without gradient; a functional all-reduce, so that compile can trace it.
+    """
+
+    def hook(mod: nn.Module, args: Any, out: Any) -> Any:
+        return dataclasses.replace(out, **{field: funcol.all_reduce(getattr(out, field), "sum", mesh)})
+
+    module.register_forward_hook(hook)
 
 
 def apply_tp_plan(module: nn.Module, tp_mesh: DeviceMesh, plan: dict[str, ParallelStyle]) -> None:

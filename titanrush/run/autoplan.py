@@ -183,7 +183,7 @@ def _ac_options(base: RunPlan, *, offloading: bool) -> list[dict[str, Any]]:
     n = base.args.n_layers
     step = max(n // 8, 1)  # alternate, with the last k blocks keeping every matmul output
     op = [("all", 0), ("all_but_w3", 0)] + [("alternate", k) for k in range(0, n, step)]
-    if base.moe and (base.ep > 1 or base.tp > 1):  # (validate: op does not compose with these on MoE layers)
+    if base.moe and (base.ep > 1 or base.tp > 1):  # (op there takes MoE blocks by parts: not weighed yet)
         op = []
     if offloading:
         op = op[:1]

@@ -207,14 +207,16 @@ def _sp(s: RunPlan, n: int, as_traced: bool) -> int:
     return n // s.tp if s.tp > 1 and s.tp_plan.sequence_parallel and not as_traced else n
 
 
-def layer_mode(s: RunPlan, position: int, *, as_traced: bool) -> str:
-    """How the block at this position of the rank is checkpointed: none, full, op (selective) or compiled."""
+def layer_mode(s: RunPlan, position: int, *, as_traced: bool, layer: int | None = None) -> str:
+    """How the block at this position of the rank (`layer`: its index in the model) is checkpointed: none,
+    full, op (selective), parts (selective op by parts: a MoE block under EP or TP,
+    `activation_checkpoint.wrap_moe_parts`) or compiled."""
     plain = "none" if as_traced or not s.compile.enable else "compiled"
     if s.ac.mode == "full":
         return "full"
     if s.ac.mode == "selective":
         if s.ac.selective == "op":
-            return "op"
+            return "parts" if s.moe_by_parts and layer is not None and moe.is_moe(s, layer) else "op"
         return "full" if (position + 1) % int(s.ac.selective) == 0 else plain
     return plain
 
@@ -256,6 +258,9 @@ def block_saved(
     `layer`: the block's index in the whole model; a MoE layer's feed-forward is `memory_moe.moe_saved`'s
     (`imbalance`: the busiest EP rank's load over the balanced share).
     """
+    if mode == "parts":  # (a MoE block: `_parts_saved`)
+        assert layer is not None and moe.is_moe(s, layer), layer
+        return _parts_saved(s, n, batch, as_traced=as_traced, keep_all=keep_all, imbalance=imbalance)
     out = _block_saved(s, n, batch, mode, as_traced=as_traced, keep_all=keep_all)
     if layer is not None and mode == "none" and moe.qk_norm(s, layer):
         out["q, k fp32 (QK-norm)"] = moe.qk_norm_saved(s, n)
@@ -267,6 +272,22 @@ def block_saved(
     if mode == "compiled":  # the router's (and the shared expert's) input
         out["ffn_norm out"] = s.c * tokens * s.args.dim
     return out | moe.moe_saved(s, tokens, batch, mode, imbalance=imbalance, keep_all=keep_all)
+
+
+def _parts_saved(
+    s: RunPlan, n: int, batch: int, *, as_traced: bool, keep_all: bool, imbalance: float
+) -> dict[str, int]:
+    """`block_saved` of a MoE block checkpointed by parts: the attention's op set with its input (the
+    norm's output) in place of the block's input, the two norms as eager, the MoE layer's `parts` set."""
+    n_sp = _sp(s, n, as_traced)
+    norm = 4 * n_sp * s.args.dim + 4 * n_sp  # RMSNorm keeps its fp32 input and the fp32 1/rms
+    out = _block_saved(s, n, batch, "op", as_traced=as_traced, keep_all=keep_all)
+    for key in (*moe.DENSE_FFN, "block input"):
+        out.pop(key, None)
+    if "reduce-scatter outs" in out:  # wo's alone: the MoE layer computes its tokens whole
+        out["reduce-scatter outs"] //= 2
+    out |= {"attention_norm in": norm, "attention in": s.r * n_sp * s.args.dim, "ffn_norm in": norm}
+    return out | moe.moe_saved(s, n_sp, batch, "parts", imbalance=imbalance)
 
 
 def _block_saved(
@@ -397,6 +418,12 @@ def block_working_set(
     if backward:
         kept = "compiled" if mode == "compiled" else "none"
         saved = block_saved(s, n, batch, kept, as_traced=as_traced, layer=layer, imbalance=imbalance)
+        if mode == "parts":  # the attention is recomputed after the MoE layer's backward: until then its
+            # op set; the MoE layer's as eager (its shared expert's recomputation brings back the rest)
+            parts = _parts_saved(s, n, batch, as_traced=as_traced, keep_all=False, imbalance=imbalance)
+            moe_part = moe.moe_saved(s, n_sp, batch, "parts", imbalance=imbalance)
+            eager = moe.moe_saved(s, n_sp, batch, "none", imbalance=imbalance)
+            saved = {k: v for k, v in parts.items() if k not in moe_part} | eager
         # (a MoE layer's input gradients: `memory_moe.backward_points`, in `analyze_rank`)
         grads = 0 if is_moe else 2 * c * n * f
         return (
@@ -409,7 +436,7 @@ def block_working_set(
     if is_moe:  # the mid-block residual: eager, kept by the norm as fp32 (a bf16 one is live beside its
         # copy, and so is the block's input); the block's output comes after the layer's peak
         ffn = moe.forward_live(s, n_sp, mode, imbalance=imbalance)
-        return max(ffn, ring) + (2 * held if mode == "none" else r * n_sp * a.dim) + scores
+        return max(ffn, ring) + (2 * held if mode in ("none", "parts") else r * n_sp * a.dim) + scores
     if mode == "full":  # silu output, w3 output and gate; the FFN input and the mid-block residual
         ffn = 3 * c * n * f + r * n_sp * a.dim + casts
     elif mode == "op":  # w1 and w3 outputs are cached (saved); silu output and gate are not
@@ -664,7 +691,7 @@ def analyze_rank(
     parallel rank's load over the balanced share, `memory_moe`)."""
     a, st, b, k = s.args, states(s, plan), plan.microbatch, plan.in_flight
     n = b * s.seq_len // s.cp  # tokens of one micro-batch on this rank
-    modes = [layer_mode(s, i, as_traced=as_traced) for i in range(len(plan.layers))] or ["full"]
+    modes = [layer_mode(s, i, as_traced=as_traced, layer=x) for i, x in enumerate(plan.layers)] or ["full"]
     layers = plan.layers or [0]
     moe_kw = dict(as_traced=as_traced, imbalance=moe_imbalance)
     saved = [
@@ -902,7 +929,7 @@ def _autocast_copies(
     out = 0 if "output" in f8 else 2 * sum(d0 * d1 for name, (d0, d1), _ in shapes if name == "output")
     if s.args.tie_embeddings and plan.embedding and plan.head and "output" not in f8:
         out += 2 * shapes[0][1][0] * shapes[0][1][1]
-    ckpt = [m in ("full", "op") for m in modes] if plan.layers else []
+    ckpt = [m in ("full", "op", "parts") for m in modes] if plan.layers else []
     cached = 0 if s.compile.enable and not as_traced else sum(x for x, c in zip(block, ckpt) if c)
     kept = sum(x for x, c in zip(block, ckpt) if not c)  # saved by autograd
     order = [

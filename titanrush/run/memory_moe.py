@@ -126,9 +126,9 @@ def moe_saved(
     """Bytes one MoE layer keeps for backward (its feed-forward part of the block), by tensor.
 
     `tokens`: the N tokens the layer routes on the rank. Modes as `memory_model.block_saved`'s (full keeps
-    only the block input, which the block counts). Eager, what each op saves (read off autograd's saved
-    tensors on CPU, docs/estimator_method.md); compiled, what inductor's partitioner keeps (read off it on
-    CPU).
+    only the block input, which the block counts; parts: the layer of a block checkpointed by parts).
+    Eager, what each op saves (read off autograd's saved tensors on CPU, docs/estimator_method.md);
+    compiled, what inductor's partitioner keeps (read off it on CPU).
     """
     a, c, r = s.args, s.c, s.r
     d, h, n_exp, e_local = a.dim, a.expert_hidden, a.n_experts, a.n_experts // s.ep
@@ -187,6 +187,15 @@ def moe_saved(
     }
     if shared:
         out["shared expert"] = 4 * c * tokens * h
+    if mode == "parts":  # by parts: the router and the shared expert are per-op checkpointed regions, which
+        # keep their input (the norm's output, once) and their matmul outputs; the scores only where the
+        # balance loss keeps them; the rest as eager
+        out |= {"MoE in": r * tokens * d, "router logits": c * tokens * n_exp}
+        if not a.aux_loss_weight:
+            del out["router scores"]
+        if shared:
+            del out["shared expert"]
+            out |= {"shared w1, w3 out": 2 * c * tokens * h, "shared w2 out": c * tokens * d}
     if s.autocast:  # the grouped GEMM casts the experts' fp32 weights at each call and keeps the casts
         out["experts' bf16 weights"] = 2 * e_local * 3 * d * h
     return out | _router_losses(s, tokens, batch)
@@ -215,13 +224,15 @@ def forward_live(s: RunPlan, tokens: int, mode: str, *, imbalance: float) -> int
     d, h, e_local, shared = a.dim, a.expert_hidden, a.n_experts // s.ep, a.shared_expert
     sent, recv = rows(s, tokens, imbalance)
     ep = s.ep > 1
-    kept = mode in ("none", "compiled")  # the experts' input and hidden tensors are kept for backward
+    # the experts' input and hidden tensors are kept for backward (by parts: the experts run as eager)
+    kept = mode in ("none", "compiled", "parts")
     # routed_in: kept as the experts' input where no cast or exchange comes between (eager, no EP)
     routed_in = 0 if kept and not (ep or s.autocast) else (4 if s.autocast else r) * sent * d
     received = 0 if kept or not ep else c * recv * d  # EP: the regrouped rows, the experts' input
     router = (c + 4) * tokens * a.n_experts  # the logits and the fp32 scores (Routing, alive)
-    layer_in = 0 if kept and not s.autocast else r * tokens * d  # the norm's output, where not kept
-    hidden = {"none": 0, "compiled": 0, "op": 2, "full": 4}[mode]  # of w13's output, silu, the product
+    # the norm's output, where not kept (by parts the router's region keeps it)
+    layer_in = 0 if (kept and not s.autocast) or mode == "parts" else r * tokens * d
+    hidden = {"none": 0, "compiled": 0, "parts": 0, "op": 2, "full": 4}[mode]  # of w13's out, silu, product
     swiglu = hidden * c * recv * h
     if s.autocast and not kept:  # at w13's grouped GEMM: its bf16 casts of the rows and of w13, not kept
         swiglu = max(
@@ -234,9 +245,10 @@ def forward_live(s: RunPlan, tokens: int, mode: str, *, imbalance: float) -> int
     routed_out = 0 if mode == "op" and not ep else c * sent * d  # (op: the cached down projection's output)
     end = routed_in + routed_out + out
     points = [swiglu, combine]
-    if shared:  # the shared expert's output and the sum; full / op: its SwiGLU too (3 / 2 of N x hidden)
-        points += [end + 2 * c * tokens * d - (c * tokens * d if mode == "op" else 0)]
-        if mode in ("full", "op"):
+    if shared:  # the shared expert's output and the sum; full / op / parts: its SwiGLU too (3 / 2 / 2 of
+        # N x hidden)
+        points += [end + 2 * c * tokens * d - (c * tokens * d if mode in ("op", "parts") else 0)]
+        if mode in ("full", "op", "parts"):
             points.append(end + (3 if mode == "full" else 2) * c * tokens * h)
     else:
         points.append(end)

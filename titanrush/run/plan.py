@@ -110,6 +110,13 @@ class RunPlan:
         return self.moe and self.tp > 1
 
     @property
+    def moe_by_parts(self) -> bool:
+        """Whether per-op checkpointing takes the MoE blocks by parts (`wrap_moe_parts` in
+        `parallel/activation_checkpoint.py`): where the MoE layer holds FSDP units of its own (the experts
+        under EP, the layer under TP), whose hooks no per-op checkpointed region may hold."""
+        return self.moe and (self.ep > 1 or self.moe_tp)
+
+    @property
     def ddp(self) -> bool:
         return self.dp_replicate > 1 and not self.fsdp
 
@@ -148,7 +155,7 @@ class RunPlan:
             precision=self.precision,
             float8=self.float8,
             tp_plan=self.tp_plan,
-            ac=self.ac,
+            ac=dataclasses.replace(self.ac, moe_by_parts=self.moe_by_parts),
             compile=self.compile,
             fsdp_plan=self.fsdp_plan,
         )
@@ -252,14 +259,13 @@ def resolve_model_args(cfg: JobConfig) -> ModelArgs:
 def _moe_decisions(cfg: JobConfig, args: ModelArgs, accum: int, microbatches: int, tp: int) -> ModelArgs:
     """Llama 4: the router losses' weights per micro-batch (the coefficients are per optimizer step, whose
     loss is the mean over accum x pipeline micro-batches). Under tensor and sequence parallel each tp rank
-    routes 1/tp of the tokens and the router's gradients are summed over the tp ranks: the z-loss (a mean
-    over tokens) weighs 1/tp on each (validation refuses the balance loss there)."""
+    routes 1/tp of the tokens and the router's gradients are summed over the tp ranks: both losses (each a
+    mean over its shard's tokens, the balance loss's counts summed over the shards) weigh 1/tp on each."""
     if not isinstance(args, Llama4Args):
         return args
-    per = accum * microbatches
-    split = tp if cfg.parallelism.sequence_parallel else 1
+    per = accum * microbatches * (tp if cfg.parallelism.sequence_parallel else 1)
     return dataclasses.replace(
-        args, aux_loss_weight=cfg.moe.aux_loss_coeff / per, z_loss_weight=cfg.moe.z_loss_coeff / (per * split)
+        args, aux_loss_weight=cfg.moe.aux_loss_coeff / per, z_loss_weight=cfg.moe.z_loss_coeff / per
     )
 
 

@@ -115,13 +115,15 @@ def _recomputed(s: RunPlan, layer: int, position: int) -> float:
     whole = _block_flops(s, layer)
     if offloaded(layer, s.ac.offload_first, s.ac.offload_every):  # compiled: op keeping every matmul output
         return ELEMENTWISE_SHARE * whole if s.compile.enable else 0.0
-    mode = mm.layer_mode(s, position, as_traced=False)
+    mode = mm.layer_mode(s, position, as_traced=False, layer=layer)
     if mode == "full":
         return (1 + ELEMENTWISE_SHARE) * whole
-    if mode != "op":
+    if mode not in ("op", "parts"):
         return 0.0
     recompute = OP_MATMULS["all" if mm.keeps_all_matmuls(s, layer) else s.ac.op_matmuls]
-    again = sum(f for k, f in enumerate(_block_matmuls(s, layer), 1) if recompute(k))
+    # (by parts the policy counts the attention's matmuls only: the router and shared expert keep theirs)
+    counted = 4 if mode == "parts" else None
+    again = sum(f for k, f in enumerate(_block_matmuls(s, layer)[:counted], 1) if recompute(k))
     return ELEMENTWISE_SHARE * whole + again
 
 

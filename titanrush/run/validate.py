@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from titanrush.config import ConfigError, JobConfig, Model, Parallelism
+from titanrush.config import ConfigError, JobConfig, Model, MoE, Parallelism
 from titanrush.models.llama import FLAVORS, ModelArgs
 from titanrush.models.llama.flavors import CUSTOM
 from titanrush.models.llama4 import FLAVORS as LLAMA4_FLAVORS
@@ -216,10 +216,11 @@ def check_values(cfg: JobConfig) -> None:
             "local_batch_size and reach a large batch with training.global_batch_size (gradient accumulation)"
         )
     _check_model_keys(cfg.model)
+    moe_default = MoE()  # (off or at the default: a dense model ignores the [moe] section)
     moe_set = {
         "parallelism.ep": p.ep > 1,
-        "moe.aux_loss_coeff": cfg.moe.aux_loss_coeff > 0,
-        "moe.z_loss_coeff": cfg.moe.z_loss_coeff > 0,
+        "moe.aux_loss_coeff": cfg.moe.aux_loss_coeff not in (0.0, moe_default.aux_loss_coeff),
+        "moe.z_loss_coeff": cfg.moe.z_loss_coeff not in (0.0, moe_default.z_loss_coeff),
     }
     key = next((k for k, on in moe_set.items() if on), None)
     if key and cfg.model.flavor not in LLAMA4_FLAVORS:
@@ -619,34 +620,13 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims, args: Llama4Args) -> None:
         )
     if dims.tp > 1:  # TP shards the attention and the dense FFNs; the MoE layers take the tp ranks as
         # data-parallel ranks (each routes its own sequence shard under sequence parallel)
-        refused = [  # (what, why) where the config asks for it
-            ("parallelism.cp > 1", "", dims.cp > 1),
-            ("float8.enable", "", cfg.float8.enable),
-            ("float8.experts", "", cfg.float8.experts),
-            (
-                "moe.aux_loss_coeff > 0 with sequence parallel",
-                ": the balance loss counts whole sequences, "
-                "which sequence parallel splits over the tp ranks; parallelism.sequence_parallel = false "
-                "keeps them whole",
-                cfg.moe.aux_loss_coeff > 0 and cfg.parallelism.sequence_parallel,
-            ),
-        ]
-        for what, why, on in refused:
-            if on:
-                raise ConfigError(
-                    f"{what} does not compose with parallelism.tp > 1 on mixture-of-experts layers yet "
-                    f"({m.flavor}{why}); drop it, or shard with dp_shard and parallelism.ep instead of tp"
-                )
-    ac = cfg.activation_checkpoint
-    if (dims.ep > 1 or dims.tp > 1) and ac.mode == "selective" and ac.selective == "op":
-        # The MoE layer's FSDP units (the experts' with EP, the whole layer's with TP) run their hooks
-        # inside the checkpointed block, and their recomputation does not replay the forward's ops one
-        # for one, which per-op checkpointing requires.
-        raise ConfigError(
-            "activation_checkpoint.selective = 'op' does not compose with parallelism.ep > 1 or tp > 1 on "
-            "mixture-of-experts layers yet; use activation_checkpoint.mode = 'full' (or selective = N, "
-            "every N-th block in full) or 'none'"
-        )
+        refused = {"parallelism.cp > 1": dims.cp > 1, "float8.enable": cfg.float8.enable}
+        refused["float8.experts"] = cfg.float8.experts
+        for what in (what for what, on in refused.items() if on):
+            raise ConfigError(
+                f"{what} does not compose with parallelism.tp > 1 on mixture-of-experts layers yet "
+                f"({m.flavor}); drop it, or shard with dp_shard and parallelism.ep instead of tp"
+            )
     f8 = cfg.float8
     if f8.experts and (dims.pp > 1 or dims.cp > 1 or cfg.training.precision != "bf16" or f8.emulate):
         raise ConfigError(

@@ -341,7 +341,7 @@ def build_local_model(s: RunPlan, plan: RankPlan, *, moe_imbalance: float = DEFA
     # The local model numbers its blocks 0..len(plan.layers) - 1: the plan's share of the last N; the trace
     # offloads nothing.
     last = sum(keeps_all_matmuls(s, layer) for layer in plan.layers)
-    apply_ac(model, dataclasses.replace(s.ac, op_all_last=last, offload_first=0))
+    apply_ac(model, dataclasses.replace(s.ac, op_all_last=last, offload_first=0, moe_by_parts=s.moe_by_parts))
     return model
 
 

@@ -48,6 +48,7 @@ from titanrush.parallel.tensor_parallel import (
     TPPlan,
     apply_tp_plan,
     enable_async_tp,
+    sum_output_over,
 )
 
 logger = logging.getLogger("titanrush")
@@ -110,6 +111,15 @@ def parallelize_llama(
     #    for ring attention). The trainer's context_parallel_step shards each batch over `cp` and swaps
     #    SDPA for ring attention during the step; FSDP below shards the weights over dp_shard x cp, since
     #    the cp ranks hold the same weights.
+
+    # 3b. Llama 4's balance loss counts each sequence's choices per expert: where a rank routes only its
+    #     shard of every sequence (the tp ranks under sequence parallel, the cp ranks), the routers' counts
+    #     are summed over those ranks (`models/llama4/router.balance_loss`).
+    if mesh is not None and experts and getattr(model.args, "aux_loss_weight", 0.0):
+        split = {"tp": dims.tp > 1 and plan.tp_plan.sequence_parallel, "cp": dims.cp > 1}
+        for name in (n for n, on in split.items() if on):
+            for key in experts:
+                sum_output_over(model.layers[key].moe.router, mesh[name], "seq_counts")
 
     # 4-5. Activation checkpointing, then compile (which traces the checkpointed blocks).
     apply_ac(model, plan.ac, compiled=plan.compile.enable)

@@ -86,7 +86,7 @@ class MoE(nn.Module):
         bsz, seq, dim = x.shape
         tokens = x.reshape(-1, dim)  # (N, dim)
         # 1. Route: each token's k experts and their scores.
-        r = self.router(tokens, self.expert_bias)
+        r = self.router(tokens, self.expert_bias, n_seqs=bsz)
         if torch.is_grad_enabled() and not x.is_meta:  # training passes only; see balance.py for AC
             self.tokens_per_expert.add_(r.counts)
         # 2. Permute: choices sorted by expert (stable: a token's choices keep the token order).
@@ -102,15 +102,15 @@ class MoE(nn.Module):
             out = out.reshape(-1, self.top_k, dim).sum(dim=1)
         if self.shared_expert is not None:
             out = out + self.shared_expert(tokens)
-        out = self._add_router_losses(out, r, bsz)
+        out = self._add_router_losses(out, r)
         return out.reshape(bsz, seq, dim)
 
-    def _add_router_losses(self, out: torch.Tensor, r: Routing, n_seqs: int) -> torch.Tensor:
+    def _add_router_losses(self, out: torch.Tensor, r: Routing) -> torch.Tensor:
         if not torch.is_grad_enabled() or (self.aux_loss_weight == 0 and self.z_loss_weight == 0):
             return out
         loss = out.new_zeros((), dtype=torch.float32)
         if self.aux_loss_weight:
-            loss = loss + self.aux_loss_weight * balance_loss(r, n_seqs)
+            loss = loss + self.aux_loss_weight * balance_loss(r)
         if self.z_loss_weight:
             loss = loss + self.z_loss_weight * z_loss(r)
         return add_loss_grad(out, loss)

@@ -30,6 +30,10 @@ class Routing:
     counts: torch.Tensor  # (E,) int64: tokens routed to each expert
     scores: torch.Tensor  # (N, E) fp32: every score (the balance loss reads them)
     logits: torch.Tensor  # (N, E) the gate's output (the z-loss reads them)
+    # (B, E) fp32: each sequence's choices per expert (the balance loss's token fractions). Where a
+    # sequence is split over ranks (sequence or context parallel), the parallelization sums them over
+    # those ranks after the router's forward, so that they count whole sequences.
+    seq_counts: torch.Tensor
 
 
 class Router(nn.Module):
@@ -41,16 +45,27 @@ class Router(nn.Module):
         self.n_experts = n_experts
         self.top_k = top_k
 
-    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> Routing:
-        """Route tokens x (N, dim); `bias` (E,) fp32 only steers the choice."""
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None, n_seqs: int = 1) -> Routing:
+        """Route tokens x (N, dim), `n_seqs` sequences of N / n_seqs tokens; `bias` (E,) fp32 only steers
+        the choice."""
         logits = self.gate(x)
         scores = torch.sigmoid(logits.float())  # fp32: the ranking and weights of near-equal experts
         with torch.no_grad():
             biased = scores if bias is None else scores + bias
             experts = torch.topk(biased, self.top_k, dim=-1).indices  # (N, k)
+            picks = experts.reshape(n_seqs, -1)  # (B, T k)
+            ones = torch.ones_like(picks, dtype=torch.float32)
+            seq_counts = torch.zeros(n_seqs, self.n_experts, device=x.device).scatter_add_(1, picks, ones)
         weights = scores.gather(-1, experts)
         counts = expert_counts(experts, self.n_experts)
-        return Routing(experts=experts, weights=weights, counts=counts, scores=scores, logits=logits)
+        return Routing(
+            experts=experts,
+            weights=weights,
+            counts=counts,
+            scores=scores,
+            logits=logits,
+            seq_counts=seq_counts,
+        )
 
 
 def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
@@ -61,23 +76,21 @@ def expert_counts(experts: torch.Tensor, n_experts: int) -> torch.Tensor:
     )
 
 
-def balance_loss(routing: Routing, n_seqs: int) -> torch.Tensor:
+def balance_loss(routing: Routing) -> torch.Tensor:
     """Sequence-wise balance loss: mean over sequences of E x sum_e f_e x P_e (1 when balanced).
 
-    f_e is the fraction of the sequence's k x T choices that went to expert e (a count: no gradient);
-    P_e the mean over its tokens of e's score normalized over the experts. Per sequence, so that the loss
-    does not depend on how a batch is split over data-parallel ranks.
+    f_e is the fraction of the sequence's k x T choices that went to expert e (`Routing.seq_counts`: no
+    gradient); P_e the mean over its tokens of e's score normalized over the experts. Per sequence, so
+    that the loss does not depend on how a batch is split over data-parallel ranks.
+
+    Where each rank holds a shard of every sequence (sequence or context parallel), `seq_counts` are
+    the whole sequences' (summed over the shards) and P_e is the mean over this rank's shard: the mean of
+    the shards' losses is then the whole sequences' loss, since f carries no gradient.
     """
-    n, k = routing.experts.shape
-    e = routing.scores.shape[-1]
-    seq = n // n_seqs
-    picks = routing.experts.reshape(n_seqs, seq * k)
-    f = torch.zeros(n_seqs, e, device=picks.device).scatter_add_(
-        1, picks, torch.ones_like(picks, dtype=torch.float32)
-    )
-    f = f / (seq * k)
+    n_seqs, e = routing.seq_counts.shape
+    f = routing.seq_counts / routing.seq_counts.sum(-1, keepdim=True)
     p = routing.scores / routing.scores.sum(-1, keepdim=True)
-    p = p.reshape(n_seqs, seq, e).mean(1)
+    p = p.reshape(n_seqs, -1, e).mean(1)
     return e * (f * p).sum(-1).mean()
 
 
