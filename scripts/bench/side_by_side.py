@@ -127,8 +127,6 @@ def row_flags(row: Row) -> list[str]:
     ]
     if row.flavor != "8B":  # Llama 3.2 ties its embeddings; torchtitan's llama3 never does
         flags += ["--model.tie_embeddings", "untied"]
-    if row.flavor.startswith("llama4"):  # torchtitan 0.2.2's routing: bias step 1e-3, no balance loss
-        flags += ["--moe.bias_update_rate", "1e-3", "--moe.aux_loss_coeff", "0"]
     for key, degree in (("tp", row.tp), ("cp", row.cp), ("pp", row.pp), ("ep", row.ep)):
         flags += [f"--parallelism.{key}", str(degree)] if degree > 1 else []
     if row.pp > 1:  # torchtitan's default: 1F1B, micro-batches of one sequence
@@ -145,10 +143,13 @@ def even_split(row: Row) -> list[int]:
 
 def setting_flags(row: Row) -> dict[str, list[str]]:
     """Each named setting's titanrush flags for this row, on top of `row_flags`; `same` splits a pipeline's
-    layers evenly, as torchtitan does (titanrush's default weighs each stage's cost)."""
+    layers evenly, as torchtitan does (titanrush's default weighs each stage's cost), and routes Llama 4's
+    tokens as torchtitan does (the others keep titanrush's balancing defaults)."""
     same = [*_OP_AC, "--activation_checkpoint.op_matmuls", "alternate"] if row.ac else _NO_AC
     if row.pp > 1:
         same = [*same, "--parallelism.pp_layers_per_stage", ",".join(map(str, even_split(row)))]
+    if row.flavor.startswith("llama4"):  # torchtitan 0.2.2's routing: bias step 1e-3, no balance loss
+        same = [*same, "--moe.bias_update_rate", "1e-3", "--moe.aux_loss_coeff", "0"]
     defaults = _OP_AC if row.ac else _NO_AC
     return {"same": same, "defaults": defaults, "best": list(row.best) or defaults}
 

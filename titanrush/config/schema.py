@@ -266,10 +266,10 @@ class MoE:
     moves by this much, down for experts that got more than the mean of the step's tokens, up for the
     others (the bias steers the choice of experts, never the weights); 0 turns it off. The default is 10x
     DeepSeek-V3's 1e-3, which lets the routing collapse early in training (docs/moe.md, 'Load balance')."""
-    aux_loss_coeff: float = 1e-2
+    aux_loss_coeff: float = 1e-1
     """Weight of the sequence-wise load-balance loss (per sequence: experts x sum of token fraction x
     mean normalized score; 1 when balanced) in the training loss; 0 turns it off. With the bias above it
-    keeps the experts balanced from the first hundred steps (docs/moe.md, 'Load balance')."""
+    keeps the experts balanced from the first fifty steps (docs/moe.md, 'Load balance')."""
     z_loss_coeff: float = 0.0
     """Weight of the router z-loss (mean squared log-sum-exp of the router logits); 0 turns it off."""
     grouped_mm: bool = True
