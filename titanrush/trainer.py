@@ -102,7 +102,8 @@ class Trainer:
             self.device, nccl_max_ctas=cfg.parallelism.nccl_max_ctas, timeout_s=cfg.job.collective_timeout
         )
         marks.append(("process group", time.perf_counter()))
-        self.mesh = plan.dims.build_mesh(self.device.type) if self.world_size > 1 else None
+        timeout = cfg.job.collective_timeout
+        self.mesh = plan.dims.build_mesh(self.device.type, timeout) if self.world_size > 1 else None
         marks.append(("mesh", time.perf_counter()))
         self.run_dir = Path(cfg.job.dump_folder) / cfg.job.name
         self.lock = run_dir.check(self.run_dir, overwrite=cfg.job.overwrite, rank=self.rank)

@@ -36,9 +36,10 @@ class Job:
     and is logged with its cause (a console line, a metrics.jsonl row). A config error (2), a non-finite
     stop (3) and a stop by signal (128 + N) are never restarted. docs/operations.md."""
     collective_timeout: float = 1800.0
-    """Seconds a collective of the default process group may wait for the other ranks before it fails
-    (init_process_group's timeout); the mesh's other groups keep torch's own (NCCL 600, gloo 1800). The
-    step watchdog (training.step_timeout) normally ends a hang first, with stacks and a line."""
+    """Seconds a collective may wait for the other ranks before it fails: the default process group's
+    (init_process_group's timeout) and, under gloo, every group of the mesh; the mesh's NCCL groups keep
+    torch's 600. The step watchdog (training.step_timeout) normally ends a hang first, with stacks and a
+    line."""
 
 
 @dataclass

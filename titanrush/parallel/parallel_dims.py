@@ -12,9 +12,12 @@ split over `ep`, are sharded by FSDP over `efsdp` (x cp: the flattened `efsdp_cp
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # The flattened views and the root dimensions each one spans.
@@ -89,10 +92,13 @@ class ParallelDims:
     def ddp_enabled(self) -> bool:
         return self.dp_replicate > 1 and not self.fsdp_enabled
 
-    def build_mesh(self, device_type: str) -> JobMesh:
+    def build_mesh(self, device_type: str, timeout_s: float | None = None) -> JobMesh:
         """One mesh over all ranks, with the flattened views that the parts need: `dp` (data loading),
         `dp_shard_cp` (FSDP), `dp_cp` (loss and grad-norm reduction), and HSDP's (`dp_replicate`,
         `dp_shard_cp`).
+
+        `timeout_s` (job.collective_timeout): how long a collective of the mesh's groups may wait, where
+        the default group is gloo's (`group_options`); NCCL's groups keep torch's own.
 
         With `moe_tp` (mixture-of-experts layers under tensor parallel) the tp ranks are data-parallel ranks
         for the MoE layers, so their FSDP views span tp too: `dp_shard_cp_tp` (`efsdp_cp_tp` for the
@@ -115,7 +121,9 @@ class ParallelDims:
             ("tp", self.tp),
         ]
         names = tuple(n for n, _ in dims)
-        root = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
+        options = group_options(timeout_s)
+        override = {"backend_override": {n: options for n in names}} if options else {}
+        root = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names, **override)
         spans = dict(FLATTENED)
         if self.moe_tp and self.tp > 1:
             spans |= {
@@ -131,9 +139,26 @@ class ParallelDims:
             }
             spans = {"dp_shard": ("efsdp", "ep"), "efsdp_cp": ("efsdp", "cp"), **spans}
         views: dict[str | tuple[str, ...], DeviceMesh] = {
-            name: root[span]._flatten(name) for name, span in spans.items()
+            name: _flatten(root[span], name, options) for name, span in spans.items()
         }
         for shard in ("dp_shard_cp", "efsdp_cp", "dp_shard_cp_tp", "efsdp_cp_tp"):  # HSDP's 2-D meshes
             if shard in views:
                 views[("dp_replicate", shard)] = DeviceMesh._concatenate([root["dp_replicate"], views[shard]])
         return JobMesh(root, views)
+
+
+def group_options(timeout_s: float | None) -> Any:
+    """The options that give a new gloo group the timeout `timeout_s`, or None (no timeout given, or the
+    default group is not gloo's). A mesh's groups do not inherit the default group's timeout; gloo's
+    options take it through a public constructor, NCCL's only through a private attribute, so NCCL's
+    groups keep torch's 600 s and the step watchdog ends a hang before it."""
+    if timeout_s is None or not dist.is_initialized() or dist.get_backend() != "gloo":
+        return None
+    return dist.ProcessGroupGloo.Options("gloo", timedelta(seconds=timeout_s))
+
+
+def _flatten(mesh: DeviceMesh, name: str, options: Any) -> DeviceMesh:
+    """`mesh` flattened into one dimension `name`, its group made with `options` where given."""
+    if options is None or "backend_override" not in inspect.signature(DeviceMesh._flatten).parameters:
+        return mesh._flatten(name)
+    return mesh._flatten(name, backend_override=options)

@@ -2,7 +2,7 @@
 
 A hang says nothing: a rank stopped (`kill -STOP`, a debugger), a peer lost without a closed connection,
 a collective that one rank never enters leave every other rank waiting inside a collective until the
-process group's timeout (`job.collective_timeout` for the default group, torch's for the mesh's others),
+process group's timeout (`job.collective_timeout`; torch's 600 s for the mesh's NCCL groups),
 and then a traceback from deep inside the backend. Here each rank runs a thread that is armed at the start of
 every step; when a step has not finished in its time, the thread
 

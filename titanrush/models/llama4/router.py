@@ -1,8 +1,9 @@
 """Token-choice routing: each token picks its top-k experts by a sigmoid score, capacity-free.
 
 Llama 4 routes each token to k = 1 expert. The router is a linear layer `gate` (dim -> experts); a token's
-score for expert e is sigmoid(gate(x)_e), the gate's matmul and the sigmoid both in fp32. Load balance (DeepSeek-V3's auxiliary-loss-free
-method) adds a per-expert bias to the scores for the choice only: the bias steers tokens away from
+score for expert e is sigmoid(gate(x)_e), the gate's matmul and the sigmoid both in fp32. Load balance
+(DeepSeek-V3's auxiliary-loss-free method) adds a per-expert bias to the scores for the choice only: the
+bias steers tokens away from
 overloaded experts, while the weight a chosen expert's output gets is its unbiased score, so the bias
 never enters the gradient. `titanrush.models.llama4.balance` moves the bias between steps.
 
