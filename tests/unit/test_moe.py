@@ -432,7 +432,7 @@ def test_plan_resolves_moe_decisions():
     "world, over, match",
     [
         (2, ["--model.flavor", "debug", "--parallelism.ep", "2"], "has no experts"),
-        (1, ["--model.flavor", "8B", "--moe.aux_loss_coeff", "0.1"], "has no experts"),
+        (1, ["--model.flavor", "8B", "--moe.aux_loss_coeff", "0.05"], "has no experts"),
         (4, ["--parallelism.ep", "3"], "must divide dp_shard"),
         (4, ["--parallelism.cp", "2", "--parallelism.tp", "2"], r"parallelism.cp > 1 does not compose .*tp"),
         (
