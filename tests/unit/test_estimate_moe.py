@@ -307,6 +307,45 @@ def test_compiled_moe_block_keeps_what_the_partitioner_keeps(mode):
     assert sum(kept.values()) == model + beside
 
 
+def test_compiled_moe_block_under_autocast_keeps_the_experts_bf16_weights():
+    """One GPU trains with fp32 weights under autocast: compiled, the partitioner keeps the grouped GEMM's
+    bf16 casts of the experts' weights for backward (on `llama4_1Bx8E` 4.1 GiB, which the estimate missed
+    against the 54.5 GiB measured on an H200), and the model counts exactly those bytes."""
+    from titanrush.models.llama.model import rope_cache
+    from titanrush.models.llama4.model import Llama4Block
+
+    args = model_args("llama4_debug", top_k=2, moe_hidden=192)
+    b, t = 2, 64
+    torch.manual_seed(0)
+    block = Llama4Block(0, args)
+    # (w13 and w2, or the transposes backward takes)
+    sizes = {
+        args.n_experts * args.dim * 2 * args.expert_hidden,
+        args.n_experts * args.expert_hidden * args.dim,
+    }
+    kept: dict[int, int] = {}
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and x.dim() == 3 and x.numel() in sizes:
+            kept[x.untyped_storage().data_ptr()] = x.untyped_storage().nbytes()
+        return x
+
+    compiled = torch.compile(block, backend="aot_eager_decomp_partition", fullgraph=True)
+    x = torch.randn(b, t, args.dim, requires_grad=True)
+    try:
+        with (
+            torch.autocast("cpu", dtype=torch.bfloat16),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x),
+        ):
+            compiled(x, rope_cache(args, t))
+    finally:
+        torch._dynamo.reset()
+    s = RunPlan(args=args, local_batch=b, seq_len=t, precision="bf16", compile=CompilePlan(enable=True))
+    assert s.autocast
+    counted = block_saved(s, b * t, b, "compiled", layer=0).get("experts' bf16 weights")
+    assert counted == sum(kept.values()) == 2 * args.n_experts * 3 * args.dim * args.expert_hidden
+
+
 # -- the CLI and the sweep ---------------------------------------------------------------------------------
 
 

@@ -173,6 +173,8 @@ def moe_saved(
         }
         if shared:
             out["shared expert"] = 3 * c * tokens * h  # w1, w3 outputs and the gate, as a dense FFN
+        if s.autocast:  # the partitioner keeps the grouped GEMM's casts of the fp32 weights, as eager does
+            out["experts' bf16 weights"] = 2 * e_local * 3 * d * h
         return out | _router_losses(s, tokens, batch)
     # Eager. The layer's input is kept by the router and the shared expert's w1 and w3 (under autocast
     # each keeps its own bf16 cast); the gathered tokens are scaled by their score in fp32.

@@ -1,11 +1,12 @@
 """Token-choice routing: each token picks its top-k experts by a sigmoid score, capacity-free.
 
 Llama 4 routes each token to k = 1 expert. The router is a linear layer `gate` (dim -> experts); a token's
-score for expert e is sigmoid(gate(x)_e), the gate's matmul and the sigmoid both in fp32. Load balance
+score for expert e is sigmoid(gate(x)_e), the sigmoid in fp32 (the gate's matmul in the model's precision:
+an fp32 matmul, measured, balanced no better and keeps an fp32 copy of the layer's input). Load balance
 (DeepSeek-V3's auxiliary-loss-free method) adds a per-expert bias to the scores for the choice only: the
-bias steers tokens away from
-overloaded experts, while the weight a chosen expert's output gets is its unbiased score, so the bias
-never enters the gradient. `titanrush.models.llama4.balance` moves the bias between steps.
+bias steers tokens away from overloaded experts, while the weight a chosen expert's output gets is its
+unbiased score, so the bias never enters the gradient. `titanrush.models.llama4.balance` moves the bias
+between steps.
 
 Two optional losses shape the router through its gradient only: the sequence-wise balance loss (the
 auxiliary loss of Switch / DeepSeek-V3: per sequence, the fraction of its tokens each expert receives times
@@ -20,7 +21,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 
 @dataclass
@@ -50,11 +50,8 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None, n_seqs: int = 1) -> Routing:
         """Route tokens x (N, dim), `n_seqs` sequences of N / n_seqs tokens; `bias` (E,) fp32 only steers
         the choice."""
-        # fp32 logits as well as scores: a bf16 logit near sigmoid's flat tails rounds away the small
-        # differences between tokens that decide their experts, so whole batches pick the same one.
-        with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.gate.weight.float())
-        scores = torch.sigmoid(logits)
+        logits = self.gate(x)
+        scores = torch.sigmoid(logits.float())  # fp32: the ranking and weights of near-equal experts
         with torch.no_grad():
             biased = scores if bias is None else scores + bias
             experts = torch.topk(biased, self.top_k, dim=-1).indices  # (N, k)
