@@ -16,6 +16,7 @@ from titanrush.tools import rush_runner, sweep
 ROOT = Path(__file__).resolve().parents[2]
 DEBUG = str(ROOT / "train_configs" / "debug.toml")
 LLAMA8B = str(ROOT / "train_configs" / "llama8b_fsdp.toml")
+LLAMA4 = str(ROOT / "train_configs" / "llama4_1Bx8E.toml")
 FAKE_CPU = {"cuda": False, "name": "cpu", "count": 0, "torch": "2.13.0", "host_mem_gib": 24.0}
 ROOMY = Host(1, 1e6)  # (a machine with a million GiB: only CUDA-only features make a GPU config)
 
@@ -132,3 +133,19 @@ def test_this_host_counts_the_processes_on_this_machine(monkeypatch, processes):
     assert machine.this_host(8).processes == processes
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     assert machine.this_host(8).processes == 8
+
+
+def test_the_llama4_config_fits_one_h200_and_its_settings_train_here_on_the_debug_flavor(tmp_path, capsys):
+    """train_configs/llama4_1Bx8E.toml: refused on this CPU machine, it checks as on one 141 GiB GPU, where
+    auto plans no activation checkpointing; its settings train here on `llama4_debug` (uncompiled)."""
+    assert train.main(check_args(tmp_path, LLAMA4)) == 2
+    assert "this config needs 1 CUDA GPU of ~" in capsys.readouterr().err
+    assert train.main(check_args(tmp_path, LLAMA4, "--assume-cuda", "--plan.gpu_mem_gib", "141")) == 0
+    out = capsys.readouterr().out
+    assert 'resolved: activation_checkpoint.mode = "none"' in out and "config OK as on 1 CUDA GPU" in out
+    shrunk = ["--model.flavor", "llama4_debug", "--training.seq_len", "128", "--training.steps", "3"]
+    shrunk += ["--compile.enable", "false", "--metrics.log_freq", "1", "--no-metrics.tensorboard"]
+    run = [a for a in check_args(tmp_path, LLAMA4) if a != "--check"]
+    assert train.main([*run, *shrunk]) == 0
+    rows = (tmp_path / "runs" / "llama4_1Bx8E" / "metrics.jsonl").read_text().splitlines()
+    assert len(rows) == 3 and all("moe_imbalance_window" in row for row in rows)
