@@ -101,6 +101,21 @@ def test_every_candidate_is_the_plan_the_trainer_builds():
             assert build_plan(autoplan.with_settings(cfg, c.settings), 4, machine=False) == c.plan, c.label()
 
 
+def test_moe_under_ep_weighs_per_op_checkpointing_by_parts():
+    """Llama 4 with expert parallel: the per-op candidates are weighed too, each the plan the trainer builds
+    (MoE blocks checkpointed by parts), with its own estimate and cost."""
+    over = ["--model.flavor", "llama4_1Bx16E", "--parallelism.ep", "2", "--training.seq_len", "4096"]
+    over += ["--training.local_batch_size", "2", "--training.precision", "bf16", "--compile.enable"]
+    cfg = config.load(None, [*over, "--activation_checkpoint.mode", "auto"])
+    plain, _ = autoplan.candidates(cfg, 2, offload="none", machine=False)
+    op = [c for c in plain if c.plan.ac.mode == "selective" and c.plan.ac.selective == "op"]
+    assert len(op) >= 3 and all(c.plan.moe_by_parts for c in op)
+    for c in op:
+        assert build_plan(autoplan.with_settings(cfg, c.settings), 2, machine=False) == c.plan, c.label()
+    none = next(c for c in plain if c.plan.ac.mode == "none")
+    assert all(c.cost.extra_s > none.cost.extra_s and c.total != none.total for c in op)
+
+
 def test_offload_only_where_allowed_and_nothing_fits_without_it():
     tight = choose(LLAMA8B, 2, 80.0)  # (2 x 80 GiB: not even full checkpointing fits)
     assert not tight.chosen.offloads and tight.chosen.total > tight.limit

@@ -179,12 +179,11 @@ def with_settings(cfg: JobConfig, settings: dict[str, Any]) -> JobConfig:
 
 def _ac_options(base: RunPlan, *, offloading: bool) -> list[dict[str, Any]]:
     """The checkpointing policies to weigh: none, selective op (every matmul kept, all but w3, alternate
-    with the last N blocks keeping all), every N-th block, full. Beside offload, fewer."""
+    with the last N blocks keeping all; a MoE block under EP or TP by parts, which the estimator and the
+    cost model both follow), every N-th block, full. Beside offload, fewer."""
     n = base.args.n_layers
     step = max(n // 8, 1)  # alternate, with the last k blocks keeping every matmul output
     op = [("all", 0), ("all_but_w3", 0)] + [("alternate", k) for k in range(0, n, step)]
-    if base.moe and (base.ep > 1 or base.tp > 1):  # (op there takes MoE blocks by parts: not weighed yet)
-        op = []
     if offloading:
         op = op[:1]
     out = [{"mode": "none", "selective": "op", "op_matmuls": "all", "op_all_last": 0}]
