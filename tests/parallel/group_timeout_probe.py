@@ -1,7 +1,8 @@
 """One rank of tests/parallel/test_group_timeout.py: `python group_timeout_probe.py VIEW SLEEPER TIMEOUT`.
 
-Four gloo ranks build the trainer's mesh (dp_shard 2 x tp 2) with the collective timeout TIMEOUT, then
-all-reduce over the mesh view VIEW; rank SLEEPER never enters it. A rank whose all-reduce fails prints how
+Four gloo ranks build the trainer's mesh (dp_shard 2 x tp 2) with the collective timeout TIMEOUT (the
+default group's start-up with a minute, so that a slow start is no failure), then all-reduce over the
+mesh view VIEW; rank SLEEPER never enters it. A rank whose all-reduce fails prints how
 long it waited and exits with 3; a rank whose all-reduce completes prints `done`.
 """
 
@@ -18,7 +19,8 @@ from titanrush.parallel.parallel_dims import ParallelDims
 
 
 def main(view: str, sleeper: int, timeout: float) -> None:
-    distributed.init(torch.device("cpu"), timeout_s=timeout)
+    distributed.init(torch.device("cpu"), timeout_s=60.0)
+    dist.barrier()  # (every rank here: the mesh's groups start together)
     mesh = ParallelDims(dp_replicate=1, dp_shard=2, cp=1, tp=2, pp=1, world_size=4).build_mesh("cpu", timeout)
     group = mesh[view].get_group()
     if dist.get_rank() == sleeper:

@@ -11,7 +11,7 @@ import pytest
 from harness import spawn
 
 PROBE = str(Path(__file__).with_name("group_timeout_probe.py"))
-TIMEOUT = 3.0
+TIMEOUT = 8.0
 
 
 @pytest.mark.parallel
@@ -21,4 +21,4 @@ def test_a_collective_nobody_joins_fails_after_the_configured_timeout(view, slee
     assert result.returncode == 3, result.stdout[-3000:]
     waited = re.search(rf"rank {peer} failed after ([\d.]+) s", result.stdout)
     assert waited, result.stdout[-3000:]
-    assert TIMEOUT - 0.5 <= float(waited.group(1)) < 20, result.stdout[-3000:]  # not torch's 1800 s
+    assert TIMEOUT - 0.5 <= float(waited.group(1)) < 60, result.stdout[-3000:]  # not torch's 1800 s

@@ -113,7 +113,9 @@ def test_moe_under_ep_weighs_per_op_checkpointing_by_parts():
     for c in op:
         assert build_plan(autoplan.with_settings(cfg, c.settings), 2, machine=False) == c.plan, c.label()
     none = next(c for c in plain if c.plan.ac.mode == "none")
-    assert all(c.cost.extra_s > none.cost.extra_s and c.total != none.total for c in op)
+    assert all(
+        c.cost.extra_s > none.cost.extra_s and c.total > none.total for c in op
+    )  # (keeps the experts')
 
 
 def test_offload_only_where_allowed_and_nothing_fits_without_it():

@@ -135,9 +135,12 @@ def test_this_host_counts_the_processes_on_this_machine(monkeypatch, processes):
     assert machine.this_host(8).processes == 8
 
 
-def test_the_llama4_config_fits_one_h200_and_its_settings_train_here_on_the_debug_flavor(tmp_path, capsys):
-    """train_configs/llama4_1Bx8E.toml: refused on this CPU machine, it checks as on one 141 GiB GPU, where
-    auto plans no activation checkpointing; its settings train here on `llama4_debug` (uncompiled)."""
+def test_the_llama4_config_fits_one_h200_and_its_settings_train_here_on_the_debug_flavor(
+    tmp_path, capsys, monkeypatch
+):
+    """train_configs/llama4_1Bx8E.toml: refused on a CPU machine of 24 GiB, it checks as on one 141 GiB GPU,
+    where auto plans no activation checkpointing; its settings train here on `llama4_debug` (uncompiled)."""
+    monkeypatch.setattr(machine, "host_memory_gib", lambda: 24.0)
     assert train.main(check_args(tmp_path, LLAMA4)) == 2
     assert "this config needs 1 CUDA GPU of ~" in capsys.readouterr().err
     assert train.main(check_args(tmp_path, LLAMA4, "--assume-cuda", "--plan.gpu_mem_gib", "141")) == 0

@@ -12,7 +12,6 @@ split over `ep`, are sharded by FSDP over `efsdp` (x cp: the flattened `efsdp_cp
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -149,9 +148,10 @@ class ParallelDims:
 
 def group_options(timeout_s: float | None) -> Any:
     """The options that give a new gloo group the timeout `timeout_s`, or None (no timeout given, or the
-    default group is not gloo's). A mesh's groups do not inherit the default group's timeout; gloo's
-    options take it through a public constructor, NCCL's only through a private attribute, so NCCL's
-    groups keep torch's 600 s and the step watchdog ends a hang before it."""
+    default group is not gloo's). A mesh's groups do not inherit the default group's timeout (but a
+    dimension over every rank reuses the default group); gloo's options take it through a public
+    constructor, NCCL's only through a private attribute, so the mesh's other NCCL groups keep torch's
+    600 s."""
     if timeout_s is None or not dist.is_initialized() or dist.get_backend() != "gloo":
         return None
     return dist.ProcessGroupGloo.Options("gloo", timedelta(seconds=timeout_s))
@@ -159,6 +159,4 @@ def group_options(timeout_s: float | None) -> Any:
 
 def _flatten(mesh: DeviceMesh, name: str, options: Any) -> DeviceMesh:
     """`mesh` flattened into one dimension `name`, its group made with `options` where given."""
-    if options is None or "backend_override" not in inspect.signature(DeviceMesh._flatten).parameters:
-        return mesh._flatten(name)
-    return mesh._flatten(name, backend_override=options)
+    return mesh._flatten(name) if options is None else mesh._flatten(name, backend_override=options)
