@@ -171,6 +171,8 @@ def _memory(record: dict[str, Any]) -> str | None:
     return f"mem {short(gib)}GiB" + (f" ({pct:.0f}%)" if pct is not None else "")
 
 
+DATA_WAIT_SHOWN = 5.0  # data wait (% of the time) from which a step line shows it: below, the loader keeps up
+
 # A console line shows these, in this order, each where the row has it. `tflops` only where MFU is not
 # known (MFU is TFLOP/s over the peak the header names); the rest of a row is in metrics.jsonl.
 _SHOWN: list[tuple[str, Any]] = [
@@ -186,7 +188,7 @@ _SHOWN: list[tuple[str, Any]] = [
     ("mfu", lambda v, r: f"mfu {v:.1f}%"),
     ("mem_active_gib", lambda v, r: _memory(r)),
     ("offload_gib", lambda v, r: f"offloaded {short(v)}GiB"),
-    ("data_wait_pct", lambda v, r: f"data wait {v:.0f}%" if v >= 1 else None),
+    ("data_wait_pct", lambda v, r: f"data wait {v:.0f}%" if v >= DATA_WAIT_SHOWN else None),
     ("moe_imbalance_window", lambda v, r: f"busiest expert {v:.2f}x mean load"),
     ("stop", lambda v, r: f"stopped ({v})"),
     ("restart", lambda v, r: f"restart {v}"),

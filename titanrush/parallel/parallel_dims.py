@@ -121,7 +121,9 @@ class ParallelDims:
         ]
         names = tuple(n for n, _ in dims)
         options = group_options(timeout_s)
-        override = {"backend_override": {n: options for n in names}} if options else {}
+        # (a dimension over every rank reuses the default group, which has the timeout already)
+        smaller = {n: options for n, d in dims if d < self.world_size}
+        override = {"backend_override": smaller} if options and smaller else {}
         root = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names, **override)
         spans = dict(FLATTENED)
         if self.moe_tp and self.tp > 1:
@@ -138,7 +140,7 @@ class ParallelDims:
             }
             spans = {"dp_shard": ("efsdp", "ep"), "efsdp_cp": ("efsdp", "cp"), **spans}
         views: dict[str | tuple[str, ...], DeviceMesh] = {
-            name: _flatten(root[span], name, options) for name, span in spans.items()
+            name: _flatten(root[span], name, options, self.world_size) for name, span in spans.items()
         }
         for shard in ("dp_shard_cp", "efsdp_cp", "dp_shard_cp_tp", "efsdp_cp_tp"):  # HSDP's 2-D meshes
             if shard in views:
@@ -157,6 +159,9 @@ def group_options(timeout_s: float | None) -> Any:
     return dist.ProcessGroupGloo.Options("gloo", timedelta(seconds=timeout_s))
 
 
-def _flatten(mesh: DeviceMesh, name: str, options: Any) -> DeviceMesh:
-    """`mesh` flattened into one dimension `name`, its group made with `options` where given."""
-    return mesh._flatten(name) if options is None else mesh._flatten(name, backend_override=options)
+def _flatten(mesh: DeviceMesh, name: str, options: Any, world_size: int) -> DeviceMesh:
+    """`mesh` flattened into one dimension `name`, its group made with `options` where given and where it
+    spans fewer than all ranks (over all of them it is the default group)."""
+    if options is None or mesh.size() == world_size:
+        return mesh._flatten(name)
+    return mesh._flatten(name, backend_override=options)
