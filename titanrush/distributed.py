@@ -62,9 +62,9 @@ TRACE_ENTRIES = 2000
 
 def trace_env(backend: str) -> dict[str, str]:
     """The flight recorder's settings for `backend` (environment variables read when a group starts)."""
-    env = {"TORCH_FR_BUFFER_SIZE": str(TRACE_ENTRIES)}
+    env = {"TORCH_FR_BUFFER_SIZE": str(TRACE_ENTRIES)}  # (NCCL's older name warns that it is deprecated)
     if backend == "nccl":
-        env |= {"TORCH_NCCL_TRACE_BUFFER_SIZE": str(TRACE_ENTRIES), "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+        env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
     return env
 
 

@@ -22,8 +22,8 @@ validation pass, a checkpoint save or the profiler's work inside the loop is giv
 (`LONG_PHASE_S`), apart from the step's time.
 
 The flight recorder keeps the last collectives of every process group (gloo and NCCL): its size is set
-through `TORCH_FR_BUFFER_SIZE` / `TORCH_NCCL_TRACE_BUFFER_SIZE` by `titanrush.distributed.init`. Reading
-it uses torch's private `_dump_fr_trace_json`; where a torch build lacks it, the line names the phase only.
+through `TORCH_FR_BUFFER_SIZE` by `titanrush.distributed.init`. Reading it uses torch's private
+`_dump_fr_trace_json`; where a torch build lacks it, the line names the phase only.
 """
 
 from __future__ import annotations
