@@ -5,6 +5,7 @@ tests/reliability/test_hang.py."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.multigpu
 
 
 def _env() -> dict[str, str]:
-    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT", "TORCH_NCCL_TRACE_BUFFER_SIZE")
     env = {k: v for k, v in os.environ.items() if k not in launcher}
     env.update(
         PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p),
@@ -39,19 +40,17 @@ def _rank_of(pid: int) -> str | None:
     return next((v[5:].decode() for v in environ if v.startswith(b"RANK=")), None)
 
 
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                except OSError:
-                    continue
-                if ppid == parent:
-                    found.append(int(entry.name))
-                    todo.append(int(entry.name))
+def _children(pid: int) -> list[int]:
+    """The launcher's workers: the processes whose parent is `pid`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            if ppid == pid:
+                found.append(int(entry.name))
     return found
 
 
@@ -79,8 +78,8 @@ def test_a_stopped_gpu_rank_ends_the_job_naming_the_nccl_collective(tmp_path):
             if not line and proc.poll() is not None:
                 break
             log.append(line)
-        assert "step 5  loss" in log[-1], "".join(log)[-4000:]
-        workers = [p for p in _descendants(proc.pid) if _rank_of(p) is not None]
+        assert log and "step 5  loss" in log[-1], "".join(log)[-4000:]
+        workers = [p for p in _children(proc.pid) if _rank_of(p) is not None]
         rank1 = [p for p in workers if _rank_of(p) == "1"]
         assert len(rank1) == 1, workers
         os.kill(rank1[0], signal.SIGSTOP)
@@ -88,9 +87,9 @@ def test_a_stopped_gpu_rank_ends_the_job_naming_the_nccl_collective(tmp_path):
         out, _ = proc.communicate(timeout=180)
         took = time.monotonic() - stopped
     finally:
-        if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):  # (never leave a stopped rank holding its GPU)
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        proc.wait()
     text = "".join(log) + out
     assert proc.returncode == HANG_STATUS, text[-4000:]
     assert took < 90, took
