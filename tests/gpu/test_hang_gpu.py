@@ -55,11 +55,17 @@ def _children(pid: int) -> list[int]:
 
 
 def test_a_stopped_gpu_rank_ends_the_job_naming_the_nccl_collective(tmp_path):
-    args = [
-        "--job.dump_folder", str(tmp_path), "--job.name", "hang", "--data.dataset", "synthetic",
-        "--training.steps", "100000", "--training.seq_len", "64", "--training.local_batch_size", "2",
-        "--metrics.log_freq", "1", "--no-metrics.tensorboard", "--training.step_timeout", "10",
-    ]  # fmt: skip
+    settings = {
+        "job.dump_folder": str(tmp_path),
+        "job.name": "hang",
+        "data.dataset": "synthetic",
+        "training.steps": "100000",
+        "training.seq_len": "64",
+        "training.local_batch_size": "2",
+        "metrics.log_freq": "1",
+        "training.step_timeout": "10",
+    }
+    args = [x for key, value in settings.items() for x in (f"--{key}", value)] + ["--no-metrics.tensorboard"]
     cmd = [sys.executable, "-m", "titanrush.run.launch", "--standalone", "--nproc_per_node=2"]
     proc = subprocess.Popen(
         [*cmd, "-m", "titanrush.train", *args],
