@@ -154,15 +154,19 @@ def test_bf16_ep2_trains_like_one_gpu(compiled, tmp_path, refs):
 
 
 @pytest.mark.multigpu(4)
-@pytest.mark.parametrize("name", ["ep2_fsdp2", "ep2_cp2", "ep2_tp2"])
+@pytest.mark.parametrize("name", ["ep2_fsdp2", "ep2_cp2", "ep2_tp2", "tp2_cp2"])
 def test_four_gpu_meshes_match_one_gpu(name, tmp_path, refs):
     """EP2 x FSDP2: experts sharded by FSDP over the pairs that are not EP peers. EP2 x CP2: each rank
     routes its share of the sequence; the experts are FSDP-sharded over cp. EP2 x TP2: each tp rank
-    routes its sequence shard through its EP group."""
-    cp = name == "ep2_cp2"
-    over = ["--parallelism.ep", "2"] + (["--parallelism.cp", "2"] if cp else [])
-    over += ["--parallelism.tp", "2"] if name == "ep2_tp2" else []
-    rows = train(tmp_path, name, 4, 4 if name == "ep2_fsdp2" else 2, "--training.deterministic", *over)
+    routes its sequence shard through its EP group. TP2 x CP2: each rank routes its tp shard of its cp
+    share, the balance loss's counts summed over both."""
+    cp = name.endswith("cp2")
+    over = (["--parallelism.ep", "2"] if name.startswith("ep2") else []) + (
+        ["--parallelism.cp", "2"] if cp else []
+    )
+    over += ["--parallelism.tp", "2"] if "tp2" in name else []
+    dp = {"ep2_fsdp2": 4, "tp2_cp2": 1}.get(name, 2)
+    rows = train(tmp_path, name, 4, dp, "--training.deterministic", *over)
     # Under CP the ring's online softmax reassociates attention's sums too: the CP suite's tolerances.
     tolerance = {"loss": 2e-3, "grad_norm": 2e-2} if cp else {"loss": FP32_RTOL, "grad_norm": FP32_RTOL}
     for key, rtol in tolerance.items():
@@ -225,5 +229,25 @@ def test_float8_experts_ep2_matches_one_gpu_float8(tmp_path, refs):
         "--compile.enable",
         "--float8.experts",
     )
+    assert dev(rows, refs["bf16"], "loss") <= FLOAT8_RTOL + BF16_RTOL, [r["loss"] for r in rows]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+
+
+@pytest.mark.multigpu
+@pytest.mark.parametrize(
+    "name", ["tp2_float8", "tp2_float8_experts", "pp2_float8_experts", "cp2_float8_experts"]
+)
+def test_float8_under_tp_pp_cp_trains_like_bf16(name, tmp_path, refs):
+    """A Llama 4's float8 linears under TP2 (the float8 TP plan on attention and the dense FFNs, the MoE
+    layers' own linears data-parallel over tp), and float8 experts under TP2, PP2 and CP2: each against
+    bf16 on one GPU within float8's tolerance plus bf16's mesh tolerance, with its conversion logged."""
+    if (why := _float8_ready()) is not None:
+        pytest.skip(why)
+    mesh = ["--parallelism." + name[:2], "2"]
+    f8 = ["--float8.enable", "--float8.min_size", "0"] if name == "tp2_float8" else ["--float8.experts"]
+    rows = train(tmp_path, name, 2, 1, "--training.precision", "bf16", *mesh, *f8)
+    log = (tmp_path / name / "console.log").read_text()
+    said = "linear layers converted" if name == "tp2_float8" else "float8 experts: the routed experts of"
+    assert said in log, log[-3000:]
     assert dev(rows, refs["bf16"], "loss") <= FLOAT8_RTOL + BF16_RTOL, [r["loss"] for r in rows]
     assert rows[-1]["loss"] < rows[0]["loss"]

@@ -434,12 +434,6 @@ def test_plan_resolves_moe_decisions():
         (2, ["--model.flavor", "debug", "--parallelism.ep", "2"], "has no experts"),
         (1, ["--model.flavor", "8B", "--moe.aux_loss_coeff", "0.05"], "has no experts"),
         (4, ["--parallelism.ep", "3"], "must divide dp_shard"),
-        (4, ["--parallelism.cp", "2", "--parallelism.tp", "2"], r"parallelism.cp > 1 does not compose .*tp"),
-        (
-            2,
-            ["--parallelism.tp", "2", "--float8.enable", "--training.precision", "bf16"],
-            r"float8.enable does not compose .*tp",
-        ),
         (
             1,
             [
@@ -455,18 +449,30 @@ def test_plan_resolves_moe_decisions():
         (1, ["--moe.bias_update_rate", "-1"], "moe.bias_update_rate must be"),
         (1, ["--parallelism.ep", "0"], "parallelism.ep must be"),
         (1, ["--model.flavor", "debug", "--float8.experts"], "float8.experts needs a Llama 4"),
-        (
-            2,
-            ["--parallelism.tp", "2", "--float8.experts", "--training.precision", "bf16"],
-            r"float8.experts does not compose .*tp",
-        ),
-        (2, ["--parallelism.pp", "2", "--float8.experts", "--training.precision", "bf16"], "not yet with"),
         (1, ["--float8.experts"], "runs on bf16 training"),
     ],
 )
 def test_moe_config_rules(world, over, match):
     with pytest.raises(ConfigError, match=match):
         build_plan(config.load(None, ["--model.flavor", "llama4_debug", *over]), world, machine=False)
+
+
+@pytest.mark.parametrize(
+    "world, over",
+    [
+        (4, ["--parallelism.cp", "2", "--parallelism.tp", "2"]),
+        (2, ["--parallelism.tp", "2", "--float8.enable"]),
+        (2, ["--parallelism.tp", "2", "--float8.experts"]),
+        (2, ["--parallelism.pp", "2", "--float8.experts"]),
+        (2, ["--parallelism.cp", "2", "--float8.experts"]),
+    ],
+    ids=["tp2_cp2", "tp2_float8", "tp2_float8_experts", "pp2_float8_experts", "cp2_float8_experts"],
+)
+def test_moe_compositions_proven_on_gpus_are_planned(world, over):
+    """Tested on GPUs (tests/gpu/test_moe_gpu.py), so planned like any other mesh."""
+    args = ["--model.flavor", "llama4_debug", "--training.precision", "bf16", *over]
+    plan = build_plan(config.load(None, args), world, machine=False)
+    assert plan.dims.world_size == world and plan.float8.experts == ("--float8.experts" in over)
 
 
 def test_experts_must_divide_over_ep():

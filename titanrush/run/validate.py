@@ -618,21 +618,11 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims, args: Llama4Args) -> None:
         raise ConfigError(
             f"parallelism.ep = {dims.ep} must divide the {m.flavor} model's {args.n_experts} experts"
         )
-    if dims.tp > 1:  # TP shards the attention and the dense FFNs; the MoE layers take the tp ranks as
-        # data-parallel ranks (each routes its own sequence shard under sequence parallel)
-        refused = {"parallelism.cp > 1": dims.cp > 1, "float8.enable": cfg.float8.enable}
-        refused["float8.experts"] = cfg.float8.experts
-        for what in (what for what, on in refused.items() if on):
-            raise ConfigError(
-                f"{what} does not compose with parallelism.tp > 1 on mixture-of-experts layers yet "
-                f"({m.flavor}); drop it, or shard with dp_shard and parallelism.ep instead of tp"
-            )
     f8 = cfg.float8
-    if f8.experts and (dims.pp > 1 or dims.cp > 1 or cfg.training.precision != "bf16" or f8.emulate):
+    if f8.experts and (cfg.training.precision != "bf16" or f8.emulate):
         raise ConfigError(
-            "float8.experts runs on bf16 training (training.precision = 'bf16'), without float8.emulate, "
-            "and not yet with parallelism.pp > 1 or cp > 1 (untested there); set float8.experts = false "
-            "for this run"
+            "float8.experts runs on bf16 training (training.precision = 'bf16'), without float8.emulate; "
+            "set float8.experts = false for this run"
         )
     chunk = args.attn_chunk
     if chunk and seq > chunk:
