@@ -311,6 +311,35 @@ def test_float8_tp_keeps_plain_styles_for_a_part_with_bf16_linears(fake_world, c
     assert pl["layers.0.feed_forward.w2.weight"] == (Shard(1),)
 
 
+@pytest.mark.parametrize("moe_every", [1, 2], ids=["all_moe", "dense_and_moe"])
+def test_float8_tp_on_llama4_judges_the_ffn_by_the_blocks_that_have_one(fake_world, moe_every):
+    # A Llama 4 MoE block has no `feed_forward`: attention shards in float8 on every block, the dense
+    # blocks' FFN in float8 too, and the MoE layers stay data-parallel over tp (replicated weights).
+    pytest.importorskip("torchao", reason="float8 is torchao's; it is a project dependency")
+    from torchao.float8.float8_linear import Float8Linear
+
+    from titanrush.models.llama4 import Llama4
+
+    fake_world(2)
+    flags = ["--model.flavor", "llama4_debug", "--parallelism.tp", "2", "--training.precision", "bf16"]
+    plan = run_plan(2, *flags, "--float8.enable", "--float8.emulate", "--float8.min_size", "0")
+    plan = dataclasses.replace(plan, args=dataclasses.replace(plan.args, moe_every=moe_every))
+    with torch.device("meta"):
+        model = Llama4(plan.args)
+    parallelize_llama(model, plan.dims.build_mesh("cpu"), plan.parallelize_plan)
+    assert isinstance(model.layers["0"].attention.wq, Float8Linear)
+    pl = placements(model)
+    assert pl["layers.0.attention.wq.weight"][-1] == Shard(0)
+    assert pl["layers.0.attention.wo.weight"][-1] == Shard(1)
+    last = str(plan.args.n_layers - 1)
+    gate = model.layers[last].moe.router.gate.weight  # FSDP over the tp ranks, not TP-sharded
+    assert gate.device_mesh.mesh_dim_names == ("dp_shard_cp_tp",)
+    assert model.layers["0"].attention.wq.weight.device_mesh.mesh_dim_names == ("tp",)
+    if moe_every == 2:
+        assert isinstance(model.layers["0"].feed_forward.w2, Float8Linear)
+        assert pl["layers.0.feed_forward.w2.weight"][-1] == Shard(1)
+
+
 def test_fsdp_bf16_casts_block_inputs_but_not_the_rope_table(fake_world):
     # Under FSDP's bf16 policy the residual stream reaches every block in bf16 (the embedding's output,
     # then each block's), while the block units cast nothing: the fp32 RoPE table arrives as the model's

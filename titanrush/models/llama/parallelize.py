@@ -270,17 +270,21 @@ def llama_tp_plan(
     return top, block
 
 
-def _float8_parts(block: nn.Module) -> frozenset[str]:
-    """The parts of a block whose linears are all float8; logs the ones that keep bf16 TP styles."""
+def _float8_parts(blocks: list[nn.Module]) -> frozenset[str]:
+    """The parts of the blocks whose linears are all float8; logs the ones that keep bf16 TP styles.
+
+    A part a block lacks (a Llama 4 MoE block has no `feed_forward`) is judged by the blocks that have it.
+    """
     from torchao.float8.float8_linear import Float8Linear
 
     parts = set()
     for part in ("attention", "feed_forward"):
-        linears = {n: m for n, m in getattr(block, part).named_modules() if isinstance(m, nn.Linear)}
-        plain = sorted(n for n, m in linears.items() if not isinstance(m, Float8Linear))
+        modules = [m for b in blocks if (m := getattr(b, part, None)) is not None]
+        linears = [(n, m) for mod in modules for n, m in mod.named_modules() if isinstance(m, nn.Linear)]
+        plain = sorted({n for n, m in linears if not isinstance(m, Float8Linear)})
         if plain:
             logger.info(f"float8 + TP: {part} keeps bf16 TP styles ({', '.join(plain)} not converted)")
-        else:
+        elif modules:
             parts.add(part)
     return frozenset(parts)
 
@@ -295,7 +299,7 @@ def apply_llama_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, *, float
     """
     emb, out = model.tok_embeddings, model.output
     tied = emb is not None and out is not None and emb.weight is out.weight
-    parts = _float8_parts(next(iter(model.layers.values()))) if float8 else frozenset()
+    parts = _float8_parts(list(model.layers.values())) if float8 else frozenset()
     top, block_plan = llama_tp_plan(
         sequence_parallel=plan.sequence_parallel, loss_parallel=plan.loss_parallel, float8=parts
     )
