@@ -546,9 +546,13 @@ def test_moe_dry_run_plan_on_the_gpu_sizes(tmp_path, capsys):
     dense = next(line for line in printed.splitlines() if "--job.name dense" in line)
     assert "python -m titanrush.train" in dense and "--model.flavor custom" in dense
     assert "--model.ffn_hidden 5632" in dense and "--data.dataset embedded" in dense
-    assert any(
-        "--job.name moe" in line and "--model.flavor llama4_1Bx8E" in line for line in printed.splitlines()
-    )
+    moe = next(line for line in printed.splitlines() if "--job.name moe" in line)
+    assert "--model.flavor llama4_1Bx8E" in moe
+    # Both at the 1B MoE's learning rate (the shipped llama4_1Bx8E.toml's), an override wins for both.
+    assert "--optimizer.lr 3e-4" in dense and "--optimizer.lr 3e-4" in moe
+    assert rush.main(["moe", "--dry-run", "--optimizer.lr", "1e-3"]) == 0
+    commands = [line for line in capsys.readouterr().out.splitlines() if "--job.name" in line]
+    assert len(commands) == 2 and all("--optimizer.lr 1e-3" in c and "3e-4" not in c for c in commands)
     assert rush.main(["moe", "--dry-run", "--model.flavor", "8B"]) == 2
     assert "no mixture-of-experts counterpart" in capsys.readouterr().err
 
