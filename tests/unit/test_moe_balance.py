@@ -6,11 +6,12 @@ from __future__ import annotations
 import json
 import logging
 
+import pytest
 import torch
 from torch import nn
 
 from titanrush import config
-from titanrush.models.llama4.balance import COLLAPSE_WINDOWS, ExpertBalance
+from titanrush.models.llama4.balance import COLLAPSE_WINDOWS, JUDGE_STEPS, ExpertBalance
 from titanrush.models.llama4.moe import MoE
 from titanrush.run.plan import build_plan
 from titanrush.trainer import Trainer
@@ -58,14 +59,50 @@ def _windows(first_expert: float, windows: int) -> list[str]:
 
 
 def test_collapse_warning_once_on_a_collapsed_router():
-    assert _windows(1.0, COLLAPSE_WINDOWS - 1) == []  # not yet: a few windows in a row
-    said = _windows(1.0, COLLAPSE_WINDOWS + 4)
+    # (5-step logged windows: each judged window pools two of them, JUDGE_STEPS steps)
+    assert _windows(1.0, 2 * COLLAPSE_WINDOWS - 1) == []  # not yet: a few windows in a row
+    said = _windows(1.0, 2 * COLLAPSE_WINDOWS + 4)
     assert len(said) == 1, said
     assert "layer 0" in said[0] and "moe.bias_update_rate" in said[0], said[0]
 
 
 def test_no_collapse_warning_on_a_balanced_router():
-    assert _windows(0.0, COLLAPSE_WINDOWS + 4) == []
+    assert _windows(0.0, 2 * COLLAPSE_WINDOWS + 4) == []
+
+
+def _rotating(steps: int, *, rotate: bool) -> tuple[list[float], list[str]]:
+    """`steps` steps logged one by one, each sending every token of a top-1 layer of 8 experts to one
+    expert: the next one each step (`rotate`) or always expert 0; each step's window imbalance and the
+    warnings logged."""
+    moe = MoE(16, 16, n_experts=8, top_k=1)
+    balance = ExpertBalance([_Part(moe)], rate=0.0)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("titanrush").addHandler(handler)
+    seen = []
+    try:
+        for step in range(steps):
+            with torch.no_grad():
+                moe.expert_bias.zero_()[step % 8 if rotate else 0] = 10.0  # (scores are in (0, 1))
+            moe(torch.randn(4, 64, 16))
+            balance.step()
+            seen.append(balance.stats()["moe_imbalance_window"])
+    finally:
+        logging.getLogger("titanrush").removeHandler(handler)
+    return seen, [r.getMessage() for r in records if r.levelno == logging.WARNING]
+
+
+def test_collapse_is_judged_over_ten_steps_even_when_every_step_is_logged():
+    """Logged every step, a layer whose whole batch goes to one expert per step but to each in turn
+    (8.0 at every logged step, 1.0 over 8 steps) is not collapsed; one that keeps its expert is, after
+    COLLAPSE_WINDOWS judged windows of JUDGE_STEPS steps."""
+    steps = COLLAPSE_WINDOWS * JUDGE_STEPS
+    seen, said = _rotating(steps + 2 * JUDGE_STEPS, rotate=True)
+    assert min(seen) == pytest.approx(8.0) and said == []
+    assert _rotating(steps - 1, rotate=False)[1] == []
+    said = _rotating(steps, rotate=False)[1]
+    assert len(said) == 1 and f"windows of {JUDGE_STEPS}+ steps" in said[0], said
 
 
 def test_llama4_debug_is_balanced_at_the_default_settings(tmp_path):

@@ -605,6 +605,24 @@ def test_cpu_moe_end_to_end(tmp_path, capsys):
     assert "| dense | dense Llama, FFN hidden 768" in report and "| moe | llama4_debug" in report
     assert f"Tokens/s, MoE / dense: {moe['vs_dense']:.2f}x" in report
     assert "at equal steps and equal tokens" in report and f"is the MoE's routers ({routers:,}" in report
+    assert "Routing at the last step alone" in report and "moe_window_worst" not in moe  # (3 steps)
     assert (out / "moe.png").read_bytes()[:8] == PNG_MAGIC
     assert list((out / "tb").glob("events.out.tfevents.*"))
     assert "[ 2/2] moe" in capsys.readouterr().out
+
+
+def test_moe_routing_sums_whole_windows_after_the_warm_up():
+    """Layer 0 sends each step's 100 tokens to expert 0, then 1, in turn (2.0 at every step, 1.0 over a
+    window); layer 1 sends 30 and 10, then from step 13 on 40 and 0. Warm-up 2: windows 3-12 and 13-22;
+    steps 23-25 make no whole window; steps 1-2 (the warm-up) would make layer 1 worse if counted."""
+    metrics = []
+    for step in range(1, 26):
+        rows = {"step": step, "loss": 1.0, "moe_tokens_l0": [100, 0] if step % 2 else [0, 100]}
+        rows["moe_tokens_l1"] = [40, 0] if step >= 13 or step <= 2 else [30, 10]
+        metrics.append(rows)
+    got = rush_moe.routing(metrics, warmup=2)
+    assert got["moe_window_worst"] == pytest.approx(2.0) and got["moe_window_worst_steps"] == [13, 22]
+    assert got["moe_window_last_steps"] == [13, 22] and got["moe_window_last_mean"] == pytest.approx(1.5)
+    first = rush_moe.routing(metrics[:20], warmup=2)  # only steps 3-12 whole: layer 1 at 300 / 200
+    assert first["moe_window_worst"] == pytest.approx(1.5) and first["moe_window_last_mean"] == 1.25
+    assert rush_moe.routing(metrics[:11], warmup=2) == {}

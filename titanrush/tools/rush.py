@@ -332,7 +332,8 @@ def run_dist(ctx: Ctx, plan: list[Rung], base: dict[str, str]) -> list[str]:
 
 def run_moe(ctx: Ctx, plan: list[Rung], base: dict[str, str]) -> list[str]:
     """Run the dense twin, then the MoE from the same base; the MoE row gets its tokens/s ratio and loss
-    difference to the dense (`rush_moe.compare`) and its last routing imbalance, each row its loss curve."""
+    difference to the dense (`rush_moe.compare`) and its routing balance (`rush_moe.routing`), each row
+    its loss curve."""
     dense = None
     for rung in plan:
         row = runner.execute(ctx, rung, {**base, **rung.delta}, dense)
@@ -342,6 +343,7 @@ def run_moe(ctx: Ctx, plan: list[Rung], base: dict[str, str]) -> list[str]:
             row["loss_curve"] = [[r["step"], r["loss"]] for r in steps if r["loss"] is not None]
             if steps and steps[-1].get("moe_imbalance") is not None:
                 row["moe_imbalance"] = steps[-1]["moe_imbalance"]
+                row.update(rush_moe.routing(steps, ctx.warmup))
         if rung.name == "moe" and dense is not None:
             row.update(rush_moe.compare(dense, row))
         dense = dense or row

@@ -143,6 +143,39 @@ def moe_plan(config: str | None, base: dict[str, str]) -> list[Rung]:
     ]
 
 
+BALANCE_WINDOW = 10
+"""Steps whose routed tokens are summed for one balance figure, the trainer's default log interval: one
+step's batch can send a layer's tokens to one expert and the next step's to another."""
+
+
+def routing(metrics: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """The experts' balance after the warm-up from the per-step metrics (`moe_tokens_l<i>`): the tokens
+    of each whole window of BALANCE_WINDOW steps > `warmup` summed, and per window the most imbalanced
+    layer's max / mean load; the worst window (with its steps) and the last one (with the mean over
+    layers). Empty without a whole window."""
+    by_step = {r["step"]: r for r in metrics if any(k.startswith("moe_tokens_l") for k in r)}
+    figures = []
+    first = warmup + 1
+    while all(s in by_step for s in range(first, first + BALANCE_WINDOW)):
+        rows = [by_step[s] for s in range(first, first + BALANCE_WINDOW)]
+        per_layer = []
+        for key in (k for k in rows[0] if k.startswith("moe_tokens_l")):
+            load = [sum(tokens) for tokens in zip(*(r[key] for r in rows))]
+            per_layer.append(max(load) / max(sum(load) / len(load), 1e-9))
+        figures.append((first, first + BALANCE_WINDOW - 1, max(per_layer), sum(per_layer) / len(per_layer)))
+        first += BALANCE_WINDOW
+    if not figures:
+        return {}
+    worst, last = max(figures, key=lambda f: f[2]), figures[-1]
+    return {
+        "moe_window_worst": worst[2],
+        "moe_window_worst_steps": [worst[0], worst[1]],
+        "moe_window_last": last[2],
+        "moe_window_last_mean": last[3],
+        "moe_window_last_steps": [last[0], last[1]],
+    }
+
+
 def loss_at(row: dict[str, Any], step: int) -> float | None:
     """The row's training loss at `step` (None where it was not logged)."""
     return dict((s, loss) for s, loss in row.get("loss_curve") or []).get(step)
@@ -217,11 +250,19 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
             f"{moe['loss_moe']:.4f}, dense {moe['loss_dense']:.4f}, MoE - dense = {moe['loss_diff']:+.4f} "
             "at equal steps and equal tokens (negative: the MoE is ahead)."
         )
+    if moe.get("moe_window_worst") is not None:
+        (a, b), (c, d) = moe["moe_window_worst_steps"], moe["moe_window_last_steps"]
+        lines.append(
+            f"- Routing, the tokens of each {BALANCE_WINDOW} steps after the warm-up summed: the busiest "
+            f"expert of the most imbalanced layer took at most {moe['moe_window_worst']:.2f}x the mean load "
+            f"(steps {a}-{b}), {moe['moe_window_last']:.2f}x over steps {c}-{d} "
+            f"({moe['moe_window_last_mean']:.2f}x averaged over the layers); 1.00 is balanced, E: one "
+            "expert took every token and the others learned nothing (docs/moe.md, 'Load balance')."
+        )
     if moe.get("moe_imbalance") is not None:
         lines.append(
-            f"- Routing at the last step: the busiest expert of the most imbalanced layer took "
-            f"{moe['moe_imbalance']:.2f}x the mean load (1.00: balanced; E: one expert took every token "
-            "and the others learned nothing)."
+            f"- Routing at the last step alone: {moe['moe_imbalance']:.2f}x (one step's batch swings more "
+            "than the windows above)."
         )
     lines.append(
         "- What it means: the MoE has more parameters for the same FLOPs per token. Its extra experts cost "

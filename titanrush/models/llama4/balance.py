@@ -35,7 +35,11 @@ from titanrush.models.llama4.moe import MoE
 logger = logging.getLogger("titanrush")
 
 COLLAPSE_WINDOWS = 3
-"""Logged windows in a row above half the expert count's max/mean load that make routing 'collapsed'."""
+"""Judged windows in a row above half the expert count's max/mean load that make routing 'collapsed'."""
+JUDGE_STEPS = 10
+"""The fewest steps whose summed load the collapse check judges at once: with a log interval shorter than
+this, logged windows are pooled, since one batch's load can go to one expert while the next batches'
+go to others (on a GPU, `rush moe` logging every step: 8.0 at step after step, 1.8 over those 10)."""
 
 
 def moe_modules(parts: list[nn.Module]) -> dict[str, MoE]:
@@ -102,6 +106,11 @@ def load_stats(layers: list[str], counts: torch.Tensor, routed_tokens: int = 0) 
     return stats
 
 
+def _imbalance(load: torch.Tensor) -> torch.Tensor:
+    """Per layer: the largest expert's load over the mean, of a (layers, experts) load."""
+    return load.max(-1).values / load.mean(-1).clamp(min=1e-9)
+
+
 def balance_experts(
     moes: dict[str, MoE], *, rate: float, group: Any = None, routed_tokens: int = 0
 ) -> dict[str, Any]:
@@ -123,7 +132,10 @@ class ExpertBalance:
         self.routed = tokens * top_k
         self.counts: torch.Tensor | None = None
         self.window: torch.Tensor | None = None  # the load summed since the last `stats`
-        self.collapsed: list[int] = []  # per layer: logged windows in a row above E / 2 max/mean
+        self.window_steps = 0
+        self.judged: torch.Tensor | None = None  # logged windows pooled up to JUDGE_STEPS steps
+        self.judged_steps = 0
+        self.collapsed: list[int] = []  # per layer: judged windows in a row above E / 2 max/mean
         self.warned = False
 
     def step(self, *, update: bool = True) -> None:
@@ -131,6 +143,7 @@ class ExpertBalance:
         if self.moes:
             self.counts = update_bias(self.moes, rate=self.rate, group=self.group, update=update)
             self.window = self.counts if self.window is None else self.window + self.counts
+            self.window_steps += 1
 
     def stats(self) -> dict[str, Any]:
         """The last step's load metrics and the window's (a host sync: for logged steps): `load_stats`,
@@ -139,16 +152,21 @@ class ExpertBalance:
         if self.counts is None or self.window is None:
             return {}
         window, self.window = self.window, None
-        per_layer = window.max(-1).values / window.mean(-1).clamp(min=1e-9)
-        self._check_collapse(window, per_layer.tolist())
+        per_layer = _imbalance(window)
+        self.judged = window if self.judged is None else self.judged + window
+        self.judged_steps, self.window_steps = self.judged_steps + self.window_steps, 0
+        if self.judged_steps >= JUDGE_STEPS:
+            self._check_collapse(self.judged, _imbalance(self.judged).tolist())
+            self.judged, self.judged_steps = None, 0
         return load_stats(list(self.moes), self.counts, self.routed) | {
             "moe_imbalance_window": per_layer.max().item(),
             "moe_imbalance_window_mean": per_layer.mean().item(),
         }
 
     def _check_collapse(self, window: torch.Tensor, per_layer: list[float]) -> None:
-        """Warn once per run (rank 0) when a layer's window max/mean stays above E / 2 for
-        `COLLAPSE_WINDOWS` logged windows in a row: most of its tokens go to one or two experts."""
+        """Warn once per run (rank 0) when a layer's max/mean load stays above E / 2 for
+        `COLLAPSE_WINDOWS` judged windows (of at least JUDGE_STEPS steps) in a row: most of its tokens go
+        to one or two experts."""
         limit = window.shape[-1] / 2
         before = self.collapsed or [0] * len(per_layer)
         self.collapsed = [n + 1 if imb > limit else 0 for n, imb in zip(before, per_layer)]
@@ -162,7 +180,7 @@ class ExpertBalance:
         share = (window[worst] / window[worst].sum().clamp(min=1.0)).tolist()
         logger.warning(
             f"MoE routing collapsed: layer {layer} max/mean load {per_layer[worst]:.2f} (of at most "
-            f"{window.shape[-1]}) for {self.collapsed[worst]} logged windows in a row, token shares "
-            f"{[round(x, 2) for x in share]}; raise moe.bias_update_rate (now {self.rate:g}) or "
+            f"{window.shape[-1]}) for {self.collapsed[worst]} windows of {JUDGE_STEPS}+ steps in a row, "
+            f"token shares {[round(x, 2) for x in share]}; raise moe.bias_update_rate (now {self.rate:g}) or "
             "moe.aux_loss_coeff, or lengthen lr_scheduler.warmup_steps (docs/moe.md, 'Load balance')"
         )
