@@ -434,6 +434,7 @@ def test_plan_resolves_moe_decisions():
         (2, ["--model.flavor", "debug", "--parallelism.ep", "2"], "has no experts"),
         (1, ["--model.flavor", "8B", "--moe.aux_loss_coeff", "0.05"], "has no experts"),
         (4, ["--parallelism.ep", "3"], "must divide dp_shard"),
+        (4, ["--parallelism.cp", "2", "--parallelism.tp", "2"], r"parallelism.cp > 1 does not compose .*tp"),
         (
             1,
             [
@@ -460,13 +461,12 @@ def test_moe_config_rules(world, over, match):
 @pytest.mark.parametrize(
     "world, over",
     [
-        (4, ["--parallelism.cp", "2", "--parallelism.tp", "2"]),
         (2, ["--parallelism.tp", "2", "--float8.enable"]),
         (2, ["--parallelism.tp", "2", "--float8.experts"]),
         (2, ["--parallelism.pp", "2", "--float8.experts"]),
         (2, ["--parallelism.cp", "2", "--float8.experts"]),
     ],
-    ids=["tp2_cp2", "tp2_float8", "tp2_float8_experts", "pp2_float8_experts", "cp2_float8_experts"],
+    ids=["tp2_float8", "tp2_float8_experts", "pp2_float8_experts", "cp2_float8_experts"],
 )
 def test_moe_compositions_proven_on_gpus_are_planned(world, over):
     """Tested on GPUs (tests/gpu/test_moe_gpu.py), so planned like any other mesh."""

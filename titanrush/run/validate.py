@@ -618,6 +618,11 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims, args: Llama4Args) -> None:
         raise ConfigError(
             f"parallelism.ep = {dims.ep} must divide the {m.flavor} model's {args.n_experts} experts"
         )
+    if dims.tp > 1 and dims.cp > 1:
+        raise ConfigError(
+            f"parallelism.cp > 1 does not compose with parallelism.tp > 1 on mixture-of-experts layers yet "
+            f"({m.flavor}: untested on GPUs); drop one, or shard with dp_shard and parallelism.ep, not tp"
+        )
     f8 = cfg.float8
     if f8.experts and (cfg.training.precision != "bf16" or f8.emulate):
         raise ConfigError(
