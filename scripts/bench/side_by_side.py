@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from titanrush.data.hf_tokenizer import write_hf_tokenizer  # noqa: E402
 from titanrush.models.llama.flavors import model_args  # noqa: E402
+from titanrush.tools.rush_report import git_commit  # noqa: E402
 from titanrush.tools.rush_runner import detect_oom, kill_group, read_metrics  # noqa: E402
 from titanrush.tools.trace_analysis import (  # noqa: E402
     collectives,
@@ -517,30 +518,19 @@ def environment(base: Path | None) -> dict[str, str]:
     """Date, GPUs, torch, torchtitan, the checkouts' commits (or TITANRUSH_COMMIT, TITANRUSH_BASE_COMMIT)."""
     import torch
 
-    def commit(path: Path, var: str) -> str:
-        """HEAD, "+changes" where tracked files differ (a result never names a commit it did not run)."""
-        if os.environ.get(var):
-            return os.environ[var]
-        git = ["git", "-C", str(path)]
-        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        if not head.stdout.strip():
-            return "unknown"
-        changed = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True)
-        return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
-
     count = torch.cuda.device_count()
     env = {
         "date": time.strftime("%Y-%m-%d"),
         "torch": torch.__version__,
         "gpus": str(count),
         "device": torch.cuda.get_device_name(0) if count else "cpu",
-        "commit": commit(ROOT, "TITANRUSH_COMMIT"),
+        "commit": git_commit(ROOT, "TITANRUSH_COMMIT"),
         "torchtitan": "not installed",
     }
     with contextlib.suppress(importlib.metadata.PackageNotFoundError):
         env["torchtitan"] = importlib.metadata.version("torchtitan")
     if base:
-        env["base_commit"] = commit(base, "TITANRUSH_BASE_COMMIT")
+        env["base_commit"] = git_commit(base, "TITANRUSH_BASE_COMMIT")
     return env
 
 

@@ -626,3 +626,28 @@ def test_moe_routing_sums_whole_windows_after_the_warm_up():
     first = rush_moe.routing(metrics[:20], warmup=2)  # only steps 3-12 whole: layer 1 at 300 / 200
     assert first["moe_window_worst"] == pytest.approx(1.5) and first["moe_window_last_mean"] == 1.25
     assert rush_moe.routing(metrics[:11], warmup=2) == {}
+
+
+def test_a_report_names_the_commit_it_ran_and_says_when_the_tree_differs(tmp_path, monkeypatch):
+    import shutil
+    import subprocess
+
+    from titanrush.tools.rush_report import git_commit
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed: a checkout without it reports 'unknown'")
+    monkeypatch.delenv("TITANRUSH_COMMIT", raising=False)
+    assert git_commit(tmp_path) == "unknown"  # not a checkout
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "a"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    assert git_commit(tmp_path) == head.stdout.strip()
+    (tmp_path / "new.py").write_text("")  # untracked: not a change to what ran
+    assert git_commit(tmp_path) == head.stdout.strip()
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert git_commit(tmp_path) == head.stdout.strip() + "+changes"
+    monkeypatch.setenv("TITANRUSH_COMMIT", "abc1234")  # a checkout copied without .git
+    assert git_commit(tmp_path) == "abc1234"

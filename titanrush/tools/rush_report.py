@@ -356,16 +356,21 @@ def log_tensorboard(out: Path, rows: list[Row], *, tag: str, table: str) -> None
 # Environment
 
 
-def _commit() -> str:
-    if os.environ.get("TITANRUSH_COMMIT"):  # set by the caller where the checkout has no .git
-        return os.environ["TITANRUSH_COMMIT"]
+def git_commit(path: Path = ROOT, var: str = "TITANRUSH_COMMIT") -> str:
+    """The checkout's HEAD, "+changes" where tracked files differ from it (a result never names a commit
+    it did not run); `var` from the environment where set (a checkout without .git); "unknown" without
+    git."""
+    if os.environ.get(var):
+        return os.environ[var]
+    git = ["git", "-C", str(path)]
     try:
-        res = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
-        )
-        return res.stdout.strip() or "unknown"
+        head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        if not head.stdout.strip():
+            return "unknown"
+        changed = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True)
     except OSError:
         return "unknown"
+    return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
 
 
 def _driver() -> str:
@@ -395,7 +400,7 @@ def environment(device: dict[str, Any], command: str, gpu_mem_note: str) -> dict
         "torch": device.get("torch"),
         "python": platform.python_version(),
         "host": platform.node(),
-        "commit": _commit(),
+        "commit": git_commit(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": command,
         "gpu_mem": gpu_mem_note,
