@@ -234,9 +234,10 @@ def test_float8_experts_ep2_matches_one_gpu_float8(tmp_path, refs):
     "name", ["tp2_float8", "tp2_float8_experts", "pp2_float8_experts", "cp2_float8_experts"]
 )
 def test_float8_under_tp_pp_cp_trains_like_bf16(name, tmp_path, refs):
-    """A Llama 4's float8 linears under TP2 (the float8 TP plan on attention and the dense FFNs, the MoE
-    layers' own linears data-parallel over tp), and float8 experts under TP2, PP2 and CP2: each against
-    bf16 on one GPU within float8's tolerance plus bf16's mesh tolerance, with its conversion logged."""
+    """A Llama 4's float8 linears under TP2 (the float8 TP styles on attention; `llama4_debug` has no
+    dense FFN; the MoE layers' own linears data-parallel over tp), and float8 experts under TP2, PP2 and
+    CP2: each against bf16 on one GPU within float8's tolerance plus bf16's mesh tolerance, with its
+    conversion logged."""
     if (why := _float8_ready()) is not None:
         pytest.skip(why)
     mesh = ["--parallelism." + name[:2], "2"]

@@ -434,7 +434,11 @@ def test_plan_resolves_moe_decisions():
         (2, ["--model.flavor", "debug", "--parallelism.ep", "2"], "has no experts"),
         (1, ["--model.flavor", "8B", "--moe.aux_loss_coeff", "0.05"], "has no experts"),
         (4, ["--parallelism.ep", "3"], "must divide dp_shard"),
-        (4, ["--parallelism.cp", "2", "--parallelism.tp", "2"], r"parallelism.cp > 1 does not compose .*tp"),
+        (
+            4,
+            ["--parallelism.cp", "2", "--parallelism.tp", "2"],
+            r"parallelism.cp = 2 does not compose .*tp = 2",
+        ),
         (
             1,
             [
@@ -450,7 +454,7 @@ def test_plan_resolves_moe_decisions():
         (1, ["--moe.bias_update_rate", "-1"], "moe.bias_update_rate must be"),
         (1, ["--parallelism.ep", "0"], "parallelism.ep must be"),
         (1, ["--model.flavor", "debug", "--float8.experts"], "float8.experts needs a Llama 4"),
-        (1, ["--float8.experts"], "runs on bf16 training"),
+        (1, ["--float8.experts"], "runs on bf16 training .* this run has training.precision = 'fp32'"),
     ],
 )
 def test_moe_config_rules(world, over, match):
@@ -472,7 +476,10 @@ def test_moe_compositions_proven_on_gpus_are_planned(world, over):
     """Tested on GPUs (tests/gpu/test_moe_gpu.py), so planned like any other mesh."""
     args = ["--model.flavor", "llama4_debug", "--training.precision", "bf16", *over]
     plan = build_plan(config.load(None, args), world, machine=False)
-    assert plan.dims.world_size == world and plan.float8.experts == ("--float8.experts" in over)
+    degrees = {"tp": plan.dims.tp, "pp": plan.dims.pp, "cp": plan.dims.cp}
+    assert degrees == {d: 2 if f"--parallelism.{d}" in over else 1 for d in degrees}
+    assert plan.float8.experts == ("--float8.experts" in over)
+    assert plan.float8.enable == ("--float8.enable" in over)
 
 
 def test_experts_must_divide_over_ep():

@@ -3,8 +3,10 @@ routing is said once (CPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -33,41 +35,54 @@ class _Part(nn.Module):
         self.layers = nn.ModuleDict({"0": block})
 
 
+@contextlib.contextmanager
+def _warnings() -> Iterator[list[str]]:
+    """The titanrush logger's warnings while the block runs (the trainer's logging setup, run by an earlier
+    test, may have stopped propagation: a handler of its own sees them anyway)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("titanrush")
+    logger.addHandler(handler)
+    said: list[str] = []
+    try:
+        yield said
+    finally:
+        logger.removeHandler(handler)
+        said += [r.getMessage() for r in records if r.levelno == logging.WARNING]
+
+
+LOG_EVERY = 5  # steps a logged window in `_windows`: a judged window pools JUDGE_STEPS / LOG_EVERY of them
+POOLED = JUDGE_STEPS // LOG_EVERY
+
+
 def _windows(first_expert: float, windows: int) -> list[str]:
-    """Log `windows` windows of a top-1 layer of 8 experts whose gate favours expert 0 by
-    `first_expert` (0: no preference), with the bias update off; the warnings logged."""
+    """Log `windows` windows of LOG_EVERY steps of a top-1 layer of 8 experts whose gate favours expert 0
+    by `first_expert` (0: no preference), with the bias update off; the warnings logged."""
     torch.manual_seed(0)
     moe = MoE(16, 16, n_experts=8, top_k=1)
     with torch.no_grad():
         moe.router.gate.weight.normal_(std=0.01)
         moe.router.gate.weight[0] += first_expert  # inputs are positive: expert 0 wins every token
     balance = ExpertBalance([_Part(moe)], rate=0.0)
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logger = logging.getLogger("titanrush")
-    logger.addHandler(handler)
-    try:
+    with _warnings() as said:
         for _ in range(windows):
-            for _ in range(5):
+            for _ in range(LOG_EVERY):
                 moe(torch.rand(4, 64, 16) if first_expert else torch.randn(4, 64, 16))
                 balance.step()
             balance.stats()
-    finally:
-        logger.removeHandler(handler)
-    return [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    return said
 
 
 def test_collapse_warning_once_on_a_collapsed_router():
-    # (5-step logged windows: each judged window pools two of them, JUDGE_STEPS steps)
-    assert _windows(1.0, 2 * COLLAPSE_WINDOWS - 1) == []  # not yet: a few windows in a row
-    said = _windows(1.0, 2 * COLLAPSE_WINDOWS + 4)
+    assert _windows(1.0, POOLED * COLLAPSE_WINDOWS - 1) == []  # not yet: a few windows in a row
+    said = _windows(1.0, POOLED * COLLAPSE_WINDOWS + 4)
     assert len(said) == 1, said
     assert "layer 0" in said[0] and "moe.bias_update_rate" in said[0], said[0]
 
 
 def test_no_collapse_warning_on_a_balanced_router():
-    assert _windows(0.0, 2 * COLLAPSE_WINDOWS + 4) == []
+    assert _windows(0.0, POOLED * COLLAPSE_WINDOWS + 4) == []
 
 
 def _rotating(steps: int, *, rotate: bool) -> tuple[list[float], list[str]]:
@@ -76,21 +91,15 @@ def _rotating(steps: int, *, rotate: bool) -> tuple[list[float], list[str]]:
     warnings logged."""
     moe = MoE(16, 16, n_experts=8, top_k=1)
     balance = ExpertBalance([_Part(moe)], rate=0.0)
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    logging.getLogger("titanrush").addHandler(handler)
     seen = []
-    try:
+    with _warnings() as said:
         for step in range(steps):
             with torch.no_grad():
                 moe.expert_bias.zero_()[step % 8 if rotate else 0] = 10.0  # (scores are in (0, 1))
             moe(torch.randn(4, 64, 16))
             balance.step()
             seen.append(balance.stats()["moe_imbalance_window"])
-    finally:
-        logging.getLogger("titanrush").removeHandler(handler)
-    return seen, [r.getMessage() for r in records if r.levelno == logging.WARNING]
+    return seen, said
 
 
 def test_collapse_is_judged_over_ten_steps_even_when_every_step_is_logged():

@@ -313,11 +313,12 @@ def test_float8_tp_keeps_plain_styles_for_a_part_with_bf16_linears(fake_world, c
 
 @pytest.mark.parametrize("moe_every", [1, 2], ids=["all_moe", "dense_and_moe"])
 def test_float8_tp_on_llama4_judges_the_ffn_by_the_blocks_that_have_one(fake_world, moe_every):
-    # A Llama 4 MoE block has no `feed_forward`: attention shards in float8 on every block, the dense
-    # blocks' FFN in float8 too, and the MoE layers stay data-parallel over tp (replicated weights).
+    # A Llama 4 MoE block has no `feed_forward`: attention takes the float8 styles, and the FFN too where
+    # dense blocks have one; the MoE layers are FSDP-sharded over the tp ranks instead (not TP-sharded).
     pytest.importorskip("torchao", reason="float8 is torchao's; it is a project dependency")
     from torchao.float8.float8_linear import Float8Linear
 
+    from titanrush.models.llama.parallelize import _float8_parts
     from titanrush.models.llama4 import Llama4
 
     fake_world(2)
@@ -327,17 +328,18 @@ def test_float8_tp_on_llama4_judges_the_ffn_by_the_blocks_that_have_one(fake_wor
     with torch.device("meta"):
         model = Llama4(plan.args)
     parallelize_llama(model, plan.dims.build_mesh("cpu"), plan.parallelize_plan)
+    blocks = list(model.layers.values())
+    expected = {"attention"} | ({"feed_forward"} if moe_every == 2 else set())
+    assert _float8_parts(blocks) == expected
+    # A bf16 linear in any block, not only the first, keeps its part on the plain styles.
+    last_dense = [b for b in blocks if b.feed_forward is not None][-1:] or blocks[-1:]
+    part = "feed_forward" if moe_every == 2 else "attention"
+    setattr(getattr(last_dense[0], part), "w2" if moe_every == 2 else "wo", torch.nn.Linear(4, 4))
+    assert _float8_parts(blocks) == expected - {part}
     assert isinstance(model.layers["0"].attention.wq, Float8Linear)
-    pl = placements(model)
-    assert pl["layers.0.attention.wq.weight"][-1] == Shard(0)
-    assert pl["layers.0.attention.wo.weight"][-1] == Shard(1)
-    last = str(plan.args.n_layers - 1)
-    gate = model.layers[last].moe.router.gate.weight  # FSDP over the tp ranks, not TP-sharded
+    gate = model.layers[str(plan.args.n_layers - 1)].moe.router.gate.weight
     assert gate.device_mesh.mesh_dim_names == ("dp_shard_cp_tp",)
     assert model.layers["0"].attention.wq.weight.device_mesh.mesh_dim_names == ("tp",)
-    if moe_every == 2:
-        assert isinstance(model.layers["0"].feed_forward.w2, Float8Linear)
-        assert pl["layers.0.feed_forward.w2.weight"][-1] == Shard(1)
 
 
 def test_fsdp_bf16_casts_block_inputs_but_not_the_rope_table(fake_world):

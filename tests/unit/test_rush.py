@@ -605,7 +605,9 @@ def test_cpu_moe_end_to_end(tmp_path, capsys):
     assert "| dense | dense Llama, FFN hidden 768" in report and "| moe | llama4_debug" in report
     assert f"Tokens/s, MoE / dense: {moe['vs_dense']:.2f}x" in report
     assert "at equal steps and equal tokens" in report and f"is the MoE's routers ({routers:,}" in report
-    assert "Routing at the last step alone" in report and "moe_window_worst" not in moe  # (3 steps)
+    assert "moe_window_worst" not in moe and "too few steps after the warm-up" in report  # (3 steps)
+    took = f"took {moe['moe_imbalance']:.2f}x"
+    assert f"Routing at the last step: the busiest expert of the most imbalanced layer {took}" in report
     assert (out / "moe.png").read_bytes()[:8] == PNG_MAGIC
     assert list((out / "tb").glob("events.out.tfevents.*"))
     assert "[ 2/2] moe" in capsys.readouterr().out
@@ -626,6 +628,13 @@ def test_moe_routing_sums_whole_windows_after_the_warm_up():
     first = rush_moe.routing(metrics[:20], warmup=2)  # only steps 3-12 whole: layer 1 at 300 / 200
     assert first["moe_window_worst"] == pytest.approx(1.5) and first["moe_window_last_mean"] == 1.25
     assert rush_moe.routing(metrics[:11], warmup=2) == {}
+    # A step missing leaves its window out, not the later ones; a layer some step lacks is left out of
+    # that window (layer 1 here: only layer 0, balanced, remains in steps 13-22).
+    gap = [m for m in metrics if m["step"] != 5]
+    assert rush_moe.routing(gap, warmup=2)["moe_window_worst_steps"] == [13, 22]
+    uneven = [{k: v for k, v in m.items() if not (m["step"] == 15 and k == "moe_tokens_l1")} for m in metrics]
+    got = rush_moe.routing(uneven, warmup=2)
+    assert got["moe_window_worst"] == pytest.approx(1.5) and got["moe_window_last"] == pytest.approx(1.0)
 
 
 def test_a_report_names_the_commit_it_ran_and_says_when_the_tree_differs(tmp_path, monkeypatch):
@@ -636,9 +645,20 @@ def test_a_report_names_the_commit_it_ran_and_says_when_the_tree_differs(tmp_pat
 
     if shutil.which("git") is None:
         pytest.skip("git is not installed: a checkout without it reports 'unknown'")
-    monkeypatch.delenv("TITANRUSH_COMMIT", raising=False)
+    for var in ("TITANRUSH_COMMIT", "GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
+        monkeypatch.delenv(var, raising=False)
     assert git_commit(tmp_path) == "unknown"  # not a checkout
-    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    git = [
+        "git",
+        "-C",
+        str(tmp_path),
+        "-c",
+        "user.name=t",
+        "-c",
+        "user.email=t@t",
+        "-c",
+        "commit.gpgsign=false",
+    ]
     subprocess.run([*git, "init", "-q"], check=True)
     (tmp_path / "a.py").write_text("x = 1\n")
     subprocess.run([*git, "add", "a.py"], check=True)

@@ -620,14 +620,16 @@ def _check_moe(cfg: JobConfig, dims: ParallelDims, args: Llama4Args) -> None:
         )
     if dims.tp > 1 and dims.cp > 1:
         raise ConfigError(
-            f"parallelism.cp > 1 does not compose with parallelism.tp > 1 on mixture-of-experts layers yet "
-            f"({m.flavor}: untested on GPUs); drop one, or shard with dp_shard and parallelism.ep, not tp"
+            f"parallelism.cp = {dims.cp} does not compose with parallelism.tp = {dims.tp} on "
+            f"mixture-of-experts layers yet ({m.flavor}: untested on GPUs); set one of them to 1 (shard "
+            "with dp_shard and parallelism.ep instead of tp)"
         )
     f8 = cfg.float8
     if f8.experts and (cfg.training.precision != "bf16" or f8.emulate):
+        why = "float8.emulate = true" if f8.emulate else f"training.precision = {cfg.training.precision!r}"
         raise ConfigError(
-            "float8.experts runs on bf16 training (training.precision = 'bf16'), without float8.emulate; "
-            "set float8.experts = false for this run"
+            f"float8.experts runs on bf16 training (training.precision = 'bf16'), without float8.emulate; "
+            f"this run has {why}: change it, or set float8.experts = false"
         )
     chunk = args.attn_chunk
     if chunk and seq > chunk:

@@ -23,6 +23,7 @@ from titanrush.metrics import flops_per_token, matmul_params
 from titanrush.models.llama import Llama
 from titanrush.models.llama4 import FLAVORS as LLAMA4_FLAVORS
 from titanrush.models.llama4 import Llama4, Llama4Args
+from titanrush.models.llama4.balance import JUDGE_STEPS
 from titanrush.run.plan import resolve_model_args
 from titanrush.tools import rush_report as report
 from titanrush.tools import rush_runner as runner
@@ -143,27 +144,25 @@ def moe_plan(config: str | None, base: dict[str, str]) -> list[Rung]:
     ]
 
 
-BALANCE_WINDOW = 10
-"""Steps whose routed tokens are summed for one balance figure, the trainer's default log interval: one
-step's batch can send a layer's tokens to one expert and the next step's to another."""
-
-
 def routing(metrics: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
-    """The experts' balance after the warm-up from the per-step metrics (`moe_tokens_l<i>`): the tokens
-    of each whole window of BALANCE_WINDOW steps > `warmup` summed, and per window the most imbalanced
-    layer's max / mean load; the worst window (with its steps) and the last one (with the mean over
-    layers). Empty without a whole window."""
+    """The experts' balance after the warm-up from metrics logged at every step (the rush sets
+    `metrics.log_freq = 1`; `moe_tokens_l<i>` is the logged step's load): the tokens of each window of
+    JUDGE_STEPS steps > `warmup` summed, a window with a step missing left out, and per window the most
+    imbalanced layer's max / mean load over the layers every step of it logged; the worst window (with
+    its steps) and the last one (with the mean over layers). Empty without a whole window."""
     by_step = {r["step"]: r for r in metrics if any(k.startswith("moe_tokens_l") for k in r)}
     figures = []
-    first = warmup + 1
-    while all(s in by_step for s in range(first, first + BALANCE_WINDOW)):
-        rows = [by_step[s] for s in range(first, first + BALANCE_WINDOW)]
+    for first in range(warmup + 1, max(by_step, default=0) - JUDGE_STEPS + 2, JUDGE_STEPS):
+        rows = [by_step.get(s) for s in range(first, first + JUDGE_STEPS)]
+        if None in rows:
+            continue
+        keys = set.intersection(*({k for k in r if k.startswith("moe_tokens_l")} for r in rows))
         per_layer = []
-        for key in (k for k in rows[0] if k.startswith("moe_tokens_l")):
+        for key in sorted(keys):
             load = [sum(tokens) for tokens in zip(*(r[key] for r in rows))]
             per_layer.append(max(load) / max(sum(load) / len(load), 1e-9))
-        figures.append((first, first + BALANCE_WINDOW - 1, max(per_layer), sum(per_layer) / len(per_layer)))
-        first += BALANCE_WINDOW
+        if per_layer:
+            figures.append((first, first + JUDGE_STEPS - 1, max(per_layer), sum(per_layer) / len(per_layer)))
     if not figures:
         return {}
     worst, last = max(figures, key=lambda f: f[2]), figures[-1]
@@ -250,19 +249,26 @@ def summary(rows: list[dict[str, Any]]) -> list[str]:
             f"{moe['loss_moe']:.4f}, dense {moe['loss_dense']:.4f}, MoE - dense = {moe['loss_diff']:+.4f} "
             "at equal steps and equal tokens (negative: the MoE is ahead)."
         )
+    scale = "1.00 is balanced, E: one expert took every token and the others learned nothing"
     if moe.get("moe_window_worst") is not None:
         (a, b), (c, d) = moe["moe_window_worst_steps"], moe["moe_window_last_steps"]
         lines.append(
-            f"- Routing, the tokens of each {BALANCE_WINDOW} steps after the warm-up summed: the busiest "
+            f"- Routing, the tokens of each {JUDGE_STEPS} steps after the warm-up summed: the busiest "
             f"expert of the most imbalanced layer took at most {moe['moe_window_worst']:.2f}x the mean load "
             f"(steps {a}-{b}), {moe['moe_window_last']:.2f}x over steps {c}-{d} "
-            f"({moe['moe_window_last_mean']:.2f}x averaged over the layers); 1.00 is balanced, E: one "
-            "expert took every token and the others learned nothing (docs/moe.md, 'Load balance')."
+            f"({moe['moe_window_last_mean']:.2f}x averaged over the layers); {scale} (docs/moe.md, 'Load "
+            "balance')."
         )
-    if moe.get("moe_imbalance") is not None:
+        if moe.get("moe_imbalance") is not None:
+            lines.append(
+                f"- Routing at the last step alone: {moe['moe_imbalance']:.2f}x (one step's batch swings "
+                "more than the windows above)."
+            )
+    elif moe.get("moe_imbalance") is not None:
         lines.append(
-            f"- Routing at the last step alone: {moe['moe_imbalance']:.2f}x (one step's batch swings more "
-            "than the windows above)."
+            f"- Routing at the last step: the busiest expert of the most imbalanced layer took "
+            f"{moe['moe_imbalance']:.2f}x the mean load ({scale}; too few steps after the warm-up for a "
+            f"window of {JUDGE_STEPS})."
         )
     lines.append(
         "- What it means: the MoE has more parameters for the same FLOPs per token. Its extra experts cost "

@@ -357,9 +357,9 @@ def log_tensorboard(out: Path, rows: list[Row], *, tag: str, table: str) -> None
 
 
 def git_commit(path: Path = ROOT, var: str = "TITANRUSH_COMMIT") -> str:
-    """The checkout's HEAD, "+changes" where tracked files differ from it (a result never names a commit
-    it did not run); `var` from the environment where set (a checkout without .git); "unknown" without
-    git."""
+    """The checkout's HEAD, "+changes" where tracked files differ from it or git cannot tell (a result
+    never names a commit it did not run; untracked files are not looked at); `var` from the environment
+    where set (a checkout without .git); "unknown" without git."""
     if os.environ.get(var):
         return os.environ[var]
     git = ["git", "-C", str(path)]
@@ -370,7 +370,7 @@ def git_commit(path: Path = ROOT, var: str = "TITANRUSH_COMMIT") -> str:
         changed = subprocess.run([*git, "status", "--porcelain", "-uno"], capture_output=True, text=True)
     except OSError:
         return "unknown"
-    return head.stdout.strip() + ("+changes" if changed.stdout.strip() else "")
+    return head.stdout.strip() + ("+changes" if changed.returncode or changed.stdout.strip() else "")
 
 
 def _driver() -> str:

@@ -37,9 +37,10 @@ logger = logging.getLogger("titanrush")
 COLLAPSE_WINDOWS = 3
 """Judged windows in a row above half the expert count's max/mean load that make routing 'collapsed'."""
 JUDGE_STEPS = 10
-"""The fewest steps whose summed load the collapse check judges at once: with a log interval shorter than
-this, logged windows are pooled, since one batch's load can go to one expert while the next batches'
-go to others (on a GPU, `rush moe` logging every step: 8.0 at step after step, 1.8 over those 10)."""
+"""The fewest steps whose summed load the collapse check judges at once (and `rush moe`'s balance
+window): with a log interval shorter than this, logged windows are pooled, since one batch's load can go
+to one expert while the next batches' go to others (on a GPU, `rush moe` logging every step: 8.0 at step
+after step, 1.8 over those 10)."""
 
 
 def moe_modules(parts: list[nn.Module]) -> dict[str, MoE]:
