@@ -172,6 +172,11 @@ def test_other_flavor_is_a_clear_error_and_nothing_is_touched(tmp_path):
         cfg = config.load(None, bad)
         Trainer(cfg, build_plan(cfg, 1))
     assert sorted((p.name, p.stat().st_size) for p in ck.iterdir()) == before
+    # Another model in the run's own folder (a new model, the same job.name): a folder of its own.
+    with pytest.raises(ConfigError, match=r"9000 here\. To load it: .* folder of its own: --job\.name"):
+        cfg = config.load(None, args(tmp_path, "a", 6, *CKPT, "--model.vocab_size", "9000"))
+        Trainer(cfg, build_plan(cfg, 1))
+    assert sorted((p.name, p.stat().st_size) for p in ck.iterdir()) == before
 
 
 def test_corrupt_checkpoint_is_a_clear_error(tmp_path):

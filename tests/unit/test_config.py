@@ -98,6 +98,10 @@ def test_extends_cycle_is_an_error(tmp_path):
         (["--training.max_norm", "nan"], "training.max_norm must be a finite number"),
         (["--no-training.steps"], "only applies to true/false keys"),
         (["--training.seq_len"], "needs a value"),
+        (
+            ["--training.steps", "--training.seq_len", "64"],
+            r"steps needs a value \(the next argument, --training",
+        ),
         (["steps=3"], "overrides look like --section.key value"),
         (["--job.name", "ab\udcffc"], r"job\.name = 'ab\\udcffc' holds bytes that are not UTF-8 text"),
     ],

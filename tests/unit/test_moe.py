@@ -434,6 +434,7 @@ def test_plan_resolves_moe_decisions():
         (2, ["--model.flavor", "debug", "--parallelism.ep", "2"], "has no experts"),
         (1, ["--model.flavor", "8B", "--moe.aux_loss_coeff", "0.05"], "has no experts"),
         (4, ["--parallelism.ep", "3"], "must divide dp_shard"),
+        (1, ["--parallelism.ep", "2"], r"needs at least 2 processes.* has 1\): launch with NGPU=2"),
         (
             4,
             ["--parallelism.cp", "2", "--parallelism.tp", "2"],

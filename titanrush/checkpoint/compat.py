@@ -408,6 +408,8 @@ def check_compatible(
         new_run = f"--job.name <new name> --checkpoint.load_path {path} --checkpoint.load_model_only"
         flag = "add --checkpoint.load_model_only"
         advice.append(f"take only its weights into a new run: {new_run if own else flag}")
+    if own and not weights_fit:  # (another model in the same run folder: usually meant as a new run)
+        advice.append("train this model from scratch in a folder of its own: --job.name <new name>")
     raise ConfigError(
         f"checkpoint {path} is incompatible with this run: {'; '.join(problems)}. To load it: "
         + ("; or ".join(advice) or "start without it: no setting of this run loads it")

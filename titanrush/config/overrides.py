@@ -37,10 +37,28 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
         else:
             if i + 1 >= len(args):
                 raise ConfigError(f"--{section}.{key} needs a value")
+            if _is_key(args[i + 1]):
+                raise ConfigError(
+                    f"--{section}.{key} needs a value (the next argument, {args[i + 1].partition('=')[0]}, "
+                    "is another key)"
+                )
             out.append((section, key, args[i + 1]))
             i += 1
         i += 1
     return out
+
+
+def _is_key(arg: str) -> bool:
+    """Whether `arg` is an override's `--section.key` (or `--no-section.key`) of a key that exists."""
+    if not arg.startswith("--") or "." not in arg:
+        return False
+    name = arg[2:].partition("=")[0]
+    section, _, key = name.removeprefix("no-").partition(".")
+    try:
+        _lookup(section, key)
+    except ConfigError:
+        return False
+    return True
 
 
 def repeated_overrides(args: list[str]) -> list[str]:

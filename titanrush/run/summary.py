@@ -133,7 +133,7 @@ def _checkpoint_commands(s: RunSummary) -> list[tuple[str, str | None]]:
             (f"train further (from {s.resumable.name}, to step {steps})", command_line(s.launcher, more))
         )
     ckpt = shlex.quote(str(s.checkpoint))
-    hf = shlex.quote(str(s.run_dir / "hf"))
+    hf = shlex.quote(str(s.run_dir / "hf" / s.checkpoint.name))  # (a folder per step: never refused)
     out.append(("export to a Hugging Face folder", f"titanrush convert --to-hf {ckpt} {hf}"))
     if s.dense:
         prompt = shlex.quote(PROMPT)

@@ -609,6 +609,11 @@ def _found(module: str) -> bool:
 def _check_moe(cfg: JobConfig, dims: ParallelDims, args: Llama4Args) -> None:
     """Expert parallel against the mesh and the experts; Llama 4's attention options against the run."""
     m, seq = cfg.model, cfg.training.seq_len
+    if dims.ep > dims.world_size:
+        raise ConfigError(
+            f"parallelism.ep = {dims.ep} needs at least {dims.ep} processes, one per expert shard (this run "
+            f"has {dims.world_size}): launch with NGPU={dims.ep} ./run_train.sh, or leave parallelism.ep at 1"
+        )
     if dims.ep > 1 and dims.dp_shard % dims.ep:
         raise ConfigError(
             f"parallelism.ep = {dims.ep} must divide dp_shard = {dims.dp_shard} (expert parallel borrows its "
