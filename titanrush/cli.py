@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import gc
 import importlib
 import os
@@ -36,7 +37,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"titanrush: unknown command {name!r}; commands: {', '.join(COMMANDS)}", file=sys.stderr)
+        near = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f"did you mean {near[0]!r}? " if near else ""
+        print(f"titanrush: unknown command {name!r}; {hint}commands: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     module = importlib.import_module(COMMANDS[name][0])
     return module.main(rest)

@@ -299,7 +299,7 @@ def test_the_console_script_passes_each_commands_status_on(tmp_path):
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 2 and len(lines) == 1 and "did you mean training.steps" in lines[0], res.stderr
     res = script("trian")
-    assert res.returncode == 2 and "unknown command 'trian'" in res.stderr, res.stderr
+    assert res.returncode == 2 and "unknown command 'trian'; did you mean 'train'?" in res.stderr, res.stderr
     # `python -m titanrush` is the same script
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "titanrush", "train", "--training.stepz", "3"]
