@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 from titanrush.data.hf_tokenizer import write_hf_tokenizer  # noqa: E402
 from titanrush.models.llama.flavors import model_args  # noqa: E402
+from titanrush.tools.rush_moe import load_windows  # noqa: E402
 from titanrush.tools.rush_report import git_commit  # noqa: E402
 from titanrush.tools.rush_runner import detect_oom, kill_group, read_metrics  # noqa: E402
 from titanrush.tools.trace_analysis import (  # noqa: E402
@@ -439,13 +440,8 @@ def summarize(run: Run, result: dict, measure_from: int, profile_step: int = 0) 
 def window_imbalance(metrics: Path, every: int = 10) -> list[list[float]]:
     """A Llama 4 run's load per `every` steps: [window's end, worst layer's max/mean, mean over layers] of
     the tokens per expert (metrics.jsonl's `moe_tokens_l<i>`) summed over the window's steps."""
-    sums: dict[int, dict[str, list[float]]] = {}
-    for m in read_metrics(metrics):
-        w = sums.setdefault((m["step"] - 1) // every, {})
-        for k, v in ((k, v) for k, v in m.items() if k.startswith("moe_tokens_l")):
-            w[k] = [a + b for a, b in zip(w.get(k, [0] * len(v)), v)]
-    out = [(i, [max(v) * len(v) / sum(v) for v in w.values() if sum(v)]) for i, w in sorted(sums.items())]
-    return [[(i + 1) * every, round(max(x), 2), round(fmean(x), 2)] for i, x in out if x]
+    windows = load_windows(read_metrics(metrics), every)
+    return [[last, round(max(x), 2), round(fmean(x), 2)] for _, last, x, _ in windows if x]
 
 
 def trace_of(run: Run, work: Path) -> Path | None:

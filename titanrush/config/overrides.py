@@ -17,13 +17,9 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
     i = 0
     while i < len(args):
         arg = args[i]
-        if not arg.startswith("--") or "." not in arg:
+        if not _looks_like_key(arg):
             raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key value")
-        name, eq, value = arg[2:].partition("=")
-        negate = name.startswith("no-")
-        if negate:
-            name = name[3:]
-        section, _, key = name.partition(".")
+        section, key, negate, eq, value = _split(arg)
         cls, key = _lookup(section, key)
         is_bool = _field_types(cls)[key] is bool
         if negate:
@@ -48,12 +44,23 @@ def parse_overrides(args: list[str]) -> list[tuple[str, str, Any]]:
     return out
 
 
+def _looks_like_key(arg: str) -> bool:
+    return arg.startswith("--") and "." in arg
+
+
+def _split(arg: str) -> tuple[str, str, bool, str, str]:
+    """`--[no-]section.key[=value]` as (section, key, negated, "=" or "", value)."""
+    name, eq, value = arg[2:].partition("=")
+    negate = name.startswith("no-")
+    section, _, key = name.removeprefix("no-").partition(".")
+    return section, key, negate, eq, value
+
+
 def _is_key(arg: str) -> bool:
     """Whether `arg` is an override's `--section.key` (or `--no-section.key`) of a key that exists."""
-    if not arg.startswith("--") or "." not in arg:
+    if not _looks_like_key(arg):
         return False
-    name = arg[2:].partition("=")[0]
-    section, _, key = name.removeprefix("no-").partition(".")
+    section, key, *_ = _split(arg)
     try:
         _lookup(section, key)
     except ConfigError:

@@ -144,25 +144,37 @@ def moe_plan(config: str | None, base: dict[str, str]) -> list[Rung]:
     ]
 
 
-def routing(metrics: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
-    """The experts' balance after the warm-up from metrics logged at every step (the rush sets
-    `metrics.log_freq = 1`; `moe_tokens_l<i>` is the logged step's load): the tokens of each window of
-    JUDGE_STEPS steps > `warmup` summed, a window with a step missing left out, and per window the most
-    imbalanced layer's max / mean load over the layers every step of it logged; the worst window (with
-    its steps) and the last one (with the mean over layers). Empty without a whole window."""
-    by_step = {r["step"]: r for r in metrics if any(k.startswith("moe_tokens_l") for k in r)}
-    figures = []
-    for first in range(warmup + 1, max(by_step, default=0) - JUDGE_STEPS + 2, JUDGE_STEPS):
-        rows = [by_step.get(s) for s in range(first, first + JUDGE_STEPS)]
-        if None in rows:
-            continue
+def load_windows(
+    metrics: list[dict[str, Any]], every: int = JUDGE_STEPS, after: int = 0
+) -> list[tuple[int, int, list[float], bool]]:
+    """A Llama 4 run's expert load summed per window of `every` steps > `after`, from the rows that hold
+    `moe_tokens_l<i>` (each the logged step's load: a run logging every step). Per window: its first and
+    last step, each layer's max / mean load (over the layers every row of the window holds; a layer
+    without a token left out), and whether every step of it was logged."""
+    windows: dict[int, list[dict[str, Any]]] = {}
+    for r in metrics:
+        if r.get("step", 0) > after and any(k.startswith("moe_tokens_l") for k in r):
+            windows.setdefault((r["step"] - after - 1) // every, []).append(r)
+    out = []
+    for i, rows in sorted(windows.items()):
+        first = after + i * every + 1
         keys = set.intersection(*({k for k in r if k.startswith("moe_tokens_l")} for r in rows))
-        per_layer = []
-        for key in sorted(keys):
-            load = [sum(tokens) for tokens in zip(*(r[key] for r in rows))]
-            per_layer.append(max(load) / max(sum(load) / len(load), 1e-9))
-        if per_layer:
-            figures.append((first, first + JUDGE_STEPS - 1, max(per_layer), sum(per_layer) / len(per_layer)))
+        loads = ([sum(tokens) for tokens in zip(*(r[key] for r in rows))] for key in sorted(keys))
+        per_layer = [max(load) * len(load) / sum(load) for load in loads if sum(load)]
+        whole = {r["step"] for r in rows} == set(range(first, first + every))
+        out.append((first, first + every - 1, per_layer, whole))
+    return out
+
+
+def routing(metrics: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    """The experts' balance after the warm-up (`load_windows` of JUDGE_STEPS steps > `warmup`, a window
+    with a step missing left out): the most imbalanced layer's max / mean load in the worst window (with
+    its steps) and in the last one (with the mean over layers). Empty without a whole window."""
+    figures = [
+        (first, last, max(per_layer), sum(per_layer) / len(per_layer))
+        for first, last, per_layer, whole in load_windows(metrics, JUDGE_STEPS, warmup)
+        if whole and per_layer
+    ]
     if not figures:
         return {}
     worst, last = max(figures, key=lambda f: f[2]), figures[-1]
