@@ -23,7 +23,13 @@ if [ -n "${NGPU:-}" ]; then launcher="NGPU=$(printf '%q' "$NGPU") $launcher"; fi
 export TITANRUSH_LAUNCHER=$launcher
 
 if [ -z "${NGPU:-}" ]; then
-  NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 1)" 2>/dev/null || echo 1)
+  # torch counts the GPUs it can use; a host without a GPU's device file (NVIDIA, AMD, WSL) has none,
+  # and is told so without the seconds of importing torch.
+  if compgen -G "/dev/nvidia[0-9]*" >/dev/null || [ -e /dev/kfd ] || [ -e /dev/dxg ]; then
+    NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 1)" 2>/dev/null || echo 1)
+  else
+    NGPU=1
+  fi
 fi
 NNODES=${NNODES:-1}
 for var in NGPU NNODES; do

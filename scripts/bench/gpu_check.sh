@@ -4,8 +4,9 @@
 # $OUT, default /tmp/gpu_check). all: tests/gpu, then ROWS (default 1b); tests; bench: ROWS (default auto: the
 # machine's row, see side_by_side.py); parity: ROWS (default auto: 1b, 1b_fsdp2 on 2 GPUs) in the parity mode
 # (the same weights, batches and settings; STEPS 200; ABLATE=1 adds titanrush on torchtitan's schedule).
-# ROWS, SETTINGS (same,defaults,best) as side_by_side.py's. Environment: BASE=DIR (another checkout), STEPS,
-# MEASURE_FROM, BUDGET (s, 540), ABLATE, TITANRUSH_COMMIT, TITANRUSH_BASE_COMMIT.
+# ROWS, SETTINGS (same,defaults,best,auto) as side_by_side.py's. Environment: BASE=DIR (another checkout), STEPS,
+# MEASURE_FROM, BUDGET (s, 540), ABLATE, TT_AC (torchtitan's AC settings, side_by_side.py's --tt-ac),
+# TITANRUSH_COMMIT, TITANRUSH_BASE_COMMIT.
 set -u
 MODE=${1:-all}
 [ "$MODE" = all ] && ROWS=${2:-1b} || ROWS=${2:-auto}
@@ -34,7 +35,7 @@ if [ "$MODE" = all ] || [ "$MODE" = bench ]; then
   [ "$left" -gt 1 ] || left=1
   timeout $((left + 30)) python3 scripts/bench/side_by_side.py --out "$OUT/bench" --rows "$ROWS" \
     --settings "$SETTINGS" --steps "${STEPS:-30}" --measure-from "${MEASURE_FROM:-10}" --time-limit "$left" \
-    ${BASE:+--base "$BASE"} > "$OUT/bench.log" 2>&1
+    ${BASE:+--base "$BASE"} ${TT_AC:+--tt-ac "$TT_AC"} > "$OUT/bench.log" 2>&1
   echo "side_by_side.py exit $? (log: $OUT/bench.log)" >> "$OUT/env.txt"
 fi
 if [ "$MODE" = parity ]; then

@@ -50,6 +50,14 @@ _OP_AC = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.
 _NO_AC = ["--activation_checkpoint.mode", "none"]
 _ZERO2 = ["--parallelism.fsdp_reshard_after_forward", "never"]
 _CHUNKED = ["--training.loss", "chunked"]  # (not with TP or PP)
+_AUTO = [  # the planner's choice of each lever it can pick (docs/auto_plan.md)
+    "--activation_checkpoint.mode",
+    "auto",
+    "--training.loss",
+    "auto",
+    "--parallelism.fsdp_reshard_after_forward",
+    "auto",
+]
 BALANCE = ["--lr_scheduler.warmup_steps", "100", "--moe.bias_update_rate", "1e-2"]  # --balance
 
 
@@ -78,6 +86,7 @@ ROWS = {
     r.name: r
     for r in (
         Row("1b", "1B", 1, 2048, 8, ac=False),
+        Row("3b", "3B", 1, 8192, 2),  # torchtitan's AC policy as its recipes ship it (per-op)
         Row("1b_fsdp2", "1B", 2, 2048, 4, ac=False),  # the 1b row's 8 sequences a step over FSDP 2
         Row("3b_fsdp2", "3B", 2, 8192, 2, best=(*_NO_AC, *_CHUNKED)),  # estimated 68 GiB: fits 80 GB
         Row("8b_fsdp2", "8B", 2, 8192, 2, best=(*_OP_AC, *_CHUNKED)),  # no AC: does not fit 2 x 141 GB
@@ -99,7 +108,12 @@ ROWS = {
         Row("moe_debug", "llama4_debug", 1, 128, 4, ac=False),
     )
 }
-SETTINGS = ("same", "defaults", "best")
+SETTINGS = ("same", "defaults", "best", "auto")
+TT_AC = {  # torchtitan's activation checkpointing by --tt-ac name (`op`: its Llama 3 recipes' policy)
+    "none": {"mode": "none"},
+    "op": {"mode": "selective", "selective_ac_option": "op"},
+    "full": {"mode": "full"},
+}
 
 
 def row_flags(row: Row) -> list[str]:
@@ -153,7 +167,7 @@ def setting_flags(row: Row) -> dict[str, list[str]]:
     if row.flavor.startswith("llama4"):  # torchtitan 0.2.2's routing: bias step 1e-3, no balance loss
         same = [*same, "--moe.bias_update_rate", "1e-3", "--moe.aux_loss_coeff", "0"]
     defaults = _OP_AC if row.ac else _NO_AC
-    return {"same": same, "defaults": defaults, "best": list(row.best) or defaults}
+    return {"same": same, "defaults": defaults, "best": list(row.best) or defaults, "auto": _AUTO}
 
 
 def torchtitan_config(
@@ -165,10 +179,11 @@ def torchtitan_config(
     profile_step: int = 0,
     warmup: int = 10,
     log_freq: int = 1,
+    ac: str = "",
 ) -> dict[str, dict]:
     """torchtitan's job config for the row, by TOML section; with `profile_step`, its profiler records
-    that step (after one warm-up step, as titanrush's)."""
-    ac = {"mode": "selective", "selective_ac_option": "op"} if row.ac else {"mode": "none"}
+    that step (after one warm-up step, as titanrush's); `ac` a `TT_AC` name (empty: the row's own)."""
+    ac_mode = TT_AC[ac or row_ac(row)]
     cfg = {
         "job": {"dump_folder": str(dump)},
         "metrics": {"log_freq": log_freq, "disable_color_printing": True},
@@ -201,7 +216,7 @@ def torchtitan_config(
             "pipeline_parallel_microbatch_size": 1,
         },
         "checkpoint": {"enable": False},
-        "activation_checkpoint": ac,
+        "activation_checkpoint": ac_mode,
         "compile": {"enable": True, "components": ["model", "loss"]},
         "quantize.linear.float8": {
             "enable_fsdp_float8_all_gather": True,
@@ -216,6 +231,11 @@ def torchtitan_config(
     return cfg
 
 
+def row_ac(row: Row) -> str:
+    """The `TT_AC` name of the row's own work (the `same` setting's AC)."""
+    return "op" if row.ac else "none"
+
+
 def toml_text(cfg: dict[str, dict]) -> str:
     """A config of TOML sections as TOML (JSON values are TOML values here)."""
     return "\n".join(
@@ -223,7 +243,7 @@ def toml_text(cfg: dict[str, dict]) -> str:
     )
 
 
-def torchtitan_toml(row: Row, steps: int, assets: Path, corpus: Path, dump: Path, **kwargs: int) -> str:
+def torchtitan_toml(row: Row, steps: int, assets: Path, corpus: Path, dump: Path, **kwargs: Any) -> str:
     """`torchtitan_config` as TOML."""
     return toml_text(torchtitan_config(row, steps, assets, corpus, dump, **kwargs))
 
@@ -257,6 +277,11 @@ def torchtitan_pythonpath() -> str:
     return os.pathsep.join([str(COMPAT), *shim, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
+def tt_acs(row: Row, asked: list[str]) -> list[str]:
+    """torchtitan's AC settings to run for the row, in order: `row` is the row's own."""
+    return list(dict.fromkeys(row_ac(row) if ac == "row" else ac for ac in asked))
+
+
 def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -> list[Run]:
     """The runs in order: per row torchtitan, then per setting titanrush and the base checkout."""
     tt_path = torchtitan_pythonpath()
@@ -264,8 +289,9 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
     runs, profile = [], f"--profiling.enable --profiling.freq {a.profile_step} --profiling.active_steps 1"
     profile = profile.split() if a.profile_step else []  # titanrush's profiler: a warm-up step, then step N
     for row in rows:
-        if "torchtitan" in a.trainers and row.tt:
-            toml = work / "configs" / f"torchtitan_{row.name}.toml"
+        for ac in tt_acs(row, a.tt_ac) if "torchtitan" in a.trainers and row.tt else []:
+            name = row.name if ac == row_ac(row) else f"{row.name}_ac{ac}"  # (the row's own work: its name)
+            toml = work / "configs" / f"torchtitan_{name}.toml"
             toml.parent.mkdir(parents=True, exist_ok=True)
             balance = a.balance and row.flavor.startswith("llama4")
             tt = torchtitan_toml(
@@ -273,10 +299,11 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
                 a.steps,
                 work / "tokenizer",
                 work / "corpus",
-                work / "tt" / row.name,
+                work / "tt" / name,
                 profile_step=a.profile_step,
                 warmup=100 if balance else 10,
                 log_freq=a.log_freq,
+                ac=ac,
             )
             toml.write_text(tt)
             nproc = [f"--nproc_per_node={row.ngpu}", "--local-ranks-filter", "0"]  # rank 0 logs, as ours
@@ -296,8 +323,9 @@ def plan(rows: list[Row], names: list[str], a: argparse.Namespace, work: Path) -
                 "PYTORCH_ALLOC_CONF": "expandable_segments:True",
                 "TT_LOAD_BALANCE_COEFF": "1e-2" if balance else "1e-3",
             }
-            log = work / "logs" / f"torchtitan_{row.name}.log"
-            runs.append(Run("torchtitan", row.name, "-", cmd, env, ROOT, log))
+            log = work / "logs" / f"torchtitan_{name}.log"
+            setting = "-" if ac == row_ac(row) else f"ac {ac}"
+            runs.append(Run("torchtitan", row.name, setting, cmd, env, ROOT, log))
         seen: list[list[str]] = []
         for setting, flags in setting_flags(row).items():
             if setting not in names or flags in seen:
@@ -447,7 +475,8 @@ def window_imbalance(metrics: Path, every: int = 10) -> list[list[float]]:
 def trace_of(run: Run, work: Path) -> Path | None:
     """Rank 0's trace of the run's profiled step (the newest, where several were written)."""
     tt = run.trainer == "torchtitan"
-    where = (work / "tt" / run.row / "profile_traces") if tt else (work / "runs" / run.log.stem / "profile")
+    tt_dump = work / "tt" / run.log.stem.removeprefix("torchtitan_")
+    where = (tt_dump / "profile_traces") if tt else (work / "runs" / run.log.stem / "profile")
     found = list(where.glob("iteration_*/rank0_trace.json" if tt else "step-*/rank0.trace.json.gz"))
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
@@ -485,26 +514,40 @@ def kernel_tables(results: list[dict]) -> str:
 
 
 def table(results: list[dict]) -> str:
-    """One line per run; `vs torchtitan` divides by the row's torchtitan run of the same invocation."""
+    """One line per run; `vs torchtitan` divides by the row's torchtitan run of the same work (its setting
+    `-`), `vs tt op` by torchtitan with its recipes' per-op AC (as shipped), `vs tt best` by the row's
+    fastest torchtitan run (tuned by hand: each --tt-ac tried), all of the same invocation."""
     head = "row | setting | trainer | status | tok/s/GPU | vs torchtitan | reserved GiB | MFU % | 1st step s"
-    lines = [f"| {head} |", "|---|---|---|---|---:|---:|---:|---:|---:|"]
-    ref = {r["row"]: r.get("tps") for r in results if r["trainer"] == "torchtitan" and r["status"] == "ok"}
+    head += " | vs tt op | vs tt best"
+    lines = [f"| {head} |", "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    ok = [r for r in results if r["trainer"] == "torchtitan" and r["status"] == "ok" and r.get("tps")]
+    ref = {r["row"]: r["tps"] for r in ok if r["setting"] == "-"}
+    op = {r["row"]: r["tps"] for r in ok if r["setting"] == "ac op"}
+    op |= {
+        r["row"]: r["tps"] for r in ok if r["setting"] == "-" and ROWS.get(r["row"], Row("", "", 0, 0, 0)).ac
+    }
+    best = {row: max(r["tps"] for r in ok if r["row"] == row) for row in {r["row"] for r in ok}}
 
     def f(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
+    def vs(r: dict, refs: dict) -> str:
+        ratio = r["tps"] / refs[r["row"]] if r.get("tps") and refs.get(r["row"]) else None
+        return f(ratio, ".3f") + ("x" if ratio else "")
+
     for r in results:
-        ratio = r["tps"] / ref[r["row"]] if r.get("tps") and ref.get(r["row"]) else None
         cells = [
             r["row"],
             r["setting"],
             r["trainer"],
             r["status"],
             f(r.get("tps"), ",.0f"),
-            f(ratio, ".3f") + ("x" if ratio else ""),
+            vs(r, ref),
             f(r.get("mem_gib"), ".1f"),
             f(r.get("mfu"), ".1f"),
             f(r.get("first_step_s"), ".0f"),
+            vs(r, op),
+            vs(r, best),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -695,6 +738,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--log-freq", type=int, help="both log every N steps (10; 1 with --profile-step)")
     ap.add_argument("--base", type=Path, help="another titanrush checkout, run at the same rows and settings")
     ap.add_argument("--trainers", default="torchtitan,titanrush", help="leave one out to run the other alone")
+    ap.add_argument(
+        "--tt-ac",
+        default="row",
+        help=f"torchtitan's AC per row, comma-separated from: row (the row's own work), {', '.join(TT_AC)}",
+    )
     ap.add_argument("--timeout-per-run", type=float, default=300)
     ap.add_argument("--time-limit", type=float, default=0, help="seconds for all runs (0: none)")
     ap.add_argument("--profile-step", type=int, default=0, help="both trainers profile this step (>= 4)")
@@ -710,8 +758,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     a = ap.parse_args(argv)
     a.rows = auto_rows(a.parity) if a.rows == "auto" else a.rows.split(",")
-    a.settings, a.trainers = a.settings.split(","), a.trainers.split(",")
-    for given, known, what in ((a.rows, ROWS, "rows"), (a.settings, SETTINGS, "settings")):
+    a.settings, a.trainers, a.tt_ac = a.settings.split(","), a.trainers.split(","), a.tt_ac.split(",")
+    for given, known, what in (
+        (a.rows, ROWS, "rows"),
+        (a.settings, SETTINGS, "settings"),
+        (a.tt_ac, ("row", *TT_AC), "--tt-ac settings"),
+    ):
         if bad := [x for x in given if x not in known]:
             ap.error(f"unknown {what} {bad}; choose from {', '.join(known)}")
     a.steps = a.steps or (200 if a.parity else 30)

@@ -17,12 +17,21 @@ import time
 from pathlib import Path
 
 import pytest
+from faults import TINY
 from loop_helpers import Child, alive, children, small_args
 
 from titanrush.run.launch import first_failure
 
 ROOT = Path(__file__).resolve().parents[2]
-CPU_RUN = ["--training.seq_len", "32", "--training.local_batch_size", "2", "--data.dataset", "synthetic"]
+CPU_RUN = [
+    "--training.seq_len",
+    "32",
+    "--training.local_batch_size",
+    "2",
+    "--data.dataset",
+    "synthetic",
+    *TINY,
+]
 
 
 def two_ranks(dump: Path, name: str, *extra: str) -> Child:

@@ -4,9 +4,9 @@ line and one metrics.jsonl row; the final losses are those of a run that was nev
 A config error, a non-finite stop and a stop by signal are never restarted, and without
 `job.max_restarts` a failure ends the job as before.
 
-The runs are the debug model in two processes on CPU (gloo) under titanrush's launcher, a worker killed
-with `kill -9` or stopped with `kill -STOP` from here; the launcher's choices are also tested with a
-stand-in worker of a few lines, and as functions.
+The runs are a one-layer debug model in two processes on CPU (gloo) under titanrush's launcher, a worker
+killed with `kill -9` or stopped with `kill -STOP` from here; the launcher's choices are also tested with
+a stand-in worker of a few lines, and as functions.
 """
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from loop_helpers import Child, alive, children, free_port, read_rows, small_args
+from faults import TINY
+from loop_helpers import Child, alive, children, free_port, read_rows, run_ok, small_args
 
 from titanrush.run.launch import outcome, restartable
 from titanrush.run.watchdog import ERROR_PREFIX, HANG_STATUS
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 10
+STEPS = 30
 RUN = ["--training.steps", str(STEPS), "--data.dataset", "synthetic", "--checkpoint.enable"]
-RUN += ["--checkpoint.interval", "2"]
+RUN += ["--checkpoint.interval", "2", *TINY]  # (a model of one small layer: the launches are the cost)
 
 
 def launch(dump: Path, name: str, *extra: str) -> Child:
@@ -72,8 +73,7 @@ def titanrush_lines(log: str) -> list[str]:
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """The losses of the run that the tests interrupt, never interrupted."""
     dump = tmp_path_factory.mktemp("uninterrupted")
-    status, log = finish(launch(dump, "ref"))
-    assert status == 0, log[-3000:]
+    run_ok(["-m", "titanrush.train", *small_args(dump, "ref", *RUN)], 2)  # (the same ranks, no launcher)
     return losses(dump / "ref")
 
 
@@ -82,41 +82,41 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
 
 
 @pytest.mark.parallel
-def test_a_killed_worker_restarts_the_job_which_ends_with_the_uninterrupted_losses(tmp_path, uninterrupted):
-    child = launch(tmp_path, "killed", "--job.max_restarts", "1")
+def test_a_killed_worker_then_a_hung_one_each_restart_the_job_which_ends_with_the_uninterrupted_losses(
+    tmp_path, uninterrupted
+):
+    """A worker killed (`kill -9`), then in the restarted job a worker stopped (`kill -STOP`): the other
+    rank's watchdog ends that attempt (status 4), the launcher kills the stopped worker at once and starts
+    the job again. Each restart resumes from the newest complete checkpoint, is one line and one metrics
+    row naming its cause, and the run ends as if never interrupted, bitwise."""
+    child = launch(tmp_path, "faults", "--job.max_restarts", "2", "--training.step_timeout", "5")
     child.wait_for("step 5  loss")
     os.kill(worker(child, 1), signal.SIGKILL)
-    status, log = finish(child)
-    assert status == 0, log[-3000:]
-    cause = "rank 1 was killed by signal 9 (SIGKILL: a kill -9, or the host's out-of-memory killer)"
-    assert (
-        f"titanrush: restart 1 of 1 (job.max_restarts) after {cause}: the job starts again and resumes "
-        "from its newest complete checkpoint"
-    ) in titanrush_lines(log), log[-3000:]
-    rows = read_rows(tmp_path / "killed")
-    restart = [r for r in rows if "restart" in r]
-    assert len(restart) == 1 and restart[0]["restart"] == 1 and restart[0]["cause"] == cause, restart
-    resumed = restart[0]["step"]  # (the step resumed after: a checkpoint's, the kill came after step 5)
-    assert restart[0]["attempt"] == 2 and resumed % 2 == 0 and 4 <= resumed < STEPS, restart
-    assert "Traceback" not in log, log[-3000:]
-    assert losses(tmp_path / "killed") == uninterrupted  # (every step, bitwise)
-    assert sorted(uninterrupted) == list(range(1, STEPS + 1))
-
-
-@pytest.mark.parallel
-def test_a_hang_is_restarted_like_any_failure(tmp_path, uninterrupted):
-    """A worker stopped (`kill -STOP`): the other rank's watchdog ends it (status 4), the launcher kills the
-    stopped worker at once and starts the job again, which resumes and ends as if never interrupted."""
-    child = launch(tmp_path, "hang", "--job.max_restarts", "1", "--training.step_timeout", "8")
-    child.wait_for("step 3  loss")
+    child.wait_for("titanrush: restart 1 of 2")
+    child.wait_for("  loss ")  # (the restarted job's first step)
     os.kill(worker(child, 1), signal.SIGSTOP)
     status, log = finish(child)
     assert status == 0, log[-3000:]
-    restart = [x for x in titanrush_lines(log) if x.startswith("titanrush: restart 1 of 1")]
-    assert len(restart) == 1, log[-3000:]
-    assert "after rank 1 stalled: the launcher found it stopped" in restart[0], restart
-    assert "rank 0 waited 8 s at step" in restart[0] and "gloo:" in restart[0], restart
-    assert losses(tmp_path / "hang") == uninterrupted
+    killed = "rank 1 was killed by signal 9 (SIGKILL: a kill -9, or the host's out-of-memory killer)"
+    lines = [x for x in titanrush_lines(log) if x.startswith("titanrush: restart")]
+    assert len(lines) == 2, log[-3000:]
+    assert lines[0] == (
+        f"titanrush: restart 1 of 2 (job.max_restarts) after {killed}: the job starts again and resumes "
+        "from its newest complete checkpoint"
+    ), lines
+    assert lines[1].startswith(
+        "titanrush: restart 2 of 2 (job.max_restarts) after rank 1 stalled: the launcher found it stopped"
+    ), lines
+    assert "rank 0 waited 5 s at step" in lines[1] and "gloo:" in lines[1], lines
+    rows = read_rows(tmp_path / "faults")
+    restarts = [r for r in rows if "restart" in r]
+    assert [(r["restart"], r["attempt"]) for r in restarts] == [(1, 2), (2, 3)], restarts
+    assert restarts[0]["cause"] == killed and restarts[1]["cause"].startswith("rank 1 stalled"), restarts
+    resumed = restarts[0]["step"]  # (the step resumed after: a checkpoint's, the kill came after step 5)
+    assert resumed % 2 == 0 and 4 <= resumed < STEPS, restarts
+    assert "Traceback" not in log, log[-3000:]
+    assert losses(tmp_path / "faults") == uninterrupted  # (every step, bitwise)
+    assert sorted(uninterrupted) == list(range(1, STEPS + 1))
 
 
 @pytest.mark.parallel

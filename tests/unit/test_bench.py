@@ -203,7 +203,7 @@ def test_dry_run_prints_one_command_per_run_in_order(tmp_path, capsys):
     for row in rows:
         expected.append(["torchtitan", row, "-"])
         # 1b has no AC: its defaults and best are its `same`, run once
-        for setting in ["same"] if row == "1b" else ["same", "defaults", "best"]:
+        for setting in ["same", "auto"] if row == "1b" else ["same", "defaults", "best", "auto"]:
             expected += [["titanrush", row, setting], ["base", row, setting]]
     assert tags == expected
     for line, (trainer, row, _) in zip(lines, tags):
@@ -213,8 +213,39 @@ def test_dry_run_prints_one_command_per_run_in_order(tmp_path, capsys):
         ngpu = sbs.ROWS[row].ngpu
         assert f"NGPU={ngpu} " in cmd or f"--nproc_per_node={ngpu} " in cmd
         assert (f"cd {base} && " in cmd) == (trainer == "base")
-    assert "--activation_checkpoint.op_matmuls alternate" in lines[4]  # 8b_fsdp4 same
+    assert "--activation_checkpoint.op_matmuls alternate" in lines[6]  # 8b_fsdp4 same
     assert (tmp_path / "out" / "configs" / "torchtitan_8b_pp2_fsdp2.toml").exists()
+
+
+def test_tt_ac_runs_torchtitan_once_per_ac_and_the_table_compares_with_shipped_and_best(tmp_path):
+    """--tt-ac: torchtitan at each AC setting asked (its recipes' per-op is "as shipped"), each run in a
+    folder of its own; titanrush's `auto` leaves every lever the planner picks to it."""
+    a = sbs.parse_args(
+        ["--out", str(tmp_path), "--rows", "1b", "--tt-ac", "row,op,full,none", "--settings", "auto"]
+    )
+    runs = sbs.plan([sbs.ROWS["1b"]], a.settings, a, tmp_path)
+    tt = [r for r in runs if r.trainer == "torchtitan"]
+    assert [r.setting for r in tt] == ["-", "ac op", "ac full"]  # (the row's own is none: run once)
+    modes = [
+        tomllib.loads((tmp_path / "configs" / f"torchtitan_{n}.toml").read_text())["activation_checkpoint"]
+        for n in ("1b", "1b_acop", "1b_acfull")
+    ]
+    assert modes == [{"mode": "none"}, {"mode": "selective", "selective_ac_option": "op"}, {"mode": "full"}]
+    assert len({r.log for r in tt}) == 3
+    ours = config.load(None, next(r for r in runs if r.trainer == "titanrush").cmd[1:])
+    assert (ours.activation_checkpoint.mode, ours.training.loss) == ("auto", "auto")
+    assert ours.parallelism.fsdp_reshard_after_forward == "auto"
+    with pytest.raises(SystemExit):
+        sbs.parse_args(["--out", str(tmp_path), "--tt-ac", "selective"])
+
+    def result(trainer: str, setting: str, tps: float) -> dict:
+        return {"row": "1b", "trainer": trainer, "setting": setting, "status": "ok", "tps": tps}
+
+    results = [result("torchtitan", "-", 1000), result("torchtitan", "ac op", 800)]
+    results += [result("torchtitan", "ac full", 600), result("titanrush", "auto", 1100)]
+    line = next(x for x in sbs.table(results).splitlines() if "| titanrush |" in x)
+    assert line.startswith("| 1b | auto | titanrush | ok | 1,100 | 1.100x |")
+    assert line.endswith("| 1.375x | 1.100x |")  # vs torchtitan as shipped (op), vs its best
 
 
 FAKE = """

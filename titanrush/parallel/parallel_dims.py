@@ -48,6 +48,10 @@ class JobMesh:
             return self._views[key]
         return self.root[key]
 
+    def meshes(self) -> list[DeviceMesh]:
+        """The root and every view: each process group of the job's mesh is a dimension of one of them."""
+        return [self.root, *self._views.values()]
+
     def __getattr__(self, name: str) -> Any:  # only called for what JobMesh itself does not have
         if name == "root":  # not set yet (copy, pickle): no recursion through self.root
             raise AttributeError(name)
@@ -96,8 +100,8 @@ class ParallelDims:
         `dp_shard_cp` (FSDP), `dp_cp` (loss and grad-norm reduction), and HSDP's (`dp_replicate`,
         `dp_shard_cp`).
 
-        `timeout_s` (job.collective_timeout): how long a collective of the mesh's groups may wait, where
-        the default group is gloo's (`group_options`); NCCL's groups keep torch's own.
+        `timeout_s` (job.collective_timeout): how long a collective of any of the mesh's groups may wait
+        (`set_group_timeouts`); None leaves torch's.
 
         With `moe_tp` (mixture-of-experts layers under tensor parallel) the tp ranks are data-parallel ranks
         for the MoE layers, so their FSDP views span tp too: `dp_shard_cp_tp` (`efsdp_cp_tp` for the
@@ -120,11 +124,7 @@ class ParallelDims:
             ("tp", self.tp),
         ]
         names = tuple(n for n, _ in dims)
-        options = group_options(timeout_s)
-        # (a dimension over every rank reuses the default group, which has the timeout already)
-        smaller = {n: options for n, d in dims if d < self.world_size}
-        override = {"backend_override": smaller} if options and smaller else {}
-        root = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names, **override)
+        root = init_device_mesh(device_type, tuple(d for _, d in dims), mesh_dim_names=names)
         spans = dict(FLATTENED)
         if self.moe_tp and self.tp > 1:
             spans |= {
@@ -140,28 +140,29 @@ class ParallelDims:
             }
             spans = {"dp_shard": ("efsdp", "ep"), "efsdp_cp": ("efsdp", "cp"), **spans}
         views: dict[str | tuple[str, ...], DeviceMesh] = {
-            name: _flatten(root[span], name, options, self.world_size) for name, span in spans.items()
+            name: root[span]._flatten(name) for name, span in spans.items()
         }
         for shard in ("dp_shard_cp", "efsdp_cp", "dp_shard_cp_tp", "efsdp_cp_tp"):  # HSDP's 2-D meshes
             if shard in views:
                 views[("dp_replicate", shard)] = DeviceMesh._concatenate([root["dp_replicate"], views[shard]])
-        return JobMesh(root, views)
+        mesh = JobMesh(root, views)
+        if timeout_s is not None:
+            set_group_timeouts(mesh.meshes(), timeout_s)
+        return mesh
 
 
-def group_options(timeout_s: float | None) -> Any:
-    """The options that give a new gloo group the timeout `timeout_s`, or None (no timeout given, or the
-    default group is not gloo's). A mesh's groups do not inherit the default group's timeout (but a
-    dimension over every rank reuses the default group); gloo's options take it through a public
-    constructor, NCCL's only through a private attribute, so the mesh's other NCCL groups keep torch's
-    600 s."""
-    if timeout_s is None or not dist.is_initialized() or dist.get_backend() != "gloo":
-        return None
-    return dist.ProcessGroupGloo.Options("gloo", timedelta(seconds=timeout_s))
-
-
-def _flatten(mesh: DeviceMesh, name: str, options: Any, world_size: int) -> DeviceMesh:
-    """`mesh` flattened into one dimension `name`, its group made with `options` where given and where it
-    spans fewer than all ranks (over all of them it is the default group)."""
-    if options is None or mesh.size() == world_size:
-        return mesh._flatten(name)
-    return mesh._flatten(name, backend_override=options)
+def set_group_timeouts(meshes: list[DeviceMesh], timeout_s: float) -> None:
+    """Give every process group of `meshes` (each dimension's, the flattened views') the timeout
+    `timeout_s`, through the public `ProcessGroup.set_timeout`, on gloo and NCCL alike. A mesh's groups
+    do not inherit the default group's timeout (`init_process_group`'s): torch gives a new group its
+    backend's default (gloo 30 min, NCCL 10 min). NCCL's communicators start at a group's first
+    collective, after this."""
+    if not dist.is_initialized():
+        return
+    timeout, done = timedelta(seconds=timeout_s), set()
+    for mesh in meshes:
+        for dim in range(mesh.ndim):
+            group = mesh.get_group(dim)
+            if group.group_name not in done:
+                done.add(group.group_name)
+                group.set_timeout(timeout)
