@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from faults import TINY
 from loop_helpers import Child, alive, children, small_args
 
 from titanrush.run import watchdog as wd
@@ -22,9 +23,9 @@ from titanrush.run.watchdog import HANG_STATUS, StepWatchdog
 
 @pytest.mark.parallel
 def test_a_stopped_worker_ends_the_job_with_status_4_and_a_line_naming_it(tmp_path):
-    args = small_args(tmp_path, "hang", "--training.steps", "1000", "--data.dataset", "synthetic")
+    args = small_args(tmp_path, "hang", "--training.steps", "1000", "--data.dataset", "synthetic", *TINY)
     cmd = [sys.executable, "-m", "titanrush.run.launch", "--standalone", "--nproc_per_node=2"]
-    child = Child([*cmd, "-m", "titanrush.train", *args, "--training.step_timeout", "5"])
+    child = Child([*cmd, "-m", "titanrush.train", *args, "--training.step_timeout", "3"])
     child.wait_for("step 3  loss")
     workers = children(child.proc.pid)
     try:
@@ -43,12 +44,12 @@ def test_a_stopped_worker_ends_the_job_with_status_4_and_a_line_naming_it(tmp_pa
     assert lines[-1].startswith(
         "titanrush: the job ended with exit status 4 (a hang: a step did not finish in time): rank 1 "
         "stalled: the launcher found it stopped (a kill -STOP, or a debugger) and killed it; rank 0 waited "
-        "5 s at step "
+        "3 s at step "
     ), lines
     assert ", in gloo:" in lines[-1] and " on default_pg, collective " in lines[-1], lines[-1]
     own = [x for x in lines if x.startswith("titanrush: rank 0: step ")]
     report = tmp_path / "hang" / "hang" / "rank0.txt"
-    assert len(own) == 1 and " did not finish in 5 s (waiting in " in own[0], lines
+    assert len(own) == 1 and " did not finish in 3 s (waiting in " in own[0], lines
     assert own[0].endswith(f"; stacks in {report})"), own
     text = report.read_text()
     assert "Python stacks (every thread)" in text and "in train_step" in text, text[:3000]

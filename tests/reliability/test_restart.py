@@ -89,7 +89,7 @@ def test_a_killed_worker_then_a_hung_one_each_restart_the_job_which_ends_with_th
     rank's watchdog ends that attempt (status 4), the launcher kills the stopped worker at once and starts
     the job again. Each restart resumes from the newest complete checkpoint, is one line and one metrics
     row naming its cause, and the run ends as if never interrupted, bitwise."""
-    child = launch(tmp_path, "faults", "--job.max_restarts", "2", "--training.step_timeout", "5")
+    child = launch(tmp_path, "faults", "--job.max_restarts", "2", "--training.step_timeout", "3")
     child.wait_for("step 5  loss")
     os.kill(worker(child, 1), signal.SIGKILL)
     child.wait_for("titanrush: restart 1 of 2")
@@ -107,7 +107,7 @@ def test_a_killed_worker_then_a_hung_one_each_restart_the_job_which_ends_with_th
     assert lines[1].startswith(
         "titanrush: restart 2 of 2 (job.max_restarts) after rank 1 stalled: the launcher found it stopped"
     ), lines
-    assert "rank 0 waited 5 s at step" in lines[1] and "gloo:" in lines[1], lines
+    assert "rank 0 waited 3 s at step" in lines[1] and "gloo:" in lines[1], lines
     rows = read_rows(tmp_path / "faults")
     restarts = [r for r in rows if "restart" in r]
     assert [(r["restart"], r["attempt"]) for r in restarts] == [(1, 2), (2, 3)], restarts

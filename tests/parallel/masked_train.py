@@ -1,5 +1,5 @@
-"""`python tests/reliability/masked_train.py [trainer args]`: titanrush's trainer with masked labels (see
-loop_helpers.py), for the parity tests of the loss normalization under torchrun."""
+"""`python tests/parallel/masked_train.py [trainer args]`: titanrush's trainer with masked labels (see
+masking.py), for the parity tests of the loss normalization under torchrun."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from loop_helpers import install_masking  # noqa: E402
+from masking import install_masking  # noqa: E402
 
 from titanrush import train  # noqa: E402
 
