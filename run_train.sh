@@ -25,7 +25,7 @@ export TITANRUSH_LAUNCHER=$launcher
 if [ -z "${NGPU:-}" ]; then
   # torch counts the GPUs it can use; a host without a GPU's device file (NVIDIA, AMD, WSL) has none,
   # and is told so without the seconds of importing torch.
-  if compgen -G "/dev/nvidia[0-9]*" >/dev/null || [ -e /dev/kfd ] || [ -e /dev/dxg ]; then
+  if compgen -G "/dev/nvidia[0-9]*" >/dev/null || [ -e /dev/kfd ] || [ -e /dev/dxg ]; then  # (launch_env.GPU_DEVICE_FILES)
     NGPU=$("$PYTHON" -c "import torch; print(torch.cuda.device_count() or 1)" 2>/dev/null || echo 1)
   else
     NGPU=1

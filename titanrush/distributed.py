@@ -42,10 +42,11 @@ def init(device: torch.device, *, nccl_max_ctas: int = 0, timeout_s: float = 180
     one. `nccl_max_ctas` > 0 caps the thread blocks of one NCCL collective (NCCL_MAX_CTAS, read when a
     communicator starts; a value already in the environment wins).
 
-    `timeout_s` (`job.collective_timeout`) is the default group's: a collective that waits longer fails
-    on the ranks that wait. The flight recorder keeps each group's last `TRACE_ENTRIES` collectives (what
-    the step watchdog names when a step hangs, `titanrush.run.watchdog`), and under NCCL dumps them when
-    a collective times out; values already in the environment win.
+    `timeout_s` (`job.collective_timeout`) is the default group's (the mesh's groups get it from
+    `ParallelDims.build_mesh`): a collective that waits longer fails on the ranks that wait. The flight
+    recorder keeps each group's last `TRACE_ENTRIES` collectives (what the step watchdog names when a
+    step hangs, `titanrush.run.watchdog`), and under NCCL dumps them when a collective times out; values
+    already in the environment win.
     """
     if dist.is_initialized() or ranks_from_env().world_size == 1:
         return

@@ -5,11 +5,13 @@ torchrun (or `run_train.sh`) sets them; a process started without them is rank 0
 not a whole number in range is a `ConfigError` naming the variable, not a traceback from `int()`.
 titanrush's launcher (`titanrush.run.launch`) sets `TITANRUSH_RESTART` (the restart's number, from 1) and
 `TITANRUSH_RESTART_CAUSE` (what ended the attempt before) when it starts a job again (`restart_from_env`).
-This module imports no torch: the trainer reads it before torch's import.
+Also whether this host has a GPU at all (`gpu_device_files`). This module imports no torch: the trainer
+reads it before torch's import.
 """
 
 from __future__ import annotations
 
+import glob
 import os
 from dataclasses import dataclass
 
@@ -69,3 +71,13 @@ def restart_from_env(environ: dict[str, str] | os._Environ = os.environ) -> Rest
     """The launcher's restart of this job (`RESTART_VARS`), or None for a job's first start."""
     count = whole_number(environ, RESTART_VARS[0], 0, 0, "set by titanrush's launcher only: unset it")
     return Restart(count, environ.get(RESTART_VARS[1], "")) if count else None
+
+
+# A GPU's device files: NVIDIA's, AMD's (ROCm), WSL's. run_train.sh checks the same before it asks torch.
+GPU_DEVICE_FILES = ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/dxg")
+
+
+def gpu_device_files() -> bool:
+    """Whether this host has a GPU's device file. Without one torch can see no GPU, and asking it (seconds
+    of importing torch, in a child process that keeps CUDA out of the caller) can be skipped."""
+    return any(glob.glob(pattern) for pattern in GPU_DEVICE_FILES)

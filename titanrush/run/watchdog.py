@@ -2,9 +2,9 @@
 
 A hang says nothing: a rank stopped (`kill -STOP`, a debugger), a peer lost without a closed connection,
 a collective that one rank never enters leave every other rank waiting inside a collective until the
-process group's timeout (`job.collective_timeout`; torch's 600 s for the mesh's NCCL groups),
-and then a traceback from deep inside the backend. Here each rank runs a thread that is armed at the start of
-every step; when a step has not finished in its time, the thread
+process group's timeout (`job.collective_timeout`), and then a traceback from deep inside the backend.
+Here each rank runs a thread that is armed at the start of every step; when a step has not finished in
+its time, the thread
 
 1. writes this rank's Python stacks (every thread, `faulthandler`) to stderr and, with the rank's line
    and the collectives still pending in the flight recorder, to `<run folder>/hang/rank<R>.txt`; the

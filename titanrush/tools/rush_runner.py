@@ -24,7 +24,9 @@ from typing import Any
 
 from titanrush import config as cfgmod
 from titanrush.config import ConfigError
+from titanrush.launch_env import gpu_device_files
 from titanrush.tools import tool_signals
+from titanrush.tools.device_probe import device_facts
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,26 +58,6 @@ _MEAN_KEYS = ("tps", "tflops", "mfu", "step_time", "data_wait_pct")
 
 # Run in a child so that the rush's own process never creates a CUDA context (which would take GPU
 # memory from the rungs) and reports what the children will see.
-_PROBE = r"""
-import importlib.util, json, os, torch
-d = {"torch": torch.__version__, "cuda": torch.cuda.is_available(),
-     "host_mem_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30}
-if d["cuda"]:
-    p = torch.cuda.get_device_properties(0)
-    flash = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)()
-    d.update(name=p.name, count=torch.cuda.device_count(), capability=[p.major, p.minor],
-             mem_gib=p.total_memory / 2**30, cuda_version=torch.version.cuda,
-             cudnn=torch.backends.cudnn.version(), flash_sdp=bool(flash and p.major >= 8),
-             cudnn_sdp=bool(torch.backends.cudnn.is_available() and p.major >= 8
-                            and (torch.backends.cudnn.version() or 0) >= 90000))
-else:  # no GPU memory here (the estimates follow estimate.gpu_memory's rule, not the host's RAM)
-    d.update(name="cpu", count=0, capability=None, mem_gib=None, flash_sdp=False, cudnn_sdp=False)
-d["flash_attn"] = any(importlib.util.find_spec(m) is not None for m in ("flash_attn", "flash_attn_interface"))
-d["torchao"] = importlib.util.find_spec("torchao") is not None
-print(json.dumps(d))
-"""
-
-
 # ----------------------------------------------------------------------------------------------
 # Pure functions: classification and figures
 
@@ -321,11 +303,13 @@ def earlier_results(output: Path) -> str:
 
 
 def probe_device(timeout_s: float = 120) -> dict[str, Any]:
-    """What the children will see: GPU name, count, capability, memory, attention kernels, packages."""
+    """What the children will see: GPU name, count, capability, memory, attention kernels, packages
+    (`device_probe`), asked of a child process, or of this one on a host without a GPU's device file."""
+    if not gpu_device_files():
+        return device_facts()
     try:
-        res = subprocess.run(
-            [sys.executable, "-c", _PROBE], capture_output=True, text=True, timeout=timeout_s, env=child_env()
-        )
+        cmd = [sys.executable, "-m", "titanrush.tools.device_probe"]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=child_env())
         return json.loads(res.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, json.JSONDecodeError, IndexError) as e:
         # Every other key reads as absent (False / None) downstream.
