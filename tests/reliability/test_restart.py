@@ -1,6 +1,8 @@
 """Restarts of a failed job (issue #48, `job.max_restarts`): the launcher starts the job again after a
 failure, the restarted job resumes from the newest complete checkpoint, and each restart is one console
 line and one metrics.jsonl row; the final losses are those of a run that was never interrupted, bitwise.
+A hang (`kill -STOP` of a worker) ends the job like any failure, and with no restart left ends it with
+status 4 and one line naming the rank that stalled.
 A config error, a non-finite stop and a stop by signal are never restarted, and without
 `job.max_restarts` a failure ends the job as before.
 
@@ -82,40 +84,70 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
 
 
 @pytest.mark.parallel
-def test_a_killed_worker_then_a_hung_one_each_restart_the_job_which_ends_with_the_uninterrupted_losses(
+def test_each_failure_restarts_the_job_until_none_is_left_and_a_last_hang_ends_it_naming_the_stalled_rank(
     tmp_path, uninterrupted
 ):
-    """A worker killed (`kill -9`), then in the restarted job a worker stopped (`kill -STOP`): the other
-    rank's watchdog ends that attempt (status 4), the launcher kills the stopped worker at once and starts
-    the job again. Each restart resumes from the newest complete checkpoint, is one line and one metrics
-    row naming its cause, and the run ends as if never interrupted, bitwise."""
+    """Three faults in one job of two workers, `job.max_restarts 2`:
+
+    1. a worker killed (`kill -9`): restart 1;
+    2. in the restarted job a worker stopped (`kill -STOP`): the other rank's step watchdog ends that
+       attempt (status 4), the launcher kills the stopped worker at once: restart 2;
+    3. the same again with no restart left: the job ends with status 4 and one line naming the rank that
+       stalled and the collective the other waited in, the waiting rank's stacks and pending collectives
+       in the run folder.
+
+    Each restart resumes from the newest complete checkpoint and is one line and one metrics row naming
+    its cause; every step logged equals the uninterrupted run's, bitwise (the two-node test below
+    carries a restarted run to its end)."""
     child = launch(tmp_path, "faults", "--job.max_restarts", "2", "--training.step_timeout", "3")
     child.wait_for("step 5  loss")
     os.kill(worker(child, 1), signal.SIGKILL)
-    child.wait_for("titanrush: restart 1 of 2")
-    child.wait_for("  loss ")  # (the restarted job's first step)
-    os.kill(worker(child, 1), signal.SIGSTOP)
+    for restart in (1, 2):
+        child.wait_for(f"titanrush: restart {restart} of 2")
+        child.wait_for("  loss ")  # (the restarted job's first step)
+        stalled = worker(child, 1)
+        os.kill(stalled, signal.SIGSTOP)
+    stopped = time.monotonic()
     status, log = finish(child)
-    assert status == 0, log[-3000:]
+    took = time.monotonic() - stopped
+    assert status == HANG_STATUS, log[-3000:]
+    assert took < 60 and not alive(stalled), took  # (torchrun alone waits 30 s before it kills a stopped one)
     killed = "rank 1 was killed by signal 9 (SIGKILL: a kill -9, or the host's out-of-memory killer)"
-    lines = [x for x in titanrush_lines(log) if x.startswith("titanrush: restart")]
-    assert len(lines) == 2, log[-3000:]
-    assert lines[0] == (
+    lines = titanrush_lines(log)
+    restarts = [x for x in lines if x.startswith("titanrush: restart")]
+    assert len(restarts) == 2, log[-3000:]
+    assert restarts[0] == (
         f"titanrush: restart 1 of 2 (job.max_restarts) after {killed}: the job starts again and resumes "
         "from its newest complete checkpoint"
+    ), restarts
+    stall = (
+        "rank 1 stalled: the launcher found it stopped (a kill -STOP, or a debugger) and killed it; rank 0 "
+    )
+    assert restarts[1].startswith(f"titanrush: restart 2 of 2 (job.max_restarts) after {stall}"), restarts
+    assert "rank 0 waited 3 s at step" in restarts[1] and "gloo:" in restarts[1], restarts
+    assert lines[-1].startswith(
+        f"titanrush: the job ended with exit status 4 (a hang: a step did not finish in time): {stall}waited "
+        "3 s at step "
     ), lines
-    assert lines[1].startswith(
-        "titanrush: restart 2 of 2 (job.max_restarts) after rank 1 stalled: the launcher found it stopped"
-    ), lines
-    assert "rank 0 waited 3 s at step" in lines[1] and "gloo:" in lines[1], lines
+    assert ", in gloo:" in lines[-1] and " on default_pg, collective " in lines[-1], lines[-1]
+    own = [x for x in lines if x.startswith("titanrush: rank 0: step ")]
+    report = tmp_path / "faults" / "hang" / "rank0.txt"
+    assert len(own) == 2 and " did not finish in 3 s (waiting in " in own[-1], lines
+    assert own[-1].endswith(f"; stacks in {report})"), own
+    text = report.read_text()
+    assert "Python stacks (every thread)" in text and "in train_step" in text, text[:3000]
+    assert "Pending collectives (flight recorder)" in text and '"profiling_name": "gloo:' in text, text
+    assert 'File "' in log.split(own[-1])[1]  # (the stacks on stderr too)
+    assert (tmp_path / "faults" / "hang" / "fr_trace_rank_0").stat().st_size > 0
     rows = read_rows(tmp_path / "faults")
-    restarts = [r for r in rows if "restart" in r]
-    assert [(r["restart"], r["attempt"]) for r in restarts] == [(1, 2), (2, 3)], restarts
-    assert restarts[0]["cause"] == killed and restarts[1]["cause"].startswith("rank 1 stalled"), restarts
-    resumed = restarts[0]["step"]  # (the step resumed after: a checkpoint's, the kill came after step 5)
-    assert resumed % 2 == 0 and 4 <= resumed < STEPS, restarts
+    rows_restarts = [r for r in rows if "restart" in r]
+    assert [(r["restart"], r["attempt"]) for r in rows_restarts] == [(1, 2), (2, 3)], rows_restarts
+    assert rows_restarts[0]["cause"] == killed and rows_restarts[1]["cause"].startswith(stall), rows_restarts
+    resumed = rows_restarts[0]["step"]  # (the step resumed after: a checkpoint's, the kill came after step 5)
+    assert resumed % 2 == 0 and 4 <= resumed < STEPS, rows_restarts
     assert "Traceback" not in log, log[-3000:]
-    assert losses(tmp_path / "faults") == uninterrupted  # (every step, bitwise)
+    logged = losses(tmp_path / "faults")
+    assert max(logged) > resumed and logged == {step: uninterrupted[step] for step in logged}  # (bitwise)
     assert sorted(uninterrupted) == list(range(1, STEPS + 1))
 
 
@@ -171,7 +203,7 @@ rank, how = int(os.environ["RANK"]), int(os.environ["HOW"])
 restart = os.environ.get("TITANRUSH_RESTART", "")
 if rank == 1:
     print(f"worker: start {restart or 0}: {os.environ.get('TITANRUSH_RESTART_CAUSE', '')}", flush=True)
-time.sleep(0.5 if rank == 1 else 2)
+time.sleep(0.3 if rank == 1 else 1.2)
 if rank == 1 and not restart:
     os.kill(os.getpid(), -how) if how < 0 else sys.exit(how)
 """
