@@ -3,7 +3,8 @@
 `mesh`: two NCCL ranks build the trainer's mesh (dp_shard 2) with the collective timeout TIMEOUT and print
 each of its process groups' timeout (read from the group's NCCL options) after an all-reduce on it.
 `missed`: a group of both ranks made with torch's default timeout (NCCL's 10 minutes) is given TIMEOUT
-through `set_group_timeouts`; rank 1 never enters its all-reduce, and rank 0 must fail after TIMEOUT.
+through `set_group_timeouts`; rank 1 never enters its all-reduce, and NCCL's watchdog on rank 0 must
+time it out after TIMEOUT (it aborts the communicator, then ends the process).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ def main(mode: str, timeout: float) -> None:
         return
     group = dist.new_group([0, 1])
     set_group_timeouts([DeviceMesh.from_group(group, "cuda")], timeout)
+    seconds = group._get_backend(device).options._timeout.total_seconds()
+    print(f"rank {rank} group {group.group_name} timeout {seconds}", flush=True)
     warm = torch.ones(1, device=device)
     dist.all_reduce(warm, group=group)  # (the communicator starts, both ranks in)
     torch.cuda.synchronize()
@@ -49,8 +52,8 @@ def main(mode: str, timeout: float) -> None:
         return
     print(f"rank 0 waits at {time.monotonic():.1f}", flush=True)
     dist.all_reduce(warm, group=group)
-    torch.cuda.synchronize()  # (NCCL's watchdog ends this process when the collective times out)
-    print("rank 0 done", flush=True)
+    torch.cuda.synchronize()  # (returns once NCCL's watchdog has aborted the communicator)
+    time.sleep(300)  # (the watchdog ends this process after its debug dump)
 
 
 if __name__ == "__main__":

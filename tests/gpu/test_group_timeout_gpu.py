@@ -38,7 +38,12 @@ def test_every_group_of_the_mesh_has_the_configured_timeout():
 
 
 def test_a_collective_one_rank_never_enters_fails_after_the_timeout_given():
-    status, log, took = _run("missed", 6.0, 300)
-    assert status != 0 and "rank 0 done" not in log, log[-4000:]
-    assert "Timeout(ms)=6000" in log, log[-4000:]  # (NCCL's watchdog names the timeout it applied)
-    assert took < 120, (took, log[-4000:])  # (NCCL's default would be 600 s)
+    """NCCL's watchdog names the timeout it applied and how long the collective ran; it then aborts the
+    communicator (the waiting call returns) and, after its debug dump, ends the process."""
+    status, log, took = _run("missed", 6.0, 400)
+    caught = re.search(
+        r"collective operation timeout: WorkNCCL\(.*Timeout\(ms\)=6000\) ran for (\d+) milli", log
+    )
+    assert caught, log[-4000:]
+    assert 6000 <= int(caught.group(1)) < 60_000, caught.group(0)  # (NCCL's default would be 600,000)
+    assert status != 0 and took < 300, (status, took, log[-4000:])
