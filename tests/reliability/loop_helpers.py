@@ -15,12 +15,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "parallel"))
 
-from harness import ROOT, child_env, failure, free_port, run_ok  # noqa: E402, F401
+from faults import TINY  # noqa: E402
+from harness import ROOT, child_env, failure, free_port, run_ok, spawn  # noqa: E402, F401
 
 
-def small_args(dump: Path, name: str, *extra: str) -> list[str]:
-    """A debug run of a few CPU-seconds: seq 32, batch 2, a metrics row per step, no TensorBoard."""
+def small_args(dump: Path, name: str, *extra: str, tiny: bool = True) -> list[str]:
+    """A run of a few CPU-seconds: seq 32, batch 2, a metrics row per step, no TensorBoard; of the
+    one-layer model (faults.TINY), or with `tiny=False` of the debug model (4 layers), which learns
+    visibly within a few steps."""
     return [
+        *(TINY if tiny else []),
         "--job.dump_folder",
         str(dump),
         "--job.name",
@@ -127,12 +131,19 @@ def alive(pid: int) -> bool:
 
 
 def finite_weights(checkpoint: Path) -> bool:
-    """Whether every model weight stored in a titanrush checkpoint is finite (read through DCP)."""
+    """Whether every model weight stored in a titanrush checkpoint is finite (read through DCP, each tensor
+    at the shape and dtype its metadata records)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from titanrush.models.llama import Llama, model_args
-
-    model = Llama(model_args("debug"))
-    state = {"model": {k: torch.empty_like(v) for k, v in model.state_dict().items()}}
+    stored = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    state = {
+        "model": {
+            key.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
+            for key, meta in stored.items()
+            if key.startswith("model.") and isinstance(meta, TensorStorageMetadata)
+        }
+    }
+    assert state["model"], f"no model weights in {checkpoint}"
     dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
     return all(bool(torch.isfinite(v).all()) for v in state["model"].values())

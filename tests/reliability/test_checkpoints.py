@@ -23,7 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch.distributed.checkpoint as dcp
-from faults import CKPT, TINY, assert_one_line, build, run_args, snapshot, train
+from faults import CKPT, assert_one_line, build, run_args, snapshot, train
+from loop_helpers import spawn
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from titanrush.checkpoint import integrity
@@ -229,29 +230,21 @@ DAMAGE = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """As `saved` (full checkpoints at steps 2 and 4 of 8), of the TINY model: a fast copy per case."""
-    dump = tmp_path_factory.mktemp("tiny")
-    train(run_args(dump, "src", 8, *CKPT, *TINY), stop_at=4)
-    return dump / "src"
-
-
 @pytest.mark.parametrize("case", DAMAGE)
 def test_damaged_files_are_refused_as_corrupt_in_one_line_touching_nothing(
-    tiny, tmp_path, case, capsys, no_tensor_read
+    saved, tmp_path, case, capsys, no_tensor_read
 ):
     """Each small file edited by hand (cut short, not JSON, JSON of another shape) and each data file cut
     short: a resume and `--check` refuse the checkpoint with exit status 2 and one line that names the
     file and what to do, before any tensor is read and without changing a file of the run."""
-    run = shutil.copytree(tiny, tmp_path / "src")
+    run = shutil.copytree(saved, tmp_path / "src")
     damage, said = DAMAGE[case]
     step = run / "checkpoint" / "step-4"
     damage(step)
     before = _files_of(run)
     capsys.readouterr()  # (what set-up logged, where an earlier test set the console up)
     for check in ([], ["--check"]):
-        assert main(run_args(tmp_path, "src", 8, *CKPT, *TINY, *check)) == 2, check
+        assert main(run_args(tmp_path, "src", 8, *CKPT, *check)) == 2, check
         err = capsys.readouterr().err.strip()
         assert_one_line(err)
         assert err.startswith(f"titanrush: config error: checkpoint {step} is corrupt: "), err
@@ -560,13 +553,13 @@ def _tmpfs_available() -> str:
 
 @pytest.mark.skipif(bool(_tmpfs_available()), reason=_tmpfs_available() or "")
 def test_a_real_full_disk_warns_at_start_and_stops_the_save_cleanly(tmp_path):
-    """A 140 MB tmpfs holds one checkpoint of the debug model (about 83 MB), not two."""
+    """A 10 MB tmpfs holds one checkpoint of the one-layer model (about 7 MB), not two."""
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     argv = run_args(tmp_path, "run", 6, *CKPT, "--checkpoint.folder", str(mnt / "ck"))
     train_cmd = " ".join([sys.executable, "-m", "titanrush.train", *argv])
     script = (
-        f"mount -t tmpfs -o size=140m tmpfs {mnt} && {train_cmd} --training.steps 2; "  # step-2 fits
+        f"mount -t tmpfs -o size=10m tmpfs {mnt} && {train_cmd} --training.steps 2; "  # step-2 fits
         f"{train_cmd}; echo status=$?; ls {mnt}/ck"  # resumes at 2: warned at start, step 4 does not fit
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -680,17 +673,7 @@ dist.destroy_process_group()
 def test_each_rank_gets_its_own_rng_state_back(tmp_path):
     script = tmp_path / "rng_worker.py"
     script.write_text(RNG_WORKER)
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--standalone",
-        str(script),
-        str(tmp_path / "ck"),
-    ]
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stderr[-3000:]
+    res = spawn([str(script), str(tmp_path / "ck")], 2, timeout=300)  # (two gloo ranks, no launcher)
+    assert res.returncode == 0, res.stdout[-3000:]
     result = next(x for x in res.stdout.splitlines() if x.startswith("RESULT"))
     assert result == "RESULT True True True", result  # each rank its own state back; the two differ

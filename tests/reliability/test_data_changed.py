@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from faults import CKPT, TINY, assert_one_line, build, run_args, snapshot, train
+from faults import CKPT, assert_one_line, build, run_args, snapshot, train
 
 from titanrush.checkpoint import integrity
 from titanrush.data.prepare import main as prepare
@@ -61,7 +61,7 @@ def _prepare(docs: Path, out: Path, *extra: str) -> None:
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Two runs of the TINY model, 8 steps cut off after step 4 (checkpoints at 2 and 4): one on shards
+    """Two runs of the one-layer model, 8 steps cut off after step 4 (checkpoints at 2 and 4): one on shards
     prepared from 150 documents, one on a `files` corpus of 150 .txt documents; each with its data."""
     root = tmp_path_factory.mktemp("data_changed")
     _prepare(_jsonl(root / "docs.jsonl", 150), root / "shards")
@@ -71,7 +71,7 @@ def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         (corpus / f"doc_{i:03d}.txt").write_text(text)
     for kind, path in (("shards", root / "shards"), ("files", corpus)):
         data = ["--data.dataset", kind, "--data.path", str(path)]
-        train(run_args(root / kind, "src", 8, *CKPT, *TINY, *data), stop_at=4)
+        train(run_args(root / kind, "src", 8, *CKPT, *data), stop_at=4)
     return {"root": root, "shards": root / "shards", "files": corpus}
 
 
@@ -81,7 +81,7 @@ def case(request, sources: dict[str, Path], tmp_path: Path) -> tuple[str, Path, 
     kind = request.param
     data = Path(shutil.copytree(sources[kind], tmp_path / kind))
     shutil.copytree(sources["root"] / kind / "src", tmp_path / "src")
-    args = run_args(tmp_path, "src", 8, *CKPT, *TINY, "--data.dataset", kind, "--data.path", str(data))
+    args = run_args(tmp_path, "src", 8, *CKPT, "--data.dataset", kind, "--data.path", str(data))
     return kind, data, args
 
 
@@ -137,7 +137,7 @@ def test_allow_changed_resumes_on_the_changed_data_and_says_so(case, said):
     finally:
         trainer.close()
     # The checkpoints saved since record the data as it is now: the next resume takes it unasked.
-    assert main(run_args(data.parent, "src", 10, *CKPT, *TINY, *args[-4:])) == 0
+    assert main(run_args(data.parent, "src", 10, *CKPT, *args[-4:])) == 0
 
 
 def test_unchanged_and_only_touched_data_resumes(case, said):

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from faults import CKPT, TINY, assert_one_line, build, run_args, snapshot, train
+from faults import CKPT, assert_one_line, build, run_args, snapshot, train
 
 from titanrush.checkpoint import integrity
 from titanrush.interop import hf
@@ -55,9 +55,9 @@ def warned() -> list[str]:
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run of the TINY model, 8 steps cut off after step 4, full checkpoints at steps 2 and 4."""
+    """A run of the one-layer model, 8 steps cut off after step 4, full checkpoints at steps 2 and 4."""
     dump = tmp_path_factory.mktemp("tiny")
-    train(run_args(dump, "src", 8, *CKPT, *TINY), stop_at=4)
+    train(run_args(dump, "src", 8, *CKPT), stop_at=4)
     return dump / "src"
 
 
@@ -68,7 +68,7 @@ def run(tiny: Path, tmp_path: Path) -> Path:
 
 
 def _args(run: Path, steps: int = 8, *extra: str) -> list[str]:
-    return run_args(run.parent, run.name, steps, *CKPT, *TINY, *extra)
+    return run_args(run.parent, run.name, steps, *CKPT, *extra)
 
 
 def _rows(path: Path) -> list[dict]:
@@ -125,7 +125,7 @@ def test_a_full_disk_while_writing_metrics_stops_in_one_line_and_leaves_whole_ro
 ):
     """metrics.jsonl used to end in a cut-off row, the run in two chained tracebacks (the write, then the
     close flushing it again), and the next attempt's first row was written onto the cut-off one."""
-    args = run_args(tmp_path, "run", 8, *CKPT, *TINY)
+    args = run_args(tmp_path, "run", 8, *CKPT)
     ck = tmp_path / "run" / "checkpoint"
     with monkeypatch.context() as m:
         _disk_fills_while_writing(m, "metrics.jsonl", rows=3)  # steps 1 and 2, step 2's checkpoint; not 3
@@ -183,7 +183,7 @@ def test_a_full_disk_at_start_is_refused_leaving_no_lock_file_or_folder(run, fol
 
     with monkeypatch.context() as m:
         m.setattr(os, "pwrite", pwrite)
-        status = main(run_args(target.parent, target.name, 8, *CKPT, *TINY))
+        status = main(run_args(target.parent, target.name, 8, *CKPT))
     err = _error(capsys.readouterr().err)
     assert status == 2
     assert err.startswith(f"titanrush: config error: cannot write the run folder {target} ("), err
@@ -274,7 +274,7 @@ def test_an_unreadable_checkpoint_file_or_step_folder_is_refused_in_one_line(tin
         target = run / "checkpoint" / "step-4" / name
         made[case] = (run, target, snapshot(run), target.stat().st_mode)
         if tool == "train":
-            argv = run_args(run.parent, "src", 8, *CKPT, *TINY, *extra)
+            argv = run_args(run.parent, "src", 8, *CKPT, *extra)
         else:
             argv = ["--to-pt", str(run / "checkpoint" / "step-4"), str(tmp_path / f"case{i}" / "out.pt")]
         cases.append((case, tool, argv))
@@ -341,7 +341,7 @@ def test_a_data_shard_of_random_bytes_stops_with_exit_2_and_its_message_alone(
     shard = folder / "train_00000.bin"
     shard.write_bytes(np.random.default_rng(1).bytes(shard.stat().st_size))
     data = ["--data.dataset", "shards", "--data.path", str(folder), "--data.num_workers", str(workers)]
-    assert main(run_args(tmp_path, "run", 4, *TINY, *data)) == 2
+    assert main(run_args(tmp_path, "run", 4, *data)) == 2
     err = _error(capsys.readouterr().err)
     assert err.startswith(f"titanrush: config error: {shard}: token id "), err
     assert err.endswith(">= the model's vocab_size 8192; the shard is corrupt, re-run prepare"), err

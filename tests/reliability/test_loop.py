@@ -98,6 +98,7 @@ def test_skip_mode_keeps_the_weights_and_stops_after_max_skips_in_a_row(tmp_path
         "skip",
         "--training.max_skips",
         "1",
+        tiny=False,  # (the loss must fall over steps 1-4)
     )
     cfg = config.load(None, args)
     trainer = Trainer(cfg, build_plan(cfg, 1))

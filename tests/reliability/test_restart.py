@@ -25,7 +25,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from faults import TINY
 from loop_helpers import Child, alive, children, free_port, read_rows, run_ok, small_args
 
 from titanrush.run.launch import outcome, restartable
@@ -34,7 +33,7 @@ from titanrush.run.watchdog import ERROR_PREFIX, HANG_STATUS
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 30
 RUN = ["--training.steps", str(STEPS), "--data.dataset", "synthetic", "--checkpoint.enable"]
-RUN += ["--checkpoint.interval", "2", *TINY]  # (a model of one small layer: the launches are the cost)
+RUN += ["--checkpoint.interval", "2"]
 
 
 def launch(dump: Path, name: str, *extra: str) -> Child:
