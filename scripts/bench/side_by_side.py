@@ -730,7 +730,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--rows", default="auto", help=f"auto, or comma-separated from: {', '.join(ROWS)}")
-    ap.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated: {', '.join(SETTINGS)}")
+    ap.add_argument(
+        "--settings", default="same,defaults,best", help=f"comma-separated: {', '.join(SETTINGS)}"
+    )
     ap.add_argument(
         "--steps", type=int, help="a multiple of --log-freq (torchtitan's last log); 30, parity 200"
     )

@@ -1,7 +1,7 @@
 """A hang ends on NCCL (issue #48): with one of two GPU ranks stopped (`kill -STOP`), the other rank's step
 watchdog ends the job with exit status 4, one line naming the rank that stalled and the NCCL collective the
-waiting rank sat in, its Python stacks and the NCCL flight recorder's dump. The gloo version, on CPU, is
-tests/reliability/test_hang.py."""
+waiting rank sat in, its Python stacks and the NCCL flight recorder's dump. The gloo version, on CPU, is the
+last of the three faults in tests/reliability/test_restart.py."""
 
 from __future__ import annotations
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -70,7 +72,8 @@ def launcher(nproc: int, entry: list[str]) -> list[str]:
 
 class Child:
     """A training run in a child process (its own session), read line by line so a test can signal it
-    at a known step."""
+    at a known step. A thread reads the output as it comes, so that waiting for a line has a deadline
+    even when the child falls silent."""
 
     def __init__(self, cmd: list[str]) -> None:
         self.cmd = cmd
@@ -84,13 +87,25 @@ class Child:
             start_new_session=True,
         )
         self.log: list[str] = []
+        self.lines: queue.Queue[str | None] = queue.Queue()  # (None: the output has ended)
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
 
     def wait_for(self, text: str, timeout: float = 300) -> None:
-        """Read the output until a line contains `text`."""
+        """Read the output until a line contains `text`; fail after `timeout` s or at the output's end."""
         end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            line = self.proc.stdout.readline()
-            if not line and self.proc.poll() is not None:
+        while (left := end - time.monotonic()) > 0:
+            try:
+                line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            if line is None:
+                self.lines.put(None)  # (for finish)
                 break
             self.log.append(line)
             if text in line:
@@ -98,13 +113,16 @@ class Child:
         raise AssertionError(f"{text!r} never appeared:\n" + failure(self.cmd, "".join(self.log)))
 
     def finish(self, timeout: float = 300) -> tuple[int, str]:
-        """(exit status, the whole output) once the process has ended."""
+        """(exit status, the whole output) once the process has ended (killed, with its group, after
+        `timeout` s)."""
         try:
-            out, _ = self.proc.communicate(timeout=timeout)
+            self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
-            out, _ = self.proc.communicate()
-        self.log.append(out)
+            self.proc.wait()
+        self.reader.join(timeout=30)  # (a worker left alive may hold the pipe: what came so far)
+        while not self.lines.empty() and (line := self.lines.get()) is not None:
+            self.log.append(line)
         return self.proc.returncode, "".join(self.log)
 
 

@@ -34,10 +34,10 @@ CPU_RUN = [
 ]
 
 
-def two_ranks(dump: Path, name: str, *extra: str) -> Child:
-    """A long debug run in two processes under titanrush's launcher (what `NGPU=2 ./run_train.sh` runs
-    once the config is checked), read line by line."""
-    args = small_args(dump, name, "--training.steps", "1000", *extra)
+def two_ranks(dump: Path, name: str, *extra: str, tiny: bool = True) -> Child:
+    """A long run in two processes under titanrush's launcher (what `NGPU=2 ./run_train.sh` runs once the
+    config is checked), read line by line; of the one-layer model, or with `tiny=False` the debug model."""
+    args = small_args(dump, name, "--training.steps", "1000", *extra, tiny=tiny)
     launch = [sys.executable, "-m", "titanrush.run.launch", "--standalone", "--nproc_per_node=2"]
     return Child([*launch, "-m", "titanrush.train", *args])
 
@@ -110,7 +110,9 @@ def test_a_second_ctrl_c_stops_a_job_of_two_processes_at_once(tmp_path):
     stop after the step: the job finished its step and saved (2-3 s) where one process stops at once."""
     # (steps of a second or so: the second Ctrl-C comes well within the step that the first one ends)
     slower = ["--training.local_batch_size", "8"]
-    child = two_ranks(tmp_path, "twice", "--checkpoint.enable", "--checkpoint.interval", "500", *slower)
+    child = two_ranks(
+        tmp_path, "twice", "--checkpoint.enable", "--checkpoint.interval", "500", *slower, tiny=False
+    )
     child.wait_for("step 2  loss")
     workers = children(child.proc.pid)
     try:

@@ -37,9 +37,8 @@ class Job:
     stop (3) and a stop by signal (128 + N) are never restarted. docs/operations.md."""
     collective_timeout: float = 1800.0
     """Seconds a collective may wait for the other ranks before it fails: the default process group's
-    (init_process_group's timeout) and, under gloo, every group of the mesh; the mesh's other NCCL groups
-    (those over fewer than all ranks) keep torch's 600. The step watchdog (training.step_timeout) ends a
-    hang with stacks and a line, often first."""
+    (init_process_group's timeout) and every group of the mesh, under gloo and NCCL alike. The step
+    watchdog (training.step_timeout) ends a hang with stacks and a line, often first."""
 
 
 @dataclass

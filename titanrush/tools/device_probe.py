@@ -13,13 +13,14 @@ import os
 from typing import Any
 
 
-def device_facts() -> dict[str, Any]:
-    """GPU name, count, capability, memory, attention kernels, packages; a CPU's when no CUDA is visible."""
+def device_facts(gpus: bool = True) -> dict[str, Any]:
+    """GPU name, count, capability, memory, attention kernels, packages; a CPU's when no CUDA is visible,
+    or when `gpus` is False (a host without a GPU's device file: CUDA is not even asked)."""
     import torch
 
     d: dict[str, Any] = {
         "torch": torch.__version__,
-        "cuda": torch.cuda.is_available(),
+        "cuda": gpus and torch.cuda.is_available(),
         "host_mem_gib": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30,
     }
     if d["cuda"]:

@@ -56,8 +56,6 @@ _CONFIG_ERROR = re.compile(r"titanrush: config error: (.*)")
 # The figures averaged over the steady steps (after the warm-up).
 _MEAN_KEYS = ("tps", "tflops", "mfu", "step_time", "data_wait_pct")
 
-# Run in a child so that the rush's own process never creates a CUDA context (which would take GPU
-# memory from the rungs) and reports what the children will see.
 # ----------------------------------------------------------------------------------------------
 # Pure functions: classification and figures
 
@@ -306,7 +304,7 @@ def probe_device(timeout_s: float = 120) -> dict[str, Any]:
     """What the children will see: GPU name, count, capability, memory, attention kernels, packages
     (`device_probe`), asked of a child process, or of this one on a host without a GPU's device file."""
     if not gpu_device_files():
-        return device_facts()
+        return device_facts(gpus=False)
     try:
         cmd = [sys.executable, "-m", "titanrush.tools.device_probe"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=child_env())
