@@ -56,14 +56,13 @@ if [ "$NGPU" = "1" ] && [ "$NNODES" = "1" ]; then
   exec "$PYTHON" -m titanrush.train "$@"
 fi
 
-# Several processes: validate the config once first, so that a typo exits 2 before any launch (and
-# --check itself is that one process: nothing to launch).
+# Several processes: --check is one process for the job's world size, nothing to launch. A run's config
+# is checked once by the launcher before it starts the workers (a typo exits 2 before any launch).
 for arg in "$@"; do
   if [ "$arg" = "--check" ]; then
     WORLD_SIZE=$((NGPU * NNODES)) LOCAL_WORLD_SIZE=$NGPU exec "$PYTHON" -m titanrush.train "$@"
   fi
 done
-WORLD_SIZE=$((NGPU * NNODES)) LOCAL_WORLD_SIZE=$NGPU "$PYTHON" -m titanrush.train --check "$@" >/dev/null
 
 # CPU threads per process: this node's cores shared by its NGPU processes (torchrun would set 1, with a
 # banner saying so). A value in the environment wins.

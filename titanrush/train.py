@@ -77,10 +77,7 @@ def _main(argv: list[str], started: float) -> int:
         return _help(argv)
     assume_cuda = ASSUME_CUDA in argv
     try:
-        path, check, overrides = split_args([a for a in argv if a != ASSUME_CUDA])
-        if assume_cuda and not check:
-            raise ConfigError(f"{ASSUME_CUDA} only checks (a run needs the GPUs): use it with --check")
-        cfg = cfgmod.load(path, overrides)
+        cfg, check, overrides = parse(argv)
         ranks = ranks_from_env()
     except ConfigError as e:
         print(f"titanrush: config error: {e}", file=sys.stderr)
@@ -106,6 +103,15 @@ def _main(argv: list[str], started: float) -> int:
         raise
     finally:
         console.close()
+
+
+def parse(argv: list[str]) -> tuple[cfgmod.JobConfig, bool, list[str]]:
+    """(the config, whether --check is given, the overrides) of a training command line, without torch;
+    a ConfigError for a key, type or file that is wrong."""
+    path, check, overrides = split_args([a for a in argv if a != ASSUME_CUDA])
+    if ASSUME_CUDA in argv and not check:
+        raise ConfigError(f"{ASSUME_CUDA} only checks (a run needs the GPUs): use it with --check")
+    return cfgmod.load(path, overrides), check, overrides
 
 
 def _help(argv: list[str]) -> int:
@@ -196,7 +202,7 @@ def _check_or_train(
             if check:  # (quiet: the run itself logs what the data and checkpoint hold)
                 logging.getLogger("titanrush").setLevel(logging.WARNING)
                 check_files(cfg, plan)
-                for line in config_warnings(cfg):  # (stdout: run_train.sh's check before a launch is quiet)
+                for line in config_warnings(cfg):  # (stdout: the launcher's check is quiet)
                     print(f"warning: {line}")
                 if cfg.plan.probe and (first := _shortlist(choice)):
                     print(f"plan.probe = {cfg.plan.probe}: the run measures these first: {'; '.join(first)}")

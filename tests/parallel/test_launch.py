@@ -50,6 +50,34 @@ def ended(proc: subprocess.Popen) -> tuple[int, str]:
     return proc.returncode, err
 
 
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--training.steps", "2_0"], "training.steps must be an integer, got '2_0'"),  # (read, no torch)
+        (["--training.seq_len", "1"], "training.seq_len must be >= 2, got 1"),  # (the whole check's)
+        (["--training.local_batch_size", "3", "--training.global_batch_size", "4"], "x dp = 3 x 2 = 6"),
+    ],
+    ids=["parse", "value", "world_size"],
+)
+def test_the_launcher_checks_the_config_once_before_any_worker_starts(tmp_path, args, said):
+    """A config error ends the job with status 2 and the check's one line, before a worker exists: no
+    line of the workers or of the launcher's end. The check is that of the job's world size (a global
+    batch of 4 is no multiple of 3 x 2 on two ranks; on one it would be 3 x 1)."""
+    cmd = [sys.executable, "-m", "titanrush.run.launch", "--standalone", "--nproc_per_node=2"]
+    common = ["--job.dump_folder", str(tmp_path), "--data.dataset", "synthetic"]
+    res = subprocess.run(
+        [*cmd, "-m", "titanrush.train", *common, *args],
+        cwd=ROOT,
+        env=child_env(),
+        capture_output=True,
+        text=True,
+    )
+    lines = [x for x in res.stderr.splitlines() if x.strip()]
+    assert res.returncode == 2 and len(lines) == 1 and said in lines[0], res.stderr
+    assert lines[0].startswith("titanrush: config error: ") and res.stdout == "", res.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("status", [2, 3])
 def test_the_launcher_ends_with_the_failed_workers_status_and_one_line(tmp_path, status):
     code, err = ended(launch(tmp_path, str(status)))

@@ -1,16 +1,18 @@
 """`python -m titanrush.run.launch [torchrun's options] -m titanrush.train [args]`: what run_train.sh starts
 for a job of several processes.
 
-It is torchrun (torch.distributed.run, with its options and behaviour), except for how it ends, and that
-it restarts a failed job (`job.max_restarts`). When a worker fails, torchrun raises ChildFailedError: a
-traceback and a report some forty lines long, and exit status 1 whatever the workers said. Here the
-launcher ends with the first failed worker's own status (2 a config error, 3 a non-finite loss, 4 a hang,
-128 + N a signal: the statuses of a one-process run, in docs/operations.md) and one line naming it: the
-worker's own line, printed above, says why, or, for a worker killed by a signal (which could print
-nothing), the launcher's line says so. A signal to the launcher itself (which torchrun forwards to its
-workers) ends it with 128 + N, without a traceback; a second one while the workers stop is passed on as
-SIGTERM by torchrun, which a worker stopping on a Ctrl-C takes as a second Ctrl-C
-(titanrush/run/signals.py): it stops at once.
+It is torchrun (torch.distributed.run, with its options and behaviour), except that it checks the training
+config once before it starts any worker (`check_config`: a config error ends it with status 2 and the
+check's one line), how it ends, and that it restarts a failed job (`job.max_restarts`).
+
+When a worker fails, torchrun raises ChildFailedError: a traceback and a report some forty lines long, and
+exit status 1 whatever the workers said. Here the launcher ends with the first failed worker's own status
+(2 a config error, 3 a non-finite loss, 4 a hang, 128 + N a signal: the statuses of a one-process run, in
+docs/operations.md) and one line naming it: the worker's own line, printed above, says why, or, for a
+worker killed by a signal (which could print nothing), the launcher's line says so. A signal to the
+launcher itself (which torchrun forwards to its workers) ends it with 128 + N, without a traceback; a
+second one while the workers stop is passed on as SIGTERM by torchrun, which a worker stopping on a Ctrl-C
+takes as a second Ctrl-C (titanrush/run/signals.py): it stops at once.
 
 Restarts. torchrun's own `--max-restarts` restarts the workers after any failure, a config error or a
 stop by signal included; here the launcher runs torchrun again itself, and only after a failure that a
@@ -37,11 +39,14 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
+import traceback
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from titanrush.config import ConfigError
 from titanrush.launch_env import RESTART_VARS
 from titanrush.run.watchdog import ERROR_PREFIX, HANG_STATUS
 
@@ -277,6 +282,66 @@ def rendezvous_store(args: Any) -> Any:
         return None
 
 
+def check_config(args: Any) -> int:
+    """The training config checked once before any worker starts: 0 where it passes, else the check's own
+    status (2: a config error, said on stderr in one line), so that a typo ends the job before a launch.
+
+    It is `titanrush.train --check` for this job's world size, run in a child forked from this process:
+    torch is imported once for the launcher and the check, and whatever the check starts (CUDA, to read the
+    GPU's memory) ends with the child, never held by the launcher for the run's life. Only a failed check
+    is shown (its stderr): the report and warnings of one that passes are the run's, which rank 0 says once
+    the run starts.
+    """
+    script = args.training_script_args
+    if not (args.module and args.training_script == "titanrush.train") or "--check" in script:
+        return 0
+    nodes = int(str(args.nnodes).split(":")[-1])
+    world = {
+        "WORLD_SIZE": str(int(args.nproc_per_node) * nodes),
+        "LOCAL_WORLD_SIZE": str(args.nproc_per_node),
+    }
+    sys.stdout.flush()
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as said:
+        pid = os.fork()
+        if pid == 0:
+            _check_in_child(script, world, said.fileno())  # (never returns)
+        try:
+            status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        except KeyboardInterrupt:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            line = "titanrush: the launcher got SIGINT while checking the config; nothing was started\n"
+            sys.stderr.write(line)
+            return 128 + signal.SIGINT
+        if status:
+            said.seek(0)
+            sys.stderr.write(said.read().decode(errors="replace"))
+        return status
+
+
+def _check_in_child(script: list[str], world: dict[str, str], stderr: int) -> None:
+    """`titanrush.train --check SCRIPT` in the forked child, its stdout discarded and its stderr into the
+    file `stderr`; the child ends with the check's status."""
+    status = 1
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # (a Ctrl-C ends it quietly; the launcher says so)
+        os.environ.update(world)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+        os.dup2(stderr, 2)
+        from titanrush.train import main as train
+
+        status = train(["--check", *script])
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else 1
+    except BaseException:  # (a crash of the check: its traceback, as the run would print it)
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+
+
 def max_restarts(script_args: list[str]) -> int:
     """job.max_restarts of the training command's config (0 where it cannot be read: the workers report
     the config error themselves, and it is not restarted)."""
@@ -289,13 +354,36 @@ def max_restarts(script_args: list[str]) -> int:
         return 0
 
 
+def parse_error(argv: list[str]) -> str | None:
+    """The config error of the training command in the launcher's arguments (`-m titanrush.train ARGS`)
+    that parsing alone finds (a key, a type, a file), or None: said before torch is imported."""
+    from titanrush.train import parse
+
+    at = next(
+        (i for i, a in enumerate(argv) if a == "titanrush.train" and argv[i - 1] in ("-m", "--module")), 0
+    )
+    if not at:
+        return None
+    try:
+        parse(argv[at + 1 :])
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if (error := parse_error(argv)) is not None:
+        print(f"titanrush: config error: {error}", file=sys.stderr)
+        return 2
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
+    if status := check_config(args):
+        return 128 - status if status < 0 else status  # (a check killed by signal N: 128 + N)
     allowed, restarts, rdzv_id = max_restarts(args.training_script_args), 0, args.rdzv_id
     store = rendezvous_store(args) if allowed else None  # noqa: F841 (held: the server lives with it)
     stopped = StoppedWorkers()

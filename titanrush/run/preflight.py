@@ -1,9 +1,9 @@
 """What `titanrush train --check` verifies beyond the config's values (`titanrush.run.validate`): that the
 run's inputs exist and its outputs can be written, before any process starts.
 
-`run_train.sh` runs the check once before launching several processes, so that a missing data path or
-checkpoint, or an unwritable folder, is one line and exit status 2 instead of an error on every rank
-under the launcher. Each check calls what the trainer itself runs at start-up (the run folder's,
+The launcher (`titanrush.run.launch`) runs the check once before it starts several processes, so that a
+missing data path or checkpoint, or an unwritable folder, is one line and exit status 2 instead of an
+error on every rank. Each check calls what the trainer itself runs at start-up (the run folder's,
 the checkpoint folder's and the data loader's checks), so the two cannot disagree. Nothing is written but
 the token cache, which the run then reads.
 """
