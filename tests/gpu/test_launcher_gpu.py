@@ -1,6 +1,6 @@
 """On GPUs: the launcher checks the config in a child it forks (which reads the GPUs' memory through CUDA)
-and starts the workers; the launcher itself never opens the GPUs, so it holds no CUDA context, and no GPU
-memory, for the run's life. A config whose plan fits no GPU ends before any worker starts."""
+and starts the workers; the launcher itself holds no CUDA context, and no GPU memory, for the run's life.
+A config whose plan fits no GPU ends before any worker starts."""
 
 from __future__ import annotations
 
@@ -27,16 +27,21 @@ def env() -> dict[str, str]:
     )
 
 
-def opens_a_gpu(pid: int) -> bool:
-    """Whether the process holds a GPU's device file open (a process with a CUDA context does)."""
-    fds = Path(f"/proc/{pid}/fd")
+def gpu_files(pid: int) -> list[str]:
+    """The GPU device files the process holds open."""
     links = []
-    for fd in fds.iterdir():
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
         try:
             links.append(os.readlink(fd))
         except OSError:  # (closed meanwhile)
             continue
-    return any(link.startswith("/dev/nvidia") for link in links)
+    return sorted({link for link in links if link.startswith("/dev/nvidia")})
+
+
+def has_cuda_context(pid: int) -> bool:
+    """Whether the process has a CUDA context: the CUDA runtime opens the unified memory device for one
+    (NVML, which torch may ask for the GPUs' count, opens the control and GPU files only)."""
+    return "/dev/nvidia-uvm" in gpu_files(pid)
 
 
 def children(pid: int) -> list[int]:
@@ -58,8 +63,8 @@ def test_the_launcher_holds_no_gpu_while_its_workers_train(tmp_path):
             time.sleep(0.5)
         workers = children(proc.pid)
         assert len(workers) == 2, workers
-        assert all(opens_a_gpu(w) for w in workers)  # (the method sees a CUDA context where there is one)
-        assert not opens_a_gpu(proc.pid)
+        assert all(has_cuda_context(w) for w in workers), [gpu_files(w) for w in workers]
+        assert not has_cuda_context(proc.pid), gpu_files(proc.pid)
     finally:
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=120)[0]
