@@ -36,7 +36,7 @@ import traceback
 from typing import TYPE_CHECKING
 
 from titanrush import config as cfgmod
-from titanrush.config import ConfigError, split_args
+from titanrush.config import ASSUME_CUDA, ConfigError
 from titanrush.errors import RunError
 from titanrush.launch_env import Ranks, ranks_from_env
 from titanrush.logging_utils import ConsoleCopy, init_logging, run_heading
@@ -55,7 +55,6 @@ needs GPUs is refused; --check --assume-cuda checks it as on the GPUs (plan.gpu_
 Lists are comma-separated. --help lists every key (the sections last); --help SECTION one section's,
 --help WORD the keys whose name holds WORD.
 """
-ASSUME_CUDA = "--assume-cuda"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,7 +76,7 @@ def _main(argv: list[str], started: float) -> int:
         return _help(argv)
     assume_cuda = ASSUME_CUDA in argv
     try:
-        cfg, check, overrides = parse(argv)
+        cfg, check, overrides = cfgmod.load_command(argv)
         ranks = ranks_from_env()
     except ConfigError as e:
         print(f"titanrush: config error: {e}", file=sys.stderr)
@@ -103,15 +102,6 @@ def _main(argv: list[str], started: float) -> int:
         raise
     finally:
         console.close()
-
-
-def parse(argv: list[str]) -> tuple[cfgmod.JobConfig, bool, list[str]]:
-    """(the config, whether --check is given, the overrides) of a training command line, without torch;
-    a ConfigError for a key, type or file that is wrong."""
-    path, check, overrides = split_args([a for a in argv if a != ASSUME_CUDA])
-    if ASSUME_CUDA in argv and not check:
-        raise ConfigError(f"{ASSUME_CUDA} only checks (a run needs the GPUs): use it with --check")
-    return cfgmod.load(path, overrides), check, overrides
 
 
 def _help(argv: list[str]) -> int:

@@ -17,8 +17,8 @@ between this package's modules only. Values and their combinations are checked l
 """
 
 from titanrush.config.help import help_text
-from titanrush.config.loader import load, read_toml, toml_line
-from titanrush.config.overrides import parse_overrides, repeated_overrides, split_args
+from titanrush.config.loader import load, load_command, read_toml, toml_line
+from titanrush.config.overrides import ASSUME_CUDA, parse_overrides, repeated_overrides, split_args
 from titanrush.config.schema import (
     ActivationCheckpoint,
     Checkpoint,
@@ -44,6 +44,7 @@ from titanrush.config.schema import (
 from titanrush.config.write import to_toml
 
 __all__ = [
+    "ASSUME_CUDA",
     "ActivationCheckpoint",
     "Checkpoint",
     "Compile",
@@ -65,6 +66,7 @@ __all__ = [
     "Validation",
     "help_text",
     "load",
+    "load_command",
     "parse_overrides",
     "read_toml",
     "repeated_overrides",

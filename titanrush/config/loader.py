@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from titanrush.config.keys import _lookup, _max_digits, _set, _shown
-from titanrush.config.overrides import parse_overrides
+from titanrush.config.overrides import ASSUME_CUDA, parse_overrides, split_args
 from titanrush.config.schema import ConfigError, JobConfig
 
 if sys.version_info >= (3, 11):
@@ -186,3 +186,12 @@ def _located(path: Path, section: str, key: str | None) -> Iterator[None]:
         yield
     except ConfigError as e:
         raise ConfigError(f"{_where(path, section, key)}: {e}") from None
+
+
+def load_command(argv: list[str]) -> tuple[JobConfig, bool, list[str]]:
+    """(the config, whether --check is given, the overrides) of a training command line (`titanrush
+    train`'s arguments), without torch; a ConfigError for a key, type or file that is wrong."""
+    path, check, overrides = split_args([a for a in argv if a != ASSUME_CUDA])
+    if ASSUME_CUDA in argv and not check:
+        raise ConfigError(f"{ASSUME_CUDA} only checks (a run needs the GPUs): use it with --check")
+    return load(path, overrides), check, overrides

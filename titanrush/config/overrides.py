@@ -87,6 +87,10 @@ def repeated_overrides(args: list[str]) -> list[str]:
     return lines
 
 
+# `titanrush train --check --assume-cuda`: check a GPU config on a machine without the GPUs.
+ASSUME_CUDA = "--assume-cuda"
+
+
 def split_args(argv: list[str]) -> tuple[str | None, bool, list[str]]:
     """Pull --config FILE and --check out of argv; the rest are overrides."""
     path, check, rest = None, False, []

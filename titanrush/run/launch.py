@@ -36,6 +36,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import runpy
 import signal
 import socket
 import sys
@@ -46,7 +47,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from titanrush.config import ConfigError
+from titanrush.config import ConfigError, load_command
 from titanrush.launch_env import RESTART_VARS
 from titanrush.run.watchdog import ERROR_PREFIX, HANG_STATUS
 
@@ -329,9 +330,8 @@ def _check_in_child(script: list[str], world: dict[str, str], stderr: int) -> No
         os.environ.update(world)
         os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
         os.dup2(stderr, 2)
-        from titanrush.train import main as train
-
-        status = train(["--check", *script])
+        sys.argv = ["titanrush.train", "--check", *script]
+        runpy.run_module("titanrush.train", run_name="__main__", alter_sys=True)  # (as `python -m` runs it)
     except SystemExit as e:
         status = e.code if isinstance(e.code, int) else 1
     except BaseException:  # (a crash of the check: its traceback, as the run would print it)
@@ -357,15 +357,13 @@ def max_restarts(script_args: list[str]) -> int:
 def parse_error(argv: list[str]) -> str | None:
     """The config error of the training command in the launcher's arguments (`-m titanrush.train ARGS`)
     that parsing alone finds (a key, a type, a file), or None: said before torch is imported."""
-    from titanrush.train import parse
-
     at = next(
         (i for i, a in enumerate(argv) if a == "titanrush.train" and argv[i - 1] in ("-m", "--module")), 0
     )
     if not at:
         return None
     try:
-        parse(argv[at + 1 :])
+        load_command(argv[at + 1 :])
     except ConfigError as e:
         return str(e)
     return None
