@@ -9,9 +9,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from harness import child_env
+
+from titanrush.run.launch import check_config
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.parallel
@@ -76,6 +79,19 @@ def test_the_launcher_checks_the_config_once_before_any_worker_starts(tmp_path, 
     assert res.returncode == 2 and len(lines) == 1 and said in lines[0], res.stderr
     assert lines[0].startswith("titanrush: config error: ") and res.stdout == "", res.stdout
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_process_count_that_torchrun_resolves_is_left_to_the_workers_checks():
+    """`--nproc_per_node=gpu` (or auto): the world size is torchrun's to find, so the launcher does not
+    check the config for a guessed one (each worker checks it at start, as before)."""
+    args = SimpleNamespace(
+        module=True,
+        training_script="titanrush.train",
+        training_script_args=["--training.seq_len", "1"],  # (refused by a check of any world size)
+        nnodes="1",
+        nproc_per_node="gpu",
+    )
+    assert check_config(args) == 0  # (with a number, this config is refused: the tests above)
 
 
 @pytest.mark.parametrize("status", [2, 3])

@@ -296,11 +296,11 @@ def check_config(args: Any) -> int:
     script = args.training_script_args
     if not (args.module and args.training_script == "titanrush.train") or "--check" in script:
         return 0
-    nodes = int(str(args.nnodes).split(":")[-1])
-    world = {
-        "WORLD_SIZE": str(int(args.nproc_per_node) * nodes),
-        "LOCAL_WORLD_SIZE": str(args.nproc_per_node),
-    }
+    try:
+        nproc, nodes = int(args.nproc_per_node), int(str(args.nnodes).split(":")[-1])
+    except ValueError:  # (torchrun's "gpu" or "auto": a count only torchrun resolves; each worker checks)
+        return 0
+    world = {"WORLD_SIZE": str(nproc * nodes), "LOCAL_WORLD_SIZE": str(nproc)}
     sys.stdout.flush()
     sys.stderr.flush()
     with tempfile.TemporaryFile() as said:

@@ -473,7 +473,7 @@ def _default_ngpu() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the estimate; print the table or JSON; return the exit status (0 fits, 1 does not, 2 bad input)."""
-    from titanrush.train import split_args
+    from titanrush.config import split_args
 
     argv = sys.argv[1:] if argv is None else argv
     if "-h" in argv or "--help" in argv:
