@@ -40,6 +40,7 @@ from titanrush.config import ASSUME_CUDA, ConfigError
 from titanrush.errors import RunError
 from titanrush.launch_env import Ranks, ranks_from_env
 from titanrush.logging_utils import ConsoleCopy, init_logging, run_heading
+from titanrush.run.validate import check_values
 
 if TYPE_CHECKING:
     from titanrush.run.autoplan import Choice
@@ -77,6 +78,7 @@ def _main(argv: list[str], started: float) -> int:
     assume_cuda = ASSUME_CUDA in argv
     try:
         cfg, check, overrides = cfgmod.load_command(argv)
+        check_values(cfg)  # (before torch's import: a bad value is said at once)
         ranks = ranks_from_env()
     except ConfigError as e:
         print(f"titanrush: config error: {e}", file=sys.stderr)

@@ -57,8 +57,11 @@ def ended(proc: subprocess.Popen) -> tuple[int, str]:
     ("args", "said"),
     [
         (["--training.steps", "2_0"], "training.steps must be an integer, got '2_0'"),  # (read, no torch)
-        (["--training.seq_len", "1"], "training.seq_len must be >= 2, got 1"),  # (the whole check's)
-        (["--training.local_batch_size", "3", "--training.global_batch_size", "4"], "x dp = 3 x 2 = 6"),
+        (["--training.seq_len", "1"], "training.seq_len must be >= 2, got 1"),  # (no torch either)
+        (
+            ["--training.local_batch_size", "3", "--training.global_batch_size", "4"],
+            "x dp = 3 x 2 = 6",
+        ),  # (the whole check's)
     ],
     ids=["parse", "value", "world_size"],
 )

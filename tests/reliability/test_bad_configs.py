@@ -47,16 +47,12 @@ def test_an_empty_config_file_is_refused(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_a_warmup_as_long_as_the_run_is_accepted_with_a_warning(tmp_path):
-    done = check(tmp_path, "--training.steps", "10", "--lr_scheduler.warmup_steps", "10")
+def test_a_warmup_as_long_as_the_run_and_a_key_given_twice_are_accepted_each_with_a_warning(tmp_path):
+    done = check(
+        tmp_path, "--training.steps", "5", "--training.steps", "10", "--lr_scheduler.warmup_steps", "10"
+    )
     assert done.returncode == 0, done.stderr
     output = done.stdout + done.stderr
+    assert output.count("--training.steps is given twice") == 1 and "the last, 10, is used" in output
     assert "warmup_steps = 10 is not below training.steps = 10" in output
     assert output.count("never decays") == 1
-
-
-def test_a_key_given_twice_says_which_value_is_used(tmp_path):
-    done = check(tmp_path, "--training.steps", "5", "--training.steps", "6")
-    assert done.returncode == 0, done.stderr
-    output = done.stdout + done.stderr
-    assert "--training.steps is given twice" in output and "the last, 6, is used" in output

@@ -409,7 +409,7 @@ def test_rope_table_covers_the_runs_sequence_length_only():
 
 def test_checkpoints_record_no_rope_table_length_and_a_longer_sequence_is_a_clear_error(tmp_path):
     from titanrush.models.llama import Llama
-    from titanrush.models.llama.model import ModelArgs
+    from titanrush.models.llama.args import ModelArgs
 
     cfg = config.load(None, small(tmp_path, "rope"))
     trainer = Trainer(cfg, build_plan(cfg, 1))

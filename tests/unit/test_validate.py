@@ -5,14 +5,20 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import subprocess
+import sys
 import typing
+from pathlib import Path
 
 import pytest
+import torch
 
 from titanrush import config
 from titanrush.config import ConfigError
 from titanrush.run import validate
 from titanrush.run.plan import build_plan
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def plan(*args: str, world: int = 1):
@@ -175,8 +181,8 @@ def test_every_llama4_flavor_plans():
 @pytest.mark.parametrize("version, ok", [("2.11.0+cu130", True), ("2.11.1", True), ("2.13.0+cpu", False)])
 def test_async_tp_is_refused_on_torch_versions_it_was_not_run_on(monkeypatch, version, ok):
     """The private option's lever runs only on the torch versions it was run on (the CUDA check passes)."""
-    monkeypatch.setattr(validate.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(validate.torch, "__version__", version)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch, "__version__", version)
     cfg = config.load(None, ["--parallelism.tp", "2", "--compile.enable", "--experimental.async_tp"])
     if ok:
         validate.check_machine(cfg)
@@ -268,3 +274,21 @@ def test_a_sequence_of_one_token_is_refused_with_the_reason():
     ):
         plan("--training.seq_len", "1")
     assert plan("--training.seq_len", "2").seq_len == 2
+
+
+def test_a_bad_value_is_refused_before_torch_is_imported():
+    """The trainer and the launcher check a config's values as soon as they have read it: one line and
+    status 2 in a fraction of a second, torch never imported (validate.py and the flavors import without
+    it)."""
+    code = (
+        "import sys\n"
+        "from titanrush import train\n"
+        "from titanrush.run import launch\n"
+        "bad = ['--training.seq_len', '1']\n"
+        "job = ['--standalone', '--nproc_per_node=2', '-m', 'titanrush.train', *bad]\n"
+        "print(train.main([*bad, '--check']), launch.main(job), 'torch' in sys.modules)\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert res.stdout.split() == ["2", "2", "False"], res.stdout + res.stderr
+    said = "titanrush: config error: training.seq_len must be >= 2, got 1"
+    assert [x[: len(said)] for x in res.stderr.splitlines()] == [said, said], res.stderr

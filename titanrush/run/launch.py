@@ -49,6 +49,7 @@ from typing import Any
 
 from titanrush.config import ConfigError, load_command
 from titanrush.launch_env import RESTART_VARS
+from titanrush.run.validate import check_values
 from titanrush.run.watchdog import ERROR_PREFIX, HANG_STATUS
 
 REASONS = {
@@ -356,14 +357,15 @@ def max_restarts(script_args: list[str]) -> int:
 
 def parse_error(argv: list[str]) -> str | None:
     """The config error of the training command in the launcher's arguments (`-m titanrush.train ARGS`)
-    that parsing alone finds (a key, a type, a file), or None: said before torch is imported."""
+    that parsing and the values' checks find (a key, a type, a file, a range), or None: said before torch is
+    imported."""
     at = next(
         (i for i, a in enumerate(argv) if a == "titanrush.train" and argv[i - 1] in ("-m", "--module")), 0
     )
     if not at:
         return None
     try:
-        load_command(argv[at + 1 :])
+        check_values(load_command(argv[at + 1 :])[0])
     except ConfigError as e:
         return str(e)
     return None

@@ -2,7 +2,9 @@
 
 `titanrush.config` checks keys and types while it parses; everything about values lives here, and
 `titanrush.run.plan.build_plan` runs it all before anything is built or written. Each failure is a
-`ConfigError` whose message names the key and the fix.
+`ConfigError` whose message names the key and the fix. The module imports without torch, so that
+`check_values` also runs as soon as the command line is read (`titanrush.train`, the launcher): a bad value
+is said in a fraction of a second, before torch's import.
 
 - `check_values`: each key alone (ranges), and pairs of keys of the config alone; `config_warnings`: what
   is allowed but most likely not meant (a warm-up as long as the run).
@@ -21,16 +23,16 @@ import importlib.util
 import math
 import os
 import sys
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from titanrush.config import ConfigError, JobConfig, Model, MoE, Parallelism
 from titanrush.models.llama import FLAVORS, ModelArgs
 from titanrush.models.llama.flavors import CUSTOM
 from titanrush.models.llama4 import FLAVORS as LLAMA4_FLAVORS
 from titanrush.models.llama4 import Llama4Args
-from titanrush.parallel.parallel_dims import ParallelDims
+
+if TYPE_CHECKING:
+    from titanrush.parallel.parallel_dims import ParallelDims
 
 # Tokens in one micro-batch of one rank: far above any GPU's memory for a Llama (the 405B at 128k
 # positions x 1,024 sequences), low enough that a typo fails here and not as a host MemoryError.
@@ -679,6 +681,8 @@ def _has_moe_training() -> bool:
 
 def check_machine(cfg: JobConfig) -> None:
     """What this machine must provide for the config: CUDA, flash-attn, torchao, float8 tensor cores."""
+    import torch  # (the only check of this module that needs it: the others run before torch's import)
+
     cuda = torch.cuda.is_available()
     backend = cfg.model.attn_backend
     if cfg.parallelism.cp > 1 and not cuda:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from titanrush.models.llama.model import ModelArgs
+from titanrush.models.llama.args import ModelArgs
 
 _LLAMA31_ROPE = dict(rope_scaling=True, rope_scale_factor=8.0, rope_original_max_len=8192)
 _LLAMA32_ROPE = dict(rope_scaling=True, rope_scale_factor=32.0, rope_original_max_len=8192)

@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from titanrush.models.llama.model import Llama, ModelArgs, TransformerBlock
+from titanrush.models.llama.args import ModelArgs
+from titanrush.models.llama.model import Llama, TransformerBlock
 from titanrush.parallel.pipeline import build_schedule
 
 

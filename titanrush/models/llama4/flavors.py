@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from titanrush.models.llama4.model import Llama4Args
+from titanrush.models.llama4.args import Llama4Args
 
 # Llama 4's RoPE: theta 500,000; Scout scales the frequencies for long context (factor 16).
 _SCOUT_ROPE = dict(

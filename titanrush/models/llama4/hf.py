@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from titanrush.config import ConfigError
-from titanrush.models.llama4.model import Llama4, Llama4Args
+from titanrush.models.llama4.args import Llama4Args
+from titanrush.models.llama4.model import Llama4
 
 _ATTN = [
     ("attention.wq", "self_attn.q_proj"),
