@@ -23,10 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from titanrush import config as cfgmod  # noqa: E402
+from titanrush.config import split_args  # noqa: E402
 from titanrush.run.memory_moe import DEFAULT_IMBALANCE  # noqa: E402
 from titanrush.tools.estimate import estimate  # noqa: E402
 from titanrush.tools.rush_runner import detect_oom, read_metrics  # noqa: E402
-from titanrush.train import split_args  # noqa: E402
 
 
 def predict(args: list[str], ngpu: int, gpu_mem: float | None, moe_imbalance: float) -> dict:

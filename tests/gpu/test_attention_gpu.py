@@ -70,7 +70,7 @@ def test_flash_package_at_llama_head_dim(compiled):
     """The package at Llama's head dim (128) with grouped K/V heads, eager and in compiled blocks (FA4 as
     titanrush's operator inside the graph, fullgraph; FA3 and FA2 between graphs), also under selective op
     checkpointing, against the unfused baseline."""
-    from titanrush.models.llama.attention import flash_attn_func, uses_graph_break
+    from titanrush.models.llama.flash import flash_attn_func, uses_graph_break
     from titanrush.parallel.activation_checkpoint import ACPlan, apply_ac
     from titanrush.parallel.compile import CompilePlan, apply_compile
 

@@ -420,3 +420,21 @@ def test_kernel_tables_set_each_titanrush_run_beside_its_rows_torchtitan_run():
     assert lines[1] == "| `rope_real` | 0.0 | 0 | 1.0 | 1 |"
     assert lines[2] == "| `aten::mm 8x4 @ 4x16` | 10.0 | 2 | 9.5 | 2 |"
     assert lines[3] == "| `ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL` | 130, 43.5, 5.0, 10.0 | - |"
+
+
+def test_the_estimators_validation_script_predicts_what_estimate_says():
+    """scripts/bench/validate_estimator.py (estimator_gpu.md's tables): its prediction for run_train.sh
+    arguments is `titanrush estimate`'s for the same config, and its table shows the error against a
+    measurement."""
+    import validate_estimator as ve
+
+    from titanrush.tools.estimate import estimate
+
+    args = ["--model.flavor", "debug", "--training.seq_len", "256", "--training.local_batch_size", "4"]
+    got = ve.predict(args, 2, 80.0, 1.0)
+    est = estimate(config.load(None, args), 2, 80.0, moe_imbalance=1.0)
+    assert got["pred_alloc"] == est.rank_peaks_gib[0] > 0
+    assert got["pred_reserved"] == est.rank_peaks_gib[0] + est.rank_slack_gib[0]
+    row = {"name": "debug", "ngpu": 2, "status": "ok", **got, "meas_alloc": got["pred_alloc"] * 1.25}
+    row["meas_reserved"] = None
+    assert "| debug | 2 | " in ve.table([row]) and "| -20.0% | " in ve.table([row])

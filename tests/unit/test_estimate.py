@@ -845,3 +845,25 @@ def test_nothing_near_fits_is_said_so(capsys):
     assert "nothing near fits in 3 GiB" in text and "the nearest plans" not in text
     cfg = config.load(DEBUG)
     assert est_mod.what_fits(cfg, 1, est_mod.estimate(cfg, 1, 0.5, trace=False)) == []  # the context alone
+
+
+def test_compiled_float8_blocks_under_the_float8_all_gather_keep_their_ffn_weights_in_float8():
+    """Measured on H200 (tests/gpu/test_float8_memory_gpu.py): a compiled 8B block without checkpointing,
+    under FSDP's float8 all-gather, keeps w1, w3 and w2 as unsharded float8 copies, 56 MiB each; per-op
+    checkpointing and the bf16 all-gather keep none. Under TP each rank keeps its share."""
+    f8 = Float8Plan(enable=True, all_gather=True)
+    s = RunPlan(
+        args=model_args("8B"),
+        local_batch=2,
+        seq_len=8192,
+        precision="bf16",
+        dp_shard=4,
+        float8=f8,
+        compile=CompilePlan(enable=True),
+    )
+    key, n = "float8 FFN weights (all-gathered)", 16384
+    assert block_saved(s, n, 2, "compiled")[key] == 3 * 56 * MIB
+    assert key not in block_saved(s, n, 2, "op")
+    assert key not in block_saved(dataclasses.replace(s, float8=Float8Plan(enable=True)), n, 2, "compiled")
+    tp2 = dataclasses.replace(s, dp_shard=2, tp=2)
+    assert block_saved(tp2, n, 2, "compiled")[key] == 3 * 28 * MIB

@@ -337,7 +337,7 @@ def _install_flash(monkeypatch, module: str, fake) -> None:
 
 def _clear_flash_caches() -> None:
     """Forget which flash-attn interface imported (each test installs its own stand-in)."""
-    from titanrush.models.llama import attention as attn
+    from titanrush.models.llama import flash as attn
 
     attn.flash_attn_func.cache_clear()
     attn.flash_kernels.cache_clear()
@@ -364,7 +364,7 @@ def test_flash_backend_turns_on_the_kernel_cache_unless_told(monkeypatch):
     """FA4 reads FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED when imported: set before the import, kept if set."""
     import os
 
-    from titanrush.models.llama import attention as attn
+    from titanrush.models.llama import flash as attn
 
     key = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
     seen = {}
@@ -474,7 +474,7 @@ def test_flash4_runs_as_one_operator_compiled_whole_and_kept_by_selective_checkp
     # FA4 through titanrush's custom operator: trains as SDPA does; a compiled block with selective op
     # checkpointing compiles whole (fullgraph) and keeps the attention output, so that backward runs the
     # package's backward once per block and its forward never again (the recompute skips it).
-    from titanrush.models.llama import attention as attn
+    from titanrush.models.llama import flash as attn
     from titanrush.models.llama.parallelize import parallelize_llama
     from titanrush.parallel.activation_checkpoint import ACPlan
     from titanrush.parallel.compile import CompilePlan

@@ -7,6 +7,7 @@ import dataclasses
 import re
 import subprocess
 import sys
+import tempfile
 import typing
 from pathlib import Path
 
@@ -292,3 +293,21 @@ def test_a_bad_value_is_refused_before_torch_is_imported():
     assert res.stdout.split() == ["2", "2", "False"], res.stdout + res.stderr
     said = "titanrush: config error: training.seq_len must be >= 2, got 1"
     assert [x[: len(said)] for x in res.stderr.splitlines()] == [said, said], res.stderr
+
+
+def test_the_check_and_the_trainer_import_without_the_compiler_or_pipelining():
+    """`--check` (the launcher forks it before every job) and the trainer's modules import neither dynamo
+    nor torch's pipelining, a second of start-up each: a flash-attn run imports its operators, a pipelined
+    run its schedules, and compile the compiler, when they are used. The check of the debug config runs
+    without them."""
+    code = (
+        "import sys\n"
+        "from titanrush import train, trainer\n"
+        "status = train.main(['--check', '--job.dump_folder', sys.argv[1]])\n"
+        "print(status, *(m in sys.modules for m in ('torch._dynamo', 'torch.distributed.pipelining')))\n"
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        res = subprocess.run(
+            [sys.executable, "-c", code, tmp], cwd=ROOT, capture_output=True, text=True, timeout=120
+        )
+    assert res.stdout.split()[-3:] == ["0", "False", "False"], res.stdout + res.stderr

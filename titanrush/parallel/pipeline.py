@@ -6,25 +6,19 @@ Model-agnostic: the model-specific part (cutting a model into stage modules) liv
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
 
-SINGLE_STAGE = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}
-MULTI_STAGE = {
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
-    "ZBVZeroBubble": ScheduleZBVZeroBubble,
-}
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+
+# The schedules by name; torch's pipelining (which imports the compiler) is imported by `build_schedule`
+# alone, so that the plan's splits cost no import.
+SINGLE_STAGE = ("GPipe", "1F1B")
+MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
 
 
 def stages_per_rank(schedule: str, requested: int) -> int:
@@ -88,11 +82,17 @@ def build_schedule(
     Gradients are not rescaled by the schedule (`scale_grads=False`): the loss function divides each
     micro-batch's sum by the step's count of valid tokens itself, so gradient accumulation stays exact.
     """
+    from torch.distributed.pipelining import PipelineStage, schedules
+
     group = pp_mesh.get_group()
     stages = [PipelineStage(m, i, n_stages, device, group=group) for m, i in zip(modules, ids)]
-    if schedule in SINGLE_STAGE:
-        cls, arg = SINGLE_STAGE[schedule], stages[0]
-    else:
-        cls, arg = MULTI_STAGE[schedule], stages
+    cls = {
+        "GPipe": schedules.ScheduleGPipe,
+        "1F1B": schedules.Schedule1F1B,
+        "Interleaved1F1B": schedules.ScheduleInterleaved1F1B,
+        "InterleavedZeroBubble": schedules.ScheduleInterleavedZeroBubble,
+        "ZBVZeroBubble": schedules.ScheduleZBVZeroBubble,
+    }[schedule]
+    arg = stages[0] if schedule in SINGLE_STAGE else stages
     sched = cls(arg, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
     return sched, stages

@@ -384,7 +384,7 @@ def _graph_break(backend: str) -> bool:
     Where no flash-attn package is installed (a plan for another machine), flash-attn-4 is assumed."""
     if backend != "flash" or not validate.flash_installed():
         return False
-    from titanrush.models.llama.attention import uses_graph_break  # (imports the package)
+    from titanrush.models.llama.flash import uses_graph_break  # (imports the package)
 
     return uses_graph_break(backend)
 
