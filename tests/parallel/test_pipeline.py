@@ -29,6 +29,11 @@ PP = {
     "pp2_gpipe": (2, 1, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "GPipe"]),
     "pp2_interleaved_1f1b": (2, 1, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "Interleaved1F1B"]),
     "pp2_zbv": (2, 1, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble"]),
+    "pp2_interleaved_zb": (
+        2,
+        1,
+        ["--parallelism.pp", "2", "--parallelism.pp_schedule", "InterleavedZeroBubble"],
+    ),
     "pp2_fsdp2_1f1b": (4, 2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "1F1B"]),
     "pp2_fsdp2_gpipe": (4, 2, ["--parallelism.pp", "2", "--parallelism.pp_schedule", "GPipe"]),
     "pp2_tp2_1f1b": (4, 1, ["--parallelism.pp", "2", "--parallelism.tp", "2", "--parallelism.dp_shard", "1"]),

@@ -131,7 +131,9 @@ def apply_ep(experts: list[nn.Module], ep_mesh: DeviceMesh) -> None:
             module,
             ep_mesh,
             partition_fn=style.partition,
-            input_fn=torch.compiler.disable(style.dispatch),  # (wrapped here: its import is the compiler's)
+            # Wrapped here, not as decorators: torch.compiler.disable imports dynamo, which the trainer's
+            # import otherwise avoids.
+            input_fn=torch.compiler.disable(style.dispatch),
             output_fn=torch.compiler.disable(style.combine),
         )
 

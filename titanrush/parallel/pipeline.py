@@ -17,8 +17,7 @@ if TYPE_CHECKING:
 
 # The schedules by name; torch's pipelining (which imports the compiler) is imported by `build_schedule`
 # alone, so that the plan's splits cost no import.
-SINGLE_STAGE = ("GPipe", "1F1B")
-MULTI_STAGE = ("Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+SINGLE_STAGE = ("GPipe", "1F1B")  # one stage per rank; the others (Interleaved1F1B, ...) several
 
 
 def stages_per_rank(schedule: str, requested: int) -> int:
@@ -86,13 +85,7 @@ def build_schedule(
 
     group = pp_mesh.get_group()
     stages = [PipelineStage(m, i, n_stages, device, group=group) for m, i in zip(modules, ids)]
-    cls = {
-        "GPipe": schedules.ScheduleGPipe,
-        "1F1B": schedules.Schedule1F1B,
-        "Interleaved1F1B": schedules.ScheduleInterleaved1F1B,
-        "InterleavedZeroBubble": schedules.ScheduleInterleavedZeroBubble,
-        "ZBVZeroBubble": schedules.ScheduleZBVZeroBubble,
-    }[schedule]
+    cls = getattr(schedules, f"Schedule{schedule}")  # (the config schema's names: GPipe -> ScheduleGPipe)
     arg = stages[0] if schedule in SINGLE_STAGE else stages
     sched = cls(arg, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
     return sched, stages

@@ -28,7 +28,16 @@ from titanrush.run.plan import RunPlan
 # routing bias it settles near 1.1-1.3 (docs/moe.md), and early steps run higher.
 DEFAULT_IMBALANCE = 1.25
 # Dense feed-forward entries of `memory_model.block_saved` that a MoE layer replaces.
-DENSE_FFN = ("ffn in", "w1 out", "w3 out", "silu out", "gate", "w2 out", "w1 out, w3 out")
+DENSE_FFN = (
+    "ffn in",
+    "w1 out",
+    "w3 out",
+    "silu out",
+    "gate",
+    "w2 out",
+    "w1 out, w3 out",
+    "float8 FFN weights (all-gathered)",
+)
 
 
 def is_moe(s: RunPlan, layer: int) -> bool:
