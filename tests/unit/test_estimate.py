@@ -167,6 +167,13 @@ def test_eager_autocast_keeps_one_bf16_copy_of_each_norm_output():
 MIB = 2**20
 
 
+def eight_b(**over: object) -> RunPlan:
+    """The 8B of the GPU rows (estimator_gpu.md): seq 8192, local batch 2, bf16, compiled, FSDP over 4;
+    `over` sets other fields."""
+    base = dict(args=model_args("8B"), local_batch=2, seq_len=8192, precision="bf16", dp_shard=4)
+    return RunPlan(**(base | {"compile": CompilePlan(enable=True)} | over))
+
+
 def _block_extra(s: RunPlan, mode: str, n: int, **kw: object) -> int:
     """Bytes one block keeps under context parallel beyond the same local tokens without it (batch 2)."""
     saved = lambda x: sum(block_saved(x, n, 2, mode, **kw).values())  # noqa: E731
@@ -257,14 +264,7 @@ def test_float8_compiled_blocks_keep_fewer_bf16_inputs():
     assert saved(s, "op") == saved(f8, "op")  # selective op keeps the matmul outputs either way
     # The 8B under FSDP, every linear float8: both norms' outputs (2 x 16384 x 4096 x 2 = 256 MiB) and the
     # gate (16384 x 14336 x 2 = 448 MiB).
-    s8 = RunPlan(
-        args=model_args("8B"),
-        local_batch=2,
-        seq_len=8192,
-        precision="bf16",
-        dp_shard=4,
-        compile=CompilePlan(enable=True),
-    )
+    s8 = eight_b()
     s8_f8 = dataclasses.replace(s8, float8=Float8Plan(enable=True))
     assert saved(s8, "compiled") - saved(s8_f8, "compiled") == (256 + 448) * MIB
     # At the peak, also no autocast bf16 copies of the float8 weights: per block 2 x 2048^2 (wq, wo) +
@@ -330,15 +330,7 @@ def test_compiled_float8_block_on_cpu_drops_the_bf16_inputs():
 
 def test_compiled_loss_keeps_the_bf16_logits_not_fp32_ones():
     # The 8B on FSDP4 (batch 2 x seq 8192 = 16384 tokens, vocabulary 128256): n V = 2,101,346,304.
-    s = RunPlan(
-        args=model_args("8B"),
-        local_batch=2,
-        seq_len=8192,
-        precision="bf16",
-        dp_shard=4,
-        ac=ACPlan(mode="selective"),
-        compile=CompilePlan(enable=True),
-    )
+    s = eight_b(ac=ACPlan(mode="selective"))
     n, nv = 16384, 2_101_346_304
     assert s.compiled_loss
     compiled = loss_bytes(s, n, as_traced=False)
@@ -391,16 +383,7 @@ def test_vocab_parallel_loss_keeps_the_logits_shard_and_14_bytes_a_row(fake_worl
     assert sum(x.numel() * x.element_size() for x in others) == 14 * n
     loss.backward()
     assert logits.grad.to_local().dtype == torch.bfloat16
-    s = RunPlan(
-        args=model_args("8B"),
-        local_batch=2,
-        seq_len=8192,
-        precision="bf16",
-        dp_shard=2,
-        tp=2,
-        ac=ACPlan(mode="selective"),
-        compile=CompilePlan(enable=True),
-    )
+    s = eight_b(dp_shard=2, tp=2, ac=ACPlan(mode="selective"))
     assert s.vocab_parallel_loss and not s.compiled_loss
     rows, half = 16384, 128256 // 2
     kept = loss_bytes(s, rows, as_traced=False)["log_softmax"]
@@ -438,15 +421,7 @@ def test_compiled_loss_on_cpu_saves_only_the_logits_it_was_given():
 def test_selective_op_alternate_recomputes_wk_wo_w3():
     # The 8B on FSDP4, compiled, selective op: per block wk's (16384 x 1024), wo's (16384 x 4096) and w3's
     # (16384 x 14336) bf16 outputs are recomputed: 32 + 128 + 448 = 608 MiB, 19 GiB over 32 blocks.
-    s = RunPlan(
-        args=model_args("8B"),
-        local_batch=2,
-        seq_len=8192,
-        precision="bf16",
-        dp_shard=4,
-        ac=ACPlan(mode="selective"),
-        compile=CompilePlan(enable=True),
-    )
+    s = eight_b(ac=ACPlan(mode="selective"))
     alt = dataclasses.replace(s, ac=dataclasses.replace(s.ac, op_matmuls="alternate"))
     saved = lambda x, **kw: sum(block_saved(x, 16384, 2, "op", **kw).values())  # noqa: E731
     assert saved(s) - saved(alt) == 608 * MIB
@@ -473,15 +448,7 @@ def test_selective_op_alternate_recomputes_wk_wo_w3():
 def test_op_all_last_adds_the_alternate_blocks_recomputed_outputs_back():
     # 8B FSDP4 compiled, alternate: each of the last N blocks keeps wk's, wo's and w3's outputs again,
     # 608 MiB per block (see above); N = 32 is the all-matmuls model.
-    s = RunPlan(
-        args=model_args("8B"),
-        local_batch=2,
-        seq_len=8192,
-        precision="bf16",
-        dp_shard=4,
-        ac=ACPlan(mode="selective", op_matmuls="alternate"),
-        compile=CompilePlan(enable=True),
-    )
+    s = eight_b(ac=ACPlan(mode="selective", op_matmuls="alternate"))
     peak = lambda x: analyze(x).peak  # noqa: E731
     assert (
         peak(dataclasses.replace(s, ac=dataclasses.replace(s.ac, op_all_last=10))) - peak(s) == 10 * 608 * MIB
@@ -546,16 +513,11 @@ def test_compiled_alternate_block_on_cpu_keeps_every_other_matmul():
 def test_pipelined_fsdp_keeps_unsharded_fp32_gradients():
     # PP2 x FSDP2 of the 8B, batch 2 (two micro-batches of one sequence), 1F1B, 16 blocks a stage. Rank 0
     # holds the table and 16 blocks: 128256 x 4096 + 16 x 218,112,000 = 4,015,128,576 parameters.
-    s = RunPlan(
-        args=model_args("8B"),
-        local_batch=2,
-        seq_len=8192,
-        precision="bf16",
+    s = eight_b(
         dp_shard=2,
         pp=2,
         fsdp_plan=FSDPPlan(reshard="never"),
         ac=ACPlan(mode="selective"),
-        compile=CompilePlan(enable=True),
         pp_layers_per_stage=(16, 16),
     )
     p0 = 4_015_128_576
@@ -720,16 +682,7 @@ def test_float8_output_projection_adds_the_eager_cast_of_the_logits_gradient():
     # 8B FSDP4, compiled float8 without AC, ZeRO-2: with filter_fqns = [] the output projection is float8
     # too, and its (eager) backward casts the (16384, 128256) logits' gradient through fp32 temporaries:
     # 8 bytes per element at the output's backward (measured on H200: +15.3 GiB over the bf16 output).
-    s = RunPlan(
-        args=model_args("8B"),
-        local_batch=2,
-        seq_len=8192,
-        precision="bf16",
-        dp_shard=4,
-        fsdp_plan=FSDPPlan(reshard="never"),
-        compile=CompilePlan(enable=True),
-        float8=Float8Plan(enable=True),
-    )
+    s = eight_b(fsdp_plan=FSDPPlan(reshard="never"), float8=Float8Plan(enable=True))
     f8_out = dataclasses.replace(s, float8=Float8Plan(enable=True, filter_fqns=()))
     assert "output" in float8_linears(f8_out) and "output" not in float8_linears(s)
     b, b_out = analyze(s), analyze(f8_out)
@@ -758,15 +711,7 @@ def test_op_all_last_beyond_the_model_is_a_config_error(capsys):
 def test_offloaded_blocks_hold_nothing_at_the_peak():
     # 8B FSDP4 compiled, alternate: offloading every 3rd of the first 24 blocks (0, 3, ..., 21) takes those
     # 8 blocks' saved tensors off the peak; the blocks keep what they keep in host memory instead.
-    s = RunPlan(
-        args=model_args("8B"),
-        local_batch=2,
-        seq_len=8192,
-        precision="bf16",
-        dp_shard=4,
-        ac=ACPlan(mode="selective", op_matmuls="alternate"),
-        compile=CompilePlan(enable=True),
-    )
+    s = eight_b(ac=ACPlan(mode="selective", op_matmuls="alternate"))
     off = dataclasses.replace(
         s,
         ac=dataclasses.replace(s.ac, offload_first=24, offload_every=3),
@@ -783,16 +728,7 @@ def test_keep_gathered_last_holds_that_many_blocks_weights_at_the_peak():
     # before any block's backward, where the default already keeps the last block gathered; keeping the
     # last 24 adds 23 blocks' float8 weights (218,112,000 parameters each, the two 4096-wide norms in
     # bf16: 2 x 4096 x 2 bytes more).
-    s = RunPlan(
-        args=model_args("8B"),
-        local_batch=2,
-        seq_len=8192,
-        precision="bf16",
-        dp_shard=4,
-        ac=ACPlan(mode="selective"),
-        compile=CompilePlan(enable=True),
-        float8=Float8Plan(enable=True, all_gather=True),
-    )
+    s = eight_b(ac=ACPlan(mode="selective"), float8=Float8Plan(enable=True, all_gather=True))
     base, kept = analyze(s), analyze(dataclasses.replace(s, fsdp_plan=FSDPPlan(keep_gathered_last=24)))
     assert base.peak_phase == kept.peak_phase == "loss backward"
     per_block = (218_112_000 - 2 * 4096) + 2 * (2 * 4096)
@@ -852,15 +788,7 @@ def test_compiled_float8_blocks_under_the_float8_all_gather_keep_their_ffn_weigh
     under FSDP's float8 all-gather, keeps w1, w3 and w2 as unsharded float8 copies, 56 MiB each; per-op
     checkpointing and the bf16 all-gather keep none. Under TP each rank keeps its share."""
     f8 = Float8Plan(enable=True, all_gather=True)
-    s = RunPlan(
-        args=model_args("8B"),
-        local_batch=2,
-        seq_len=8192,
-        precision="bf16",
-        dp_shard=4,
-        float8=f8,
-        compile=CompilePlan(enable=True),
-    )
+    s = eight_b(float8=f8)
     key, n = "float8 FFN weights (all-gathered)", 16384
     assert block_saved(s, n, 2, "compiled")[key] == 3 * 56 * MIB
     assert key not in block_saved(s, n, 2, "op")
