@@ -1,10 +1,12 @@
 """Expert parallel's exchange under torch.compile, with a rank that receives no rows.
 
 Run under torchrun (gloo, CPU): `torchrun --nproc_per_node=2 tests/parallel/ep_probe.py OUT.json`.
-One MoE layer (8 experts, 4 per rank) runs 6 steps compiled and the same 6 steps eagerly; from step 3 on
-the routing bias sends every row to rank 1's experts, so rank 0's experts receive none. Writes, per rank,
-the largest difference of the outputs and the input gradients between the two, and the collectives found
-in the compiled graphs (a recording backend).
+One MoE layer (8 experts, 4 per rank) runs 6 steps compiled and the same 6 steps eagerly. Steps 0-2 route
+freely (the compiles: a static graph, then a dynamic one); at step 3 the routing bias sends every row to
+rank 1's experts, so rank 0's experts receive none; at step 4 a rigged gate sends them exactly one row.
+Writes, per rank, the largest difference of the outputs and the input gradients between the two, the
+collectives found in the compiled graphs (a recording backend), and how many graphs it was given after
+step 2 (each one a recompile).
 """
 
 from __future__ import annotations
@@ -21,14 +23,34 @@ from titanrush.distributed import destroy
 from titanrush.models.llama4.moe import MoE
 from titanrush.parallel.expert_parallel import apply_ep
 
-STEPS, SKEW_FROM = 6, 3
+STEPS, WARM, NO_ROWS, ONE_ROW = 6, 3, 3, 4
 ops: set[str] = set()
+graphs: list[int] = []  # the step of every graph the backend was given
 
 
 def record(gm: torch.fx.GraphModule, inputs: list) -> object:
     """A backend that keeps the call targets of every graph it is given and runs the graph as traced."""
     ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+    graphs.append(step_now[0])
     return gm.forward
+
+
+step_now = [0]
+
+
+def route(moe: MoE, step: int, rank: int, x: torch.Tensor) -> torch.Tensor:
+    """Set the routing for `step`; returns the step's input (a new shape every step)."""
+    with torch.no_grad():
+        if step == NO_ROWS:  # every row to rank 1's experts (4-7)
+            moe.expert_bias.copy_(torch.tensor([-1e4] * 4 + [1e4] * 4))
+        if step == ONE_ROW:  # expert 0 scores sigmoid(100 x_0), the others 0.5 (+0.2 for 4-7)
+            moe.expert_bias.copy_(torch.tensor([0.0] * 4 + [0.2] * 4))
+            moe.router.gate.weight.zero_()
+            moe.router.gate.weight[0, 0] = 100.0
+            x[..., 0] = -1.0  # every token to expert 4 ...
+            if rank == 0:
+                x[0, 0, 0] = 1.0  # ... but one, to expert 0 on rank 0
+    return x
 
 
 class Layer(nn.Module):
@@ -40,24 +62,27 @@ class Layer(nn.Module):
         return self.moe(x) * 2
 
 
-def run(compiled: bool, rank: int, mesh: object) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def run(compiled: bool, rank: int, mesh: object) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
+    """The steps' outputs and input gradients, and the rows rank 0's experts received at each step."""
     torch.manual_seed(0)  # the same weights on both ranks and in both runs
     moe = MoE(32, 64, 8, 1)
     for p in moe.parameters():
         nn.init.normal_(p, std=0.05)
     apply_ep([moe.experts], mesh)
     layer = torch.compile(Layer(moe), backend=record) if compiled else Layer(moe)
-    out = []
+    out, rank0_rows = [], []
     for step in range(STEPS):
-        if step == SKEW_FROM:
-            with torch.no_grad():
-                moe.expert_bias.copy_(torch.tensor([-1e4] * 4 + [1e4] * 4))
+        step_now[0] = step
         gen = torch.Generator().manual_seed(100 * rank + step)
-        x = torch.randn(2, 8 + step, 32, generator=gen, requires_grad=True)  # (a new shape every step)
+        x = route(moe, step, rank, torch.randn(2, 8 + step, 32, generator=gen)).requires_grad_()
+        before = moe.tokens_per_expert.clone()
         y = layer(x)
         y.square().sum().backward()
         out.append((y.detach(), x.grad))
-    return out
+        routed = moe.tokens_per_expert - before  # this rank's tokens per expert, then every rank's
+        dist.all_reduce(routed)
+        rank0_rows.append(int(routed[:4].sum()))
+    return out, rank0_rows
 
 
 def main(argv: list[str]) -> None:
@@ -67,12 +92,15 @@ def main(argv: list[str]) -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("ep",))
-    eager, compiled = run(False, rank, mesh), run(True, rank, mesh)
+    (eager, rows), (compiled, compiled_rows) = run(False, rank, mesh), run(True, rank, mesh)
     result = {
+        "rank0_rows": rows,
+        "same_routing": rows == compiled_rows,
         "out": max((a[0] - b[0]).abs().max().item() for a, b in zip(eager, compiled)),
         "grad": max((a[1] - b[1]).abs().max().item() for a, b in zip(eager, compiled)),
         "collectives": sorted(t for t in ops if "c10d" in t or "all_to_all" in t),
         "graphs_seen": len(ops) > 0,
+        "graphs_after_warmup": sum(step >= WARM for step in graphs),
     }
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)

@@ -141,11 +141,15 @@ def test_ep2_checkpoint_resumes_at_another_ep_degree(runs, target):
 
 
 def test_the_exchange_stays_eager_when_compiled_and_a_rank_receives_no_rows(runs):
-    """Compiled, the MoE layer under EP2 gives the eager layer's outputs and gradients, also at steps where
-    rank 0's experts receive no rows, and no compiled graph holds a collective (traced, the exchange was
-    specialized per rank on its row counts; on two GPUs that hung)."""
+    """Compiled, the MoE layer under EP2 gives the eager layer's outputs and gradients, also at the steps
+    where rank 0's experts receive no rows and one row; no compiled graph holds a collective (traced, the
+    exchange was specialized per rank on its row counts; on two GPUs that hung), and neither step
+    recompiles anything (unpadded, each did: dynamo specializes sizes 0 and 1)."""
     runs.run("ep_probe")
     for rank, r in enumerate(json.loads((runs.dump / "ep_probe.json").read_text())):
         assert r["graphs_seen"], f"rank {rank}: nothing was compiled"
         assert r["collectives"] == [], f"rank {rank}: collectives in compiled graphs: {r['collectives']}"
         assert r["out"] <= 1e-5 and r["grad"] <= 1e-5, (rank, r)
+        assert r["same_routing"] and r["rank0_rows"][3:5] == [0, 1], r["rank0_rows"]
+        assert min(r["rank0_rows"][:3]) > 1, r["rank0_rows"]
+        assert r["graphs_after_warmup"] == 0, f"rank {rank}: {r['graphs_after_warmup']} recompiles"

@@ -10,14 +10,18 @@ sharded over the experts dimension), by wrapping its forward:
   rank that holds their expert (all-to-all). They arrive grouped by source rank, then by expert; a
   permutation regroups them by local expert (source ranks in order within each expert), computed on the
   device from the count matrix (no Python loop over experts or ranks);
-- the local experts run on their groups;
-- combine: the inverse permutation, and the reverse all-to-all back to the tokens' ranks.
+- the local experts run on their groups; a rank that receives fewer than `MIN_ROWS` rows gives them
+  zero rows up to that count, in its last expert's group (a zero row's output and gradients are zero);
+- combine: the padding dropped, the inverse permutation, and the reverse all-to-all back to the tokens'
+  ranks.
 
 Both all-to-alls are autograd functions whose backward is the reverse exchange. Dispatch and combine
 run eagerly even inside a compiled block (`torch.compiler.disable`), so every rank issues the same
 collectives whatever rows it receives. Traced, the exchange lands in graphs that each rank specializes on
 its own row counts: a rank that receives no rows recompiles alone, and on two GPUs the ranks then hung in
-the next exchange.
+the next exchange. The experts between them are compiled for a dynamic row count from the second step on;
+dynamo specializes a size of 0 or 1, hence the padding: without it each rank compiles the experts twice
+more, mid-run, at the first step it receives no rows and at the first it receives one.
 
 Each rank's expert gradients are then the sums over every token any EP peer sent them, so FSDP, which
 shards the experts over the data-parallel ranks outside the EP group, must divide the experts' gradient
@@ -83,6 +87,9 @@ def regroup_index(counts: torch.Tensor) -> torch.Tensor:
     return torch.argsort(row_keys, stable=True)
 
 
+MIN_ROWS = 2  # the fewest rows the experts are given: dynamo compiles sizes 0 and 1 apart from the rest
+
+
 class ExpertParallel:
     """The dispatch and combine around one experts module (state of the forward in flight)."""
 
@@ -111,12 +118,19 @@ class ExpertParallel:
             splits = torch.stack([counts.reshape(self.ep, local).sum(1), matrix.sum(1)]).tolist()
             self.input_splits, self.output_splits = splits
             self.index = regroup_index(matrix)
-        x = all_to_all(x, self.output_splits, self.input_splits, self.group)
-        return x[self.index], matrix.sum(0)
+        x = all_to_all(x, self.output_splits, self.input_splits, self.group)[self.index]
+        counts = matrix.sum(0)
+        self.pad = max(0, MIN_ROWS - x.shape[0])
+        if self.pad:
+            x = torch.cat([x, x.new_zeros(self.pad, *x.shape[1:])])
+            counts[-1] += self.pad
+        return x, counts
 
     def combine(self, module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
         if out.device.type == "meta":
             return out
+        if self.pad:
+            out = out[: out.shape[0] - self.pad]
         inverse = torch.empty_like(self.index).scatter_(
             0, self.index, torch.arange(self.index.numel(), device=out.device)
         )
