@@ -18,7 +18,7 @@ from titanrush.models.llama4.grouped_gemm import ALIGN, KERNEL, grouped_mm, loop
 from titanrush.models.llama4.moe import MoE
 from titanrush.models.llama4.router import Router, add_loss_grad, balance_loss
 from titanrush.parallel.activation_checkpoint import ACPlan, SelectiveOpCheckpoint, apply_ac
-from titanrush.parallel.expert_parallel import regroup_index
+from titanrush.parallel.expert_parallel import _Permute, regroup_index
 from titanrush.run.plan import build_plan
 
 
@@ -92,6 +92,18 @@ def test_regroup_index_orders_rows_by_expert_then_source_rank():
     labels = [(r, e) for r in range(2) for e in range(3) for _ in range(int(counts[r, e]))]
     idx = regroup_index(counts)
     assert [labels[i] for i in idx.tolist()] == sorted(labels, key=lambda re: (re[1], re[0]))
+    assert torch.equal(regroup_index(counts, len(labels)), idx)  # (the row count given: no host sync)
+
+
+def test_the_exchange_permutation_is_differentiable_with_the_inverse_gather():
+    x = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
+    index = torch.randperm(7)
+    inverse = torch.empty_like(index).scatter_(0, index, torch.arange(7))
+    torch.autograd.gradcheck(lambda t: _Permute.apply(t, index, inverse), (x,))
+    weight = torch.randn(7, 5, dtype=torch.float64)
+    (grad,) = torch.autograd.grad((_Permute.apply(x, index, inverse) * weight).sum(), x)
+    (want,) = torch.autograd.grad((x[index] * weight).sum(), x)
+    assert torch.equal(grad, want)
 
 
 def _layer(grouped: bool = True, **kw: object) -> MoE:

@@ -74,17 +74,32 @@ def all_to_all(
     return _AllToAll.apply(x, output_splits, input_splits, group)
 
 
-def regroup_index(counts: torch.Tensor) -> torch.Tensor:
+def regroup_index(counts: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     """The permutation taking rows ordered (source rank, expert) to (expert, source rank).
 
-    counts: (ranks, experts), counts[r, e] rows from rank r for local expert e, laid out rank-major.
+    counts: (ranks, experts), counts[r, e] rows from rank r for local expert e, laid out rank-major;
+    rows: their sum where the caller knows it (else it is read from the device: a host sync).
     Returns idx with regrouped = rows[idx]: a stable sort of each row's expert-major key.
     """
     ranks, experts = counts.shape
     key = torch.arange(experts, device=counts.device).repeat(ranks) * ranks
     key = key + torch.arange(ranks, device=counts.device).repeat_interleave(experts)
-    row_keys = torch.repeat_interleave(key, counts.reshape(-1))
+    row_keys = torch.repeat_interleave(key, counts.reshape(-1), output_size=rows)
     return torch.argsort(row_keys, stable=True)
+
+
+class _Permute(torch.autograd.Function):
+    """rows[index], whose backward is the gather by the inverse permutation (the generic indexing
+    backward zero-fills, sorts the index and scatter-adds)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, index: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+        ctx.inverse = inverse
+        return x.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return grad.index_select(0, ctx.inverse), None, None
 
 
 MIN_ROWS = 2  # the fewest rows the experts are given: dynamo compiles sizes 0 and 1 apart from the rest
@@ -117,8 +132,13 @@ class ExpertParallel:
             # The one host sync of the exchange: the splits are sizes.
             splits = torch.stack([counts.reshape(self.ep, local).sum(1), matrix.sum(1)]).tolist()
             self.input_splits, self.output_splits = splits
-            self.index = regroup_index(matrix)
-        x = all_to_all(x, self.output_splits, self.input_splits, self.group)[self.index]
+            rows = sum(self.output_splits)
+            self.index = regroup_index(matrix, rows)
+            self.inverse = torch.empty_like(self.index).scatter_(
+                0, self.index, torch.arange(rows, device=x.device)
+            )
+        x = all_to_all(x, self.output_splits, self.input_splits, self.group)
+        x = _Permute.apply(x, self.index, self.inverse)
         counts = matrix.sum(0)
         self.pad = max(0, MIN_ROWS - x.shape[0])
         if self.pad:
@@ -131,10 +151,8 @@ class ExpertParallel:
             return out
         if self.pad:
             out = out[: out.shape[0] - self.pad]
-        inverse = torch.empty_like(self.index).scatter_(
-            0, self.index, torch.arange(self.index.numel(), device=out.device)
-        )
-        return all_to_all(out[inverse], self.input_splits, self.output_splits, self.group)
+        out = _Permute.apply(out, self.inverse, self.index)
+        return all_to_all(out, self.input_splits, self.output_splits, self.group)
 
 
 def apply_ep(experts: list[nn.Module], ep_mesh: DeviceMesh) -> None:
