@@ -5,8 +5,8 @@ One MoE layer (8 experts, 4 per rank) runs 6 steps compiled and the same 6 steps
 freely (the compiles: a static graph, then a dynamic one); at step 3 the routing bias sends every row to
 rank 1's experts, so rank 0's experts receive none; at step 4 a rigged gate sends them exactly one row.
 Writes, per rank, the largest difference of the outputs and the input gradients between the two, the
-collectives found in the compiled graphs (a recording backend), and how many graphs it was given after
-step 2 (each one a recompile).
+collectives found in the compiled graphs (a recording backend), how many graphs it was given after step
+2 (each one a recompile), and the eager layer against the unsharded one on every rank's rows.
 """
 
 from __future__ import annotations
@@ -62,13 +62,48 @@ class Layer(nn.Module):
         return self.moe(x) * 2
 
 
-def run(compiled: bool, rank: int, mesh: object) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
-    """The steps' outputs and input gradients, and the rows rank 0's experts received at each step."""
-    torch.manual_seed(0)  # the same weights on both ranks and in both runs
+def layer_weights(sharded: bool, mesh: object) -> MoE:
+    torch.manual_seed(0)  # the same weights on both ranks and in every run
     moe = MoE(32, 64, 8, 1)
     for p in moe.parameters():
         nn.init.normal_(p, std=0.05)
-    apply_ep([moe.experts], mesh)
+    if sharded:
+        apply_ep([moe.experts], mesh)
+    return moe
+
+
+def against_one_process(rank: int, mesh: object) -> dict[str, float]:
+    """The eager EP layer against the unsharded layer on every rank's rows, over the same steps (the
+    padded steps included): the largest differences of the outputs, the input gradients and this rank's
+    experts' weight gradients."""
+    moe, ref = layer_weights(True, mesh), layer_weights(False, mesh)
+    world, local = dist.get_world_size(), 8 // dist.get_world_size()
+    diff = {"out": 0.0, "grad": 0.0, "expert_grads": 0.0}
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        x = route(moe, step, rank, torch.randn(2, 8 + step, 32, generator=gen))
+        route(ref, step, rank, x)
+        everyone = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(everyone, x)
+        x, rows = x.requires_grad_(), torch.cat(everyone).requires_grad_()
+        y, y_ref = Layer(moe)(x), Layer(ref)(rows)
+        y.square().sum().backward()
+        y_ref.square().sum().backward()  # (every rank's loss: the sum of the EP ranks' losses)
+        mine = slice(2 * rank, 2 * rank + 2)
+        diff["out"] = max(diff["out"], (y - y_ref[mine]).abs().max().item())
+        diff["grad"] = max(diff["grad"], (x.grad - rows.grad[mine]).abs().max().item())
+        for name in ("w13", "w2"):
+            got = getattr(moe.experts, name).grad.to_local()
+            want = getattr(ref.experts, name).grad[rank * local : (rank + 1) * local]
+            diff["expert_grads"] = max(diff["expert_grads"], (got - want).abs().max().item())
+        for p in (*moe.parameters(), *ref.parameters()):
+            p.grad = None
+    return diff
+
+
+def run(compiled: bool, rank: int, mesh: object) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
+    """The steps' outputs and input gradients, and the rows rank 0's experts received at each step."""
+    moe = layer_weights(True, mesh)
     layer = torch.compile(Layer(moe), backend=record) if compiled else Layer(moe)
     out, rank0_rows = [], []
     for step in range(STEPS):
@@ -94,6 +129,7 @@ def main(argv: list[str]) -> None:
     mesh = init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("ep",))
     (eager, rows), (compiled, compiled_rows) = run(False, rank, mesh), run(True, rank, mesh)
     result = {
+        "one_process": against_one_process(rank, mesh),
         "rank0_rows": rows,
         "same_routing": rows == compiled_rows,
         "out": max((a[0] - b[0]).abs().max().item() for a, b in zip(eager, compiled)),

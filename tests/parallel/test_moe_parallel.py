@@ -144,7 +144,8 @@ def test_the_exchange_stays_eager_when_compiled_and_a_rank_receives_no_rows(runs
     """Compiled, the MoE layer under EP2 gives the eager layer's outputs and gradients, also at the steps
     where rank 0's experts receive no rows and one row; no compiled graph holds a collective (traced, the
     exchange was specialized per rank on its row counts; on two GPUs that hung), and neither step
-    recompiles anything (unpadded, each did: dynamo specializes sizes 0 and 1)."""
+    recompiles anything (unpadded, each did: dynamo specializes sizes 0 and 1). Eager, the layer gives
+    the unsharded layer's outputs and gradients on every rank's rows at every step."""
     runs.run("ep_probe")
     for rank, r in enumerate(json.loads((runs.dump / "ep_probe.json").read_text())):
         assert r["graphs_seen"], f"rank {rank}: nothing was compiled"
@@ -153,3 +154,5 @@ def test_the_exchange_stays_eager_when_compiled_and_a_rank_receives_no_rows(runs
         assert r["same_routing"] and r["rank0_rows"][3:5] == [0, 1], r["rank0_rows"]
         assert min(r["rank0_rows"][:3]) > 1, r["rank0_rows"]
         assert r["graphs_after_warmup"] == 0, f"rank {rank}: {r['graphs_after_warmup']} recompiles"
+        # The eager exchange (its padding included) against one process holding every expert
+        assert max(r["one_process"].values()) <= 1e-5, (rank, r["one_process"])
