@@ -565,7 +565,8 @@ def test_8b_fsdp_estimate_fits_h200_not_h100():
 
 
 def test_collectives_add_to_the_allocator_slack():
-    """FSDP, HSDP and TP keep collective streams' pools reserved beside the peak; one GPU does not."""
+    """FSDP, HSDP and TP keep collective streams' pools reserved beside the peak; one GPU and DDP, which
+    all-reduces in place in its buckets, do not."""
     b = type("B", (), {"peak": 100 * GIB, "peak_phase": "loss forward", "first_backward_freed": 0})()
 
     def slack_of(ngpu: int, *over: str) -> int:
@@ -576,6 +577,7 @@ def test_collectives_add_to_the_allocator_slack():
     hsdp = slack_of(4, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "2")
     tp = slack_of(4, "--parallelism.tp", "2")
     assert fsdp == hsdp == tp == pytest.approx(0.15 * b.peak, rel=1e-6)
+    assert slack_of(2, "--parallelism.dp_replicate", "2", "--parallelism.dp_shard", "1") == slack_of(1)
 
 
 def test_max_batch_is_the_largest_that_fits():
