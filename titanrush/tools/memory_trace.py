@@ -39,6 +39,7 @@ from titanrush.models.llama4.model import Llama4Block
 from titanrush.models.llama4.moe import GroupedExperts
 from titanrush.optim import build_optimizer
 from titanrush.parallel.activation_checkpoint import apply_ac
+from titanrush.parallel.expert_parallel import _Permute
 from titanrush.parallel.grad_clip import clip_grad_norm_
 from titanrush.run.memory_model import (
     LOWBIT,
@@ -228,9 +229,10 @@ class _LocalAllToAll(torch.autograd.Function):
 class _LocalExchange(nn.Module):
     """Expert parallel's dispatch and combine around the rank's E / ep experts (`parallel/expert_parallel`:
     `ExpertParallel.dispatch` and `combine`), with the tensors they allocate: the received counts, the
-    regrouping sort of the received rows, the two all-to-alls' outputs and the two index gathers (the
-    indices kept for backward). The rank receives `imbalance` times the rows it sends (1: a balanced
-    load; the busiest rank's share otherwise). Only the values differ (no peers)."""
+    regrouping sort of the received rows, the two all-to-alls' outputs and the two permutations (the
+    indices kept for backward); not the padding of a rank that receives fewer than two rows. The rank
+    receives `imbalance` times the rows it sends (1: a balanced load; the busiest rank's share
+    otherwise). Only the values differ (no peers)."""
 
     def __init__(self, experts: GroupedExperts, ep: int, imbalance: float) -> None:
         super().__init__()
@@ -242,10 +244,10 @@ class _LocalExchange(nn.Module):
         with torch.no_grad():
             matrix = counts.new_empty(counts.shape).copy_(counts).reshape(self.ep, local)
             index = torch.argsort(torch.zeros(rows, dtype=torch.long), stable=True)
-        received = _LocalAllToAll.apply(x, rows)[index]
+            inverse = torch.empty_like(index).scatter_(0, index, torch.arange(index.numel()))
+        received = _Permute.apply(_LocalAllToAll.apply(x, rows), index, inverse)
         out = self.experts(received, matrix.sum(0))
-        inverse = torch.empty_like(index).scatter_(0, index, torch.arange(index.numel()))
-        return _LocalAllToAll.apply(out[inverse], x.shape[0])
+        return _LocalAllToAll.apply(_Permute.apply(out, inverse, index), x.shape[0])
 
 
 class _GroupedMMShapes(torch.autograd.Function):
