@@ -26,6 +26,7 @@ from titanrush.parallel.expert_parallel import apply_ep
 STEPS, WARM, NO_ROWS, ONE_ROW = 6, 3, 3, 4
 ops: set[str] = set()
 graphs: list[int] = []  # the step of every graph the backend was given
+step_now = [0]  # the step running
 
 
 def record(gm: torch.fx.GraphModule, inputs: list) -> object:
@@ -33,9 +34,6 @@ def record(gm: torch.fx.GraphModule, inputs: list) -> object:
     ops.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
     graphs.append(step_now[0])
     return gm.forward
-
-
-step_now = [0]
 
 
 def route(moe: MoE, step: int, rank: int, x: torch.Tensor) -> torch.Tensor:
