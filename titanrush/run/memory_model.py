@@ -223,9 +223,11 @@ def layer_mode(s: RunPlan, position: int, *, as_traced: bool, layer: int | None 
 
 def _ring_kv(s: RunPlan, n: int) -> tuple[int, int]:
     """Context parallel's ring attention on n local tokens: bytes of the rank's K/V pair as it exchanges
-    them (SDPA's inputs: K and V repeated to the query heads), and of the K/V it receives in one attention
-    (allgather: every rank's pair, its own included; alltoall: the cp - 1 others', one ring pass each)."""
-    pair = 2 * s.c * n * (s.args.n_heads // s.tp) * s.args.head_dim
+    them (SDPA's inputs: the grouped K/V heads, or K and V repeated to the query heads where the model
+    repeats them first, `expands_kv`), and of the K/V it receives in one attention (allgather: every
+    rank's pair, its own included; alltoall: the cp - 1 others', one ring pass each)."""
+    heads = s.args.n_heads if expands_kv(s.args, as_traced=False) else s.args.kv_heads
+    pair = 2 * s.c * n * (heads // s.tp) * s.args.head_dim
     return pair, (s.cp if s.cp_plan.rotate == "allgather" else s.cp - 1) * pair
 
 
@@ -423,7 +425,11 @@ def block_working_set(
     ring = _ring_transient(s, n, mode, backward=backward) if s.cp > 1 and not as_traced else 0
     is_moe = layer is not None and moe.is_moe(s, layer)
     if backward:
-        kept = "compiled" if mode == "compiled" else "none"
+        # A compiled checkpointed block recomputes inside its backward graph, which frees each tensor at its
+        # last use: it holds about what the compiled block without checkpointing keeps (measured on H200,
+        # 8B blocks under selective op and full AC), not the eager set.
+        recompiled = mode in ("op", "full") and s.compile.enable and not as_traced and not is_moe
+        kept = "compiled" if mode == "compiled" or recompiled else "none"
         saved = block_saved(s, n, batch, kept, as_traced=as_traced, layer=layer, imbalance=imbalance)
         if mode == "parts":  # the attention is recomputed after the MoE layer's backward: until then its
             # op set; the MoE layer's as eager (its shared expert's recomputation brings back the rest)
@@ -435,7 +441,7 @@ def block_working_set(
         grads = 0 if is_moe else 2 * c * n * f
         return (
             sum(saved.values())
-            + (held if mode in ("full", "op") else 0)
+            + (held if mode in ("full", "op") and not recompiled else 0)
             + max(grads, ring)
             + r * n_sp * a.dim
         )
@@ -472,6 +478,7 @@ def _ring_transient(s: RunPlan, n: int, mode: str, *, backward: bool) -> int:
 
 
 LATER = ", later micro-batch"  # the moments of a pipelined rank's later micro-batches (see analyze_rank)
+REDUCE = ", reduce"  # FSDP's reduce of a block's gradients, after that block's backward (`fsdp_buffers`)
 LOSS_KEYS = ("saved", "log_softmax", "forward", "backward", "rows", "vocab", "kept")
 
 
@@ -638,20 +645,37 @@ def fsdp_buffers(s: RunPlan, plan: RankPlan, *, later: bool = False) -> dict[str
     def gathered(*idx: int) -> int:  # reshard_after_forward = never keeps every unit until its backward
         return root_all + (every if s.fsdp_plan.reshard == "never" else sum(unit(i, "gather") for i in idx))
 
+    def backward(i: int, before: int) -> tuple[int, int]:
+        """Unit i's block backward: (at its peak, at its reduce). FSDP reduces a unit once its backward is
+        done, and first releases the reduce-scatter input of the unit before it (`before`), still in flight
+        at the peak; there the block's own unsharded gradients exist only in eager, made op by op (a
+        compiled block's graph returns them at its end). Pipelined: nothing in flight, both at once; so too
+        with MoE layers' units of their own (an upper bound)."""
+        if pipelined or inner:
+            both = unit(i, "reduce") + unit(before, "in flight")
+            return both, both
+        own = 0 if s.compile.enable else unit(i, "grad")
+        return own + unit(before, "in flight"), unit(i, "reduce")
+
     # default: the last block (and the last keep_gathered_last) and the head stay gathered until backward
     blks = tuple(range(max(first, blk + 1 - max(1, s.fsdp_plan.keep_gathered_last)), blk + 1))
     kept = () if s.fsdp_plan.reshard == "always" else (head, *blks)
+    # The chunked loss runs inside the model's forward, before FSDP's root releases the last all-gather's
+    # output (the head's), which it keeps until then beside the unsharded parameters copied out of it.
+    last_gather = unit(head, "gather") if s.loss == "chunked" else 0
+    first_bwd, first_reduce = backward(blk, head)
+    last_bwd, last_reduce = backward(first, first + 1)
     out = {
         "last block forward": gathered(*blks, head),
-        "forward end": gathered(*kept),
+        "forward end": gathered(*kept) + last_gather,
         "loss backward": gathered(head, *blks),
         # the output layer's bf16 gradient; its fp32 copy comes after the norm's backward, the logits'
         # gradient freed
         "output backward": gathered(head, *blks) + unit(head, "grad"),
-        "first block backward": gathered(*blks, blk - 1) + unit(blk, "reduce") + unit(head, "in flight"),
-        "last block backward": gathered(first, first - 1)
-        + unit(first, "reduce")
-        + unit(first + 1, "in flight"),
+        "first block backward": gathered(*blks, blk - 1) + first_bwd,
+        "first block backward" + REDUCE: gathered(*blks, blk - 1) + first_reduce,
+        "last block backward": gathered(first, first - 1) + last_bwd,
+        "last block backward" + REDUCE: gathered(first, first - 1) + last_reduce,
         # (a block's backward released the input of the unit after it; the embedding's does not)
         "embedding backward": gathered(0) + unit(0, "reduce") + unit(1, "held" if first else "in flight"),
     }
@@ -688,7 +712,7 @@ def fsdp_buffers(s: RunPlan, plan: RankPlan, *, later: bool = False) -> dict[str
         "last block backward": (every_inner or size(first_layer, "gather")) + size(first_layer, "reduce"),
         "embedding backward": every_inner,
     }
-    return {name: x + extra[name] for name, x in out.items()}
+    return {name: x + extra[name.removesuffix(REDUCE)] for name, x in out.items()}
 
 
 def analyze_rank(
@@ -734,6 +758,7 @@ def analyze_rank(
     # Weight-gradient conversions: autocast's bf16 gradient before its fp32 copy; as traced under FSDP, one
     # tensor's unsharded gradient before it is sharded (FSDP's buffers stand for it otherwise).
     conv = 2 if s.autocast else (6 if s.precision == "bf16" else 4) if s.fsdp and as_traced else 0
+    grad_in = s.r * _sp(s, n, as_traced) * a.dim  # a block's input gradient
     f8 = 0  # float8 casts of the largest linear's input, output gradient and weight
     if s.float8.enable and not as_traced:
         f8 = n * (math.ceil(a.ffn_hidden / s.tp) + a.dim) + 2 * w2
@@ -783,7 +808,7 @@ def analyze_rank(
 
     def add(name: str, grads: int = 0, **parts: float) -> None:
         g = grads if pipelined or not steady else g_full
-        m = {**base, **parts, "fsdp_buffers": fsdp.get(name, 0), "grads": g}
+        m = {**base, "fsdp_buffers": fsdp.get(name, 0), **parts, "grads": g}
         if s.autocast:
             m["params"] = copies[name.removesuffix(LATER)]
         moments[name] = {key: int(m.get(key, 0)) for key in COMPONENTS}
@@ -844,6 +869,11 @@ def analyze_rank(
             options.append(
                 (grads(head_g + w2_grad), {**first, "transient": bwd_ws[-1] + conv * w2 + recast[-1]})
             )
+            if fsdp:  # then FSDP reduces its gradients: the block's input gradient is all that is left
+                reduce = fsdp["first block backward" + REDUCE + tag]
+                options.append(
+                    (grads(head_g + w2_grad), {**first, "transient": grad_in, "fsdp_buffers": reduce})
+                )
         if first_moe is not None:  # the MoE layer's own gradients: those made by the point
             done = head_g + block_grads(range(pos_e + 1, len(layers)))
             alive = dict(activations=a_blocks - sum(saved[pos_e:]) + a_emb, float8=f8)
@@ -856,6 +886,9 @@ def analyze_rank(
         options = []
         if last_moe is None or pos_s > 0:  # the rank's first block is dense
             options.append((grads(g_all - emb_g), {**last, "transient": bwd_ws[0] + conv * w2 + recast[0]}))
+            if fsdp:
+                reduce = fsdp["last block backward" + REDUCE + tag]
+                options.append((grads(g_all - emb_g), {**last, "transient": grad_in, "fsdp_buffers": reduce}))
         if last_moe is not None:
             done = g_all - emb_g - block_grads(range(pos_s + 1))
             alive = dict(activations=(kk - 1) * sum(saved) + sum(saved[:pos_s]) + a_emb, float8=f8)
