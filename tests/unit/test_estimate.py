@@ -827,9 +827,10 @@ def test_a_blocks_backward_peaks_before_fsdp_reduces_its_gradients():
     buffers = fsdp_buffers(s, rank_plans(s)[0])
     gathered = 2 * 2 * BLOCK_8B  # the last block and the one prefetched, in bf16
     # At the peak of the last block's (compiled) backward: the head's fp32 reduce-scatter input still in
-    # flight, none of the block's gradients yet; then the block's bf16 gradients and their fp32 copy.
+    # flight, none of the block's gradients yet; then, its weights resharded, the block's bf16 gradients
+    # and their fp32 copy.
     assert buffers["first block backward"] == gathered + 4 * HEAD_8B
-    assert buffers["first block backward" + REDUCE] == gathered + (2 + 4) * BLOCK_8B
+    assert buffers["first block backward" + REDUCE] == gathered - 2 * BLOCK_8B + (2 + 4) * BLOCK_8B
     # Eager blocks make their gradients op by op: those count at the peak too.
     eager = dataclasses.replace(s, compile=CompilePlan())
     assert (
@@ -849,6 +850,10 @@ def test_a_compiled_checkpointed_block_recomputes_in_its_backward_graph():
     n = 16384
     ws = lambda x, mode: block_working_set(x, n, 2, mode, backward=True, as_traced=False)  # noqa: E731
     assert ws(s, "op") == ws(s, "full") == ws(s, "compiled")
+    # Under context parallel too: the received K/V counted once, whatever the policy.
+    cp = eight_b(args=model_args("8B", expand_kv=True), dp_shard=2, cp=2, ac=ACPlan(mode="full"))
+    cp_ws = lambda mode: block_working_set(cp, 8192, 2, mode, backward=True, as_traced=False)  # noqa: E731
+    assert cp_ws("full") == cp_ws("op") == cp_ws("compiled")
     eager = dataclasses.replace(s, compile=CompilePlan())
     eager_set = sum(block_saved(eager, n, 2, "none").values())
     assert (

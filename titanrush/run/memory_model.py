@@ -332,7 +332,7 @@ def _block_saved(
                 out.pop("wk out", None), out.pop("wv out")
                 out |= {"k, v contiguous (CP)": pair, "K/V received (CP)": received}
         return out
-    # cudnn and math take K/V repeated to the query heads, and so does sdpa under context parallel;
+    # cudnn and math take K/V repeated to the query heads, and so does sdpa under fp32 context parallel;
     # otherwise the kernels read each K/V head for its group of query heads (sdpa's enable_gqa, flash, flex).
     kv = hq if expands_kv(a, as_traced) else hkv
     if mode == "compiled":
@@ -422,13 +422,14 @@ def block_working_set(
     f, n_sp, seq = math.ceil(a.ffn_hidden / tp), _sp(s, n, as_traced), n // batch
     held = 0 if r == 4 else r * n_sp * a.dim  # a bf16 block input is held beside the norm's fp32 copy
     scores = 8 * batch * (a.n_heads // tp) * seq * seq if a.attn_backend == "math" else 0  # fp32 (T, T)
-    ring = _ring_transient(s, n, mode, backward=backward) if s.cp > 1 and not as_traced else 0
     is_moe = layer is not None and moe.is_moe(s, layer)
+    # A compiled checkpointed block recomputes inside its backward graph, which frees each tensor at its last
+    # use: its backward holds about what the compiled block without checkpointing keeps (measured on H200,
+    # 8B blocks under selective op and full AC), not the eager set; so too for ring attention's exchange.
+    recompiled = backward and mode in ("op", "full") and s.compile.enable and not as_traced and not is_moe
+    ring_mode = "compiled" if recompiled else mode
+    ring = _ring_transient(s, n, ring_mode, backward=backward) if s.cp > 1 and not as_traced else 0
     if backward:
-        # A compiled checkpointed block recomputes inside its backward graph, which frees each tensor at its
-        # last use: it holds about what the compiled block without checkpointing keeps (measured on H200,
-        # 8B blocks under selective op and full AC), not the eager set.
-        recompiled = mode in ("op", "full") and s.compile.enable and not as_traced and not is_moe
         kept = "compiled" if mode == "compiled" or recompiled else "none"
         saved = block_saved(s, n, batch, kept, as_traced=as_traced, layer=layer, imbalance=imbalance)
         if mode == "parts":  # the attention is recomputed after the MoE layer's backward: until then its
@@ -655,7 +656,8 @@ def fsdp_buffers(s: RunPlan, plan: RankPlan, *, later: bool = False) -> dict[str
             both = unit(i, "reduce") + unit(before, "in flight")
             return both, both
         own = 0 if s.compile.enable else unit(i, "grad")
-        return own + unit(before, "in flight"), unit(i, "reduce")
+        # (FSDP reshards the unit's weights after its backward, before it reduces)
+        return own + unit(before, "in flight"), unit(i, "reduce") - unit(i, "gather")
 
     # default: the last block (and the last keep_gathered_last) and the head stay gathered until backward
     blks = tuple(range(max(first, blk + 1 - max(1, s.fsdp_plan.keep_gathered_last)), blk + 1))
@@ -869,11 +871,14 @@ def analyze_rank(
             options.append(
                 (grads(head_g + w2_grad), {**first, "transient": bwd_ws[-1] + conv * w2 + recast[-1]})
             )
-            if fsdp:  # then FSDP reduces its gradients: the block's input gradient is all that is left
-                reduce = fsdp["first block backward" + REDUCE + tag]
-                options.append(
-                    (grads(head_g + w2_grad), {**first, "transient": grad_in, "fsdp_buffers": reduce})
-                )
+            if fsdp and plan.layers:  # then FSDP reduces its gradients: the block's input gradient is
+                # all that is left (its float8 casts gone)
+                reduce = {
+                    "transient": grad_in,
+                    "float8": 0,
+                    "fsdp_buffers": fsdp["first block backward" + REDUCE + tag],
+                }
+                options.append((grads(head_g + w2_grad), {**first, **reduce}))
         if first_moe is not None:  # the MoE layer's own gradients: those made by the point
             done = head_g + block_grads(range(pos_e + 1, len(layers)))
             alive = dict(activations=a_blocks - sum(saved[pos_e:]) + a_emb, float8=f8)
@@ -886,9 +891,13 @@ def analyze_rank(
         options = []
         if last_moe is None or pos_s > 0:  # the rank's first block is dense
             options.append((grads(g_all - emb_g), {**last, "transient": bwd_ws[0] + conv * w2 + recast[0]}))
-            if fsdp:
-                reduce = fsdp["last block backward" + REDUCE + tag]
-                options.append((grads(g_all - emb_g), {**last, "transient": grad_in, "fsdp_buffers": reduce}))
+            if fsdp and plan.layers:
+                reduce = {
+                    "transient": grad_in,
+                    "float8": 0,
+                    "fsdp_buffers": fsdp["last block backward" + REDUCE + tag],
+                }
+                options.append((grads(g_all - emb_g), {**last, **reduce}))
         if last_moe is not None:
             done = g_all - emb_g - block_grads(range(pos_s + 1))
             alive = dict(activations=(kk - 1) * sum(saved) + sum(saved[:pos_s]) + a_emb, float8=f8)
