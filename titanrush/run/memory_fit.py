@@ -80,12 +80,16 @@ def slack(s: RunPlan, b: mm.Breakdown) -> int:
     """Caching-allocator slack (reserved minus allocated at the peak): a heuristic fitted to H200 runs
     (docs/estimator.md): 5% of the peak, 10% more with collectives (their streams keep their own blocks:
     TP's, PP's, CP's, and FSDP's sharded gradients; not DDP's, which all-reduces in place in gradient
-    buckets allocated once: two H200 runs reserved 0.3-0.5% above their allocated peak), 8% more with
-    fully checkpointed blocks (recomputation churns block-sized temporaries);
+    buckets allocated once: two H200 runs reserved 0.3-0.5% above their allocated peak), 10% more under
+    context parallel (ring attention's buffers, a set per attention: three H200 runs at the current trainer
+    reserved 27% above their allocated peak), 8% more with fully checkpointed blocks (recomputation
+    churns block-sized temporaries);
     under pipeline parallel with FSDP, at a later micro-batch's backward, the first backward's
     activations stranded in the cache (`memory_model.stranded_after_first_backward`)."""
     frac = 0.05
     if s.fsdp or s.tp > 1 or s.pp > 1 or s.cp > 1:
+        frac += 0.10
+    if s.cp > 1:
         frac += 0.10
     if s.ac.mode == "full" or (s.ac.mode == "selective" and s.ac.selective != "op"):
         frac += 0.08
