@@ -55,7 +55,7 @@ TORCHTITAN_AC = {  # torchtitan's activation checkpointing, as titanrush's setti
 def torchtitan_like(c: autoplan.Candidate) -> str | None:
     """The torchtitan setting a candidate is, or None (a titanrush-only lever)."""
     s = c.settings
-    if s.get(autoplan.RESHARD, "default") not in ("default",) or s.get(autoplan.LOSS, "plain") != "plain":
+    if s.get(autoplan.RESHARD, "default") != "default" or s.get(autoplan.LOSS, "plain") != "plain":
         return None
     ac = {k[len(autoplan.AC) :]: v for k, v in s.items() if k.startswith(autoplan.AC)}
     for name, want in TORCHTITAN_AC.items():

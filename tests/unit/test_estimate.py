@@ -875,21 +875,40 @@ def test_a_compiled_checkpointed_block_recomputes_in_its_backward_graph():
 
 # Held-out runs on two H200s at commit 4eae898's trainer (torch 2.11, 4 steps, rank 0's largest
 # mem_active_gib): 8B-shaped models of 8 layers (`SHAPE`), FSDP over the two GPUs unless named.
+def flags_of(**values: object) -> list[str]:
+    """`--section.key value` flags from section__key=value."""
+    return [x for key, value in values.items() for x in (f"--{key.replace('__', '.')}", str(value))]
+
+
 SHAPE = [
-    "--config", LLAMA8B, "--model.flavor", "custom", "--model.dim", "4096", "--model.n_heads", "32",
-    "--model.n_kv_heads", "8", "--model.vocab_size", "128256", "--model.ffn_hidden", "14336",
-    "--model.max_seq_len", "8192", "--model.rope_theta", "500000", "--training.local_batch_size", "2",
-    "--model.n_layers", "8", "--parallelism.fsdp_reshard_after_forward", "default",
-]  # fmt: skip
+    "--config",
+    LLAMA8B,
+    *flags_of(
+        model__flavor="custom",
+        model__dim=4096,
+        model__n_heads=32,
+        model__n_kv_heads=8,
+        model__vocab_size=128256,
+        model__ffn_hidden=14336,
+        model__max_seq_len=8192,
+        model__rope_theta=500000,
+        training__local_batch_size=2,
+        model__n_layers=8,
+        parallelism__fsdp_reshard_after_forward="default",
+    ),
+]
 OP = ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "op"]
 ALT = [*OP, "--activation_checkpoint.op_matmuls", "alternate"]
+CHUNK_1K = ["--training.loss_chunk_size", "1024"]
 
 
 @pytest.mark.parametrize(
     "flags, measured",
     [
-        ([*ALT, "--activation_checkpoint.op_all_last", "4", "--training.loss", "chunked",
-          "--training.loss_chunk_size", "1024"], 30.50),
+        (
+            [*ALT, *flags_of(activation_checkpoint__op_all_last=4, training__loss="chunked"), *CHUNK_1K],
+            30.50,
+        ),
         ([*ALT, "--training.loss", "chunked"], 29.11),
         (["--activation_checkpoint.mode", "full", "--training.loss", "chunked"], 25.27),
         ([*OP, "--training.loss", "plain"], 36.67),
@@ -897,7 +916,7 @@ ALT = [*OP, "--activation_checkpoint.op_matmuls", "alternate"]
         ([*OP, "--training.loss", "plain", "--parallelism.dp_shard", "1", "--parallelism.tp", "2"], 27.35),
     ],
     ids=["chunk1k-alternate-last4", "chunked-alternate", "full-chunked", "op", "cp2", "tp2"],
-)  # fmt: skip
+)
 def test_held_out_h200_runs_are_predicted_within_5_percent(flags, measured):
     path, _, overrides = config.split_args([*SHAPE, *flags])
     est = est_mod.estimate(config.load(path, overrides), 2, 139.8, trace=False)
