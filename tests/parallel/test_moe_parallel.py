@@ -11,7 +11,7 @@ rank's load) shows as O(1e-2) or more from the first steps on.
 
 The checkpoint test saves at EP2 and resumes at EP1 and EP4: the experts (DTensors sharded over ep and
 FSDP) and the routing bias (a buffer) reload under the new split, and steps 4-6 match the run that was
-never interrupted.
+never interrupted. Compiled EP2, whose experts take no FSDP unit, saves and resumes in both directions too.
 
 The module's runs share one launch per number of processes (`harness.Cases`); each test reads its run's rows.
 """
@@ -88,6 +88,14 @@ ROUTER_LOSSES = {
     "tp2_aux_z": ([P + "tp", "2"], 1, ("--moe.aux_loss_coeff", "0.01", "--moe.z_loss_coeff", "0.001")),
 }
 RESUME = {"ep1_one_process": (1, 1, []), "ep4": (4, 4, [P + "ep", "4"]), "tp2": (2, 1, [P + "tp", "2"])}
+# Compiled EP2 over both data-parallel ranks leaves the experts out of FSDP (`RunPlan.local_experts`): its
+# experts are DTensors over ep alone. Saved there, resumed eager in one process; saved by eager EP2 (the
+# experts in FSDP units of one rank), resumed compiled at EP2.
+COMPILED = ("--compile.enable",)
+RESUME_LOCAL = {
+    "ep1_from_compiled": ("saved_ep2_compiled", 1, 1, []),
+    "ep2_compiled_from_eager": ("saved_ep2", 2, 2, [P + "ep", "2", *COMPILED]),
+}
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +104,9 @@ def runs(tmp_path_factory, reference) -> Cases:
     dump = tmp_path_factory.mktemp("moe")
     refs = [MOE, (*MOE, *FROZEN), *((*MOE, *losses) for _, _, losses in ROUTER_LOSSES.values())]
     cases = Cases(dump, reference, refs=refs)
-    cases.add("saved_ep2", 2, *MOE, P + "ep", "2", "--checkpoint.enable", "--checkpoint.interval", "3")
+    save = ("--checkpoint.enable", "--checkpoint.interval", "3")
+    cases.add("saved_ep2", 2, *MOE, P + "ep", "2", *save)
+    cases.add("saved_ep2_compiled", 2, *MOE, P + "ep", "2", *COMPILED, *save)
     for name, (nproc, dp, overrides) in MESHES.items():
         cases.add(name, nproc, *MOE, *overrides, dp=dp)
     for name, (mesh, dp, losses) in ROUTER_LOSSES.items():
@@ -105,6 +115,9 @@ def runs(tmp_path_factory, reference) -> Cases:
     for target, (nproc, dp, over) in RESUME.items():
         load = ("--checkpoint.load_path", ckpt)
         cases.add(f"resume_{target}", nproc, *MOE, *load, *over, dp=dp, needs=["saved_ep2"])
+    for target, (source, nproc, dp, over) in RESUME_LOCAL.items():
+        load = ("--checkpoint.load_path", str(dump / source / "checkpoint" / "step-3"))
+        cases.add(f"resume_{target}", nproc, *MOE, *load, *over, dp=dp, needs=[source])
     cases.add_probe("ep_probe", 2, "ep", [str(dump / "ep_probe.json")])
     return cases
 
@@ -129,9 +142,10 @@ def test_moe_router_losses_match_single_process(runs, name):
     assert any(abs(r["grad_norm"] - q["grad_norm"]) > 1e-4 * q["grad_norm"] for r, q in zip(ref, plain))
 
 
-@pytest.mark.parametrize("target", list(RESUME))
+@pytest.mark.parametrize("target", list(RESUME) + list(RESUME_LOCAL))
 def test_ep2_checkpoint_resumes_at_another_ep_degree(runs, target):
-    ref = {r["step"]: r for r in runs.rows("saved_ep2") if "loss" in r}
+    source = RESUME_LOCAL[target][0] if target in RESUME_LOCAL else "saved_ep2"
+    ref = {r["step"]: r for r in runs.rows(source) if "loss" in r}
     assert list(ref) == list(range(1, STEPS + 1))
     rows = [r for r in runs.rows(f"resume_{target}") if "loss" in r]
     assert [r["step"] for r in rows] == list(range(4, STEPS + 1))

@@ -22,6 +22,7 @@ from titanrush.models.llama.parallelize import parallelize_llama
 from titanrush.models.llama4 import Llama4, model_args
 from titanrush.parallel.activation_checkpoint import ACPlan
 from titanrush.parallel.compile import CompilePlan
+from titanrush.run import memory_moe
 from titanrush.run.memory_model import _units, analyze, block_saved, rank_plans, states
 from titanrush.run.plan import RunPlan, build_plan
 from titanrush.tools import estimate as est_mod
@@ -48,6 +49,7 @@ def moe_plan(over: dict | None = None, **kw: object) -> RunPlan:
     [
         (2, {"dp_shard": 2}, {}),  # EP1: the experts in the blocks' units
         (2, {"dp_shard": 2, "ep": 2}, {}),  # EP2: 4 of 8 experts, FSDP over 1 rank
+        (2, {"dp_shard": 2, "ep": 2, "compile": True}, {}),  # compiled EP2: the experts in no unit
         (4, {"dp_shard": 4, "ep": 2}, {}),  # EP2 x FSDP2
         (2, {"tp": 2}, {}),  # TP2: the MoE layers FSDP units over the tp ranks
         (8, {"tp": 2, "dp_shard": 4, "ep": 2}, {}),  # TP2 x EP2 x FSDP2
@@ -55,7 +57,17 @@ def moe_plan(over: dict | None = None, **kw: object) -> RunPlan:
         (4, {"dp_shard": 4, "ep": 2}, {"moe_every": 2, "top_k": 2}),  # dense and MoE blocks
         (8, {"dp_shard": 8, "ep": 2}, {"n_experts": 6}),  # 3 experts a rank over 4: sharded on dim 1
     ],
-    ids=["ep1", "ep2", "ep2_fsdp2", "tp2", "tp2_ep2_fsdp2", "hsdp2_ep2", "every2_top2", "experts_dim1"],
+    ids=[
+        "ep1",
+        "ep2",
+        "ep2_compiled",
+        "ep2_fsdp2",
+        "tp2",
+        "tp2_ep2_fsdp2",
+        "hsdp2_ep2",
+        "every2_top2",
+        "experts_dim1",
+    ],
 )
 def test_states_equal_the_parameters_a_rank_holds(fake_world, world, par, over):
     """Parameter, gradient, optimizer and buffer bytes of rank 0 against the meta model after the real
@@ -63,8 +75,9 @@ def test_states_equal_the_parameters_a_rank_holds(fake_world, world, par, over):
     fake_world(world)
     flags = ["--model.flavor", "llama4_debug", "--training.seq_len", "64", "--training.precision", "bf16"]
     for key, value in par.items():
-        flags += [f"--parallelism.{key}", str(value)]
+        flags += ["--compile.enable"] if key == "compile" else [f"--parallelism.{key}", str(value)]
     plan = build_plan(config.load(None, flags), world, machine=False)
+    assert plan.local_experts == ("compile" in par)
     plan = dataclasses.replace(plan, args=dataclasses.replace(plan.args, **over))
     with torch.device("meta"):
         model = Llama4(plan.args)
@@ -87,6 +100,34 @@ def test_states_equal_the_parameters_a_rank_holds(fake_world, world, par, over):
     expected = {f"layers.{i}.moe" for i in inner if plan.moe_tp}
     expected |= {f"layers.{i}.moe.experts" for i in inner if plan.ep > 1}
     assert units == expected and len(units) == sum(len(v) for v in inner.values())
+
+
+def test_local_experts_count_their_casts_and_own_their_gradients(monkeypatch):
+    """Compiled EP2 over both data-parallel ranks (`RunPlan.local_experts`): the experts' weights are cast
+    to bf16 at their GEMMs (forward and the compiled backward) and their fp32 gradients are their own: the
+    MoE layer's forward and its experts' backward points hold the rank's casts, and the experts leave
+    FSDP's buffers."""
+    s = moe_plan(precision="bf16", dp_shard=2, ep=2, compile=CompilePlan(enable=True))
+    assert s.local_experts
+    a = s.args
+    casts = 2 * (a.n_experts // 2) * 3 * a.dim * a.expert_hidden  # w13 (E, d, 2h) and w2 (E, h, d) in bf16
+    # (few tokens: the experts' GEMMs, where the casts live, are the forward's peak)
+    local_fwd = memory_moe.forward_live(s, 16, "compiled", imbalance=1.0)
+    local_bwd = memory_moe.backward_points(s, 4096, imbalance=1.0)
+    monkeypatch.setattr(RunPlan, "local_experts", property(lambda self: False))
+    fsdp_fwd = memory_moe.forward_live(s, 16, "compiled", imbalance=1.0)
+    assert casts < local_fwd <= fsdp_fwd + casts and local_fwd > fsdp_fwd
+    fsdp_bwd = memory_moe.backward_points(s, 4096, imbalance=1.0)
+    experts = [i for i, (_, names, _) in enumerate(fsdp_bwd) if "experts.w2" in names]
+    assert experts and all(local_bwd[i][0] - fsdp_bwd[i][0] == casts for i in experts)
+    assert all(local_bwd[i] == fsdp_bwd[i] for i in range(len(fsdp_bwd)) if i not in experts)
+    # The MoE blocks' backward moments: the experts' FSDP buffers (gathered weights, bf16 gradients, fp32
+    # reduce-scatter inputs) are gone; the casts and gradients above take their place.
+    fsdp = analyze(s).moments
+    monkeypatch.undo()
+    local = analyze(s).moments
+    for moment in ("first block backward", "last block backward"):
+        assert local[moment]["fsdp_buffers"] < fsdp[moment]["fsdp_buffers"]
 
 
 # -- the trace runs the real MoE code ------------------------------------------------------------------

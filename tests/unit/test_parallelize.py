@@ -486,3 +486,62 @@ def test_async_tp_registers_the_tp_group_for_symmetric_memory(fake_world, monkey
         model = Llama(plan.args)
     parallelize_llama(model, mesh, plan.parallelize_plan)
     assert seen == ([mesh["tp"].get_group().group_name] if async_tp else [])
+
+
+@pytest.mark.parametrize(
+    "world, par, local",
+    [
+        (2, {"ep": 2, "compile.enable": True}, True),  # EP over both data-parallel ranks, compiled
+        (2, {"ep": 2}, False),  # eager: autograd would keep every layer's bf16 cast of its experts
+        (4, {"ep": 2, "compile.enable": True}, False),  # EP 2 x FSDP 2: units over the two EP groups
+        (4, {"ep": 2, "dp_replicate": 2, "dp_shard": 2, "compile.enable": True}, False),  # HSDP
+        (4, {"ep": 2, "dp_shard": 2, "cp": 2, "compile.enable": True}, False),  # cp ranks share experts
+    ],
+    ids=["ep2", "ep2_eager", "ep2_fsdp2", "hsdp2_ep2", "ep2_cp2"],
+)
+def test_experts_take_no_fsdp_unit_where_expert_parallel_spans_every_data_parallel_rank(
+    fake_world, world, par, local
+):
+    from titanrush.models.llama4 import Llama4
+
+    fake_world(world)
+    flags = ["--model.flavor", "llama4_debug", "--training.seq_len", "64", "--training.precision", "bf16"]
+    for key, value in par.items():
+        flags += [f"--{key}" if "." in key else f"--parallelism.{key}", str(value).lower()]
+    plan = run_plan(world, *flags)
+    assert plan.local_experts is local
+    with torch.device("meta"):
+        model = Llama4(plan.args)
+    parallelize_llama(model, plan.dims.build_mesh("cpu"), plan.parallelize_plan)
+    unit = model.layers["0"]  # (compiled: the wrapper is the FSDP unit)
+    experts = getattr(unit, "_orig_mod", unit).moe.experts
+    managed = {id(p.sharded_param) for p in unit._get_fsdp_state()._fsdp_param_group.fsdp_params}
+    assert isinstance(experts, FSDPModule) is not local
+    if local:  # the experts keep their EP placement, no FSDP unit holds them, and they cast and divide
+        assert experts.w13.device_mesh.mesh_dim_names == ("ep",)
+        assert id(experts.w13) not in managed and id(experts.w2) not in managed
+        assert experts.compute_dtype == torch.bfloat16 and experts.grad_divisor == plan.dp * plan.cp
+    else:
+        assert experts.compute_dtype is None and experts.grad_divisor == 1.0
+
+
+def test_local_experts_cast_for_the_gemms_and_divide_their_gradients():
+    from titanrush.models.llama4.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    plain = GroupedExperts(8, 16, 2, grouped=False)
+    for w in plain.parameters():
+        torch.nn.init.normal_(w)
+    local = GroupedExperts(8, 16, 2, grouped=False)
+    local.load_state_dict(plain.state_dict())
+    local.compute_dtype, local.grad_divisor = torch.bfloat16, 4.0
+    x, counts = torch.randn(6, 8, dtype=torch.bfloat16), torch.tensor([4, 2])
+    as_fsdp = GroupedExperts(8, 16, 2, grouped=False).to(torch.bfloat16)  # what FSDP's bf16 gather computes
+    as_fsdp.load_state_dict(plain.state_dict())
+    out = local(x, counts)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, as_fsdp(x, counts))
+    out.float().sum().backward()
+    as_fsdp(x, counts).float().sum().backward()
+    for mine, ref in zip(local.parameters(), as_fsdp.parameters()):
+        assert mine.grad.dtype == torch.float32  # on the fp32 weights, as FSDP's fp32 reduce leaves them
+        torch.testing.assert_close(mine.grad, ref.grad.float() / 4.0)

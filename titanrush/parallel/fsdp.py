@@ -51,6 +51,7 @@ def apply_fsdp(
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype = torch.float32,
     inner_units: dict[str, list[nn.Module]] | None = None,
+    ignored: set[nn.Parameter] | None = None,
 ) -> None:
     """Shard `model` with FSDP2 over `mesh`, in place.
 
@@ -69,6 +70,8 @@ def apply_fsdp(
         inner_units: Block key -> the modules inside that block already sharded as units of their own
             (expert parallel's experts; MoE layers under TP), in the order they run after the block's
             own unit starts: they join the prefetch chain there.
+        ignored: Parameters no unit manages (expert parallel's experts where EP spans every data-parallel
+            rank: `expert_parallel.local_experts`); they keep their own placement and gradients.
     """
     assert plan.reshard in ("default", "always", "never"), plan.reshard
     common: dict = {
@@ -77,6 +80,8 @@ def apply_fsdp(
     }
     if plan.cpu_offload:
         common["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if ignored:  # (expert parallel's experts where they take no unit: `expert_parallel.local_experts`)
+        common["ignored_params"] = ignored
     # A block's inputs are the residual stream, already in param_dtype (the output of the embedding or
     # of the previous block, whose weights are gathered in it; a later pipeline stage's root casts what
     # it receives), and the RoPE table, which must stay fp32: cast, every block would rotate with a

@@ -589,6 +589,8 @@ def _units(s: RunPlan, plan: RankPlan) -> tuple[list[list[Param]], list[Param], 
     by_unit: dict[str, list[Param]] = {}
     tied = s.args.tie_embeddings and plan.embedding and plan.head
     for name, (d0, d1), linear in shapes:
+        if moe.local_expert(s, name):  # in no unit
+            continue
         if name.startswith("layers."):
             key = moe.inner_unit(s, name) or ".".join(name.split(".")[:2])
         elif name == "tok_embeddings":
@@ -792,8 +794,11 @@ def analyze_rank(
         # the forward's live tensors, before any gradient of the block.
         out = [(moe.recompute_live(s, tokens, imbalance=moe_imbalance), 0)] if mode in ("full", "op") else []
         for extra, names, fresh in moe.backward_points(s, tokens, imbalance=moe_imbalance):
-            own = 0 if in_fsdp else sum(grad_bytes(prefix + x) for x in names)
+            # (local experts: their fp32 gradients are their own, made beside the GEMM's bf16 one)
+            own = sum(grad_bytes(prefix + x) for x in names if not in_fsdp or moe.local_expert(s, prefix + x))
             made = conv * math.prod(shapes[prefix + fresh]) if fresh else 0
+            if fresh and moe.local_expert(s, prefix + fresh):
+                made = (2 if s.precision == "bf16" else 0) * math.prod(shapes[prefix + fresh])
             out.append(((max(extra, ring) - ring if ring else extra) + made, own))  # (ring: at attention's)
         return out
 

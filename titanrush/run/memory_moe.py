@@ -108,11 +108,28 @@ def buffer_bytes(s: RunPlan, layers: list[int]) -> int:
     return 12 * s.args.n_experts * sum(is_moe(s, i) for i in layers) if s.moe else 0  # (dense: no n_experts)
 
 
+def local_expert(s: RunPlan, name: str) -> bool:
+    """Whether parameter `name` is an expert weight that no FSDP unit manages (`RunPlan.local_experts`:
+    expert parallel over every data-parallel rank, compiled): it stays fp32 on its rank, is cast to the
+    compute dtype at its GEMMs, and its gradient is its own."""
+    return s.local_experts and ".moe.experts." in name
+
+
+def local_casts(s: RunPlan) -> int:
+    """Bytes of the compute-dtype casts of a rank's local experts' weights (w13 and w2), made at their
+    grouped GEMMs in forward and made again by the compiled backward (0 where nothing is cast)."""
+    if not s.local_experts or s.precision != "bf16":
+        return 0
+    a = s.args
+    return 2 * (a.n_experts // s.ep) * 3 * a.dim * a.expert_hidden
+
+
 def inner_unit(s: RunPlan, name: str) -> str | None:
     """The FSDP unit of its own (inside the block's) that holds parameter `name`, or None (the block's).
 
-    `models/llama/parallelize._shard_moe_layers`: under expert parallel the experts are a unit; under
-    tensor parallel the MoE layer is one (with the experts, unless EP gives them their own).
+    `models/llama/parallelize._shard_moe_layers`: under expert parallel the experts are a unit (local
+    experts none: `local_expert`); under tensor parallel the MoE layer is one (with the experts, unless EP
+    gives them their own).
     """
     if ".moe." not in name:
         return None
@@ -249,7 +266,7 @@ def forward_live(s: RunPlan, tokens: int, mode: str, *, imbalance: float) -> int
         swiglu = max(
             swiglu, 2 * recv * d + 2 * e_local * d * 2 * h + (2 * c * recv * h if mode == "full" else 0)
         )
-    swiglu += routed_in + received
+    swiglu += routed_in + received + local_casts(s)  # (local experts: their weights' casts)
     down = 0 if mode == "op" else c * recv * d  # (op: cached, kept)
     combine = routed_in + received + down + (c * recv * d + c * sent * d if ep else 0)  # out[inverse], a2a
     out = c * tokens * d  # routed_out gathered back to its tokens (top-k: summed over a token's k rows)
@@ -314,8 +331,14 @@ def backward_points(s: RunPlan, tokens: int, *, imbalance: float) -> list[tuple[
     points.append((after + (3 if a.top_k > 1 else 2) * c * sent * d, shared, ""))
     if s.ep > 1:
         points.append((after + c * sent * d + 2 * c * recv * d, shared, ""))
-    points.append((after + 2 * c * recv * h, (*shared, "experts.w2"), ""))
+    # (local experts: the backward graph casts their weights again for these GEMMs)
+    casts = local_casts(s)
+    points.append((after + 2 * c * recv * h + casts, (*shared, "experts.w2"), ""))
     points.append(
-        (after - 2 * c * recv * h + c * recv * d, (*shared, "experts.w2", "experts.w13"), "experts.w13")
+        (
+            after - 2 * c * recv * h + c * recv * d + casts,
+            (*shared, "experts.w2", "experts.w13"),
+            "experts.w13",
+        )
     )
     return points

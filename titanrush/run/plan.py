@@ -117,6 +117,15 @@ class RunPlan:
         return self.moe and (self.ep > 1 or self.moe_tp)
 
     @property
+    def local_experts(self) -> bool:
+        """Expert parallel over every data-parallel rank (no `efsdp` rank, HSDP replica, cp or tp rank
+        shares an expert), compiled, without FSDP's CPU offload: the experts take no FSDP unit and cast
+        and divide themselves (`parallel/expert_parallel.local_experts`). Compiled only: the compiled
+        graph casts the weights again in backward, where eager autograd would keep every layer's cast."""
+        alone = self.dp_replicate == 1 and self.dp_shard == self.ep and self.cp == 1 and not self.moe_tp
+        return self.moe and self.ep > 1 and alone and self.compile.enable and not self.fsdp_plan.cpu_offload
+
+    @property
     def ddp(self) -> bool:
         return self.dp_replicate > 1 and not self.fsdp
 
@@ -158,6 +167,7 @@ class RunPlan:
             ac=dataclasses.replace(self.ac, moe_by_parts=self.moe_by_parts),
             compile=self.compile,
             fsdp_plan=self.fsdp_plan,
+            local_experts=self.local_experts,
         )
 
     @property

@@ -38,7 +38,7 @@ from titanrush.parallel.activation_checkpoint import ACPlan, apply_ac
 from titanrush.parallel.activation_offload import ActivationOffloader, apply_offload
 from titanrush.parallel.compile import CompilePlan, apply_compile
 from titanrush.parallel.ddp import apply_ddp
-from titanrush.parallel.expert_parallel import apply_ep, shard_experts
+from titanrush.parallel.expert_parallel import apply_ep, local_experts, shard_experts
 from titanrush.parallel.float8 import Float8Plan, apply_float8, apply_float8_experts
 from titanrush.parallel.fsdp import FSDPPlan, apply_fsdp
 from titanrush.parallel.parallel_dims import JobMesh, ParallelDims
@@ -66,6 +66,7 @@ class ParallelizePlan:
     ac: ACPlan = ACPlan()
     compile: CompilePlan = CompilePlan()
     fsdp_plan: FSDPPlan = FSDPPlan()
+    local_experts: bool = False  # the experts take no FSDP unit (`RunPlan.local_experts`)
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -137,11 +138,19 @@ def parallelize_llama(
     #    (inner units): the experts under EP over the ranks that are not EP peers; under TP the whole
     #    MoE layer over the tp ranks too (each routes its own tokens), even where nothing else is FSDP.
     inner: dict[str, list[nn.Module]] = {}
+    ignored: set[nn.Parameter] = set()
     if mesh is not None and (dims.fsdp_enabled or dims.moe_tp) and experts:
-        inner = _shard_moe_layers(model, mesh, plan, experts)
+        inner, ignored = _shard_moe_layers(model, mesh, plan, experts)
     if mesh is not None and dims.fsdp_enabled:
         dp_mesh = mesh["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else mesh["dp_shard_cp"]
-        apply_fsdp(model, dp_mesh, plan.fsdp_plan, param_dtype=plan.param_dtype, inner_units=inner or None)
+        apply_fsdp(
+            model,
+            dp_mesh,
+            plan.fsdp_plan,
+            param_dtype=plan.param_dtype,
+            inner_units=inner or None,
+            ignored=ignored,
+        )
     elif mesh is not None and dims.ddp_enabled:
         apply_ddp(model, mesh["dp_replicate"])
 
@@ -156,8 +165,12 @@ def parallelize_llama(
 
 def _shard_moe_layers(
     model: nn.Module, mesh: JobMesh, plan: ParallelizePlan, experts: dict[str, nn.Module]
-) -> dict[str, list[nn.Module]]:
-    """FSDP units of their own inside the MoE blocks; block key -> those units in the order they run.
+) -> tuple[dict[str, list[nn.Module]], set[nn.Parameter]]:
+    """FSDP units of their own inside the MoE blocks: (block key -> those units in the order they run,
+    the parameters FSDP's units leave alone).
+
+    Where expert parallel spans every data-parallel rank (`RunPlan.local_experts`), the experts take no
+    unit: they cast and divide themselves (`expert_parallel.local_experts`).
 
     With EP the experts' units span the data-parallel ranks that are not EP peers (`efsdp_cp`). Under TP
     (`dims.moe_tp`) the tp ranks are data-parallel ranks for the MoE layer: its router and shared expert
@@ -178,6 +191,11 @@ def _shard_moe_layers(
     def over(name: str) -> DeviceMesh:
         return mesh["dp_replicate", name] if hsdp else mesh[name]
 
+    if plan.local_experts:
+        divisor = common["divide_factor"]
+        return {}, local_experts(
+            list(experts.values()), compute_dtype=common["param_dtype"], grad_divisor=divisor
+        )
     inner: dict[str, list[nn.Module]] = {key: [] for key in experts}
     if dims.ep > 1:  # (inner modules are sharded before the modules around them)
         shard_experts(list(experts.values()), over("efsdp_cp_tp" if dims.moe_tp else "efsdp_cp"), **common)
@@ -186,7 +204,7 @@ def _shard_moe_layers(
         layers = {key: model.layers[key].moe for key in experts}
         shard_experts(list(layers.values()), over("dp_shard_cp_tp"), **common)
         inner = {key: [layers[key], *inner[key]] for key in experts}
-    return {key: units for key, units in inner.items() if units}
+    return {key: units for key, units in inner.items() if units}, set()
 
 
 def llama_tp_plan(

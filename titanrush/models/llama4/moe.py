@@ -30,12 +30,29 @@ from titanrush.models.llama4.grouped_gemm import float8_grouped_mm, grouped_mm
 from titanrush.models.llama4.router import Router, Routing, add_loss_grad, balance_loss, z_loss
 
 
+class _CastForCompute(torch.autograd.Function):
+    """w in `dtype` for the GEMMs; backward: the gradient back in w's dtype, divided by `divisor` (what an
+    FSDP unit's mixed precision and gradient division do, for experts that have none)."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, dtype: torch.dtype, divisor: float) -> torch.Tensor:  # type: ignore[override]
+        ctx.source, ctx.divisor = w.dtype, divisor
+        return w.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return grad.to(ctx.source) / ctx.divisor, None, None
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts in two stacked weights, in Hugging Face Llama 4's layout (x @ W):
 
     `w13` (E, dim, 2 x hidden): each expert's gate (w1) and up (w3) projections side by side;
     `w2` (E, hidden, dim): the down projections. One grouped GEMM computes w1 and w3 together.
     With `float8` (set by `titanrush.parallel.float8.apply_float8_experts`) both GEMMs run in float8.
+    With `compute_dtype` (set by `titanrush.parallel.expert_parallel.local_experts`, where no FSDP unit
+    manages the experts) the weights are cast to it for the GEMMs, and their gradients divided by
+    `grad_divisor`.
     """
 
     def __init__(self, dim: int, hidden: int, n_experts: int, *, grouped: bool = True) -> None:
@@ -44,6 +61,8 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.grouped = grouped
         self.float8 = False
+        self.compute_dtype: torch.dtype | None = None
+        self.grad_divisor = 1.0
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (T, dim): rows sorted by expert, counts[e] of them for this module's e-th expert."""
@@ -51,6 +70,9 @@ class GroupedExperts(nn.Module):
         # with its own experts (the dispatch sent it their tokens), as plain tensors.
         w13 = self.w13.to_local() if isinstance(self.w13, DTensor) else self.w13
         w2 = self.w2.to_local() if isinstance(self.w2, DTensor) else self.w2
+        if self.compute_dtype is not None or self.grad_divisor != 1.0:
+            w13 = _CastForCompute.apply(w13, self.compute_dtype or w13.dtype, self.grad_divisor)
+            w2 = _CastForCompute.apply(w2, self.compute_dtype or w2.dtype, self.grad_divisor)
         if self.float8:
             gate, up = float8_grouped_mm(x, w13, counts).chunk(2, dim=-1)
             return float8_grouped_mm(F.silu(gate) * up, w2, counts)
