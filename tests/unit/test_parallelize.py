@@ -492,12 +492,14 @@ def test_async_tp_registers_the_tp_group_for_symmetric_memory(fake_world, monkey
     "world, par, local",
     [
         (2, {"ep": 2, "compile.enable": True}, True),  # EP over both data-parallel ranks, compiled
+        # (full AC: the checkpointed block recomputes the casts anyway, so the experts need not)
+        (2, {"ep": 2, "compile.enable": True, "activation_checkpoint.mode": "full"}, True),
         (2, {"ep": 2}, False),  # eager: autograd would keep every layer's bf16 cast of its experts
         (4, {"ep": 2, "compile.enable": True}, False),  # EP 2 x FSDP 2: units over the two EP groups
         (4, {"ep": 2, "dp_replicate": 2, "dp_shard": 2, "compile.enable": True}, False),  # HSDP
         (4, {"ep": 2, "dp_shard": 2, "cp": 2, "compile.enable": True}, False),  # cp ranks share experts
     ],
-    ids=["ep2", "ep2_eager", "ep2_fsdp2", "hsdp2_ep2", "ep2_cp2"],
+    ids=["ep2", "ep2_full_ac", "ep2_eager", "ep2_fsdp2", "hsdp2_ep2", "ep2_cp2"],
 )
 def test_experts_take_no_fsdp_unit_where_expert_parallel_spans_every_data_parallel_rank(
     fake_world, world, par, local
@@ -507,7 +509,8 @@ def test_experts_take_no_fsdp_unit_where_expert_parallel_spans_every_data_parall
     fake_world(world)
     flags = ["--model.flavor", "llama4_debug", "--training.seq_len", "64", "--training.precision", "bf16"]
     for key, value in par.items():
-        flags += [f"--{key}" if "." in key else f"--parallelism.{key}", str(value).lower()]
+        flag = f"--{key}" if "." in key else f"--parallelism.{key}"
+        flags += [flag] if value is True else [flag, str(value)]
     plan = run_plan(world, *flags)
     assert plan.local_experts is local
     with torch.device("meta"):
@@ -521,6 +524,7 @@ def test_experts_take_no_fsdp_unit_where_expert_parallel_spans_every_data_parall
         assert experts.w13.device_mesh.mesh_dim_names == ("ep",)
         assert id(experts.w13) not in managed and id(experts.w2) not in managed
         assert experts.compute_dtype == torch.bfloat16 and experts.grad_divisor == plan.dp * plan.cp
+        assert experts.recast is (plan.ac.mode == "none")  # (cast again in backward, not kept)
     else:
         assert experts.compute_dtype is None and experts.grad_divisor == 1.0
 
@@ -545,3 +549,44 @@ def test_local_experts_cast_for_the_gemms_and_divide_their_gradients():
     for mine, ref in zip(local.parameters(), as_fsdp.parameters()):
         assert mine.grad.dtype == torch.float32  # on the fp32 weights, as FSDP's fp32 reduce leaves them
         torch.testing.assert_close(mine.grad, ref.grad.float() / 4.0)
+
+
+def _keeper(kept: list[torch.Tensor]):
+    """A saved-tensors pack hook that records what autograd keeps."""
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        kept.append(t)
+        return t
+
+    return pack
+
+
+def test_local_experts_cast_again_in_backward_rather_than_keep_the_casts():
+    """Compiled, local experts with `recast` keep no bf16 copy of their weights for backward (without it
+    the graph keeps casts: on `llama4_1Bx16E` both weights', 2 bytes per expert weight and layer); backward
+    casts again, to the same gradients."""
+    from titanrush.models.llama4.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    x, counts = torch.randn(64, 32, dtype=torch.bfloat16), torch.tensor([16, 16, 32])
+    saved, grads = {}, {}
+    for recast in (False, True):
+        experts = GroupedExperts(32, 48, 3)
+        torch.manual_seed(1)
+        for w in experts.parameters():
+            torch.nn.init.normal_(w, std=0.1)
+        experts.compute_dtype, experts.grad_divisor, experts.recast = torch.bfloat16, 2.0, recast
+        torch._dynamo.reset()
+        step = torch.compile(experts)
+        kept: list[torch.Tensor] = []
+        with torch.autograd.graph.saved_tensors_hooks(_keeper(kept), lambda t: t):
+            out = step(x, counts)
+        out.float().square().sum().backward()
+        weights = {(tuple(p.shape), tuple(p.mT.shape)) for p in experts.parameters()}
+        saved[recast] = [t for t in kept if t.dtype == torch.bfloat16 and t.dim() == 3]
+        assert all(tuple(t.shape) in {s for pair in weights for s in pair} for t in saved[recast])
+        grads[recast] = [p.grad for p in experts.parameters()]
+    assert saved[False] and saved[True] == []  # without recast the graph keeps casts (which: its choice)
+    for with_recast, without in zip(grads[True], grads[False]):
+        assert with_recast.dtype == torch.float32
+        torch.testing.assert_close(with_recast, without, rtol=0, atol=0)

@@ -196,6 +196,13 @@ def wrap_block(block: nn.Module, *, selective_op: bool = False, op_matmuls: str 
     return CheckpointedBlock(block)
 
 
+def checkpointed(block: nn.Module) -> bool:
+    """Whether `apply_ac` wrapped the block whole (full, or selective per op), so that its backward
+    recomputes its forward's cheap ops anyway; blocks checkpointed by parts are not. A compiled block is
+    looked at inside `torch.compile`'s wrapper."""
+    return isinstance(getattr(block, "_orig_mod", block), CheckpointedBlock)
+
+
 def wrap_moe_parts(block: nn.Module, op_matmuls: str) -> None:
     """Selective op checkpointing of a mixture-of-experts block by parts, in place: its `attention` per
     `op_matmuls`, its MoE layer's `router` and `shared_expert` keeping every matmul output; the rest of

@@ -171,16 +171,18 @@ def apply_ep(experts: list[nn.Module], ep_mesh: DeviceMesh) -> None:
 
 
 def local_experts(
-    experts: list[nn.Module], *, compute_dtype: torch.dtype | None, grad_divisor: float
+    experts: list[nn.Module], *, compute_dtype: torch.dtype | None, grad_divisor: float, recast: list[bool]
 ) -> set[nn.Parameter]:
     """Experts that no data-parallel rank outside the EP group shares (expert parallel over all of them:
     `efsdp` of one rank) need no FSDP unit, which would only cast, copy and reduce over one rank (hooks
     and copies twice a layer). Each module casts its weights to `compute_dtype` itself (None: as stored)
     and divides its gradients by `grad_divisor` (`shard_experts`'s `divide_factor`): FSDP's mixed precision
-    and gradient division, without the unit. Returns their parameters, for FSDP's other units to ignore.
+    and gradient division, without the unit. `recast[i]`: module i casts again in backward rather than
+    keep its casts (where its block is not checkpointed, which recomputes them anyway). Returns their
+    parameters, for FSDP's other units to ignore.
     """
-    for module in experts:
-        module.compute_dtype, module.grad_divisor = compute_dtype, grad_divisor
+    for module, again in zip(experts, recast, strict=True):
+        module.compute_dtype, module.grad_divisor, module.recast = compute_dtype, grad_divisor, again
     return {p for module in experts for p in module.parameters()}
 
 

@@ -115,12 +115,13 @@ def local_expert(s: RunPlan, name: str) -> bool:
     return s.local_experts and ".moe.experts." in name
 
 
-def local_casts(s: RunPlan) -> int:
+def local_casts(s: RunPlan, *, kept: bool) -> int:
     """Bytes of the compute-dtype casts of a rank's local experts' weights (w13 and w2), made at their
-    grouped GEMMs and kept for backward by the compiled graph, as autocast's casts are (0 where nothing is
-    cast). Measured on two H200s (`llama4_1Bx16E`, EP 2): 4.1 GiB more allocated than with the experts'
-    FSDP units, which free their gathered weights after forward."""
-    if not s.local_experts or s.precision != "bf16":
+    grouped GEMMs (0 where nothing is cast). `kept`: those the compiled graph keeps for backward, as
+    autocast's: float8 experts' (`GroupedExperts.recast` is off there); else those cast again in backward,
+    beside the experts' backward. Measured on two H200s (`llama4_1Bx16E`, EP 2, no AC): kept, 4.1 GiB more
+    allocated than with the experts' FSDP units, which free their gathered weights after forward."""
+    if not s.local_experts or s.precision != "bf16" or kept != s.float8.experts:
         return 0
     a = s.args
     return 2 * (a.n_experts // s.ep) * 3 * a.dim * a.expert_hidden
@@ -201,8 +202,8 @@ def moe_saved(
         }
         if shared:
             out["shared expert"] = 3 * c * tokens * h  # w1, w3 outputs and the gate, as a dense FFN
-        if s.autocast or local_casts(s):  # the partitioner keeps the grouped GEMM's casts of the fp32
-            # weights (autocast's, or the local experts' own), as eager does
+        if s.autocast or local_casts(s, kept=True):  # the partitioner keeps the grouped GEMM's casts of
+            # the fp32 weights (autocast's, or the local float8 experts' own), as eager does
             out["experts' bf16 weights"] = 2 * e_local * 3 * d * h
         return out | _router_losses(s, tokens, batch)
     # Eager. The layer's input is kept by the router and the shared expert's w1 and w3 (under autocast
@@ -269,7 +270,7 @@ def forward_live(s: RunPlan, tokens: int, mode: str, *, imbalance: float) -> int
         swiglu = max(
             swiglu, 2 * recv * d + 2 * e_local * d * 2 * h + (2 * c * recv * h if mode == "full" else 0)
         )
-    swiglu += routed_in + received
+    swiglu += routed_in + received + local_casts(s, kept=False)  # (made for the GEMMs, not kept)
     down = 0 if mode == "op" else c * recv * d  # (op: cached, kept)
     combine = routed_in + received + down + (c * recv * d + c * sent * d if ep else 0)  # out[inverse], a2a
     out = c * tokens * d  # routed_out gathered back to its tokens (top-k: summed over a token's k rows)
@@ -334,8 +335,13 @@ def backward_points(s: RunPlan, tokens: int, *, imbalance: float) -> list[tuple[
     points.append((after + (3 if a.top_k > 1 else 2) * c * sent * d, shared, ""))
     if s.ep > 1:
         points.append((after + c * sent * d + 2 * c * recv * d, shared, ""))
-    points.append((after + 2 * c * recv * h, (*shared, "experts.w2"), ""))
+    casts = local_casts(s, kept=False)  # (local experts: cast again for these GEMMs)
+    points.append((after + 2 * c * recv * h + casts, (*shared, "experts.w2"), ""))
     points.append(
-        (after - 2 * c * recv * h + c * recv * d, (*shared, "experts.w2", "experts.w13"), "experts.w13")
+        (
+            after - 2 * c * recv * h + c * recv * d + casts,
+            (*shared, "experts.w2", "experts.w13"),
+            "experts.w13",
+        )
     )
     return points

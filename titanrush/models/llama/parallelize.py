@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from titanrush.models.llama4 import Llama4Args
-from titanrush.parallel.activation_checkpoint import ACPlan, apply_ac
+from titanrush.parallel.activation_checkpoint import ACPlan, apply_ac, checkpointed
 from titanrush.parallel.activation_offload import ActivationOffloader, apply_offload
 from titanrush.parallel.compile import CompilePlan, apply_compile
 from titanrush.parallel.ddp import apply_ddp
@@ -193,8 +193,9 @@ def _shard_moe_layers(
 
     if plan.local_experts:
         divisor = common["divide_factor"]
+        recast = [not checkpointed(model.layers[key]) for key in experts]
         return {}, local_experts(
-            list(experts.values()), compute_dtype=common["param_dtype"], grad_divisor=divisor
+            list(experts.values()), compute_dtype=common["param_dtype"], grad_divisor=divisor, recast=recast
         )
     inner: dict[str, list[nn.Module]] = {key: [] for key in experts}
     if dims.ep > 1:  # (inner modules are sharded before the modules around them)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from titanrush.models.llama.model import FeedForward
 from titanrush.models.llama4.grouped_gemm import float8_grouped_mm, grouped_mm
@@ -44,6 +45,20 @@ class _CastForCompute(torch.autograd.Function):
         return grad.to(ctx.source) / ctx.divisor, None, None
 
 
+def _recast_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:  # noqa: ANN001 (torch's signature)
+    """Recompute dtype casts (the weights' compute-dtype copies) in backward; keep every other output."""
+    return (
+        CheckpointPolicy.MUST_RECOMPUTE
+        if op is torch.ops.aten._to_copy.default
+        else CheckpointPolicy.PREFER_SAVE
+    )
+
+
+def _recast_contexts() -> tuple:
+    """Checkpoint contexts of `_recast_policy` (a module-level function: torch.compile guards on it)."""
+    return create_selective_checkpoint_contexts(_recast_policy)
+
+
 class GroupedExperts(nn.Module):
     """E SwiGLU experts in two stacked weights, in Hugging Face Llama 4's layout (x @ W):
 
@@ -52,7 +67,8 @@ class GroupedExperts(nn.Module):
     With `float8` (set by `titanrush.parallel.float8.apply_float8_experts`) both GEMMs run in float8.
     With `compute_dtype` (set by `titanrush.parallel.expert_parallel.local_experts`, where no FSDP unit
     manages the experts) the weights are cast to it for the GEMMs, and their gradients divided by
-    `grad_divisor`.
+    `grad_divisor`; with `recast` too (bf16 GEMMs outside a checkpointed block) backward casts them again
+    rather than keep the casts (a compiled graph would keep them: 2 bytes per expert weight).
     """
 
     def __init__(self, dim: int, hidden: int, n_experts: int, *, grouped: bool = True) -> None:
@@ -63,9 +79,15 @@ class GroupedExperts(nn.Module):
         self.float8 = False
         self.compute_dtype: torch.dtype | None = None
         self.grad_divisor = 1.0
+        self.recast = False
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (T, dim): rows sorted by expert, counts[e] of them for this module's e-th expert."""
+        if self.recast and self.compute_dtype is not None and not self.float8 and torch.is_grad_enabled():
+            return checkpoint(self._compute, x, counts, use_reentrant=False, context_fn=_recast_contexts)
+        return self._compute(x, counts)
+
+    def _compute(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         # Under expert parallel the weights are DTensors sharded over the experts: this rank computes
         # with its own experts (the dispatch sent it their tokens), as plain tensors.
         w13 = self.w13.to_local() if isinstance(self.w13, DTensor) else self.w13
