@@ -577,7 +577,7 @@ def test_local_experts_cast_again_in_backward_rather_than_keep_the_casts():
             torch.nn.init.normal_(w, std=0.1)
         experts.compute_dtype, experts.grad_divisor, experts.recast = torch.bfloat16, 2.0, recast
         torch._dynamo.reset()
-        step = torch.compile(experts)
+        step = torch.compile(experts, fullgraph=True)  # (traced: the recast's checkpoint is compiled)
         kept: list[torch.Tensor] = []
         with torch.autograd.graph.saved_tensors_hooks(_keeper(kept), lambda t: t):
             out = step(x, counts)

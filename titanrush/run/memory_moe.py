@@ -115,13 +115,12 @@ def local_expert(s: RunPlan, name: str) -> bool:
     return s.local_experts and ".moe.experts." in name
 
 
-def local_casts(s: RunPlan, *, kept: bool) -> int:
+def local_casts(s: RunPlan) -> int:
     """Bytes of the compute-dtype casts of a rank's local experts' weights (w13 and w2), made at their
-    grouped GEMMs (0 where nothing is cast). `kept`: those the compiled graph keeps for backward, as
-    autocast's: float8 experts' (`GroupedExperts.recast` is off there); else those cast again in backward,
-    beside the experts' backward. Measured on two H200s (`llama4_1Bx16E`, EP 2, no AC): kept, 4.1 GiB more
-    allocated than with the experts' FSDP units, which free their gathered weights after forward."""
-    if not s.local_experts or s.precision != "bf16" or kept != s.float8.experts:
+    grouped GEMMs and made again for their backward (`GroupedExperts.recast`, or the recomputation of a
+    checkpointed block), not kept (0 where nothing is cast). Float8 experts, which keep theirs, are not
+    modelled (`memory_fit.unmodelled`)."""
+    if not s.local_experts or s.precision != "bf16":
         return 0
     a = s.args
     return 2 * (a.n_experts // s.ep) * 3 * a.dim * a.expert_hidden
@@ -202,8 +201,7 @@ def moe_saved(
         }
         if shared:
             out["shared expert"] = 3 * c * tokens * h  # w1, w3 outputs and the gate, as a dense FFN
-        if s.autocast or local_casts(s, kept=True):  # the partitioner keeps the grouped GEMM's casts of
-            # the fp32 weights (autocast's, or the local float8 experts' own), as eager does
+        if s.autocast:  # the partitioner keeps the grouped GEMM's casts of the fp32 weights, as eager does
             out["experts' bf16 weights"] = 2 * e_local * 3 * d * h
         return out | _router_losses(s, tokens, batch)
     # Eager. The layer's input is kept by the router and the shared expert's w1 and w3 (under autocast
@@ -270,7 +268,7 @@ def forward_live(s: RunPlan, tokens: int, mode: str, *, imbalance: float) -> int
         swiglu = max(
             swiglu, 2 * recv * d + 2 * e_local * d * 2 * h + (2 * c * recv * h if mode == "full" else 0)
         )
-    swiglu += routed_in + received + local_casts(s, kept=False)  # (made for the GEMMs, not kept)
+    swiglu += routed_in + received + local_casts(s)  # (made for the GEMMs, not kept)
     down = 0 if mode == "op" else c * recv * d  # (op: cached, kept)
     combine = routed_in + received + down + (c * recv * d + c * sent * d if ep else 0)  # out[inverse], a2a
     out = c * tokens * d  # routed_out gathered back to its tokens (top-k: summed over a token's k rows)
@@ -301,8 +299,14 @@ def recompute_live(s: RunPlan, tokens: int, *, imbalance: float) -> int:
     layer_in = 4 * tokens * d if s.autocast else 0  # (autocast keeps only its bf16 casts)
     out = c * tokens * d
     points = [routed_in + c * sent * d + out + layer_in]
-    if s.ep > 1:
-        points.append(routed_in + 2 * c * recv * d + c * sent * d - 4 * c * tokens * h * a.shared_expert)
+    if s.ep > 1:  # (local experts: their weights' casts made again for the GEMMs)
+        points.append(
+            routed_in
+            + 2 * c * recv * d
+            + c * sent * d
+            - 4 * c * tokens * h * a.shared_expert
+            + local_casts(s)
+        )
     return max(points) + (r * tokens * d if r == 2 else 0)
 
 
@@ -335,7 +339,7 @@ def backward_points(s: RunPlan, tokens: int, *, imbalance: float) -> list[tuple[
     points.append((after + (3 if a.top_k > 1 else 2) * c * sent * d, shared, ""))
     if s.ep > 1:
         points.append((after + c * sent * d + 2 * c * recv * d, shared, ""))
-    casts = local_casts(s, kept=False)  # (local experts: cast again for these GEMMs)
+    casts = local_casts(s)  # (local experts: cast again for these GEMMs)
     points.append((after + 2 * c * recv * h + casts, (*shared, "experts.w2"), ""))
     points.append(
         (

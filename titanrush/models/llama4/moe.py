@@ -67,8 +67,8 @@ class GroupedExperts(nn.Module):
     With `float8` (set by `titanrush.parallel.float8.apply_float8_experts`) both GEMMs run in float8.
     With `compute_dtype` (set by `titanrush.parallel.expert_parallel.local_experts`, where no FSDP unit
     manages the experts) the weights are cast to it for the GEMMs, and their gradients divided by
-    `grad_divisor`; with `recast` too (bf16 GEMMs outside a checkpointed block) backward casts them again
-    rather than keep the casts (a compiled graph would keep them: 2 bytes per expert weight).
+    `grad_divisor`; with `recast` too (compiled bf16 GEMMs outside a checkpointed block) backward casts
+    them again rather than keep the casts (a compiled graph would keep them: 2 bytes per expert weight).
     """
 
     def __init__(self, dim: int, hidden: int, n_experts: int, *, grouped: bool = True) -> None:
@@ -83,7 +83,10 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x (T, dim): rows sorted by expert, counts[e] of them for this module's e-th expert."""
-        if self.recast and self.compute_dtype is not None and not self.float8 and torch.is_grad_enabled():
+        # (traced only: eager, selective checkpointing would cache every output it keeps, beyond what
+        # autograd keeps; and only where the weights are cast)
+        casts = self.compute_dtype not in (None, self.w13.dtype) and not self.float8
+        if self.recast and casts and torch.is_grad_enabled() and torch.compiler.is_compiling():
             return checkpoint(self._compute, x, counts, use_reentrant=False, context_fn=_recast_contexts)
         return self._compute(x, counts)
 
