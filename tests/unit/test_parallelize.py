@@ -502,7 +502,7 @@ def test_async_tp_registers_the_tp_group_for_symmetric_memory(fake_world, monkey
     ids=["ep2", "ep2_full_ac", "ep2_eager", "ep2_fsdp2", "hsdp2_ep2", "ep2_cp2"],
 )
 def test_experts_take_no_fsdp_unit_where_expert_parallel_spans_every_data_parallel_rank(
-    fake_world, world, par, local
+    fake_world, caplog, world, par, local
 ):
     from titanrush.models.llama4 import Llama4
 
@@ -515,7 +515,9 @@ def test_experts_take_no_fsdp_unit_where_expert_parallel_spans_every_data_parall
     assert plan.local_experts is local
     with torch.device("meta"):
         model = Llama4(plan.args)
-    parallelize_llama(model, plan.dims.build_mesh("cpu"), plan.parallelize_plan)
+    with caplog.at_level("INFO", logger="titanrush"):
+        parallelize_llama(model, plan.dims.build_mesh("cpu"), plan.parallelize_plan)
+    assert ("the experts take no FSDP unit" in caplog.text) is local  # (the run says so)
     unit = model.layers["0"]  # (compiled: the wrapper is the FSDP unit)
     experts = getattr(unit, "_orig_mod", unit).moe.experts
     managed = {id(p.sharded_param) for p in unit._get_fsdp_state()._fsdp_param_group.fsdp_params}

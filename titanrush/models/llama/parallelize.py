@@ -136,7 +136,8 @@ def parallelize_llama(
 
     # 6. Data parallel: FSDP (or HSDP on a 2-D mesh), else plain DDP. Mixture-of-experts layers first
     #    (inner units): the experts under EP over the ranks that are not EP peers; under TP the whole
-    #    MoE layer over the tp ranks too (each routes its own tokens), even where nothing else is FSDP.
+    #    MoE layer over the tp ranks too (each routes its own tokens), even where nothing else is FSDP;
+    #    where EP spans every data-parallel rank (compiled), the experts take no unit (local experts).
     inner: dict[str, list[nn.Module]] = {}
     ignored: set[nn.Parameter] = set()
     if mesh is not None and (dims.fsdp_enabled or dims.moe_tp) and experts:
@@ -192,6 +193,10 @@ def _shard_moe_layers(
         return mesh["dp_replicate", name] if hsdp else mesh[name]
 
     if plan.local_experts:
+        logger.info(
+            "expert parallel spans every data-parallel rank: the experts take no FSDP unit (each rank casts"
+            " its own to the compute dtype and divides their gradients)"
+        )
         divisor = common["divide_factor"]
         recast = [not checkpointed(model.layers[key]) for key in experts]
         return {}, local_experts(
