@@ -3,7 +3,8 @@
 Run on the GPU machine from the repo root with torchtitan 0.2.2 importable (gpu_check.sh does); --help.
 A row fixes the work; per row torchtitan runs once, then titanrush once per setting (`same`: torchtitan's
 work exactly, AC policy and pipeline split included; `defaults`; `best`) and `--base DIR` another
-checkout, one run at a time. `--balance`: Llama 4 rows warm up over 100 steps, routing bias step 1e-2.
+checkout, one run at a time. `--balance`: Llama 4 rows warm up over 100 steps, routing bias step 1e-2
+(with `defaults` titanrush keeps its balance loss, which torchtitan 0.2.2 lacks; `same` turns it off).
 Per run: tokens/s per GPU (mean from --measure-from), peak reserved GiB, MFU, time to first step, ratio to
 the row's torchtitan run; in DIR/results.jsonl each logged loss, titanrush's routing imbalance (Llama 4),
 with --profile-step where rank 0's profiled step went, its kernels. Writes DIR/results.{jsonl,md}, logs/.

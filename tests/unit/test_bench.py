@@ -67,6 +67,19 @@ def test_balance_sets_the_same_warmup_and_bias_step_in_both_trainers_on_llama4_r
             assert (cfg.moe.bias_update_rate, cfg.moe.aux_loss_coeff) == (rate, 0.0)
 
 
+def test_balance_with_the_defaults_keeps_titanrushs_balance_loss(tmp_path):
+    """Each trainer's balancing settings: both warm up over 100 steps at bias step 1e-2, and titanrush
+    keeps its shipped balance loss (torchtitan 0.2.2 has none)."""
+    a = sbs.parse_args(["--out", str(tmp_path), "--rows", "moe", "--settings", "defaults", "--balance"])
+    runs = {r.trainer: r for r in sbs.plan([sbs.ROWS["moe"]], a.settings, a, tmp_path)}
+    cfg = config.load(None, runs["titanrush"].cmd[1:])
+    tt = tomllib.loads((tmp_path / "configs" / "torchtitan_moe.toml").read_text())
+    assert cfg.lr_scheduler.warmup_steps == tt["lr_scheduler"]["warmup_steps"] == 100
+    assert cfg.moe.bias_update_rate == float(runs["torchtitan"].env["TT_LOAD_BALANCE_COEFF"]) == 1e-2
+    shipped = config.JobConfig().moe.aux_loss_coeff
+    assert shipped > 0 and cfg.moe.aux_loss_coeff == shipped
+
+
 def test_llama4_rows_route_as_torchtitan_only_in_the_same_setting(tmp_path):
     a = sbs.parse_args(["--out", str(tmp_path), "--rows", "moe", "--settings", "same,defaults"])
     runs = {
