@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Iterable
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
+
+from titanrush import clip_adamw
+
+logger = logging.getLogger("titanrush")
 
 
 def build_optimizer(
@@ -20,13 +25,21 @@ def build_optimizer(
     weight_decay: float,
     implementation: str,
 ) -> torch.optim.Optimizer:
-    """AdamW from torch (fused / foreach / for-loop kernels) or torchao's low-bit AdamW; `params` is the
-    parameters, or lists of them (one parameter group each)."""
+    """AdamW from torch (fused / foreach / for-loop kernels), ours with the clip folded in (fused_clip:
+    `titanrush.clip_adamw.ClipAdamW`, or torch's fused where it cannot run, said once), or torchao's
+    low-bit AdamW; `params` is the parameters, or lists of them (one parameter group each)."""
     params = list(params)
     if params and isinstance(params[0], list):
         params = [{"params": [p for p in g if p.requires_grad]} for g in params]
+        flat = [p for g in params for p in g["params"]]
     else:
-        params = [p for p in params if p.requires_grad]
+        params = flat = [p for p in params if p.requires_grad]
+    if name == "adamw" and implementation == "fused_clip":
+        why = clip_adamw.unavailable(flat)
+        if why is None:
+            return clip_adamw.ClipAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        logger.info(f"optimizer.implementation = fused_clip: {why}; torch's fused AdamW, the clip apart")
+        implementation = "fused"
     if name == "adamw":
         impl = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}
         return torch.optim.AdamW(

@@ -39,6 +39,7 @@ from titanrush import config as cfgmod
 from titanrush import distributed
 from titanrush.checkpoint.folder import scan
 from titanrush.checkpoint.manager import CheckpointManager
+from titanrush.clip_adamw import ClipAdamW
 from titanrush.config import JobConfig
 from titanrush.data import build_dataloader, build_tokenizer
 from titanrush.launch_env import restart_from_env
@@ -395,13 +396,18 @@ class Trainer:
             total += step_fn(batch, norm)
         pp_mesh = self.mesh["pp"] if self.pipeline is not None else None
         self.watchdog.mark("gradient norm and optimizer step")
-        grad_norm = clip_grad_norm_(self.model.parameters(), self.plan.max_norm, pp_mesh=pp_mesh)
+        # With the clip folded into the optimizer (ClipAdamW), only the norm here; its step scales.
+        folded = isinstance(self.optimizer, ClipAdamW)
+        max_norm = 0.0 if folded else self.plan.max_norm
+        grad_norm = clip_grad_norm_(self.model.parameters(), max_norm, pp_mesh=pp_mesh)
         # This step's rate (torchao's low-bit AdamW keeps it as a tensor).
         self.lr = float(self.optimizer.param_groups[0]["lr"])
         stepped = self.guard.should_step(self.step, total, grad_norm)
         self.checkpointer.wait_for_staging()  # an async_pinned save may still be copying the weights
         self.balance.step(update=stepped)  # (the experts' load; a skipped step moves no routing bias)
         if stepped:
+            if folded:
+                self.optimizer.set_clip(grad_norm, self.plan.max_norm)
             self.optimizer.step()
             if self.plan.float8.all_gather:  # FSDP's float8 all-gather: every weight's scale, once per step
                 precompute_float8_scales(self.model)

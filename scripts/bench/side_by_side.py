@@ -132,8 +132,6 @@ def row_flags(row: Row) -> list[str]:
         "3e-4",
         "--optimizer.eps",
         "1e-8",
-        "--optimizer.implementation",
-        "fused",
         "--lr_scheduler.warmup_steps",
         "10",
         "--training.max_norm",
@@ -161,8 +159,10 @@ def even_split(row: Row) -> list[int]:
 def setting_flags(row: Row) -> dict[str, list[str]]:
     """Each named setting's titanrush flags for this row, on top of `row_flags`; `same` splits a pipeline's
     layers evenly, as torchtitan does (titanrush's default weighs each stage's cost), and routes Llama 4's
-    tokens as torchtitan does (the others keep titanrush's balancing defaults)."""
+    tokens as torchtitan does (the others keep titanrush's balancing defaults), and steps torch's fused
+    AdamW after a clip pass of its own, as torchtitan does (the others fold the clip into the optimizer)."""
     same = [*_OP_AC, "--activation_checkpoint.op_matmuls", "alternate"] if row.ac else _NO_AC
+    same = [*same, "--optimizer.implementation", "fused"]
     if row.pp > 1:
         same = [*same, "--parallelism.pp_layers_per_stage", ",".join(map(str, even_split(row)))]
     if row.flavor.startswith("llama4"):  # torchtitan 0.2.2's routing: bias step 1e-3, no balance loss

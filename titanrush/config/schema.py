@@ -164,8 +164,10 @@ class Optimizer:
     """Adam epsilon."""
     weight_decay: float = 0.1
     """Decoupled weight decay."""
-    implementation: Literal["fused", "foreach", "for-loop"] = "fused"
-    """AdamW kernel: fused (one kernel), foreach (multi-tensor), for-loop (one tensor at a time)."""
+    implementation: Literal["fused_clip", "fused", "foreach", "for-loop"] = "fused_clip"
+    """AdamW kernel: fused_clip (ours: the gradient clip folded into one Triton kernel per parameter, which
+    reads each gradient once; CUDA with fp32 parameters, else fused), fused (torch's one kernel, the clip
+    a pass of its own), foreach (multi-tensor), for-loop (one tensor at a time)."""
 
 
 @dataclass

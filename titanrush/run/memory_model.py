@@ -933,7 +933,7 @@ def analyze_rank(
                 moments.pop(name + LATER)
     numels = [shard_numel(shape, shard) for _, shape, _ in param_shapes(s, plan)]
     opt_tmp = 0  # foreach: a sqrt(exp_avg_sq) for every tensor at once; for-loop: two for one tensor
-    if s.optimizer == "adamw" and s.optimizer_impl != "fused":
+    if s.optimizer == "adamw" and s.optimizer_impl not in ("fused", "fused_clip"):
         opt_tmp = 4 * sum(numels) if s.optimizer_impl == "foreach" else 8 * max(numels)
     add("optimizer step", g_full, transient=opt_tmp, params=0 if s.autocast else st["params"])
     peak_phase = max(moments, key=lambda m: sum(moments[m].values()))

@@ -76,7 +76,7 @@ class RunPlan:
     loss: str = "plain"
     loss_chunk: int = 4096
     optimizer: str = "adamw"
-    optimizer_impl: str = "fused"
+    optimizer_impl: str = "fused_clip"
     max_norm: float = 1.0
 
     # -- degrees ----------------------------------------------------------------------------------
