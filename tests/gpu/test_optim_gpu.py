@@ -3,6 +3,8 @@ fused AdamW after `clip_grads_with_norm_`, its state against torch's, and whole 
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from gpu_launch import launch
@@ -73,8 +75,9 @@ def test_optimizer_state_moves_between_clip_adamw_and_torch_adamw():
     c_p = [torch.nn.Parameter(p.detach().clone()) for p in a_p]
     d_p = [torch.nn.Parameter(p.detach().clone()) for p in b_p]
     c, d = torch.optim.AdamW(c_p, **HYPER, fused=True), ClipAdamW(d_p, **HYPER)
-    c.load_state_dict(a.state_dict())
-    d.load_state_dict(b.state_dict())
+    # (copies, as from a checkpoint: load_state_dict keeps tensors already on the right device and dtype)
+    c.load_state_dict(copy.deepcopy(a.state_dict()))
+    d.load_state_dict(copy.deepcopy(b.state_dict()))
     assert c.param_groups[0]["fused"]  # torch's AdamW keeps its fused kernel with ClipAdamW's groups
     assert all(d.state[p]["step"].device.type == "cpu" for p in d_p)  # read on the host, no wait
     for step in range(3, 6):
@@ -104,7 +107,7 @@ ARGS = [
     "--lr_scheduler.warmup_steps",
     "2",
     "--training.max_norm",
-    "0.5",  # (the debug model's early norms are above it: the clip acts)
+    "0.1",  # (below the debug model's gradient norms, 0.2-0.4 in its first steps: the clip acts)
     "--metrics.log_freq",
     "1",
     "--no-metrics.tensorboard",
@@ -127,7 +130,7 @@ def test_a_run_with_the_clip_folded_in_trains_as_one_with_torchs_fused_adamw(tmp
     norms, the clip acting, as torch's fused AdamW after its own clip pass."""
     ours = _run(tmp_path, "ours", ngpu, "fused_clip")
     ref = _run(tmp_path, "ref", ngpu, "fused")
-    assert max(r["grad_norm"] for r in ref) > 0.5  # the clip acted on some step
+    assert max(r["grad_norm"] for r in ref) > 0.1  # the clip acted on some step
     for a, b in zip(ours, ref):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
