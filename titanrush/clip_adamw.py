@@ -8,8 +8,9 @@ nothing waits on the host. The update is AdamW's (decoupled weight decay, bias-c
 fp32, with the same state (`step`, `exp_avg`, `exp_avg_sq`) as `torch.optim.AdamW`, so checkpoints move
 between the two. The gradients themselves are left unscaled.
 
-It runs where every parameter (its local shard under FSDP or TP) is a contiguous fp32 CUDA tensor and
-Triton imports; `unavailable` says why not, and `build_optimizer` then takes torch's fused AdamW.
+It runs where every parameter (its local shard under FSDP or TP) is a plain, contiguous fp32 CUDA tensor
+(not a tensor subclass such as float8's weights under FSDP's float8 all-gather) and Triton imports;
+`unavailable` says why not, and `build_optimizer` then takes torch's fused AdamW.
 """
 
 from __future__ import annotations
@@ -65,14 +66,22 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def unavailable(params: Iterable[torch.Tensor]) -> str | None:
     """Why `ClipAdamW` cannot step these parameters, or None where it can."""
     for p in params:
-        local = _local(p)
-        if local.device.type != "cuda":
-            return f"the parameters live on {local.device.type}, the kernel needs CUDA"
-        if local.dtype != torch.float32:
-            return f"a parameter is {local.dtype}, the kernel takes fp32"
-        if not local.is_contiguous():
-            return "a parameter's local tensor is not contiguous"
+        why = _unfit(_local(p))
+        if why is not None:
+            return why
     return "Triton is not installed" if triton is None else None
+
+
+def _unfit(t: torch.Tensor) -> str | None:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):  # (the kernel writes through the data pointer)
+        return f"a parameter is a {type(t).__name__} (a tensor subclass: float8's weights under FSDP)"
+    if t.device.type != "cuda":
+        return f"the parameters live on {t.device.type}, the kernel needs CUDA"
+    if t.dtype != torch.float32:
+        return f"a parameter is {t.dtype}, the kernel takes fp32"
+    if not t.is_contiguous():
+        return "a parameter's local tensor is not contiguous"
+    return None
 
 
 def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:

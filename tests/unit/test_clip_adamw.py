@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -30,14 +29,20 @@ def test_cpu_parameters_take_torchs_fused_adamw_and_the_log_says_why(caplog):
     assert "torch's fused AdamW, the clip apart" in caplog.text
 
 
+class _Subclass(torch.Tensor):
+    pass
+
+
 def test_unavailable_names_what_is_missing(monkeypatch):
     assert "needs CUDA" in unavailable([torch.empty(3, device="meta")])
+    assert "needs CUDA" in unavailable([torch.nn.Parameter(torch.empty(3))])
+    # a tensor subclass (float8's weights under FSDP's float8 all-gather) keeps torch's kernel
+    sub = torch.Tensor._make_subclass(_Subclass, torch.empty(3))
+    assert "_Subclass (a tensor subclass" in unavailable([sub, torch.empty(3)])
     monkeypatch.setattr(clip_adamw, "triton", None)
-    assert "needs CUDA" in unavailable([torch.empty(3)])  # (the device first: on CPU it is the reason)
-    on_cuda = SimpleNamespace(device=torch.device("cuda"), dtype=torch.float32, is_contiguous=lambda: True)
-    assert unavailable([on_cuda]) == "Triton is not installed"
-    bf16 = SimpleNamespace(device=torch.device("cuda"), dtype=torch.bfloat16, is_contiguous=lambda: True)
-    assert "takes fp32" in unavailable([on_cuda, bf16])
+    assert "needs CUDA" in unavailable([torch.empty(3)])  # (on CPU the device is the reason)
+    monkeypatch.setattr(clip_adamw, "_unfit", lambda t: None)  # (as CUDA fp32 tensors would be)
+    assert unavailable([torch.empty(3)]) == "Triton is not installed"
 
 
 def test_low_bit_optimizers_ignore_the_implementation():
