@@ -149,7 +149,12 @@ class ClipAdamW(torch.optim.AdamW):
                     continue
                 if coef is None:
                     coef = torch.ones(1, dtype=torch.float32, device=local.device)
-                grad = _local(p.grad)  # (laid out as the parameter by autograd; the kernel reads it flat)
+                grad = p.grad
+                if isinstance(grad, DTensor) and grad.placements != p.placements:
+                    # (a pending sum, e.g. a replicated norm weight's under sequence parallel: settled
+                    # over its mesh, as DTensor's own dispatch of torch's AdamW does)
+                    grad = grad.redistribute(grad.device_mesh, p.placements)
+                grad = _local(grad)  # (laid out as the parameter by autograd; the kernel reads it flat)
                 _clip_adamw_kernel[(triton.cdiv(local.numel(), BLOCK),)](
                     local,
                     grad if grad.is_contiguous() else grad.contiguous(),

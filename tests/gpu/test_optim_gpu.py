@@ -117,19 +117,27 @@ ARGS = [
 ]
 
 
-def _run(tmp, name: str, ngpu: int, impl: str) -> list[dict]:
-    local = ["--training.local_batch_size", str(8 // ngpu)]
-    rows, log = launch(tmp, name, ngpu, [*ARGS, *local, "--optimizer.implementation", impl])
+def _run(tmp, name: str, ngpu: int, tp: int, impl: str) -> list[dict]:
+    mesh = ["--training.local_batch_size", str(8 * tp // ngpu), "--parallelism.tp", str(tp)]
+    rows, log = launch(tmp, name, ngpu, [*ARGS, *mesh, "--optimizer.implementation", impl])
     assert "the clip apart" not in log  # (fp32 CUDA parameters: fused_clip takes the kernel)
     return rows
 
 
-@pytest.mark.parametrize("ngpu", [1, pytest.param(2, marks=pytest.mark.multigpu(2))], ids=["one", "fsdp2"])
-def test_a_run_with_the_clip_folded_in_trains_as_one_with_torchs_fused_adamw(tmp_path, ngpu):
-    """fp32 (the kernel's parameters; FSDP's sharded DTensors on two GPUs): the same losses and gradient
-    norms, the clip acting, as torch's fused AdamW after its own clip pass."""
-    ours = _run(tmp_path, "ours", ngpu, "fused_clip")
-    ref = _run(tmp_path, "ref", ngpu, "fused")
+TWO = pytest.mark.multigpu(2)
+
+
+@pytest.mark.parametrize(
+    ("ngpu", "tp"),
+    [(1, 1), pytest.param(2, 1, marks=TWO), pytest.param(2, 2, marks=TWO)],
+    ids=["one", "fsdp2", "tp2"],
+)
+def test_a_run_with_the_clip_folded_in_trains_as_one_with_torchs_fused_adamw(tmp_path, ngpu, tp):
+    """fp32 (the kernel's parameters; FSDP's sharded DTensors on two GPUs; under TP 2 the replicated norm
+    weights' gradients are pending sums, settled before the kernel reads them): the same losses and
+    gradient norms, the clip acting, as torch's fused AdamW after its own clip pass."""
+    ours = _run(tmp_path, "ours", ngpu, tp, "fused_clip")
+    ref = _run(tmp_path, "ref", ngpu, tp, "fused")
     assert max(r["grad_norm"] for r in ref) > 0.1  # the clip acted on some step
     for a, b in zip(ours, ref):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
