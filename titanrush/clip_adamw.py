@@ -94,7 +94,8 @@ def clip_coefficient(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
 
 class ClipAdamW(torch.optim.AdamW):
     """`torch.optim.AdamW` whose step also applies the gradient clip (`set_clip`), in one kernel per
-    parameter. Only AdamW's defaults for amsgrad, maximize and capturable are taken."""
+    parameter. Only AdamW's defaults for amsgrad, maximize and capturable are taken, and no GradScaler
+    factor (titanrush trains in bf16 or fp32, never with fp16's loss scaling)."""
 
     def __init__(
         self,
@@ -108,7 +109,6 @@ class ClipAdamW(torch.optim.AdamW):
         # fused=True is only a flag here (this class steps itself): the groups it saves then tell torch's
         # AdamW, should a checkpoint of this one be loaded into it, to take its fused kernel.
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=True)
-        self._step_supports_amp_scaling = False  # (GradScaler's factor is not applied here)
         self._coef: torch.Tensor | None = None
 
     def load_state_dict(self, state_dict: dict) -> None:
