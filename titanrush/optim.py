@@ -26,8 +26,9 @@ def build_optimizer(
     implementation: str,
 ) -> torch.optim.Optimizer:
     """AdamW from torch (fused / foreach / for-loop kernels), ours with the clip folded in (fused_clip:
-    `titanrush.clip_adamw.ClipAdamW`, or torch's fused where it cannot run, said once), or torchao's
-    low-bit AdamW; `params` is the parameters, or lists of them (one parameter group each)."""
+    `titanrush.clip_adamw.ClipAdamW`, or torch's fused where it cannot run, said once on a machine with
+    CUDA), or torchao's low-bit AdamW; `params` is the parameters, or lists of them (one parameter group
+    each)."""
     params = list(params)
     if params and isinstance(params[0], list):
         params = [{"params": [p for p in g if p.requires_grad]} for g in params]
@@ -38,7 +39,8 @@ def build_optimizer(
         why = clip_adamw.unavailable(flat)
         if why is None:
             return clip_adamw.ClipAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        logger.info(f"optimizer.implementation = fused_clip: {why}; torch's fused AdamW, the clip apart")
+        if torch.cuda.is_available():  # (on a machine without CUDA torch's kernel is the expected one)
+            logger.info(f"optimizer.implementation = fused_clip: {why}; torch's fused AdamW, the clip apart")
         implementation = "fused"
     if name == "adamw":
         impl = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}

@@ -20,13 +20,19 @@ from titanrush.run.plan import RunPlan
 HYPER = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
 
-def test_cpu_parameters_take_torchs_fused_adamw_and_the_log_says_why(caplog):
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu-machine", "cuda-machine"])
+def test_cpu_parameters_take_torchs_fused_adamw_said_where_cuda_is(caplog, monkeypatch, cuda):
+    """Without CUDA torch's kernel is the expected one (nothing said); with it, a run whose parameters
+    cannot take the kernel (here: on the host, as under FSDP's CPU offload) says why."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
     w = torch.nn.Parameter(torch.randn(4, 4))
     with caplog.at_level(logging.INFO, logger="titanrush"):
         opt = build_optimizer([w], name="adamw", implementation="fused_clip", **HYPER)
     assert type(opt) is torch.optim.AdamW and opt.defaults["fused"]
-    assert "fused_clip: the parameters live on cpu" in caplog.text
-    assert "torch's fused AdamW, the clip apart" in caplog.text
+    said = (
+        "fused_clip: the parameters live on cpu, the kernel needs CUDA; torch's fused AdamW, the clip apart"
+    )
+    assert (said in caplog.text) == cuda
 
 
 class _Subclass(torch.Tensor):
