@@ -25,6 +25,7 @@ def test_cpu_parameters_take_torchs_fused_adamw_said_where_cuda_is(caplog, monke
     """Without CUDA torch's kernel is the expected one (nothing said); with it, a run whose parameters
     cannot take the kernel (here: on the host, as under FSDP's CPU offload) says why."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(logging.getLogger("titanrush"), "propagate", True)  # (init_logging may stop it)
     w = torch.nn.Parameter(torch.randn(4, 4))
     with caplog.at_level(logging.INFO, logger="titanrush"):
         opt = build_optimizer([w], name="adamw", implementation="fused_clip", **HYPER)

@@ -70,6 +70,7 @@ LAYERS: list[tuple[str, ...]] = [
         "titanrush.logging_utils",
         "titanrush.metrics",
         "titanrush.optim",
+        "titanrush.clip_adamw",
         "titanrush.profiling",
     ),
     ("titanrush.parallel",),
