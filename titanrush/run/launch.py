@@ -425,7 +425,13 @@ def main(argv: list[str] | None = None) -> int:
         else:
             line = f"got {name} and stopped its workers"
         print(f"titanrush: the launcher {line}", file=sys.stderr)
-        return 128 + int(e.sigval)
+        # End here, with the signal's status: finalizing the interpreter after the agent was stopped by a
+        # signal can abort on a thread it left joinable ("terminate called without an active exception",
+        # status -6), and nothing is left to write.
+        stopped.close()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + int(e.sigval))
     finally:
         stopped.close()
 
