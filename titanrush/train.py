@@ -154,6 +154,18 @@ def lost_peer(e: BaseException, rank: int) -> str | None:
     )
 
 
+def _interrupted(e: BaseException) -> bool:
+    """Whether `e` was raised while a KeyboardInterrupt was being handled (its `__context__` chain)."""
+    seen: set[int] = set()
+    at: BaseException | None = e
+    while at is not None and id(at) not in seen:
+        if isinstance(at, KeyboardInterrupt):
+            return True
+        seen.add(id(at))
+        at = at.__context__
+    return False
+
+
 @dataclasses.dataclass
 class Launch:
     """How this process was started: its arguments, when (`time.perf_counter()`), and rank 0's console
@@ -252,6 +264,11 @@ def _check_or_train(
             print(f"titanrush: error: {e}", file=sys.stderr)
             return 1
     except (MemoryError, RuntimeError) as e:  # (torch.OutOfMemoryError is a RuntimeError)
+        if _interrupted(e) and lost_peer(e, ranks.rank) is not None:
+            # A second Ctrl-C, then close() waited on a collective that the other ranks, stopping at
+            # once too, had left: the interrupt is what happened.
+            say("interrupted: stopped at once, nothing saved (exit status 130)")
+            return 128 + signal.SIGINT
         if (what := out_of_memory(e)) is not None:
             print(f"titanrush: error: out of memory on rank {ranks.rank}: {what}. {OOM_FIX}", file=sys.stderr)
         elif (lost := lost_peer(e, ranks.rank)) is not None:  # (in the set-up, or in close())

@@ -370,6 +370,47 @@ def test_a_gpu_out_of_memory_is_one_line_and_other_failures_keep_their_traceback
         train.main(["--training.steps", "1"])
 
 
+@pytest.mark.parametrize("interrupted", [True, False])
+def test_a_second_ctrl_c_whose_close_finds_the_other_ranks_gone_is_an_interrupt(
+    monkeypatch, capsys, tmp_path, interrupted
+):
+    """Under torchrun both ranks stop at once on a second Ctrl-C; the one that gets there second waits in
+    close() on a collective the other has left. That gloo error is the interrupt's, not a lost rank's."""
+    import signal
+
+    from titanrush import train, trainer
+
+    gone = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+
+    class Stopped:
+        attempt, step, run_dir = 1, 0, tmp_path
+
+        def __init__(self, cfg, plan):
+            pass
+
+        def train(self):
+            if interrupted:
+                raise KeyboardInterrupt
+
+        def summarize(self, **kw):
+            pass
+
+        def close(self):
+            raise gone
+
+    monkeypatch.setattr(trainer, "Trainer", Stopped)
+    status = train.main(["--training.steps", "1"])
+    err = capsys.readouterr().err
+    if interrupted:
+        assert status == 128 + signal.SIGINT
+        assert "titanrush: interrupted: stopped at once, nothing saved (exit status 130)" in err
+        assert "lost another rank" not in err
+    else:
+        assert status == 1
+        assert "titanrush: error: rank 0 lost another rank of the job" in err
+        assert "interrupted" not in err
+
+
 @pytest.mark.parametrize("gc_freq, collecting", [("50", False), ("0", True)])
 def test_launch_builds_the_trainer_with_the_collector_off(monkeypatch, gc_freq, collecting):
     import gc
