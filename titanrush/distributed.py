@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from titanrush.errors import RunError
 from titanrush.launch_env import ranks_from_env  # (also the trainer's: distributed.ranks_from_env)
 
 logger = logging.getLogger("titanrush")
@@ -55,7 +56,15 @@ def init(device: torch.device, *, nccl_max_ctas: int = 0, timeout_s: float = 180
         os.environ.setdefault(key, value)
     if backend == "nccl" and nccl_max_ctas > 0:
         os.environ.setdefault("NCCL_MAX_CTAS", str(nccl_max_ctas))
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    except dist.DistStoreError as e:  # (the rendezvous waits on the store for every rank, at most timeout_s)
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise RunError(
+            f"the job's {ranks_from_env().world_size} processes did not all connect within "
+            f"job.collective_timeout = {timeout_s:g} s ({first}): raise job.collective_timeout, or look in "
+            "the launcher's lines for a process that failed to start"
+        ) from None
 
 
 TRACE_ENTRIES = 2000

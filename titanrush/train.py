@@ -227,6 +227,10 @@ def _check_or_train(
             print(f"titanrush: config error: {e}", file=sys.stderr)
             distributed.destroy()  # left up, gloo may abort the process at exit
             return 2
+        except RunError as e:  # (the processes did not connect, ...)
+            print(f"titanrush: error: {e}", file=sys.stderr)
+            distributed.destroy()
+            return 1
         launcher = command_prefix(world_size=ranks.world_size)
         console = None
         if launch.console is not None:  # the run is accepted: its folder exists

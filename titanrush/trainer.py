@@ -70,7 +70,7 @@ from titanrush.parallel.float8 import precompute_float8_scales
 from titanrush.parallel.grad_clip import clip_grad_norm_
 from titanrush.profiling import Profiler
 from titanrush.run import run_dir, validate
-from titanrush.run.nonfinite import NonFiniteError, NonFiniteGuard, poison
+from titanrush.run.nonfinite import NonFiniteError, NonFiniteGuard, moe_suspects, poison
 from titanrush.run.plan import RunPlan, describe_mesh
 from titanrush.run.preflight import checkpoint_info
 from titanrush.run.signals import StopSignals, stop_message
@@ -182,7 +182,8 @@ class Trainer:
             else cross_entropy_sum
         )
         self._norm = torch.ones((), device=self.device)  # the pipeline loss's divisor of the current step
-        self.guard = NonFiniteGuard(cfg.training.on_nonfinite, cfg.training.max_skips)
+        suspects = moe_suspects(cfg.moe) if isinstance(plan.args, Llama4Args) else ()
+        self.guard = NonFiniteGuard(cfg.training.on_nonfinite, cfg.training.max_skips, suspects)
         self.signals = StopSignals()  # (every rank: it may create a process group)
         self.stopped_by: int | None = None
         self.stop_reason = ""

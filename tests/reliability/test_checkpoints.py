@@ -100,8 +100,7 @@ def test_flipped_bytes_are_corrupt_named_and_nothing_is_read_or_touched(copy, ta
     end = min(start + integrity.BLOCK_BYTES, len(data))
     assert f"step-4 is corrupt: {target} bytes {start:,}-{end:,} differ" in msg
     assert (
-        f"resume from step-2, the newest earlier complete checkpoint, by moving this one aside (mv {ck}/"
-        in msg
+        f"resume from step-2, the newest earlier sound checkpoint, by moving this one aside (mv {ck}/" in msg
     )
     assert snapshot(ck) == before  # nothing moved, deleted or rewritten
     # The advice works: moved aside, the run resumes from step 2.
@@ -249,9 +248,33 @@ def test_damaged_files_are_refused_as_corrupt_in_one_line_touching_nothing(
         assert_one_line(err)
         assert err.startswith(f"titanrush: config error: checkpoint {step} is corrupt: "), err
         assert said in err, err
-        advice = "resume from step-2, the newest earlier complete checkpoint, by moving this one aside"
+        advice = "resume from step-2, the newest earlier sound checkpoint, by moving this one aside"
         assert err.endswith(f"; {advice} (mv {step} {step}.bad) or deleting it"), err
         assert _files_of(run) == before  # nothing moved, deleted or rewritten in the run folder
+
+
+def test_an_earlier_checkpoint_damaged_too_is_not_recommended(saved, tmp_path, capsys, no_tensor_read):
+    """Step 4 and step 2 both cut short (one damaged disk): the refusal of step 4 named step 2 as the one
+    to resume from, whose own refusal then said there was none; now it says so at once, with both moves."""
+    run = shutil.copytree(saved, tmp_path / "src")
+    ck = run / "checkpoint"
+    for step in ("step-2", "step-4"):
+        _cut(SHARD)(ck / step)
+    before = _files_of(run)
+    capsys.readouterr()
+    assert main(run_args(tmp_path, "src", 8, *CKPT)) == 2
+    err = capsys.readouterr().err.strip()
+    assert_one_line(err)
+    assert err.startswith(f"titanrush: config error: checkpoint {ck / 'step-4'} is corrupt: "), err
+    moves = f"mv {ck / 'step-4'} {ck / 'step-4'}.bad; mv {ck / 'step-2'} {ck / 'step-2'}.bad"
+    assert err.endswith(
+        f"; no earlier sound checkpoint exists (step-2 is damaged too): move these aside ({moves}) to "
+        "start over"
+    ), err
+    assert _files_of(run) == before
+    for step in ("step-2", "step-4"):  # the advice works: the run starts over
+        os.replace(ck / step, ck / f"{step}.bad")
+    assert build(run_args(tmp_path, "src", 8, *CKPT)).step == 0
 
 
 def _files_of(run: Path) -> dict[str, tuple[int, int]]:

@@ -511,3 +511,16 @@ def test_a_key_given_twice_on_the_command_line_is_said_and_the_last_is_used(tmp_
     assert res.returncode == 0, res.stderr
     warned = [line for line in res.stderr.splitlines() if "is given" in line]
     assert len(warned) == 2 and "WARNING --training.steps is given twice" in warned[0], res.stderr
+
+
+def test_the_run_folder_is_named_after_the_model_unless_a_name_is_given(tmp_path):
+    """Runs of different models from the defaults never share a folder (a Llama 4 run used to resume
+    from the dense quick start's checkpoint in outputs/debug); a name given anywhere wins."""
+    assert config.load(None, []).job.name == "debug"
+    assert config.load(None, ["--model.flavor", "llama4_debug"]).job.name == "llama4_debug"
+    assert config.load(None, ["--model.flavor", "llama4_debug", "--job.name", "mine"]).job.name == "mine"
+    toml = tmp_path / "c.toml"
+    toml.write_text('[job]\nname = "from_file"\n[model]\nflavor = "llama4_debug"\n')
+    assert config.load(str(toml), []).job.name == "from_file"
+    toml.write_text('[model]\nflavor = "llama4_debug"\n')
+    assert config.load(str(toml), []).job.name == "llama4_debug"

@@ -7,6 +7,7 @@ import importlib.util
 import itertools
 import json
 import logging
+import os
 import pickle
 import random
 import time
@@ -629,6 +630,24 @@ def test_bad_shards(tmp_path: Path, shards: Path, tok: Tokenizer) -> None:
         assert str(culprit) in str(e.value)
 
 
+@pytest.mark.parametrize("damage", ["empty", "truncated", "random"])
+def test_a_damaged_offsets_file_is_named_without_numpys_advice_to_unpickle(
+    tmp_path: Path, shards: Path, tok: Tokenizer, damage: str
+) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in shards.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    offsets = bad / "train_00000.docs.npy"
+    good = offsets.read_bytes()
+    offsets.write_bytes({"empty": b"", "truncated": good[:60], "random": os.urandom(len(good))}[damage])
+    with pytest.raises(ConfigError) as e:
+        take(loader(cfg(tmp_path, dataset="shards", path=str(bad)), tok, vocab_size=8192), 200)
+    said = str(e.value)
+    assert f"{offsets}: unreadable document offsets" in said and "titanrush prepare" in said, said
+    assert "allow_pickle" not in said and "unsafely" not in said, said
+
+
 def write_big_tokenizer(path: Path) -> Path:
     """A rank file of Llama 3's size (128000 ranks): ids do not fit uint16."""
     tokens = [bytes([i]) for i in range(256)] + [
@@ -650,8 +669,10 @@ def test_uint32_shards_and_tokenizer_mismatch(tmp_path: Path, corpus_dir: Path, 
     big_tok = build_tokenizer(str(big))
     with pytest.raises(ConfigError, match="vocab_size"):
         take(loader(cfg(tmp_path, dataset="shards", path=str(out)), big_tok, vocab_size=8192), 1)
-    with pytest.raises(ConfigError, match="tokenized with"):
+    with pytest.raises(ConfigError, match="tokenized with") as e:
         take(loader(cfg(tmp_path, dataset="shards", path=str(out)), tok, vocab_size=128256), 1)
+    # (the fix writes shards with the run's tokenizer: without --tokenizer prepare took its default)
+    assert f"titanrush prepare --input GLOB --output {out} --tokenizer {tok.spec}`" in str(e.value)
     batch = take(loader(cfg(tmp_path, dataset="shards", path=str(out)), big_tok, vocab_size=128256), 1)[0]
     assert batch.input_ids[0, 0] == big_tok.bos_id
 

@@ -652,6 +652,14 @@ def test_cli_refuses_a_bad_ngpu_from_the_environment(value, monkeypatch, capsys)
     assert f"NGPU={value!r} in the environment must be a whole number >= 1 (or pass --ngpu N)" in err
 
 
+def test_cli_refuses_the_trainers_check_and_takes_the_default_config(capsys):
+    """`--check` was accepted and ignored (estimate never trains); no --config is the built-in config."""
+    assert est_mod.main(["--check", "--no-trace"]) == 2
+    assert "--check is the trainer's (./run_train.sh --check)" in capsys.readouterr().err
+    assert est_mod.main(["--no-trace", "--ngpu", "1", "--gpu-mem", "24"]) == 0
+    assert "debug" in capsys.readouterr().out
+
+
 def test_gpu_memory_rule():
     """One rule for estimate, sweep and rush: --gpu-mem, else the GPU here, else 80 GiB, said so."""
     assert est_mod.gpu_memory(141.0, {"cuda": True, "name": "NVIDIA H100", "mem_gib": 79.2}) == (

@@ -465,6 +465,7 @@ def test_plan_resolves_moe_decisions():
             "multiple of",
         ),
         (1, ["--moe.bias_update_rate", "-1"], "moe.bias_update_rate must be"),
+        (1, ["--moe.bias_update_rate", "1"], r"moe\.bias_update_rate must be in \[0.0, 1.0\).*sigmoids"),
         (1, ["--parallelism.ep", "0"], "parallelism.ep must be"),
         (1, ["--model.flavor", "debug", "--float8.experts"], "float8.experts needs a Llama 4"),
         (1, ["--float8.experts"], "runs on bf16 training .* this run has training.precision = 'fp32'"),
@@ -539,7 +540,7 @@ def test_llama4_debug_trains_through_the_trainer(tmp_path):
     finally:
         trainer.close()
     assert after < before - 0.5, (before, after)  # measured 9.38 -> 8.66 (the dense debug model: 8.54)
-    rows = [json.loads(x) for x in (tmp_path / "debug" / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(x) for x in (tmp_path / "llama4_debug" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss" in r]
     assert [r["step"] for r in rows] == list(range(1, 21))
     moes = moe_modules(trainer.model_parts)
@@ -557,7 +558,7 @@ def test_llama4_debug_trains_through_the_trainer(tmp_path):
         torch.testing.assert_close(moe.expert_bias.double(), bias, rtol=0, atol=1e-5)
     for r in rows:
         assert r["moe_imbalance_window"] == pytest.approx(r["moe_imbalance"])  # logged every step
-    assert (tmp_path / "debug" / "tb").is_dir()
+    assert (tmp_path / "llama4_debug" / "tb").is_dir()
 
 
 def test_chunked_attention_is_causal_attention_within_each_chunk():
@@ -580,3 +581,24 @@ def test_chunked_attention_is_causal_attention_within_each_chunk():
     torch.testing.assert_close(out, attn.wo(ref.transpose(1, 2).reshape(2, 24, -1)), rtol=1e-5, atol=1e-5)
     nope = Llama4Attention(args, rope=False)  # NoPE layers: the whole sequence, no rotation
     assert nope.chunk == 0 and not nope.rope
+
+
+@pytest.mark.parametrize(
+    "blowup, named",
+    [
+        (["--moe.aux_loss_coeff", "1e30", "--moe.z_loss_coeff", "1e30"], True),
+        (["--optimizer.lr", "1e30", "--lr_scheduler.warmup_steps", "0"], False),
+    ],
+)
+def test_a_non_finite_stop_names_the_moe_loss_coefficients_raised_above_their_defaults(
+    tmp_path, capsys, blowup, named
+):
+    from titanrush import train
+
+    args = ["--model.flavor", "llama4_debug", "--training.steps", "3", "--job.dump_folder", str(tmp_path)]
+    args += ["--training.local_batch_size", "2", "--training.seq_len", "32", *blowup]
+    assert train.main(args) == 3
+    stopped = [x for x in capsys.readouterr().err.splitlines() if x.startswith("titanrush: stopped")]
+    assert len(stopped) == 1 and "a lower optimizer.lr" in stopped[0], stopped
+    coefficients = "or lower moe.aux_loss_coeff = 1e+30, moe.z_loss_coeff = 1e+30;"
+    assert (coefficients in stopped[0]) == named, stopped[0]

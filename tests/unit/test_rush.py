@@ -375,6 +375,28 @@ def test_dist_dry_run_plan(tmp_path, capsys):
     assert [r.name for r in plan if r.ngpu == 4][:3] == ["ddp-4", "zero2-4", "zero3-4"]
 
 
+@pytest.mark.parametrize("kind", ["ladder", "moe"])
+def test_the_gpu_base_on_a_machine_without_cuda_points_to_the_cpu_smoke_run(
+    tmp_path, monkeypatch, capsys, kind
+):
+    """The built-in base (a 1B at seq 2048) on a CPU machine: one ladder rung fit the host's memory and
+    trained for minutes a step; it is refused before any run, naming the smoke command, which runs."""
+    ran: list[list[str]] = []
+    here = rush_runner.probe_device()
+    monkeypatch.setattr(rush_runner, "probe_device", lambda: {**here, "cuda": False})
+    monkeypatch.setattr(rush_runner, "run_training", lambda cmd, **kw: ran.append(cmd) or {})
+    out = tmp_path / "rush"
+    assert rush.main([kind, "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"`{rush.CPU_SMOKE[kind]}`" in err and "without CUDA" in err, err
+    assert not ran and not out.exists()
+    assert rush.main([kind, "--dry-run", "--output", str(out)]) == 0  # the GPU plan is still shown
+    smoke = rush.CPU_SMOKE[kind].split()[3:]
+    assert smoke[:2] == ["--config", "train_configs/debug.toml"]
+    monkeypatch.chdir(Path(DEBUG).parents[1])
+    assert rush.main([kind, *smoke, "--dry-run", "--output", str(out)]) == 0  # (its options are valid)
+
+
 def test_bad_override_is_a_config_error(capsys):
     assert rush.main(["ladder", "--dry-run", "--training.seqlen", "64"]) == 2
     assert "training.seq_len" in capsys.readouterr().err  # the suggestion

@@ -161,6 +161,41 @@ def test_check_of_a_several_process_job_runs_once(tmp_path):
     assert not (tmp_path / "c").exists()
 
 
+def test_a_process_whose_peers_never_connect_stops_with_the_timeout_named(tmp_path):
+    """Rank 0 of two started alone: the rendezvous waits job.collective_timeout for rank 1, then one line
+    naming the setting (it was a DistStoreError traceback), exit 1, and no run folder."""
+    import os
+    import socket
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {
+        **os.environ,
+        **dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2"),
+        **dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "titanrush",
+        "train",
+        *small(tmp_path, "alone"),
+        "--job.collective_timeout",
+        "1",
+    ]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert "Traceback" not in res.stderr, res.stderr[-2000:]
+    said = [line for line in res.stderr.splitlines() if line.startswith("titanrush: ")]
+    assert len(said) == 1 and said[0].startswith(
+        "titanrush: error: the job's 2 processes did not all connect"
+    ), said
+    assert "job.collective_timeout = 1 s" in said[0], said
+    assert not (tmp_path / "alone").exists()
+
+
 def test_gradient_accumulation_equals_one_larger_batch(tmp_path):
     one = run_inprocess(small(tmp_path, "one", "--training.steps", "4", "--training.local_batch_size", "4"))
     acc = run_inprocess(

@@ -101,6 +101,17 @@ def test_every_range_is_enforced_with_the_key_in_the_message(key):
             r"model\.n_layers = 1,000,000,000,000 is beyond any model",
         ),
         (["--profiling.freq", "3"], r"profiling\.freq \(3\) must be >= profiling.active_steps \+ 2"),
+        (["--training.step_timeout", "0.5"], r"training\.step_timeout must be 0 .* or at least 1 second"),
+        (["--moe.bias_update_rate", "0.02"], r"moe\.bias_update_rate applies to mixture-of-experts"),
+        (
+            ["--optimizer.name", "adamw8bit", "--optimizer.implementation", "foreach"],
+            r"optimizer\.implementation = 'foreach' chooses torch's AdamW kernel",
+        ),
+        (
+            ["--activation_checkpoint.mode", "selective", "--activation_checkpoint.selective", "5"],
+            r"activation_checkpoint\.selective = 5: the debug model has 4 blocks; use 1\.\.4",
+        ),
+        (["--parallelism.fsdp_keep_gathered_last", "10"], r"fsdp_keep_gathered_last = 10: .* use 0\.\.4"),
         (
             ["--parallelism.pp", "2", "--parallelism.pp_schedule", "ZBVZeroBubble", "--validation.freq", "5"],
             "Schedule.eval",

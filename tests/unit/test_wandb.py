@@ -186,3 +186,15 @@ def test_a_project_name_wandb_refuses_is_a_config_error(project):
         validate.check_values(cfg)
     cfg = config.load(None, ["--metrics.wandb_project", project])  # (not checked when not used)
     validate.check_values(cfg)
+
+
+def test_a_wandb_that_does_not_start_leaves_no_run_folder(tmp_path):
+    """W&B starts once the run is accepted, after its folder is written: its refusal (online without an
+    API key) left config.toml, metrics.jsonl and tb/ behind, and a retry with job.overwrite = false was
+    then refused for a folder that exists."""
+    res = _train(tmp_path, _env(tmp_path, WANDB_MODE="online"), "--job.overwrite", "false")
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "titanrush: config error: Weights & Biases did not start" in res.stderr, res.stderr[-2000:]
+    assert not (tmp_path / "wb").exists()
+    retry = _train(tmp_path, _env(tmp_path), "--job.overwrite", "false", "--metrics.wandb", "false")
+    assert retry.returncode == 0, retry.stderr[-2000:]

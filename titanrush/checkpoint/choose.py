@@ -210,16 +210,35 @@ def elsewhere(path: Path, own: bool) -> str:
         for s in scan(path.parent)
         if s.complete and not s.model_only and s.path != path and (step is None or s.step < step)
     ]
-    aside = f"mv {path} {path}.bad"
+    # The newest earlier one whose sizes and small files are sound: a damaged disk often took several.
+    damaged = []
+    while earlier and _quick_problems(earlier[-1].path):
+        damaged.append(earlier.pop().path)
+    also = f" ({', '.join(d.name for d in damaged)} {'is' if len(damaged) == 1 else 'are'} damaged too)"
+    also = also if damaged else ""
+    bad = [path, *damaged] if own else [path]
+    aside = "; ".join(f"mv {b} {b}.bad" for b in bad)
+    these = "these" if len(bad) > 1 else "this one"
     if own and earlier:
         return (
-            f"resume from {earlier[-1].path.name}, the newest earlier complete checkpoint, by moving this "
-            f"one aside ({aside}) or deleting it"
+            f"resume from {earlier[-1].path.name}, the newest earlier sound checkpoint{also}, by moving "
+            f"{these} aside ({aside}) or deleting {'them' if len(bad) > 1 else 'it'}"
         )
     if own:
-        return f"no earlier complete checkpoint exists: move it aside ({aside}) to start over"
+        return f"no earlier sound checkpoint exists{also}: move {these} aside ({aside}) to start over"
     if earlier:
         return (
-            f"resume from {earlier[-1].path} with --checkpoint.load_path {earlier[-1].path}, or move this one"
+            f"resume from {earlier[-1].path}{also} with --checkpoint.load_path {earlier[-1].path}, or move "
+            "this one"
         )
-    return "no earlier complete checkpoint is beside it; choose another checkpoint.load_path"
+    return f"no earlier sound checkpoint is beside it{also}; choose another checkpoint.load_path"
+
+
+def _quick_problems(path: Path) -> list[str]:
+    """The quick check of a checkpoint folder (sizes, the one-block files' checksums; without a record the
+    data files' lengths): what `verify_files` would certainly refuse."""
+    try:
+        record = read_record(path)
+        return verify(path, record, quick=True) if record is not None else data_problems(path)
+    except (OSError, ValueError) as e:
+        return [str(e)]

@@ -162,8 +162,12 @@ def load(config_path: str | None = None, overrides: list[str] | None = None) -> 
             for key, value in values.items():
                 with _located(origins[(section, key)], section, key):
                     _set(cfg, section, key, value, from_cli=False)
+    named = config_path and "name" in data.get("job", {})
     for section, key, value in parse_overrides(overrides or []):
         _set(cfg, section, key, value, from_cli=True)
+        named = named or (section, key) == ("job", "name")
+    if not named:  # (the default: each model its own run folder; an empty name given is refused later)
+        cfg.job.name = cfg.model.flavor
     for section, key in HOME_PATHS:  # `~/runs`: the home folder (a shell expands it, not in TOML or quotes)
         setattr(getattr(cfg, section), key, os.path.expanduser(getattr(getattr(cfg, section), key)))
     return cfg

@@ -22,8 +22,9 @@ class ConfigError(ValueError):
 class Job:
     dump_folder: str = "./outputs"
     """Folder under which each run gets its own folder `<dump_folder>/<name>`."""
-    name: str = "debug"
-    """Name of this run; its files go to `<dump_folder>/<name>`."""
+    name: str = ""
+    """Name of this run; its files go to `<dump_folder>/<name>`. Not set: the model's flavor (`debug`,
+    `llama4_debug`, ...), so that runs of different models never share a folder."""
     description: str = "debug model on the embedded corpus"
     """Free text, printed at start-up (any characters; written to the run's config.toml escaped)."""
     overwrite: bool = True

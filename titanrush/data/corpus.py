@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -218,7 +219,7 @@ def load_shards(path: str, split: str, tokenizer: Tokenizer, vocab_size: int | N
         raise ConfigError(
             f"{index_path}: the shards were tokenized with data.tokenizer = {index['tokenizer']!r}, "
             f"not {tokenizer.spec!r} (a different rank file); set data.tokenizer to the shards' "
-            f"tokenizer or {fix}"
+            f"tokenizer, or {fix[:-1]} --tokenizer {shlex.quote(str(tokenizer.spec))}`"
         )
     if vocab_size is not None and index["vocab_size"] > vocab_size:
         raise ConfigError(
@@ -265,8 +266,9 @@ def _open_shard(
         )
     try:
         offsets = np.load(offsets_file, allow_pickle=False).astype(np.int64)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{offsets_file}: unreadable document offsets ({e}); {fix}") from None
+    except (OSError, ValueError, EOFError) as e:  # (numpy's advice to load pickles unsafely: not repeated)
+        what = "pickled data, not an array" if "pickle" in str(e) else str(e) or type(e).__name__
+        raise ConfigError(f"{offsets_file}: unreadable document offsets ({what}); {fix}") from None
     if (
         offsets.ndim != 1
         or len(offsets) < 1

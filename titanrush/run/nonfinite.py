@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from titanrush.config import MoE
+
 logger = logging.getLogger("titanrush")
 
 
@@ -58,11 +60,16 @@ class NonFiniteGuard:
     Args:
         mode: `stop` or `skip` (training.on_nonfinite).
         max_skips: With `skip`, the most steps in a row that may be skipped (training.max_skips).
+        suspects: Settings of this run that may make the loss overflow besides the learning rate, as
+            `key = value` (the MoE loss coefficients raised above their defaults): the message names them.
     """
 
-    def __init__(self, mode: str, max_skips: int) -> None:
+    def __init__(self, mode: str, max_skips: int, suspects: tuple[str, ...] = ()) -> None:
         self.mode = mode
         self.max_skips = max_skips
+        self.fix = "a lower optimizer.lr (or training.max_norm)"
+        if suspects:
+            self.fix += f", or lower {', '.join(suspects)}"
         self.in_a_row = 0
         self.skipped = 0  # skipped steps since the caller last reset it (the logging window)
         self._pending: _Pending | None = None
@@ -87,8 +94,7 @@ class NonFiniteGuard:
             raise NonFiniteError(
                 step,
                 f"step {step}: {what}: {self.in_a_row} non-finite steps in a row, beyond "
-                f"training.max_skips = {self.max_skips}; resume from the newest checkpoint with a lower "
-                "optimizer.lr (or training.max_norm)",
+                f"training.max_skips = {self.max_skips}; resume from the newest checkpoint with {self.fix}",
             )
         logger.warning(
             f"step {step}: {what}: update skipped ({self.in_a_row} in a row, training.on_nonfinite = skip)"
@@ -107,9 +113,19 @@ class NonFiniteGuard:
         raise NonFiniteError(
             p.step,
             f"step {p.step}: {_describe(p.loss, p.grad_norm)} (training.on_nonfinite = stop): stopped before "
-            f"saving anything of step {p.step}; resume from the newest checkpoint with a lower optimizer.lr "
-            "(or training.max_norm), or set training.on_nonfinite = skip to skip such steps",
+            f"saving anything of step {p.step}; resume from the newest checkpoint with {self.fix}; or set "
+            "training.on_nonfinite = skip to skip such steps",
         )
+
+
+def moe_suspects(moe: MoE) -> tuple[str, ...]:
+    """The [moe] loss coefficients set above their defaults, as `key = value` (`NonFiniteGuard`'s)."""
+    default = MoE()
+    return tuple(
+        f"moe.{key} = {getattr(moe, key):g}"
+        for key in ("aux_loss_coeff", "z_loss_coeff")
+        if getattr(moe, key) > getattr(default, key)
+    )
 
 
 def _describe(loss: torch.Tensor, grad_norm: torch.Tensor) -> str:

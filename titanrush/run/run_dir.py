@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import time
 from pathlib import Path
@@ -53,6 +54,7 @@ class RunLock:
     def __init__(self) -> None:
         self.fd: int | None = None
         self.made: list[Path] = []  # what this run made for the lock (the file, new folders), to undo
+        self.made_run_folder: Path | None = None  # the run folder, where `create` made it: all of it ours
 
     def acquire(self, folder: Path, wait: float = 0.0) -> str:
         """Lock `folder` (it exists), trying for `wait` seconds while another process holds it; return ""
@@ -91,6 +93,9 @@ class RunLock:
     def release(self, *, refused: bool = False) -> None:
         """Let the folder go (closing the descriptor drops the flock). `refused`: the run stops before it
         starts, so the lock file and the folders it made are removed too (while it is still held)."""
+        if refused and self.made_run_folder is not None:  # (refused after `create`: what it wrote too)
+            shutil.rmtree(self.made_run_folder, ignore_errors=True)
+            self.made_run_folder = None
         if refused:  # (the file first, then the folders, innermost first, where empty)
             for p in sorted(self.made, key=lambda p: len(p.parts), reverse=True):
                 with contextlib.suppress(OSError):
@@ -198,6 +203,7 @@ def create(path: Path, config_text: str, *, rank: int, lock: RunLock, resumed_st
     outcome: str | int = ""
     if rank == 0:
         lock.made += [p for p in [path, *path.parents] if not p.exists()]  # (a refusal removes them)
+        lock.made_run_folder = None if path.exists() else path
         fresh = path / (CONFIG_FILE + ".tmp")
         try:
             path.mkdir(parents=True, exist_ok=True)

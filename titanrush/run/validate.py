@@ -25,7 +25,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from titanrush.config import ConfigError, JobConfig, Model, MoE, Parallelism
+from titanrush.config import ConfigError, JobConfig, Model, MoE, Optimizer, Parallelism
 from titanrush.models.llama import FLAVORS, ModelArgs
 from titanrush.models.llama.flavors import CUSTOM
 from titanrush.models.llama4 import FLAVORS as LLAMA4_FLAVORS
@@ -83,7 +83,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "training.max_skips": (1, None, True, True),
     "training.step_timeout": (0.0, None, True, True),  # 0: derived from the measured steps
     "job.max_restarts": (0, None, True, True),
-    "job.collective_timeout": (0.0, None, False, True),
+    "job.collective_timeout": (1.0, None, True, True),  # see RANGE_REASONS
     "optimizer.lr": (0.0, None, False, True),
     "optimizer.beta1": (0.0, 1.0, True, False),
     "optimizer.beta2": (0.0, 1.0, True, False),
@@ -104,7 +104,7 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
     "parallelism.pp_microbatches": (0, None, True, True),
     "parallelism.pp_stages_per_rank": (0, None, True, True),
     "parallelism.ep": (1, None, True, True),
-    "moe.bias_update_rate": (0.0, None, True, True),
+    "moe.bias_update_rate": (0.0, 1.0, True, False),  # see RANGE_REASONS
     "moe.aux_loss_coeff": (0.0, None, True, True),
     "moe.z_loss_coeff": (0.0, None, True, True),
     "activation_checkpoint.op_all_last": (0, None, True, True),
@@ -130,6 +130,10 @@ RANGES: dict[str, tuple[float | None, float | None, bool, bool]] = {
 RANGE_REASONS = {
     "training.seq_len": "with one token per sequence every prediction sees that token alone, and attention "
     "has nothing to attend to",
+    "job.collective_timeout": "it is also the time the processes have to connect at start-up "
+    "(default 1800 s)",
+    "moe.bias_update_rate": "the routing scores are sigmoids in (0, 1), so a step of 1 or more moves each "
+    "expert past every other on every step (default 1e-2)",
 }
 
 # The keys that may be "auto": `titanrush.run.autoplan` resolves them before the plan is built.
@@ -208,6 +212,11 @@ def check_values(cfg: JobConfig) -> None:
             raise ConfigError(f"{key}: {problem}")
     if t.global_batch_size == 0 or t.global_batch_size < -1:
         raise ConfigError(f"training.global_batch_size must be -1 or > 0, got {t.global_batch_size}")
+    if 0 < t.step_timeout < 1:
+        raise ConfigError(
+            f"training.step_timeout must be 0 (derived from the measured steps) or at least 1 second, got "
+            f"{t.step_timeout}"
+        )
     if p.dp_shard == 0:
         raise ConfigError("parallelism.dp_shard must be -1 (what the other degrees leave) or >= 1, got 0")
     tokens = t.local_batch_size * t.seq_len
@@ -223,6 +232,7 @@ def check_values(cfg: JobConfig) -> None:
         "parallelism.ep": p.ep > 1,
         "moe.aux_loss_coeff": cfg.moe.aux_loss_coeff not in (0.0, moe_default.aux_loss_coeff),
         "moe.z_loss_coeff": cfg.moe.z_loss_coeff not in (0.0, moe_default.z_loss_coeff),
+        "moe.bias_update_rate": cfg.moe.bias_update_rate not in (0.0, moe_default.bias_update_rate),
     }
     key = next((k for k, on in moe_set.items() if on), None)
     if key and cfg.model.flavor not in LLAMA4_FLAVORS:
@@ -258,6 +268,11 @@ def check_values(cfg: JobConfig) -> None:
             f"activation_checkpoint.op_all_last = {ac.op_all_last} only applies to selective op "
             "checkpointing with op_matmuls = alternate: set mode = 'selective', selective = 'op', "
             "op_matmuls = 'alternate', or op_all_last = 0"
+        )
+    if cfg.optimizer.name != "adamw" and cfg.optimizer.implementation != Optimizer.implementation:
+        raise ConfigError(
+            f"optimizer.implementation = {cfg.optimizer.implementation!r} chooses torch's AdamW kernel; "
+            f"optimizer.name = {cfg.optimizer.name!r} steps with torchao's own: remove one of them"
         )
     if p.pp > 1 and p.pp_schedule in ("GPipe", "1F1B") and p.pp_stages_per_rank > 1:
         raise ConfigError(
@@ -412,6 +427,10 @@ def check_model_args(args: ModelArgs) -> None:
         )
 
 
+# How a user sets the number of processes, for a refusal about the world size.
+_WORLD_HINT = "NGPU={n} ./run_train.sh ...; titanrush estimate --ngpu {n}"
+
+
 def check_degrees(p: Parallelism, world_size: int) -> None:
     """The degrees multiply to the world size (`dp_shard = -1` taking what the others leave)."""
     others = p.dp_replicate * p.cp * p.tp * p.pp
@@ -419,14 +438,16 @@ def check_degrees(p: Parallelism, world_size: int) -> None:
         if world_size % others:
             raise ConfigError(
                 f"parallelism degrees dp_replicate x cp x tp x pp = {others} do not divide the world size "
-                f"{world_size}; choose degrees whose product divides {world_size}"
+                f"{world_size}; choose degrees whose product divides {world_size}, or run on a multiple "
+                f"of {others} processes ({_WORLD_HINT.format(n=others)})"
             )
         return
     if others * p.dp_shard != world_size:
         raise ConfigError(
             f"dp_replicate({p.dp_replicate}) x dp_shard({p.dp_shard}) x cp({p.cp}) x tp({p.tp}) x pp({p.pp}) "
             f"= {others * p.dp_shard}, but the world size is {world_size}; set parallelism.dp_shard = -1 to "
-            "take what is left, or change the degrees"
+            f"take what is left, change the degrees, or run on {others * p.dp_shard} processes "
+            f"({_WORLD_HINT.format(n=others * p.dp_shard)})"
         )
 
 
@@ -454,11 +475,17 @@ def check_run(cfg: JobConfig, dims: ParallelDims, args: ModelArgs) -> None:
         )
     _check_mesh_fits(dims, args, t.seq_len)
     ac = cfg.activation_checkpoint
-    for key, count in (("op_all_last", ac.op_all_last), ("offload_first", ac.offload_first)):
+    every = int(ac.selective) if ac.mode == "selective" and ac.selective != "op" else 0
+    for key, count, low in (
+        ("activation_checkpoint.op_all_last", ac.op_all_last, 0),
+        ("activation_checkpoint.offload_first", ac.offload_first, 0),
+        ("activation_checkpoint.selective", every, 1),
+        ("parallelism.fsdp_keep_gathered_last", p.fsdp_keep_gathered_last, 0),
+    ):
         if count > args.n_layers:
             raise ConfigError(
-                f"activation_checkpoint.{key} = {count}: the {m.flavor} model has {args.n_layers} blocks; "
-                f"use 0..{args.n_layers}"
+                f"{key} = {count}: the {m.flavor} model has {args.n_layers} blocks; "
+                f"use {low}..{args.n_layers}"
             )
     per_step = t.local_batch_size * dims.dp
     gbs = per_step if t.global_batch_size == -1 else t.global_batch_size

@@ -34,7 +34,7 @@ from titanrush.run.memory_moe import DEFAULT_IMBALANCE, shard_degrees
 from titanrush.run.nearest import Fix, fixes
 from titanrush.run.plan import RunPlan, build_plan, describe_mesh
 
-USAGE = """usage: titanrush estimate --config FILE [--ngpu N] [--gpu-mem GiB] [--json] [--no-trace]
+USAGE = """usage: titanrush estimate [--config FILE] [--ngpu N] [--gpu-mem GiB] [--json] [--no-trace]
                           [--moe-imbalance X] [--section.key value ...]
 
 Per-GPU memory of one training step of the config (the trainer's --section.key overrides apply):
@@ -481,7 +481,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         opts, rest = _split(argv)
-        path, _, overrides = split_args(rest)
+        path, check, overrides = split_args(rest)
+        if check:
+            raise ConfigError(
+                "--check is the trainer's (./run_train.sh --check); estimate never trains: drop it"
+            )
         cfg = cfgmod.load(path, overrides)
         ngpu = opts["ngpu"] if opts["ngpu"] is not None else _default_ngpu()
         est = estimate(cfg, ngpu, opts["gpu_mem"], trace=opts["trace"], moe_imbalance=opts["moe_imbalance"])

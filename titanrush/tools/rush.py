@@ -396,6 +396,14 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return runner.parse_with_overrides(ap, argv[1:])
 
 
+# The CPU smoke runs of docs/rush.md, which a CPU machine is pointed to.
+CPU_SMOKE = {
+    kind: f"titanrush rush {kind} --config train_configs/debug.toml --steps 3 --training.seq_len 64 "
+    "--training.local_batch_size 1 --data.dataset synthetic"
+    for kind in ("ladder", "moe")
+}
+
+
 @stops_on_signals("titanrush rush")
 def main(argv: list[str] | None = None) -> int:
     """`titanrush rush ladder|dist|moe ...`: 0 when the rush ran (whatever its rungs did), 2 on bad input."""
@@ -437,6 +445,16 @@ def main(argv: list[str] | None = None) -> int:
     config = str(Path(args.config).resolve()) if args.config else None
     dev = runner.probe_device()
     code_base = dict({"ladder": LADDER_BASE, "dist": DIST_BASE, "moe": MOE_BASE}[kind])
+    if kind != "dist" and not dev.get("cuda") and not args.dry_run and not config:
+        flavor = cfgmod.load(None, [*to_args(code_base), *overrides]).model.flavor
+        if flavor == code_base["model.flavor"]:  # (a step of the GPU base takes minutes on a CPU)
+            print(
+                f"titanrush rush: the built-in {kind} rush trains the {flavor} model at seq 2048, a GPU's "
+                f"work (minutes a step on a CPU): on this machine without CUDA run the CPU smoke version, "
+                f"`{CPU_SMOKE[kind]}`, or choose the model with --config FILE (--dry-run shows the GPU plan)",
+                file=sys.stderr,
+            )
+            return 2
     if kind != "ladder" and dev.get("cuda"):
         code_base["compile.enable"] = "true"
     try:

@@ -433,7 +433,9 @@ class Progress:
         if row.get("mem_active_gib") is not None:
             parts.append(f"peak {row['mem_active_gib']:.2f} GiB")
         if row.get("reason"):
-            parts.append(f"({row['reason'][:120]})")
+            reason = row["reason"]
+            short = reason if len(reason) <= 160 else reason[:160].rsplit(" ", 1)[0] + " ... (report.md)"
+            parts.append(f"({short})")
         timing = self.timing(row)
         if len(timing) > 1:
             timing[-1] += f" (at most {self.total - self.index} more)"
