@@ -390,6 +390,8 @@ def test_the_gpu_base_on_a_machine_without_cuda_points_to_the_cpu_smoke_run(
     err = capsys.readouterr().err
     assert f"`{rush.CPU_SMOKE[kind]}`" in err and "without CUDA" in err, err
     assert not ran and not out.exists()
+    assert rush.main([kind, "--training.seqlen", "64", "--output", str(out)]) == 2  # (a typo: its error)
+    assert "training.seq_len" in capsys.readouterr().err
     assert rush.main([kind, "--dry-run", "--output", str(out)]) == 0  # the GPU plan is still shown
     smoke = rush.CPU_SMOKE[kind].split()[3:]
     assert smoke[:2] == ["--config", "train_configs/debug.toml"]

@@ -126,11 +126,8 @@ def check_folder(path: Path, *, own: bool, model_only: bool, steps: int | None) 
             f"checkpoint {path} is incomplete: it lacks {state.missing} (a save that did not finish, or "
             f"a partial copy); {elsewhere(path, own)}"
         )
-    # The small files before anything reads them: the record's sizes and the one-block files' checksums
-    # (verify_files checks every block after), or without a record the data files' lengths.
     try:
-        record = read_record(path)
-        problems = verify(path, record, quick=True) if record is not None else data_problems(path)
+        problems = _quick_problems(path)
         saved = {} if problems else read_info(path) or {}
     except ValueError as e:  # the record or titanrush.json, unreadable or not of its shape
         problems, saved = [str(e)], {}
@@ -212,7 +209,7 @@ def elsewhere(path: Path, own: bool) -> str:
     ]
     # The newest earlier one whose sizes and small files are sound: a damaged disk often took several.
     damaged = []
-    while earlier and _quick_problems(earlier[-1].path):
+    while earlier and _damaged(earlier[-1].path):
         damaged.append(earlier.pop().path)
     also = f" ({', '.join(d.name for d in damaged)} {'is' if len(damaged) == 1 else 'are'} damaged too)"
     also = also if damaged else ""
@@ -235,10 +232,16 @@ def elsewhere(path: Path, own: bool) -> str:
 
 
 def _quick_problems(path: Path) -> list[str]:
-    """The quick check of a checkpoint folder (sizes, the one-block files' checksums; without a record the
-    data files' lengths): what `verify_files` would certainly refuse."""
+    """The quick check of a checkpoint folder before anything reads it: the record's sizes and the one-block
+    files' checksums (`verify_files` checks every block after), or without a record the data files'
+    lengths. Raises ValueError where the record cannot be read or is not of its shape."""
+    record = read_record(path)
+    return verify(path, record, quick=True) if record is not None else data_problems(path)
+
+
+def _damaged(path: Path) -> bool:
+    """Whether the quick check refuses the checkpoint at `path` (or cannot read it)."""
     try:
-        record = read_record(path)
-        return verify(path, record, quick=True) if record is not None else data_problems(path)
-    except (OSError, ValueError) as e:
-        return [str(e)]
+        return bool(_quick_problems(path))
+    except (OSError, ValueError):
+        return True

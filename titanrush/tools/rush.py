@@ -445,16 +445,6 @@ def main(argv: list[str] | None = None) -> int:
     config = str(Path(args.config).resolve()) if args.config else None
     dev = runner.probe_device()
     code_base = dict({"ladder": LADDER_BASE, "dist": DIST_BASE, "moe": MOE_BASE}[kind])
-    if kind != "dist" and not dev.get("cuda") and not args.dry_run and not config:
-        flavor = cfgmod.load(None, [*to_args(code_base), *overrides]).model.flavor
-        if flavor == code_base["model.flavor"]:  # (a step of the GPU base takes minutes on a CPU)
-            print(
-                f"titanrush rush: the built-in {kind} rush trains the {flavor} model at seq 2048, a GPU's "
-                f"work (minutes a step on a CPU): on this machine without CUDA run the CPU smoke version, "
-                f"`{CPU_SMOKE[kind]}`, or choose the model with --config FILE (--dry-run shows the GPU plan)",
-                file=sys.stderr,
-            )
-            return 2
     if kind != "ladder" and dev.get("cuda"):
         code_base["compile.enable"] = "true"
     try:
@@ -465,6 +455,16 @@ def main(argv: list[str] | None = None) -> int:
         plan = rush_moe.moe_plan(config, base) if kind == "moe" else []
     except ConfigError as e:
         print(f"titanrush rush: config error: {e}", file=sys.stderr)
+        return 2
+    flavor = base_cfg.model.flavor
+    gpu_base = not config and flavor == code_base["model.flavor"]  # (a step takes minutes on a CPU)
+    if kind != "dist" and gpu_base and not dev.get("cuda") and not args.dry_run:
+        print(
+            f"titanrush rush: the built-in {kind} rush trains the {flavor} model at seq 2048, a GPU's "
+            f"work (minutes a step on a CPU): on this machine without CUDA run the CPU smoke version, "
+            f"`{CPU_SMOKE[kind]}`, or choose the model with --config FILE (--dry-run shows the GPU plan)",
+            file=sys.stderr,
+        )
         return 2
     warmup = min(args.warmup, args.steps - 1)
     notes: list[str] = []
