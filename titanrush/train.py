@@ -205,8 +205,8 @@ def _check_or_train(
             cfg, plan = choice.cfg, choice.plan
             if check:  # (quiet: the run itself logs what the data and checkpoint hold)
                 logging.getLogger("titanrush").setLevel(logging.WARNING)
-                check_files(cfg, plan)
-                for line in config_warnings(cfg):  # (stdout: the launcher's check is quiet)
+                said = [*check_files(cfg, plan), *config_warnings(cfg)]
+                for line in said:  # (stdout: the launcher's check is quiet)
                     print(f"warning: {line}")
                 if cfg.plan.probe and (first := _shortlist(choice)):
                     print(f"plan.probe = {cfg.plan.probe}: the run measures these first: {'; '.join(first)}")

@@ -41,7 +41,7 @@ from titanrush.checkpoint.folder import scan
 from titanrush.checkpoint.manager import CheckpointManager
 from titanrush.clip_adamw import ClipAdamW
 from titanrush.config import JobConfig
-from titanrush.data import build_dataloader, build_tokenizer
+from titanrush.data import build_dataloader, build_tokenizer, repeats
 from titanrush.launch_env import restart_from_env
 from titanrush.metrics import (
     MemoryMonitor,
@@ -218,6 +218,8 @@ class Trainer:
             vocab_size=plan.args.vocab_size,
         )
         self.train_loader = build_dataloader(cfg.data, split="train", **self.loader_args)
+        if self.rank == 0 and (line := repeats(self.train_loader, cfg.data, cfg.training.steps, plan.accum)):
+            logger.warning(line)
         self._val_loader: Any = None  # (a run that validates checks its split now, not at the first pass)
         if cfg.validation.freq:
             self._val_loader = build_dataloader(cfg.data, split="validation", **self.loader_args)

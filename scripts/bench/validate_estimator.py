@@ -26,7 +26,7 @@ from titanrush import config as cfgmod  # noqa: E402
 from titanrush.config import split_args  # noqa: E402
 from titanrush.run.memory_moe import DEFAULT_IMBALANCE  # noqa: E402
 from titanrush.tools.estimate import estimate  # noqa: E402
-from titanrush.tools.rush_runner import detect_oom, read_metrics  # noqa: E402
+from titanrush.tools.rush_runner import OK, classify, read_metrics  # noqa: E402
 
 
 def predict(args: list[str], ngpu: int, gpu_mem: float | None, moe_imbalance: float) -> dict:
@@ -56,9 +56,12 @@ def measure(name: str, args: list[str], ngpu: int, steps: int, out: Path) -> dic
         env = {**os.environ, "NGPU": str(ngpu), "PYTHONUNBUFFERED": "1"}
         rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
     rows = [r for r in read_metrics(out / "runs" / name / "metrics.jsonl") if r.get("mem_active_gib")]
-    status = "ok" if rc == 0 else "OOM" if detect_oom(log.read_text(errors="replace")) else f"failed ({rc})"
+    status, reason = classify(rc, log.read_text(errors="replace"))
+    if status != OK:
+        print(f"{name}: {status} (exit status {rc}): {reason} (log: {log})", file=sys.stderr)
     return {
-        "status": status,
+        "status": status if status == OK else f"{status} ({rc})",
+        "reason": reason,
         "meas_alloc": max((r["mem_active_gib"] for r in rows), default=None),
         "meas_reserved": max((r["mem_reserved_gib"] or 0 for r in rows), default=None),
         "meas_moe_imbalance": max((r["moe_imbalance"] for r in rows if r.get("moe_imbalance")), default=None),

@@ -442,6 +442,26 @@ def test_model_only_save_in_the_way_of_a_full_one_is_kept_aside(tmp_path):
     trainer.close()
 
 
+def test_a_dangling_link_or_a_file_in_a_saves_way_is_kept_aside(tmp_path):
+    """A `step-N` that is no folder used to fail the save at step N, naming the folder as unwritable."""
+    ck = tmp_path / "run" / "checkpoint"
+    ck.mkdir(parents=True)
+    (ck / "step-2").symlink_to(tmp_path / "gone" / "step-2")
+    (ck / "step-4").write_text("not a checkpoint")
+    train(run_args(tmp_path, "run", 4, *CKPT))
+    assert sorted(p.name for p in ck.iterdir()) == [
+        "step-2",
+        "step-2.not-a-checkpoint-1",
+        "step-4",
+        "step-4.not-a-checkpoint-1",
+    ]
+    assert (ck / "step-2.not-a-checkpoint-1").is_symlink()
+    assert (ck / "step-4.not-a-checkpoint-1").read_text() == "not a checkpoint"
+    trainer = build(run_args(tmp_path, "run", 6, *CKPT))
+    assert trainer.step == 4
+    trainer.close()
+
+
 def test_only_model_only_checkpoints_say_exactly_what_works(tmp_path, capsys):
     only = ["--checkpoint.enable", "--checkpoint.interval", "100", "--checkpoint.last_save_model_only"]
     train(run_args(tmp_path, "run", 2, *only))

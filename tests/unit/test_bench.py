@@ -455,6 +455,16 @@ def test_the_estimators_validation_script_predicts_what_estimate_says():
     assert "| debug | 2 | " in ve.table([row]) and "| -20.0% | " in ve.table([row])
 
 
+def test_the_estimators_validation_script_says_why_a_run_failed(tmp_path, capsys):
+    """A run that fails is named with its error line (it said only `failed (2)`)."""
+    import validate_estimator as ve
+
+    row = ve.measure("bad", ["--training.stepz", "1"], 1, 1, tmp_path)
+    assert row["status"] == "not available (2)" and row["meas_alloc"] is None
+    assert "unknown config key training.stepz; did you mean training.steps" in row["reason"]
+    assert "bad: not available (exit status 2): unknown config key" in capsys.readouterr().err
+
+
 def test_auto_against_torchtitans_settings_in_the_estimator():
     """scripts/bench/plan_vs_torchtitan.py (auto_plan.md): torchtitan's settings are told apart from
     titanrush-only levers, and on the 8B over two H200s the estimated speed-up of auto's plan over

@@ -513,6 +513,18 @@ def test_a_key_given_twice_on_the_command_line_is_said_and_the_last_is_used(tmp_
     assert len(warned) == 2 and "WARNING --training.steps is given twice" in warned[0], res.stderr
 
 
+def test_two_config_files_are_refused_naming_both(tmp_path):
+    """`--config a --config b` used to train b's model silently; one file twice is one file."""
+    a = write(tmp_path / "a.toml", "[training]\nsteps = 3\n")
+    b = write(tmp_path / "b.toml", "[training]\nsteps = 5\n")
+    with pytest.raises(ConfigError, match=r"--config is given 2 times \(.*a\.toml, then .*b\.toml\)"):
+        config.split_args(["--config", str(a), f"--job.config_file={b}"])
+    assert config.split_args(["--config", str(a), "--config", str(a), "--check"]) == (str(a), True, [])
+    res = run_cli("--config", str(a), "--config", str(b), "--check")
+    assert res.returncode == 2 and "one run reads one config file" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+
+
 def test_the_run_folder_is_named_after_the_model_unless_a_name_is_given(tmp_path):
     """Runs of different models from the defaults never share a folder (a Llama 4 run used to resume
     from the dense quick start's checkpoint in outputs/debug); a name given anywhere wins."""

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from titanrush.config import ConfigError, Data
-from titanrush.data import Batch, DataLoader, Tokenizer, build_dataloader, build_tokenizer, sources
+from titanrush.data import Batch, DataLoader, Tokenizer, build_dataloader, build_tokenizer, repeats, sources
 from titanrush.data.corpus import TokenStream, load_shards, tokenize_documents
 from titanrush.data.loader import RankLayout, TokenWindows, make_batch, rank_batches, stream_windows
 from titanrush.data.prepare import main as prepare_main
@@ -159,6 +159,28 @@ def test_stream_is_the_documents_in_order(tmp_path: Path, tok: Tokenizer, corpus
     n = len(expected) // (B * T) + 3  # past the end of the first epoch
     got = torch.cat([b.input_ids.reshape(-1) for b in take(loader(data, tok), n)]).tolist()
     assert got == (expected + expected)[: len(got)]
+
+
+def test_a_run_that_reads_its_data_again_is_told_from_which_step(
+    tmp_path: Path, tok: Tokenizer, corpus_dir: Path
+) -> None:
+    """A 5-token corpus used to train the same tokens over and over without a word."""
+    n = len(framed(tok, split_texts(corpus_dir, "train")))
+    data = cfg(tmp_path, dataset="files", path=str(corpus_dir), shuffle=False)
+    dl = loader(data, tok, degree=2)  # a round: B x 2 windows of T tokens
+    per_step = 2 * B * T
+    fit = n // per_step  # the steps that read no token twice
+    assert repeats(dl, data, fit, accum=1) is None
+    line = repeats(dl, data, fit + 1, accum=1)
+    assert line is not None
+    assert f"from step {fit + 1} on" in line and f"{n:,} tokens of its train split" in line
+    assert f"{(fit + 1) * per_step / n:.1f} passes" in line and "in the same order" in line
+    again = repeats(dl, data, fit // 2 + 1, accum=2)  # gradient accumulation reads twice the windows
+    assert again is not None and f"from step {fit // 2 + 1} on" in again
+    shuffled = cfg(tmp_path, dataset="files", path=str(corpus_dir))
+    assert "in a new order each pass" in repeats(loader(shuffled, tok), shuffled, 10 * fit, accum=2)
+    synthetic = cfg(tmp_path, dataset="synthetic")  # no size to speak of
+    assert repeats(loader(synthetic, tok), synthetic, 10**9, accum=1) is None
 
 
 def test_shuffled_epochs_are_permutations(tmp_path: Path, tok: Tokenizer, corpus_dir: Path) -> None:

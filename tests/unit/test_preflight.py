@@ -142,6 +142,7 @@ def test_a_checkpoint_that_does_not_fit_the_run_is_refused_by_check(tmp_path, ca
     cases = [
         (["--training.seq_len", "32"], "the data loader state was saved for training.seq_len = 64"),
         (["--model.tie_embeddings", "tied"], "model: tie_embeddings is false there, true here"),
+        (["--optimizer.name", "adamw8bit"], "optimizer: saved by 'adamw', this run's is 'adamw8bit'"),
     ]
     for extra, named in cases:
         assert train.main(["--check", *run, "--training.steps", "4", *extra]) == 2
@@ -150,4 +151,10 @@ def test_a_checkpoint_that_does_not_fit_the_run_is_refused_by_check(tmp_path, ca
         assert "is incompatible with this run" in err and named in err, err
     assert train.main(["--check", *run, "--training.steps", "4"]) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == "config OK"  # (after the warm-up's warning)
+    assert sorted(p.name for p in (tmp_path / "runs" / "job" / "checkpoint").iterdir()) == saved
+    # a checkpoint the run would move aside as incomplete: said by --check, which moves nothing
+    (tmp_path / "runs" / "job" / "checkpoint" / "step-2" / "integrity.json").unlink()
+    assert train.main(["--check", *run, "--training.steps", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "step-2 is incomplete (it lacks integrity.json" in out and "and start from step 0" in out, out
     assert sorted(p.name for p in (tmp_path / "runs" / "job" / "checkpoint").iterdir()) == saved

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import re
 import subprocess
@@ -240,6 +241,21 @@ def test_validation_logs_loss_and_perplexity(tmp_path):
     assert [r["step"] for r in rows] == [2, 4]
     for r in rows:
         assert r["val_ppl"] == pytest.approx(math.exp(r["val_loss"]), rel=1e-6)
+
+
+def test_a_run_longer_than_its_data_warns_once_before_training(tmp_path):
+    (tmp_path / "tiny.txt").write_text("a few words only, " * 20)
+    data = ["--data.dataset", "files", "--data.path", str(tmp_path / "tiny.txt"), "--training.steps", "2"]
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)  # (the trainer's logging setup may stop propagation)
+    handler.emit = records.append
+    logging.getLogger("titanrush").addHandler(handler)
+    try:
+        run_inprocess(small(tmp_path, "tiny", *data))
+    finally:
+        logging.getLogger("titanrush").removeHandler(handler)
+    said = [r.getMessage() for r in records if "passes over the" in r.getMessage()]
+    assert len(said) == 1 and "from step 1 on it reads tokens it has read before" in said[0], said
 
 
 def test_bf16_and_chunked_loss_track_the_fp32_plain_run(tmp_path):

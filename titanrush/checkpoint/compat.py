@@ -371,6 +371,12 @@ def check_compatible(
         if text:
             problems.append(text)
             advice.append(fix)
+    other_optimizer = saved.get("optimizer") not in (None, here.get("optimizer"))
+    if other_optimizer and not model_only and not tensors:  # (--check builds no optimizer: its name says it)
+        problems.append(
+            f"optimizer: saved by {saved['optimizer']!r}, this run's is {here.get('optimizer')!r}"
+        )
+        advice.append(f"set optimizer.name = {saved['optimizer']!r} (the optimizer it was saved with)")
     by_state: dict[str, list[str]] = {}
     if tensors:
         flat = flat_state(states, metadata)
@@ -391,7 +397,6 @@ def check_compatible(
             if text:
                 problems.append(text)
                 advice.append(fix)
-    other_optimizer = saved.get("optimizer") not in (None, here.get("optimizer"))
     for name, lines in by_state.items():
         if args_differ and name in ("model", "optimizer"):
             continue  # the arguments say why

@@ -6,6 +6,7 @@ from other write failures, in messages that say what was kept and what to do.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 from pathlib import Path
 
@@ -54,7 +55,13 @@ def prepare_save(folder: Path, final: Path, tmp: Path, step: int, last: Path | N
     checkpoint in the way is refused (it is never overwritten)."""
     if warning := space_warning(folder, last, step):
         logger.warning(warning)
-    if final.exists():
+    if final.is_symlink() and not final.exists() or final.exists() and not final.is_dir():
+        what = f"a link to {os.readlink(final)}, which does not exist" if final.is_symlink() else "a file"
+        moved = move_aside(final, "not-a-checkpoint")
+        logger.warning(
+            f"{final.name} is {what}, in the way of this run's save at step {step}: kept as {moved.name}"
+        )
+    elif final.exists():
         state = inspect(final)
         if state.complete and not state.model_only:
             return (

@@ -93,21 +93,26 @@ ASSUME_CUDA = "--assume-cuda"
 
 def split_args(argv: list[str]) -> tuple[str | None, bool, list[str]]:
     """Pull --config FILE and --check out of argv; the rest are overrides."""
-    path, check, rest = None, False, []
+    paths, check, rest = [], False, []
     i = 0
     while i < len(argv):
         arg = argv[i]
         if arg == "--config" or arg == "--job.config_file":
             if i + 1 >= len(argv):
                 raise ConfigError("--config needs a file path")
-            path = argv[i + 1]
+            paths.append(argv[i + 1])
             i += 2
             continue
-        if arg.startswith("--config="):
-            path = arg.split("=", 1)[1]
+        if arg.startswith(("--config=", "--job.config_file=")):
+            paths.append(arg.split("=", 1)[1])
         elif arg == "--check":
             check = True
         else:
             rest.append(arg)
         i += 1
-    return path, check, rest
+    if len(set(paths)) > 1:
+        raise ConfigError(
+            f"--config is given {len(paths)} times ({', then '.join(paths)}): one run reads one config file; "
+            "keep one, and change its values with --section.key value"
+        )
+    return (paths[0] if paths else None), check, rest

@@ -6,7 +6,7 @@ loader = build_dataloader(cfg.data, tokenizer=tok, seq_len=256, local_batch_size
 for batch in loader: ...  # Batch(input_ids, labels, position_ids, document_ids)
 """
 
-from titanrush.data.loader import Batch, DataLoader, build_dataloader
+from titanrush.data.loader import Batch, DataLoader, build_dataloader, repeats
 from titanrush.data.tokenizer import Tokenizer, build_tokenizer
 
-__all__ = ["Batch", "DataLoader", "Tokenizer", "build_dataloader", "build_tokenizer"]
+__all__ = ["Batch", "DataLoader", "Tokenizer", "build_dataloader", "build_tokenizer", "repeats"]

@@ -181,11 +181,14 @@ class DataLoader:
         layout: RankLayout,
         num_batches: int | None,
         identity: dict[str, Any],
+        epoch_tokens: int | None = None,
     ) -> None:
         self._open = open_batches
         self.layout = layout
         self.num_batches = num_batches
         """Batches in a validation pass (None: infinite, or unknown for a stream)."""
+        self.epoch_tokens = epoch_tokens
+        """Tokens of one pass over the split (None: synthetic, or unknown for a stream)."""
         self.finite = identity["split"] == "validation"
         self._identity = identity
         self._next = 0
@@ -313,6 +316,7 @@ def build_dataloader(
 
         return DataLoader(open_stream, layout=layout, num_batches=None, identity=identity)
 
+    epoch_tokens = None
     if cfg.dataset == "synthetic":
         high = min(tokenizer.n_ranks, vocab_size or tokenizer.n_ranks)  # ordinary ids only: no BOS inside
         dataset = SyntheticWindows(layout, seed=seed, split=split, high=high)
@@ -323,6 +327,7 @@ def build_dataloader(
         stream = TokenStream(corpus, seed=seed, shuffle=cfg.shuffle and not finite, vocab_limit=limit)
         dataset = TokenWindows(stream, layout)
         n_windows = (corpus.n_tokens - 1) // seq_len
+        epoch_tokens = corpus.n_tokens
         logger.info(
             "data %s/%s: %d documents, %d tokens", cfg.dataset, split, len(corpus.doc_len), corpus.n_tokens
         )
@@ -353,7 +358,28 @@ def build_dataloader(
         )
         return (to_batch(windows) for windows in _unwrapped(workers))
 
-    return DataLoader(open_batches, layout=layout, num_batches=num_batches, identity=identity)
+    return DataLoader(
+        open_batches, layout=layout, num_batches=num_batches, identity=identity, epoch_tokens=epoch_tokens
+    )
+
+
+def repeats(loader: DataLoader, cfg: Data, steps: int, accum: int) -> str | None:
+    """A line saying that a train run of `steps` optimizer steps (`accum` micro-batches each) reads the data
+    of `cfg` more than once; None where it does not, or where the data's size is unknown (synthetic, hf)."""
+    if loader.epoch_tokens is None:
+        return None
+    per_step = loader.layout.windows_per_round * accum * loader.layout.seq_len
+    total = steps * per_step
+    if total <= loader.epoch_tokens:
+        return None
+    first = loader.epoch_tokens // per_step + 1
+    order = "in a new order each pass" if cfg.shuffle else "in the same order"
+    return (
+        f"data.dataset = {cfg.dataset!r}: the run's {steps} steps read {total:,} tokens, "
+        f"{total / loader.epoch_tokens:.1f} passes over the {loader.epoch_tokens:,} tokens of its train "
+        f"split; from step {first} on it reads tokens it has read before ({order}). Add data (data.path) "
+        "or lower training.steps if that is not meant"
+    )
 
 
 def _unwrapped(workers: Iterable[np.ndarray]) -> Iterator[np.ndarray]:

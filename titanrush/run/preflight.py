@@ -33,8 +33,9 @@ from titanrush.run import run_dir
 from titanrush.run.plan import RunPlan
 
 
-def check_files(cfg: JobConfig, plan: RunPlan) -> None:
-    """Raise the ConfigError the run would stop with at start-up over its folders, checkpoint or data."""
+def check_files(cfg: JobConfig, plan: RunPlan) -> list[str]:
+    """Raise the ConfigError the run would stop with at start-up over its folders, checkpoint or data; the
+    warnings it would give about them."""
     folder = Path(cfg.job.dump_folder) / cfg.job.name
     if error := run_dir.problem(folder, overwrite=cfg.job.overwrite):
         raise ConfigError(error)
@@ -43,12 +44,20 @@ def check_files(cfg: JobConfig, plan: RunPlan) -> None:
     if ck_folder is not None and (error := unwritable_error(ck_folder)):
         raise ConfigError(error)
     try:
-        done = [s for s in scan(ck_folder) if s.complete] if ck_folder is not None else []
+        found = scan(ck_folder) if ck_folder is not None else []
     except PermissionError as e:
         raise ConfigError(unreadable_error(e)) from None
+    done = [s for s in found if s.complete]
     choice = decide(done, ck_folder, ck.load_path, ck.load_model_only)
     if choice.get("error"):
         raise ConfigError(choice["error"])
+    then = f"resume from {Path(choice['path']).name}" if choice.get("path") else "start from step 0"
+    warnings = [
+        f"checkpoint {s.path} is incomplete (it lacks {s.missing}; a save that did not finish, or a partial "
+        f"copy): the run will move it aside to {s.path.name}.incomplete-<n> and {then}"
+        for s in found
+        if not s.complete
+    ]
     loader_args = dict(
         tokenizer=build_tokenizer(cfg.data.tokenizer),
         seq_len=plan.seq_len,
@@ -85,6 +94,7 @@ def check_files(cfg: JobConfig, plan: RunPlan) -> None:
             recorded = read_record(path) is not None  # after checking every block against the record
             verified = recorded and verify_files(path, own=own, rank=0, world_size=1)
             raise load_failure(path, e, verified=verified, saved=saved, hint=elsewhere(path, own)) from None
+    return warnings
 
 
 def checkpoint_info(cfg: JobConfig, plan: RunPlan) -> dict[str, Any]:
