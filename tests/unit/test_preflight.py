@@ -102,6 +102,32 @@ def test_an_existing_run_folder_without_overwrite_is_refused(tmp_path, capsys):
     assert os.listdir(tmp_path / "runs" / "job") == []
 
 
+def test_a_run_folder_another_run_holds_is_refused_by_check_which_leaves_the_lock(tmp_path, capsys):
+    """Under NGPU=2 every rank used to print the refusal; the launcher's check now says it once."""
+    from titanrush.run.run_dir import LOCK_FILE, RunLock
+
+    folder = tmp_path / "runs" / "job"
+    folder.mkdir(parents=True)
+    holder = RunLock()
+    assert holder.acquire(folder) == ""
+    try:
+        err = refused_in_place(tmp_path, capsys, "--data.dataset", "synthetic")
+        assert f"run folder {folder} is in use by another run (pid {os.getpid()} on " in err, err
+        assert RunLock().acquire(folder) != ""  # still held by its holder
+    finally:
+        holder.release()
+    assert train.main(check(tmp_path, "--data.dataset", "synthetic")) == 0  # let go: the folder is free
+    assert sorted(os.listdir(folder)) == [LOCK_FILE]
+
+
+def refused_in_place(tmp_path: Path, capsys, *extra: str) -> str:
+    """`refused`, for a run folder that exists already."""
+    assert train.main(check(tmp_path, *extra)) == 2
+    err = error_of(capsys.readouterr().err)
+    assert err.startswith("titanrush: config error: ") and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
 def test_an_empty_validation_split_is_refused_before_training(tmp_path, capsys):
     (tmp_path / "tiny.txt").write_text("hello world")
     data = ["--data.dataset", "files", "--data.path", str(tmp_path / "tiny.txt"), "--validation.freq", "1"]

@@ -37,7 +37,7 @@ def check_files(cfg: JobConfig, plan: RunPlan) -> list[str]:
     """Raise the ConfigError the run would stop with at start-up over its folders, checkpoint or data; the
     warnings it would give about them."""
     folder = Path(cfg.job.dump_folder) / cfg.job.name
-    if error := run_dir.problem(folder, overwrite=cfg.job.overwrite):
+    if error := run_dir.problem(folder, overwrite=cfg.job.overwrite) or run_dir.in_use(folder):
         raise ConfigError(error)
     ck = cfg.checkpoint
     ck_folder = folder / ck.folder if ck.enable else None

@@ -68,12 +68,9 @@ class RunLock:
             except OSError as e:
                 return own_file_problem(folder) or f"cannot lock the run folder {folder} ({e}); {_fix(e)}"
             if not _flock(fd, wait):
-                holder = os.read(fd, 256).decode(errors="replace").strip() or "unknown"
+                holder = os.read(fd, 256).decode(errors="replace").strip()
                 os.close(fd)
-                return (
-                    f"run folder {folder} is in use by another run ({holder}); wait for it to end (or stop "
-                    "it), or choose another job.name"
-                )
+                return _in_use(folder, holder)
             if _same_file(fd, path):
                 break
             os.close(fd)
@@ -104,6 +101,29 @@ class RunLock:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+
+def _in_use(folder: Path, holder: str) -> str:
+    return (
+        f"run folder {folder} is in use by another run ({holder or 'unknown'}); wait for it to end (or stop "
+        "it), or choose another job.name"
+    )
+
+
+def in_use(folder: Path) -> str:
+    """Why another run holds `folder` ('' where none does), writing nothing (for `--check`: the lock is
+    tried shared, and let go at once)."""
+    try:
+        fd = os.open(folder / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:  # (no lock file: no run ever held it; anything else is the run's own check to name)
+        return ""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return _in_use(folder, os.read(fd, 256).decode(errors="replace").strip())
+    finally:
+        os.close(fd)  # (drops a lock taken here)
+    return ""
 
 
 def _flock(fd: int, wait: float) -> bool:
