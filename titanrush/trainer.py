@@ -218,8 +218,6 @@ class Trainer:
             vocab_size=plan.args.vocab_size,
         )
         self.train_loader = build_dataloader(cfg.data, split="train", **self.loader_args)
-        if self.rank == 0 and (line := repeats(self.train_loader, cfg.data, cfg.training.steps, plan.accum)):
-            logger.warning(line)
         self._val_loader: Any = None  # (a run that validates checks its split now, not at the first pass)
         if cfg.validation.freq:
             self._val_loader = build_dataloader(cfg.data, split="validation", **self.loader_args)
@@ -243,6 +241,9 @@ class Trainer:
             load_path=ck.load_path, model_only=ck.load_model_only, steps=cfg.training.steps
         )
         self.start_step = self.step  # (this attempt trains the steps after it)
+        said = repeats(self.train_loader, cfg.data, cfg.training.steps, plan.accum, self.step)
+        if self.rank == 0 and said:
+            logger.warning(said)
         self.last_loss: tuple[int, float] | None = None  # (step, loss) of the last logged training row
         self.validations: list[tuple[int, float]] = []  # (step, validation loss) of this attempt
 

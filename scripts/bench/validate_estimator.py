@@ -26,7 +26,7 @@ from titanrush import config as cfgmod  # noqa: E402
 from titanrush.config import split_args  # noqa: E402
 from titanrush.run.memory_moe import DEFAULT_IMBALANCE  # noqa: E402
 from titanrush.tools.estimate import estimate  # noqa: E402
-from titanrush.tools.rush_runner import OK, classify, read_metrics  # noqa: E402
+from titanrush.tools.rush_runner import NOT_AVAILABLE, OK, OOM, classify, read_metrics  # noqa: E402
 
 
 def predict(args: list[str], ngpu: int, gpu_mem: float | None, moe_imbalance: float) -> dict:
@@ -57,10 +57,12 @@ def measure(name: str, args: list[str], ngpu: int, steps: int, out: Path) -> dic
         rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT).returncode
     rows = [r for r in read_metrics(out / "runs" / name / "metrics.jsonl") if r.get("mem_active_gib")]
     status, reason = classify(rc, log.read_text(errors="replace"))
+    if status == NOT_AVAILABLE:  # (the rush's word for a refused combination; here any config error)
+        status = "config error"
     if status != OK:
         print(f"{name}: {status} (exit status {rc}): {reason} (log: {log})", file=sys.stderr)
     return {
-        "status": status if status == OK else f"{status} ({rc})",
+        "status": status if status in (OK, OOM) else f"{status} ({rc})",
         "reason": reason,
         "meas_alloc": max((r["mem_active_gib"] for r in rows), default=None),
         "meas_reserved": max((r["mem_reserved_gib"] or 0 for r in rows), default=None),

@@ -4,6 +4,7 @@ status 1 (`titanrush.run.launch`, which run_train.sh starts)."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 from harness import child_env
 
+from titanrush.checkpoint import integrity
 from titanrush.run.launch import check_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -117,9 +119,10 @@ def test_a_signal_to_the_launcher_ends_it_with_128_plus_n(tmp_path):
 
 
 def test_two_process_runs_end_with_the_trainers_status(tmp_path):
-    """`NGPU=2 ./run_train.sh`: a non-finite stop is status 3, and a resume that only the trainer can
-    refuse (another optimizer's state; --check does not build the optimizer) is status 2, with the
-    trainer's line once per rank and the launcher's, and no abort of a process group left up."""
+    """`NGPU=2 ./run_train.sh`: a non-finite stop is status 3; a resume under another optimizer is refused
+    by the launcher's check, once; one that only the trainer can refuse (another optimizer's state in a
+    checkpoint whose record names none; --check builds no optimizer) is status 2, with the trainer's
+    line once per rank and the launcher's, and no abort of a process group left up."""
     env = {k: v for k, v in child_env().items() if k != "OMP_NUM_THREADS"}
     env["NGPU"] = "2"
     base = [
@@ -149,14 +152,18 @@ def test_two_process_runs_end_with_the_trainers_status(tmp_path):
     assert out.count("MFU: not reported (CPU") == 1, out  # rank 0 says it for the job, once
     assert sorted(p.name for p in (tmp_path / "r" / "checkpoint").iterdir()) == ["step-1"]
 
-    res = subprocess.run(
-        base + ["--optimizer.name", "adamw8bit"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    other = base + ["--optimizer.name", "adamw8bit"]
+    res = subprocess.run(other, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode == 2 and out.count("titanrush: config error: checkpoint") == 1, out
+    assert "optimizer: saved by 'adamw', this run's is 'adamw8bit'" in out, out
+
+    step = tmp_path / "r" / "checkpoint" / "step-1"
+    info = json.loads((step / "titanrush.json").read_text())
+    del info["optimizer"]
+    (step / "titanrush.json").write_text(json.dumps(info))
+    integrity.record_folder(step)  # (a healthy checkpoint that names no optimizer)
+    res = subprocess.run(other, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     out = res.stdout + res.stderr
     assert res.returncode == 2, out
     assert "Traceback" not in out and "terminate called" not in out, out

@@ -28,6 +28,7 @@ from loop_helpers import spawn
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 from titanrush.checkpoint import integrity
+from titanrush.checkpoint.folder import move_aside
 from titanrush.config import ConfigError
 from titanrush.optim import lr_factor
 from titanrush.train import main
@@ -460,6 +461,12 @@ def test_a_dangling_link_or_a_file_in_a_saves_way_is_kept_aside(tmp_path):
     trainer = build(run_args(tmp_path, "run", 6, *CKPT))
     assert trainer.step == 4
     trainer.close()
+    for n, target in enumerate(["again", "more"], start=1):  # a kept link to nothing is never replaced
+        (ck / "step-9").symlink_to(tmp_path / "gone" / target)
+        assert move_aside(ck / "step-9", "x").name == f"step-9.x-{n}"
+    assert [os.readlink(ck / f"step-9.x-{n}") for n in (1, 2)] == [
+        str(tmp_path / "gone" / t) for t in ("again", "more")
+    ]
 
 
 def test_only_model_only_checkpoints_say_exactly_what_works(tmp_path, capsys):

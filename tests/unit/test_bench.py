@@ -460,9 +460,9 @@ def test_the_estimators_validation_script_says_why_a_run_failed(tmp_path, capsys
     import validate_estimator as ve
 
     row = ve.measure("bad", ["--training.stepz", "1"], 1, 1, tmp_path)
-    assert row["status"] == "not available (2)" and row["meas_alloc"] is None
+    assert row["status"] == "config error (2)" and row["meas_alloc"] is None
     assert "unknown config key training.stepz; did you mean training.steps" in row["reason"]
-    assert "bad: not available (exit status 2): unknown config key" in capsys.readouterr().err
+    assert "bad: config error (exit status 2): unknown config key" in capsys.readouterr().err
 
 
 def test_auto_against_torchtitans_settings_in_the_estimator():

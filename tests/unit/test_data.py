@@ -174,9 +174,15 @@ def test_a_run_that_reads_its_data_again_is_told_from_which_step(
     line = repeats(dl, data, fit + 1, accum=1)
     assert line is not None
     assert f"from step {fit + 1} on" in line and f"{n:,} tokens of its train split" in line
-    assert f"{(fit + 1) * per_step / n:.1f} passes" in line and "in the same order" in line
+    assert f"{(fit + 1) * per_step / n:.2f} passes" in line and "in the same order" in line
+    assert "add data (data.path)" in line
     again = repeats(dl, data, fit // 2 + 1, accum=2)  # gradient accumulation reads twice the windows
     assert again is not None and f"from step {fit // 2 + 1} on" in again
+    # resumed at step 3 of a run with twice this batch (6 rounds of this layout read): counted from there
+    dl.load_state_dict({**dl.state_dict(), "windows": 6 * dl.layout.windows_per_round})
+    assert repeats(dl, data, 3 + (n - 6 * per_step) // per_step, accum=1, step=3) is None
+    resumed = repeats(dl, data, fit, accum=1, step=3)
+    assert resumed is not None and f"from step {3 + 1 + (n - 6 * per_step) // per_step} on" in resumed
     shuffled = cfg(tmp_path, dataset="files", path=str(corpus_dir))
     assert "in a new order each pass" in repeats(loader(shuffled, tok), shuffled, 10 * fit, accum=2)
     synthetic = cfg(tmp_path, dataset="synthetic")  # no size to speak of

@@ -102,6 +102,24 @@ def test_an_existing_run_folder_without_overwrite_is_refused(tmp_path, capsys):
     assert os.listdir(tmp_path / "runs" / "job") == []
 
 
+def test_check_says_what_the_run_will_do_with_its_incomplete_step_folders(tmp_path, capsys):
+    small = ["--data.dataset", "synthetic", "--checkpoint.enable", "--training.steps", "2"]
+    small += ["--training.seq_len", "64", "--training.local_batch_size", "2"]
+    assert train.main([a for a in check(tmp_path, *small) if a != "--check"]) == 0
+    saved = tmp_path / "runs" / "job" / "checkpoint" / "step-2"
+    (tmp_path / "runs" / "b" / "checkpoint" / "step-1").mkdir(parents=True)  # a save that never finished
+    other = [*small, "--job.name", "b", "--training.steps", "4", "--checkpoint.load_path", str(saved)]
+    for extra, then in [
+        ([], f"resume from {saved}"),
+        (["--checkpoint.load_model_only"], f"load the weights of {saved}"),
+    ]:
+        capsys.readouterr()
+        assert train.main(check(tmp_path, *other, *extra)) == 0
+        out = capsys.readouterr().out
+        assert "step-1 is incomplete (it lacks" in out and f"step-1.incomplete-<n> and {then}\n" in out, out
+    assert (tmp_path / "runs" / "b" / "checkpoint" / "step-1").is_dir()  # (nothing moved by --check)
+
+
 def test_a_run_folder_another_run_holds_is_refused_by_check_which_leaves_the_lock(tmp_path, capsys):
     """Under NGPU=2 every rank used to print the refusal; the launcher's check now says it once."""
     from titanrush.run.run_dir import LOCK_FILE, RunLock

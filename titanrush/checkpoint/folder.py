@@ -196,7 +196,7 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
 def move_aside(path: Path, tag: str) -> Path:
     """Rename `path` to `<name>.<tag>-<n>` (the first free n), so that nothing is deleted."""
     n = 1
-    while (target := path.with_name(f"{path.name}.{tag}-{n}")).exists():
+    while os.path.lexists(target := path.with_name(f"{path.name}.{tag}-{n}")):  # (a kept link too)
         n += 1
     os.replace(path, target)
     return target

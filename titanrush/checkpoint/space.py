@@ -56,7 +56,11 @@ def prepare_save(folder: Path, final: Path, tmp: Path, step: int, last: Path | N
     if warning := space_warning(folder, last, step):
         logger.warning(warning)
     if final.is_symlink() and not final.exists() or final.exists() and not final.is_dir():
-        what = f"a link to {os.readlink(final)}, which does not exist" if final.is_symlink() else "a file"
+        what = (
+            f"a link to {os.readlink(final)}, {'not a folder' if final.exists() else 'which does not exist'}"
+            if final.is_symlink()
+            else "a file"
+        )
         moved = move_aside(final, "not-a-checkpoint")
         logger.warning(
             f"{final.name} is {what}, in the way of this run's save at step {step}: kept as {moved.name}"

@@ -363,22 +363,30 @@ def build_dataloader(
     )
 
 
-def repeats(loader: DataLoader, cfg: Data, steps: int, accum: int) -> str | None:
-    """A line saying that a train run of `steps` optimizer steps (`accum` micro-batches each) reads the data
-    of `cfg` more than once; None where it does not, or where the data's size is unknown (synthetic, hf)."""
-    if loader.epoch_tokens is None:
+def repeats(loader: DataLoader, cfg: Data, steps: int, accum: int, step: int = 0) -> str | None:
+    """A line saying that a train run reading from `loader`'s position, at step `step`, on to step `steps`
+    (`accum` micro-batches a step) reads the data of `cfg` more than once; None where it does not, or where
+    the data's size is unknown (synthetic, hf)."""
+    n = loader.epoch_tokens
+    if n is None or steps <= step:
         return None
-    per_step = loader.layout.windows_per_round * accum * loader.layout.seq_len
-    total = steps * per_step
-    if total <= loader.epoch_tokens:
+    t = loader.layout.seq_len
+    per_step = loader.layout.windows_per_round * accum * t
+    read = loader.state_dict()["windows"] * t  # (a resumed run's position, whatever its batch layout was)
+    total = read + (steps - step) * per_step
+    if total <= n:
         return None
-    first = loader.epoch_tokens // per_step + 1
+    first = step + 1 + max(0, (n - read) // per_step)  # the first step that reads a token read before
+    more = (
+        "train on more data (data.dataset = 'files' or 'shards', with data.path)"
+        if cfg.dataset == "embedded"
+        else "add data (data.path)"
+    )
     order = "in a new order each pass" if cfg.shuffle else "in the same order"
     return (
-        f"data.dataset = {cfg.dataset!r}: the run's {steps} steps read {total:,} tokens, "
-        f"{total / loader.epoch_tokens:.1f} passes over the {loader.epoch_tokens:,} tokens of its train "
-        f"split; from step {first} on it reads tokens it has read before ({order}). Add data (data.path) "
-        "or lower training.steps if that is not meant"
+        f"data.dataset = {cfg.dataset!r}: by step {steps} the run reads {total:,} tokens, "
+        f"{total / n:.2f} passes over the {n:,} tokens of its train split; from step {first} on it reads "
+        f"tokens it has read before ({order}). If that is not meant, {more} or lower training.steps"
     )
 
 

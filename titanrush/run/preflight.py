@@ -51,7 +51,12 @@ def check_files(cfg: JobConfig, plan: RunPlan) -> list[str]:
     choice = decide(done, ck_folder, ck.load_path, ck.load_model_only)
     if choice.get("error"):
         raise ConfigError(choice["error"])
-    then = f"resume from {Path(choice['path']).name}" if choice.get("path") else "start from step 0"
+    if not choice.get("path"):
+        then = "start from step 0"
+    elif choice["own"]:
+        then = f"resume from {Path(choice['path']).name}"
+    else:
+        then = ("load the weights of " if choice["model_only"] else "resume from ") + choice["path"]
     warnings = [
         f"checkpoint {s.path} is incomplete (it lacks {s.missing}; a save that did not finish, or a partial "
         f"copy): the run will move it aside to {s.path.name}.incomplete-<n> and {then}"

@@ -111,16 +111,20 @@ def _in_use(folder: Path, holder: str) -> str:
 
 
 def in_use(folder: Path) -> str:
-    """Why another run holds `folder` ('' where none does), writing nothing (for `--check`: the lock is
-    tried shared, and let go at once)."""
+    """Why another run holds `folder`, or its lock file cannot be taken ('' where neither), writing nothing
+    (for `--check`, in a process of its own: the lock is tried shared and let go at once; where flock is
+    emulated by POSIX locks, as on some NFS mounts, a probe from the holding process would drop its lock)."""
     try:
-        fd = os.open(folder / LOCK_FILE, os.O_RDONLY | os.O_NONBLOCK)
-    except OSError:  # (no lock file: no run ever held it; anything else is the run's own check to name)
+        fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_NONBLOCK)  # (as `acquire` opens it)
+    except FileNotFoundError:  # (no run ever held it)
         return ""
+    except OSError as e:
+        return own_file_problem(folder) or f"cannot lock the run folder {folder} ({e}); {_fix(e)}"
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except OSError:
-        return _in_use(folder, os.read(fd, 256).decode(errors="replace").strip())
+    except OSError as e:
+        held = e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)  # (else no lock service: `acquire` will say)
+        return _in_use(folder, os.read(fd, 256).decode(errors="replace").strip()) if held else ""
     finally:
         os.close(fd)  # (drops a lock taken here)
     return ""
