@@ -51,10 +51,18 @@ def choose(folder: Path | None, load_path: str, model_only: bool) -> dict[str, A
         if not s.complete:
             moved = move_aside(s.path, "incomplete")
             logger.warning(
-                f"checkpoint {s.path} is incomplete (it lacks {s.missing}; a save that did not finish, or a "
-                f"partial copy): moved aside to {moved.name}; resuming from the newest complete one"
+                f"{incomplete(s)}: moved aside to {moved.name}; resuming from the newest complete one"
             )
     return decide([s for s in found if s.complete], folder, load_path, model_only)
+
+
+def incomplete(s: StepFolder) -> str:
+    """`checkpoint <path> is incomplete (it lacks ...)`: the start of what is said of a step folder that
+    `choose` moves aside (and `--check` says it will)."""
+    return (
+        f"checkpoint {s.path} is incomplete (it lacks {s.missing}; a save that did not finish, or a partial "
+        "copy)"
+    )
 
 
 def decide(done: list[StepFolder], folder: Path | None, load_path: str, model_only: bool) -> dict[str, Any]:

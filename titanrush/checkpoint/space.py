@@ -55,7 +55,7 @@ def prepare_save(folder: Path, final: Path, tmp: Path, step: int, last: Path | N
     checkpoint in the way is refused (it is never overwritten)."""
     if warning := space_warning(folder, last, step):
         logger.warning(warning)
-    if final.is_symlink() and not final.exists() or final.exists() and not final.is_dir():
+    if os.path.lexists(final) and not final.is_dir():  # (a file, or a link to one or to nothing)
         what = (
             f"a link to {os.readlink(final)}, {'not a folder' if final.exists() else 'which does not exist'}"
             if final.is_symlink()

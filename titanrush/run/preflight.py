@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from titanrush.checkpoint.choose import check_folder, decide, elsewhere, verify_files
+from titanrush.checkpoint.choose import check_folder, decide, elsewhere, incomplete, verify_files
 from titanrush.checkpoint.compat import check_compatible, load_failure
 from titanrush.checkpoint.folder import scan, unreadable_error
 from titanrush.checkpoint.integrity import read_record
@@ -58,8 +58,7 @@ def check_files(cfg: JobConfig, plan: RunPlan) -> list[str]:
     else:
         then = ("load the weights of " if choice["model_only"] else "resume from ") + choice["path"]
     warnings = [
-        f"checkpoint {s.path} is incomplete (it lacks {s.missing}; a save that did not finish, or a partial "
-        f"copy): the run will move it aside to {s.path.name}.incomplete-<n> and {then}"
+        f"{incomplete(s)}: the run will move it aside to {s.path.name}.incomplete-<n> and {then}"
         for s in found
         if not s.complete
     ]

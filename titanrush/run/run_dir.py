@@ -66,7 +66,7 @@ class RunLock:
             try:
                 fd, made = _open_lock(path)
             except OSError as e:
-                return own_file_problem(folder) or f"cannot lock the run folder {folder} ({e}); {_fix(e)}"
+                return _cannot_lock(folder, e)
             if not _flock(fd, wait):
                 holder = os.read(fd, 256).decode(errors="replace").strip()
                 os.close(fd)
@@ -103,6 +103,10 @@ class RunLock:
             self.fd = None
 
 
+def _cannot_lock(folder: Path, e: OSError) -> str:
+    return own_file_problem(folder) or f"cannot lock the run folder {folder} ({e}); {_fix(e)}"
+
+
 def _in_use(folder: Path, holder: str) -> str:
     return (
         f"run folder {folder} is in use by another run ({holder or 'unknown'}); wait for it to end (or stop "
@@ -119,7 +123,7 @@ def in_use(folder: Path) -> str:
     except FileNotFoundError:  # (no run ever held it)
         return ""
     except OSError as e:
-        return own_file_problem(folder) or f"cannot lock the run folder {folder} ({e}); {_fix(e)}"
+        return _cannot_lock(folder, e)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as e:
